@@ -1,0 +1,1 @@
+"""Generated gRPC code for the specd.v1 contract (scripts/gen-protos)."""

@@ -1,0 +1,80 @@
+from specd.v1 import common_pb2 as _common_pb2
+from specd.v1 import session_pb2 as _session_pb2
+from google.protobuf.internal import containers as _containers
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class DraftRequest(_message.Message):
+    __slots__ = ("request_id", "session_id", "committed_length", "trace_context", "open", "propose", "close")
+    class TraceContextEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: str
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    COMMITTED_LENGTH_FIELD_NUMBER: _ClassVar[int]
+    TRACE_CONTEXT_FIELD_NUMBER: _ClassVar[int]
+    OPEN_FIELD_NUMBER: _ClassVar[int]
+    PROPOSE_FIELD_NUMBER: _ClassVar[int]
+    CLOSE_FIELD_NUMBER: _ClassVar[int]
+    request_id: int
+    session_id: str
+    committed_length: int
+    trace_context: _containers.ScalarMap[str, str]
+    open: DraftOpen
+    propose: DraftPropose
+    close: _session_pb2.SessionClose
+    def __init__(self, request_id: _Optional[int] = ..., session_id: _Optional[str] = ..., committed_length: _Optional[int] = ..., trace_context: _Optional[_Mapping[str, str]] = ..., open: _Optional[_Union[DraftOpen, _Mapping]] = ..., propose: _Optional[_Union[DraftPropose, _Mapping]] = ..., close: _Optional[_Union[_session_pb2.SessionClose, _Mapping]] = ...) -> None: ...
+
+class DraftOpen(_message.Message):
+    __slots__ = ("token_ids", "sampling", "wire_top_k")
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    SAMPLING_FIELD_NUMBER: _ClassVar[int]
+    WIRE_TOP_K_FIELD_NUMBER: _ClassVar[int]
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    sampling: _common_pb2.SamplingParams
+    wire_top_k: int
+    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., wire_top_k: _Optional[int] = ...) -> None: ...
+
+class DraftPropose(_message.Message):
+    __slots__ = ("start", "token_ids", "num_tokens")
+    START_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    start: int
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    num_tokens: int
+    def __init__(self, start: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., num_tokens: _Optional[int] = ...) -> None: ...
+
+class DraftResponse(_message.Message):
+    __slots__ = ("request_id", "session_id", "committed_length", "proposal", "ack", "error")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    COMMITTED_LENGTH_FIELD_NUMBER: _ClassVar[int]
+    PROPOSAL_FIELD_NUMBER: _ClassVar[int]
+    ACK_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    request_id: int
+    session_id: str
+    committed_length: int
+    proposal: DraftProposal
+    ack: _session_pb2.SessionAck
+    error: _session_pb2.SessionError
+    def __init__(self, request_id: _Optional[int] = ..., session_id: _Optional[str] = ..., committed_length: _Optional[int] = ..., proposal: _Optional[_Union[DraftProposal, _Mapping]] = ..., ack: _Optional[_Union[_session_pb2.SessionAck, _Mapping]] = ..., error: _Optional[_Union[_session_pb2.SessionError, _Mapping]] = ...) -> None: ...
+
+class DraftProposal(_message.Message):
+    __slots__ = ("token_ids", "q", "compute_ms")
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    Q_FIELD_NUMBER: _ClassVar[int]
+    COMPUTE_MS_FIELD_NUMBER: _ClassVar[int]
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    q: _containers.RepeatedCompositeFieldContainer[_common_pb2.SparseDistribution]
+    compute_ms: float
+    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., q: _Optional[_Iterable[_Union[_common_pb2.SparseDistribution, _Mapping]]] = ..., compute_ms: _Optional[float] = ...) -> None: ...

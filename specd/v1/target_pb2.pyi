@@ -1,0 +1,92 @@
+from specd.v1 import common_pb2 as _common_pb2
+from specd.v1 import session_pb2 as _session_pb2
+from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class TokenKind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    TOKEN_KIND_UNSPECIFIED: _ClassVar[TokenKind]
+    TOKEN_KIND_RECOVERED: _ClassVar[TokenKind]
+    TOKEN_KIND_BONUS: _ClassVar[TokenKind]
+TOKEN_KIND_UNSPECIFIED: TokenKind
+TOKEN_KIND_RECOVERED: TokenKind
+TOKEN_KIND_BONUS: TokenKind
+
+class TargetRequest(_message.Message):
+    __slots__ = ("request_id", "session_id", "committed_length", "trace_context", "open", "verify", "close")
+    class TraceContextEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: str
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    COMMITTED_LENGTH_FIELD_NUMBER: _ClassVar[int]
+    TRACE_CONTEXT_FIELD_NUMBER: _ClassVar[int]
+    OPEN_FIELD_NUMBER: _ClassVar[int]
+    VERIFY_FIELD_NUMBER: _ClassVar[int]
+    CLOSE_FIELD_NUMBER: _ClassVar[int]
+    request_id: int
+    session_id: str
+    committed_length: int
+    trace_context: _containers.ScalarMap[str, str]
+    open: TargetOpen
+    verify: Verify
+    close: _session_pb2.SessionClose
+    def __init__(self, request_id: _Optional[int] = ..., session_id: _Optional[str] = ..., committed_length: _Optional[int] = ..., trace_context: _Optional[_Mapping[str, str]] = ..., open: _Optional[_Union[TargetOpen, _Mapping]] = ..., verify: _Optional[_Union[Verify, _Mapping]] = ..., close: _Optional[_Union[_session_pb2.SessionClose, _Mapping]] = ...) -> None: ...
+
+class TargetOpen(_message.Message):
+    __slots__ = ("token_ids", "sampling")
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    SAMPLING_FIELD_NUMBER: _ClassVar[int]
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    sampling: _common_pb2.SamplingParams
+    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ...) -> None: ...
+
+class Verify(_message.Message):
+    __slots__ = ("start", "token_ids", "draft_token_ids", "q")
+    START_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    Q_FIELD_NUMBER: _ClassVar[int]
+    start: int
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    draft_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    q: _containers.RepeatedCompositeFieldContainer[_common_pb2.SparseDistribution]
+    def __init__(self, start: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., draft_token_ids: _Optional[_Iterable[int]] = ..., q: _Optional[_Iterable[_Union[_common_pb2.SparseDistribution, _Mapping]]] = ...) -> None: ...
+
+class Verdict(_message.Message):
+    __slots__ = ("accepted", "token_id", "kind", "compute_ms")
+    ACCEPTED_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    COMPUTE_MS_FIELD_NUMBER: _ClassVar[int]
+    accepted: int
+    token_id: int
+    kind: TokenKind
+    compute_ms: float
+    def __init__(self, accepted: _Optional[int] = ..., token_id: _Optional[int] = ..., kind: _Optional[_Union[TokenKind, str]] = ..., compute_ms: _Optional[float] = ...) -> None: ...
+
+class TargetResponse(_message.Message):
+    __slots__ = ("request_id", "session_id", "committed_length", "verdict", "ack", "error")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    COMMITTED_LENGTH_FIELD_NUMBER: _ClassVar[int]
+    VERDICT_FIELD_NUMBER: _ClassVar[int]
+    ACK_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    request_id: int
+    session_id: str
+    committed_length: int
+    verdict: Verdict
+    ack: _session_pb2.SessionAck
+    error: _session_pb2.SessionError
+    def __init__(self, request_id: _Optional[int] = ..., session_id: _Optional[str] = ..., committed_length: _Optional[int] = ..., verdict: _Optional[_Union[Verdict, _Mapping]] = ..., ack: _Optional[_Union[_session_pb2.SessionAck, _Mapping]] = ..., error: _Optional[_Union[_session_pb2.SessionError, _Mapping]] = ...) -> None: ...

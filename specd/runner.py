@@ -1,0 +1,229 @@
+"""A causal LM with one KV cache per sequence that can be rolled back by position.
+
+Speculative decoding appends tokens that may later be rejected, so both the
+draft and the target need a cache they can cut back to any earlier length.
+`CausalLMRunner` wraps a Hugging Face causal LM (Llama family, GPT-2 family,
+anything that takes ``cache=`` / ``position_ids=`` / ``logits_to_keep=``) and
+keeps, per sequence, a `KVSession`: the tokens the owner knows about and the
+KV cache of a prefix of them. The cache is filled lazily: `append` and
+`truncate` only edit token lists and crop; the model runs in `logits`, over
+the tokens that are not cached yet.
+
+Invariant of a session ``s``:
+    1 <= len(s.tokens) <= max_context
+    0 <= s.cached <= len(s.tokens)
+    s.cache holds exactly the keys/values of s.tokens[:s.cached] (every layer)
+"""
+
+from __future__ import annotations
+
+import operator
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor
+from transformers import DynamicCache, PreTrainedModel
+
+from specd.errors import InvalidArgument
+
+__all__ = ["KVSession", "CausalLMRunner"]
+
+
+@dataclass(eq=False)
+class KVSession:
+    """One sequence: its tokens and the KV cache of a prefix of them."""
+
+    tokens: list[int]  # all tokens of the sequence as the owner knows it
+    cached: int = 0  # the first `cached` tokens are in `cache`
+    # A plain DynamicCache (no config): every layer keeps full keys/values and
+    # can be cropped exactly. A config-built cache may use sliding-window
+    # layers, which drop old positions and cannot be rolled back.
+    cache: DynamicCache = field(default_factory=DynamicCache)
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+
+def _context_limit(model: PreTrainedModel) -> int | None:
+    """The model's own position limit, if its config states one."""
+    config = model.config.get_text_config(decoder=True)
+    for name in ("max_position_embeddings", "n_positions"):
+        value = getattr(config, name, None)
+        if isinstance(value, int) and value > 0:
+            return value
+    return None
+
+
+class CausalLMRunner:
+    """Runs a causal LM over `KVSession`s: append, roll back, read logits.
+
+    Batch size is 1 per forward; one runner serves many sessions, one at a
+    time (not thread-safe: callers serialise access).
+    """
+
+    def __init__(self, model: PreTrainedModel, *, max_context: int | None = None) -> None:
+        if getattr(model.config, "is_encoder_decoder", False):
+            raise InvalidArgument(
+                f"{type(model).__name__} is an encoder-decoder model; specd needs a decoder-only causal LM"
+            )
+        head = model.get_output_embeddings()
+        if head is None or not hasattr(head, "weight"):
+            raise InvalidArgument(f"{type(model).__name__} has no LM head; load it with AutoModelForCausalLM")
+        limit = _context_limit(model)
+        if max_context is None:
+            if limit is None:
+                raise InvalidArgument(
+                    "the model config states no max_position_embeddings / n_positions; pass max_context"
+                )
+            max_context = limit
+        if max_context < 1:
+            raise InvalidArgument(f"max_context must be >= 1, got {max_context}")
+        if limit is not None and max_context > limit:
+            raise InvalidArgument(
+                f"max_context {max_context} exceeds the model's {limit} positions; pass max_context <= {limit}"
+            )
+        self.model = model.eval()  # no dropout: cached and uncached passes must agree
+        self.vocab_size: int = int(head.weight.shape[0])  # logits width; may exceed len(tokenizer)
+        self.max_context: int = int(max_context)
+
+    # ---- validation -----------------------------------------------------
+
+    def _check_ids(self, token_ids: Sequence[int], what: str) -> list[int]:
+        """Token ids as a list of ints in [0, vocab_size), or InvalidArgument."""
+        if isinstance(token_ids, (str, bytes)):
+            raise InvalidArgument(f"{what} must be a sequence of token ids (ints), not text")
+        ids: list[int] = []
+        for i, t in enumerate(token_ids):
+            if isinstance(t, bool):
+                raise InvalidArgument(f"{what}[{i}] is a bool ({t}); token ids must be ints")
+            try:
+                v = operator.index(t)
+            except TypeError:
+                raise InvalidArgument(
+                    f"{what}[{i}] is {type(t).__name__} {t!r}; token ids must be ints"
+                ) from None
+            if not 0 <= v < self.vocab_size:
+                raise InvalidArgument(
+                    f"{what}[{i}] = {v} is outside the vocabulary [0, {self.vocab_size}); "
+                    "use token ids from this model's tokenizer"
+                )
+            ids.append(v)
+        return ids
+
+    def _check_length(self, n: int, what: str) -> None:
+        if n > self.max_context:
+            raise InvalidArgument(
+                f"{what} would be {n} tokens, more than the context of {self.max_context}; "
+                f"shorten it by {n - self.max_context} tokens"
+            )
+
+    # ---- session edits (no forward pass) --------------------------------
+
+    def new_session(self, token_ids: Sequence[int]) -> KVSession:
+        """A session over `token_ids`; nothing is computed until `logits`."""
+        ids = self._check_ids(token_ids, "token_ids")
+        if not ids:
+            raise InvalidArgument("token_ids is empty; a session needs at least one token (e.g. BOS)")
+        self._check_length(len(ids), "the sequence")
+        return KVSession(tokens=ids)
+
+    def append(self, s: KVSession, token_ids: Sequence[int]) -> None:
+        """Add tokens at the end (e.g. a sampled token, or K draft tokens)."""
+        ids = self._check_ids(token_ids, "token_ids")
+        self._check_length(len(s.tokens) + len(ids), "the sequence")
+        s.tokens.extend(ids)
+
+    def truncate(self, s: KVSession, length: int) -> None:
+        """Roll back to the first `length` tokens (1 <= length <= len(s.tokens))."""
+        if isinstance(length, bool) or not isinstance(length, int):
+            raise InvalidArgument(f"length must be an int, got {type(length).__name__}")
+        if not 1 <= length <= len(s.tokens):
+            raise InvalidArgument(
+                f"cannot truncate a {len(s.tokens)}-token sequence to {length}; "
+                f"length must be in [1, {len(s.tokens)}]"
+            )
+        del s.tokens[length:]
+        self._crop(s, min(s.cached, length))
+
+    def set_tokens(self, s: KVSession, token_ids: Sequence[int]) -> None:
+        """Make ``s.tokens == token_ids``, keeping the cache of the common prefix."""
+        ids = self._check_ids(token_ids, "token_ids")
+        if not ids:
+            raise InvalidArgument("token_ids is empty; a session needs at least one token")
+        self._check_length(len(ids), "the sequence")
+        common = 0
+        for a, b in zip(s.tokens, ids):
+            if a != b:
+                break
+            common += 1
+        s.tokens[:] = ids
+        self._crop(s, min(s.cached, common))
+
+    # ---- forward ---------------------------------------------------------
+
+    @torch.inference_mode()
+    def logits(self, s: KVSession, num_last: int = 1) -> Tensor:
+        """Logits of the last `num_last` positions -> [num_last, V] float32 (model device).
+
+        Row i is the distribution of the token after ``tokens[len - num_last + i]``;
+        the last row predicts the next token. Verifying K draft tokens is
+        ``append(s, drafts); logits(s, K + 1)``.
+        """
+        n = len(s.tokens)
+        if isinstance(num_last, bool) or not isinstance(num_last, int) or not 1 <= num_last <= n:
+            raise InvalidArgument(f"num_last must be an int in [1, {n}] (the sequence length), got {num_last!r}")
+        # Positions [start, n) must run through the model to produce num_last rows;
+        # if fewer are uncached, drop their keys/values and recompute them.
+        start = min(s.cached, n - num_last)
+        self._crop(s, start)
+
+        device = self.model.device
+        input_ids = torch.tensor([s.tokens[start:]], dtype=torch.long, device=device)  # [1, n - start]
+        # Explicit positions: the cache is the only other place they could come
+        # from, and being explicit keeps GPT-2 (learned) and Llama (RoPE) in step.
+        position_ids = torch.arange(start, n, dtype=torch.long, device=device).unsqueeze(0)  # [1, n - start]
+        try:
+            out = self.model(
+                input_ids=input_ids,
+                position_ids=position_ids,
+                cache=s.cache,
+                use_cache=True,
+                logits_to_keep=num_last,  # LM head over the rows we return only
+            )
+        except BaseException:
+            # Some layers may have appended keys/values before the failure.
+            self._crop(s, start)
+            raise
+        s.cached = n
+        logits = out.logits[0, -num_last:, :]  # [num_last, V]
+        return logits.float()
+
+    # ---- memory ---------------------------------------------------------
+
+    @staticmethod
+    def kv_bytes(s: KVSession) -> int:
+        """Bytes of the key/value tensors of the session's cached positions.
+
+        After a crop the old storage stays alive until the next forward
+        appends (DynamicCache grows by concatenation), so right after a
+        rollback the process may briefly hold more than this.
+        """
+        total = 0
+        for layer in s.cache.layers:
+            for t in (getattr(layer, "keys", None), getattr(layer, "values", None)):
+                if isinstance(t, Tensor):
+                    total += t.numel() * t.element_size()
+        return total
+
+    # ---- internals ------------------------------------------------------
+
+    @staticmethod
+    @torch.inference_mode()
+    def _crop(s: KVSession, length: int) -> None:
+        """Drop cached positions >= length, layer by layer (DynamicCache.crop takes -count)."""
+        for layer in s.cache.layers:
+            extra = layer.get_seq_length() - length
+            if extra > 0:
+                layer.crop(-extra)
+        s.cached = min(s.cached, length)

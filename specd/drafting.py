@@ -1,0 +1,196 @@
+"""Drafters: propose K tokens after a session's committed prefix.
+
+A drafter keeps one sequence per session. The coordinator tells it the
+committed prefix as (start, tail): cut the sequence at `start`, append `tail`.
+Its own earlier drafts that were accepted are already in the sequence, so the
+tail is normally just the target's recovered or bonus token.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+from specd import sampling
+from specd.errors import InvalidArgument, SessionOutOfSync
+from specd.proposal import Proposal
+from specd.runner import CausalLMRunner, KVSession
+from specd.sampling import SamplingParams
+from specd.sessions import SessionTable
+
+
+class Drafter(Protocol):
+    """What the draft service and the in-process loop need from a drafter."""
+
+    kind: str
+    vocab_size: int
+
+    def open(self, session_id: str, token_ids: Sequence[int], params: SamplingParams, wire_top_k: int = 0) -> None: ...
+
+    def propose(
+        self, session_id: str, committed_length: int, start: int, tail: Sequence[int], num_tokens: int
+    ) -> Proposal: ...
+
+    def close(self, session_id: str) -> None: ...
+
+    def active_sessions(self) -> int: ...
+
+
+def sync_prefix(tokens: list[int], committed_length: int, start: int, tail: Sequence[int]) -> list[int]:
+    """The committed prefix from a (start, tail) update; OutOfSync if it cannot be built.
+
+    tokens: the service's current sequence, whose first `start` tokens the
+    caller declares committed (its own accepted drafts among them).
+    """
+    if start > len(tokens):
+        raise SessionOutOfSync(f"update starts at {start} but the session holds {len(tokens)} tokens; re-open")
+    prefix = tokens[:start] + [int(t) for t in tail]
+    if len(prefix) != committed_length:
+        raise SessionOutOfSync(f"update gives {len(prefix)} committed tokens, message says {committed_length}; re-open")
+    return prefix
+
+
+@dataclass
+class _ModelDraftSession:
+    kv: KVSession
+    params: SamplingParams
+    wire_top_k: int
+
+
+class ModelDrafter:
+    """Drafts with a causal LM, one KV cache per session, rolled back by position."""
+
+    kind = "model"
+
+    def __init__(
+        self,
+        runner: CausalLMRunner,
+        *,
+        max_sessions: int = 256,
+        wire_top_k: int = 8,
+        wire_bits: int = 16,
+        idle_timeout_s: float = 600.0,
+    ) -> None:
+        self.runner = runner
+        self.vocab_size = runner.vocab_size
+        self.default_wire_top_k = wire_top_k
+        self.wire_bits = wire_bits
+        self._sessions: SessionTable[_ModelDraftSession] = SessionTable(max_sessions, idle_timeout_s=idle_timeout_s)
+
+    def open(self, session_id: str, token_ids: Sequence[int], params: SamplingParams, wire_top_k: int = 0) -> None:
+        params.validate()
+        if wire_top_k < 0:
+            raise InvalidArgument("wire_top_k must be >= 0 (0 means the server default)")
+        kv = self.runner.new_session(token_ids)
+        self._sessions.put(session_id, _ModelDraftSession(kv, params, wire_top_k or self.default_wire_top_k))
+
+    def close(self, session_id: str) -> None:
+        self._sessions.pop(session_id)
+
+    def active_sessions(self) -> int:
+        return len(self._sessions)
+
+    def kv_bytes(self) -> int:
+        return sum(self.runner.kv_bytes(s.kv) for _, s in self._sessions)
+
+    @torch.inference_mode()
+    def propose(
+        self, session_id: str, committed_length: int, start: int, tail: Sequence[int], num_tokens: int
+    ) -> Proposal:
+        if num_tokens < 1:
+            raise InvalidArgument(f"num_tokens must be >= 1 (got {num_tokens})")
+        t0 = time.perf_counter()
+        s = self._sessions.get(session_id)
+        self.runner.set_tokens(s.kv, sync_prefix(s.kv.tokens, committed_length, start, tail))
+        num_tokens = min(num_tokens, self.runner.max_context - committed_length)
+        if num_tokens < 1:
+            raise InvalidArgument("the session fills the draft model's context; nothing left to draft")
+        seeds = torch.tensor([s.params.seed], dtype=torch.int64)
+        tokens: list[int] = []
+        q_ids: list[torch.Tensor] = []
+        q_probs: list[torch.Tensor] = []
+        for _ in range(num_tokens):
+            logits = self.runner.logits(s.kv, 1)  # [1, V]
+            probs = sampling.processed_probs(logits[None], [s.params])[0]  # [1, V]
+            if s.params.is_greedy:
+                token = int(probs[0].argmax())  # q one-hot: nothing to send
+            else:
+                position = torch.tensor([len(s.kv.tokens)], dtype=torch.int64)
+                tok, ids, wire = sampling.draft_token(probs, s.wire_top_k, self.wire_bits, seeds, position)
+                token = int(tok[0])
+                q_ids.append(ids[0])
+                q_probs.append(wire[0])
+            self.runner.append(s.kv, [token])
+            tokens.append(token)
+        compute_ms = (time.perf_counter() - t0) * 1e3
+        if not q_ids:
+            return Proposal(tokens, compute_ms=compute_ms)
+        return Proposal(tokens, torch.stack(q_ids), torch.stack(q_probs), compute_ms)
+
+
+@dataclass
+class _NgramSession:
+    tokens: list[int]
+
+
+class NgramDrafter:
+    """Prompt lookup: continue the latest earlier occurrence of the sequence's last n-gram.
+
+    No model and no q: proposals are one-hot, which the sampler treats exactly.
+    Returns fewer than K tokens (possibly none) when the history offers fewer.
+    """
+
+    kind = "ngram"
+
+    def __init__(
+        self, vocab_size: int, *, max_ngram: int = 3, min_ngram: int = 1, max_sessions: int = 256,
+        idle_timeout_s: float = 600.0,
+    ) -> None:
+        if not 1 <= min_ngram <= max_ngram:
+            raise ValueError("need 1 <= min_ngram <= max_ngram")
+        self.vocab_size = vocab_size
+        self.max_ngram = max_ngram
+        self.min_ngram = min_ngram
+        self._sessions: SessionTable[_NgramSession] = SessionTable(max_sessions, idle_timeout_s=idle_timeout_s)
+
+    def open(self, session_id: str, token_ids: Sequence[int], params: SamplingParams, wire_top_k: int = 0) -> None:
+        params.validate()
+        tokens = [int(t) for t in token_ids]
+        if not tokens:
+            raise InvalidArgument("the prompt is empty; send at least one token")
+        if any(not 0 <= t < self.vocab_size for t in tokens):
+            raise InvalidArgument(f"a token id is outside the vocabulary [0, {self.vocab_size})")
+        self._sessions.put(session_id, _NgramSession(tokens))
+
+    def close(self, session_id: str) -> None:
+        self._sessions.pop(session_id)
+
+    def active_sessions(self) -> int:
+        return len(self._sessions)
+
+    def propose(
+        self, session_id: str, committed_length: int, start: int, tail: Sequence[int], num_tokens: int
+    ) -> Proposal:
+        if num_tokens < 1:
+            raise InvalidArgument(f"num_tokens must be >= 1 (got {num_tokens})")
+        t0 = time.perf_counter()
+        s = self._sessions.get(session_id)
+        s.tokens = sync_prefix(s.tokens, committed_length, start, tail)
+        found = lookup_continuation(s.tokens, num_tokens, self.max_ngram, self.min_ngram)
+        return Proposal(found, compute_ms=(time.perf_counter() - t0) * 1e3)
+
+
+def lookup_continuation(tokens: Sequence[int], k: int, max_ngram: int, min_ngram: int) -> list[int]:
+    """Up to k tokens that followed the latest earlier match of the longest suffix n-gram."""
+    n_tokens = len(tokens)
+    for n in range(min(max_ngram, n_tokens - 1), min_ngram - 1, -1):
+        suffix = list(tokens[n_tokens - n :])
+        # Scan backwards so the most recent occurrence wins (it best predicts edits in progress).
+        for begin in range(n_tokens - n - 1, -1, -1):
+            if list(tokens[begin : begin + n]) == suffix:
+                return list(tokens[begin + n : begin + n + k])
+    return []

@@ -1,0 +1,82 @@
+"""A bounded table of per-session state, shared by the draft and target engines."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Generic, TypeVar
+
+from specd.errors import ResourceExhausted, SessionNotFound
+
+T = TypeVar("T")
+
+
+@dataclass
+class _Entry(Generic[T]):
+    value: T
+    last_used: float = field(default_factory=time.monotonic)
+
+
+class SessionTable(Generic[T]):
+    """Session ID -> state, with an admission limit and idle expiry.
+
+    Not thread-safe on purpose: each engine touches its table from one thread.
+    """
+
+    def __init__(
+        self,
+        max_sessions: int,
+        *,
+        idle_timeout_s: float = 600.0,
+        on_evict: Callable[[str, T], None] | None = None,
+    ) -> None:
+        if max_sessions < 1:
+            raise ValueError("max_sessions must be >= 1")
+        self.max_sessions = max_sessions
+        self.idle_timeout_s = idle_timeout_s
+        self._entries: dict[str, _Entry[T]] = {}
+        self._on_evict = on_evict
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def __contains__(self, session_id: str) -> bool:
+        return session_id in self._entries
+
+    def __iter__(self) -> Iterator[tuple[str, T]]:
+        return ((sid, e.value) for sid, e in self._entries.items())
+
+    def put(self, session_id: str, value: T) -> None:
+        """Add or replace a session; ResourceExhausted when the table is full."""
+        old = self._entries.pop(session_id, None)
+        if old is not None and self._on_evict is not None:
+            self._on_evict(session_id, old.value)
+        self.expire_idle()
+        if len(self._entries) >= self.max_sessions:
+            raise ResourceExhausted(
+                f"session limit reached ({self.max_sessions} active); retry later "
+                "or raise --max-sessions"
+            )
+        self._entries[session_id] = _Entry(value)
+
+    def get(self, session_id: str) -> T:
+        entry = self._entries.get(session_id)
+        if entry is None:
+            raise SessionNotFound(f"unknown session {session_id!r}; open it first")
+        entry.last_used = time.monotonic()
+        return entry.value
+
+    def pop(self, session_id: str) -> T | None:
+        entry = self._entries.pop(session_id, None)
+        return None if entry is None else entry.value
+
+    def expire_idle(self, now: float | None = None) -> list[str]:
+        """Drop sessions unused for idle_timeout_s; return their IDs."""
+        now = time.monotonic() if now is None else now
+        expired = [sid for sid, e in self._entries.items() if now - e.last_used > self.idle_timeout_s]
+        for sid in expired:
+            entry = self._entries.pop(sid)
+            if self._on_evict is not None:
+                self._on_evict(sid, entry.value)
+        return expired

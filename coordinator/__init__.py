@@ -1,0 +1,1 @@
+"""The coordinator: the public Generate API, running rounds between draft and target."""

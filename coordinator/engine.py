@@ -1,0 +1,347 @@
+"""The coordinator's round engine: runs the rounds of every request over the peers.
+
+Transport-neutral on the public side (core types in, `Chunk`s out); the
+peers translate to the internal streams. Exactness does not depend on the
+draft: any failure there turns the round into a target-only round.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import uuid
+from collections import deque
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass, field
+
+from transformers import PreTrainedTokenizerBase
+
+from coordinator.detokenizer import IncrementalDetokenizer
+from coordinator.peers import DraftPeer, TargetPeer
+from specd.config import CoordinatorConfig
+from specd.errors import (
+    DeadlineExceeded,
+    FailedPrecondition,
+    InvalidArgument,
+    ResourceExhausted,
+    SessionNotFound,
+    SessionOutOfSync,
+    SpecdError,
+    Unavailable,
+)
+from specd.proposal import Proposal
+from specd.rounds import FinishReason, Generation, RoundStats, StopRule
+from specd.sampling import SamplingParams
+from specd.v1 import common_pb2
+from specd.verification import VerifyOutcome
+
+log = logging.getLogger(__name__)
+
+SPECULATION_MODES = ("auto", "fixed", "off")
+
+
+@dataclass(frozen=True)
+class GenerateSpec:
+    """A validated request in core terms."""
+
+    prompt_ids: list[int]
+    params: SamplingParams  # seed always set
+    max_new_tokens: int
+    stop_strings: tuple[str, ...] = ()
+    stop_token_ids: frozenset[int] = frozenset()
+    speculation: str = "auto"  # one of SPECULATION_MODES
+    draft_length: int = 4
+
+
+@dataclass
+class RequestStats:
+    rounds: RoundStats
+    prompt_tokens: int
+    completion_tokens: int
+    time_to_first_token_ms: float
+    tokens_per_s: float
+    seed: int
+    draft_ms: float
+    verify_ms: float
+    overhead_ms: float
+
+
+@dataclass(frozen=True)
+class Chunk:
+    """What one round gives the client: new tokens and final text; the last one ends the request."""
+
+    token_ids: list[int]
+    text: str
+    finish_reason: FinishReason | None = None
+    stats: RequestStats | None = None
+
+
+@dataclass
+class _PeerSession:
+    opened: bool = False
+    known: int = 0  # leading committed tokens the peer's sequence agrees with
+
+
+@dataclass
+class RoundTiming:
+    wall_ms: float
+    draft_ms: float
+    verify_ms: float
+
+    @property
+    def overhead_ms(self) -> float:
+        return self.wall_ms - self.draft_ms - self.verify_ms
+
+
+@dataclass
+class _DraftHealth:
+    down_until: float = 0.0
+    checked_generation: int = -1
+    compatible: bool = False
+    problem: str = "not checked yet"
+
+
+def compatibility_problem(target: common_pb2.ModelInfo, draft: common_pb2.ModelInfo) -> str | None:
+    """Why a draft cannot speculate for this target, or None if it can."""
+    if draft.tokenizer_size != target.tokenizer_size:
+        return f"tokenizer sizes differ (draft {draft.tokenizer_size}, target {target.tokenizer_size})"
+    if draft.vocab_hash != target.vocab_hash:
+        return "token-to-ID maps or special tokens differ (vocab_hash mismatch)"
+    if draft.vocab_size > target.vocab_size:
+        return f"draft vocabulary ({draft.vocab_size}) is larger than the target's ({target.vocab_size})"
+    return None
+
+
+class RoundEngine:
+    def __init__(
+        self,
+        config: CoordinatorConfig,
+        tokenizer: PreTrainedTokenizerBase,
+        target: TargetPeer,
+        draft: DraftPeer | None,
+    ) -> None:
+        self.config = config
+        self.tokenizer = tokenizer
+        self.target = target
+        self.draft = draft
+        self.target_info: common_pb2.ModelInfo | None = None
+        self._draft_health = _DraftHealth()
+        self._active = 0
+        self._background: set[asyncio.Task[None]] = set()
+        self.round_timings: deque[RoundTiming] = deque(maxlen=100_000)
+
+    # ---- lifecycle -------------------------------------------------------
+
+    async def start(self, timeout_s: float = 60.0) -> None:
+        """Connect to the peers; the target must answer, the draft may come later."""
+        deadline = time.monotonic() + timeout_s
+        while self.target_info is None:
+            try:
+                self.target_info = await self.target.model_info(timeout=5.0)
+            except Exception as exc:  # noqa: BLE001 - retried until the deadline
+                if time.monotonic() > deadline:
+                    raise Unavailable(f"target did not answer within {timeout_s:.0f} s: {exc}") from exc
+                await asyncio.sleep(0.2)
+        await self.target.stream.wait_connected(max(0.1, deadline - time.monotonic()))
+        if self.draft is not None:
+            if await self.draft.stream.wait_connected(min(10.0, max(0.1, deadline - time.monotonic()))):
+                await self._check_draft()
+
+    async def stop(self) -> None:
+        if self._background:
+            await asyncio.wait(self._background, timeout=2.0)
+        await self.target.stream.close()
+        if self.draft is not None:
+            await self.draft.stream.close()
+
+    @property
+    def active_requests(self) -> int:
+        return self._active
+
+    @property
+    def max_context(self) -> int:
+        assert self.target_info is not None, "engine not started"
+        return self.target_info.max_context
+
+    @property
+    def vocab_size(self) -> int:
+        assert self.target_info is not None, "engine not started"
+        return self.target_info.vocab_size
+
+    @property
+    def eos_token_ids(self) -> frozenset[int]:
+        assert self.target_info is not None, "engine not started"
+        return frozenset(self.target_info.eos_token_ids)
+
+    # ---- draft health ------------------------------------------------------
+
+    async def _check_draft(self) -> None:
+        """Compare the draft's token space with the target's once per stream generation."""
+        assert self.draft is not None and self.target_info is not None
+        health = self._draft_health
+        health.checked_generation = self.draft.stream.generation
+        try:
+            info = await self.draft.model_info(timeout=2.0)
+        except Exception as exc:  # noqa: BLE001 - the draft is optional
+            health.compatible, health.problem = False, f"draft GetModelInfo failed: {exc}"
+            health.checked_generation = -1
+            return
+        problem = compatibility_problem(self.target_info, info)
+        health.compatible, health.problem = problem is None, problem or ""
+        if problem:
+            log.error("not speculating with draft %r: %s; serving target-only", info.name, problem)
+        else:
+            log.info("draft %r (%s) is compatible with target %r", info.name, info.kind, self.target_info.name)
+
+    async def _draft_usable(self) -> bool:
+        if self.draft is None:
+            return False
+        health = self._draft_health
+        if time.monotonic() < health.down_until:
+            return False
+        if not self.draft.stream.connected:
+            self.draft.stream.start()  # reconnects in the background; this round is target-only
+            return False
+        if health.checked_generation != self.draft.stream.generation:
+            await self._check_draft()
+        return health.compatible
+
+    def _draft_failed(self, why: str) -> None:
+        self._draft_health.down_until = time.monotonic() + self.config.draft_retry_s
+        log.warning("draft failed (%s); target-only for %.1f s", why, self.config.draft_retry_s)
+
+    # ---- one request -----------------------------------------------------------
+
+    def admit(self) -> None:
+        if self._active >= self.config.max_concurrent_requests:
+            raise ResourceExhausted(
+                f"the coordinator is serving its limit of {self.config.max_concurrent_requests} requests; retry later"
+            )
+
+    async def generate(self, spec: GenerateSpec, *, deadline: float, arrival: float | None = None) -> AsyncIterator[Chunk]:
+        """Run the request's rounds, yielding a Chunk per round; the last one has finish_reason and stats."""
+        self.admit()
+        self._active += 1
+        arrival = time.monotonic() if arrival is None else arrival
+        sid = uuid.uuid4().hex
+        gen = Generation(spec.prompt_ids, StopRule(spec.max_new_tokens, self.max_context, spec.stop_token_ids))
+        detok = IncrementalDetokenizer(self.tokenizer, spec.prompt_ids, spec.stop_strings)
+        target_s, draft_s = _PeerSession(), _PeerSession(known=len(spec.prompt_ids))
+        first_token_at: float | None = None
+        totals = RoundTiming(0.0, 0.0, 0.0)
+        try:
+            while not gen.done:
+                round_start = time.perf_counter()
+                budget = gen.draft_budget(spec.draft_length) if spec.speculation != "off" else 0
+                k = budget if budget > 0 and await self._draft_usable() else 0
+                proposal = Proposal([])
+                if k > 0:
+                    proposal = await self._propose(sid, gen, draft_s, k, spec.params, deadline)
+                outcome = await self._verify(sid, gen, target_s, proposal, spec.params, deadline)
+                if len(proposal):
+                    draft_s.known = gen.committed_length + outcome.accepted
+                new = gen.commit(proposal.token_ids, outcome.accepted, outcome.token_id, fallback=budget > 0 and not proposal)
+                keep = detok.push(new)
+                if keep is not None:
+                    gen.finish(FinishReason.STOP_STRING, keep=len(gen.generated) - len(new) + keep)
+                    new = new[:keep]
+                if first_token_at is None:
+                    first_token_at = time.monotonic()
+                timing = RoundTiming((time.perf_counter() - round_start) * 1e3, proposal.compute_ms, outcome.compute_ms)
+                self.round_timings.append(timing)
+                totals.wall_ms += timing.wall_ms
+                totals.draft_ms += timing.draft_ms
+                totals.verify_ms += timing.verify_ms
+                if gen.done:
+                    break
+                yield Chunk(new, detok.take())
+            assert gen.finish_reason is not None
+            elapsed = time.monotonic() - arrival
+            stats = RequestStats(
+                rounds=gen.stats,
+                prompt_tokens=len(gen.prompt),
+                completion_tokens=len(gen.generated),
+                time_to_first_token_ms=((first_token_at or time.monotonic()) - arrival) * 1e3,
+                tokens_per_s=len(gen.generated) / elapsed if elapsed > 0 else 0.0,
+                seed=spec.params.seed,
+                draft_ms=totals.draft_ms,
+                verify_ms=totals.verify_ms,
+                overhead_ms=totals.overhead_ms,
+            )
+            yield Chunk(new, detok.take(final=True), gen.finish_reason, stats)
+        finally:
+            self._active -= 1
+            self._close_later(sid, target_s.opened, draft_s.opened)
+
+    # ---- rounds ------------------------------------------------------------------
+
+    async def _propose(
+        self, sid: str, gen: Generation, ds: _PeerSession, k: int, params: SamplingParams, deadline: float
+    ) -> Proposal:
+        """K draft tokens, or an empty proposal (target-only round) if the draft fails."""
+        assert self.draft is not None
+        timeout = min(self.config.draft_timeout_s, max(0.0, deadline - time.monotonic()))
+        committed = gen.committed
+        try:
+            for _ in range(2):  # a second try after re-opening a session the draft lost
+                try:
+                    if not ds.opened:
+                        await self.draft.open(sid, committed, params, timeout)
+                        ds.opened, ds.known = True, len(committed)
+                    return await self.draft.propose(sid, committed, ds.known, k, self.vocab_size, timeout)
+                except (SessionNotFound, SessionOutOfSync):
+                    ds.opened = False
+            raise Unavailable("draft lost the session twice in a row")
+        except SpecdError as exc:  # slow, gone, lying or full: speculation pauses, output stays exact
+            ds.opened = False
+            self._draft_failed(f"{type(exc).__name__}: {exc}")
+            return Proposal([])
+
+    async def _verify(
+        self, sid: str, gen: Generation, ts: _PeerSession, proposal: Proposal, params: SamplingParams, deadline: float
+    ) -> VerifyOutcome:
+        """The target's verdict; re-opens lost sessions, retries a broken stream within the budget."""
+        failing_since: float | None = None
+        backoff = 0.05
+        while True:
+            now = time.monotonic()
+            budget_end = deadline if failing_since is None else min(deadline, failing_since + self.config.target_timeout_s)
+            if now >= budget_end:
+                raise Unavailable(f"the target could not verify before the deadline ({self.target.stream.last_error})")
+            timeout = min(budget_end - now, self.config.target_timeout_s)
+            try:
+                if not ts.opened:
+                    await self.target.open(sid, gen.committed, params, timeout)
+                    ts.opened = True
+                return await self.target.verify(sid, gen.committed_length, proposal, timeout)
+            except (SessionNotFound, SessionOutOfSync):
+                ts.opened = False
+            except (Unavailable, DeadlineExceeded) as exc:
+                ts.opened = False
+                failing_since = failing_since or now
+                log.warning("target round failed (%s); retrying", exc)
+                await asyncio.sleep(min(backoff, max(0.0, budget_end - time.monotonic())))
+                backoff = min(backoff * 2, 1.0)
+            except InvalidArgument as exc:
+                raise FailedPrecondition(f"the target refused a round: {exc}") from exc
+
+    def _close_later(self, sid: str, target_open: bool, draft_open: bool) -> None:
+        """Free the session on both services without holding up (or being cancelled with) the request."""
+
+        async def close() -> None:
+            peers: Sequence[TargetPeer | DraftPeer | None] = [
+                self.target if target_open else None,
+                self.draft if draft_open else None,
+            ]
+            for peer in peers:
+                if peer is None:
+                    continue
+                try:
+                    await peer.close_session(sid, timeout=2.0)
+                except Exception as exc:  # noqa: BLE001 - the peer's idle expiry frees it anyway
+                    log.debug("closing session %s failed: %s", sid, exc)
+
+        task = asyncio.get_running_loop().create_task(close())
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)

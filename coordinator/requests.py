@@ -1,0 +1,130 @@
+"""GenerateRequest -> GenerateSpec: the public edge's validation and translation.
+
+Every rejection is an InvalidArgument whose message says what to fix.
+"""
+
+from __future__ import annotations
+
+import math
+import secrets
+
+from transformers import PreTrainedTokenizerBase
+
+from coordinator.engine import GenerateSpec
+from specd.config import CoordinatorConfig
+from specd.errors import InvalidArgument
+from specd.sampling import SamplingParams
+from specd.v1 import common_pb2, coordinator_pb2
+from specd.wire import params_from_proto
+
+CHAT_ROLES = frozenset({"system", "user", "assistant"})
+_MODES = {
+    common_pb2.SpeculationParams.MODE_UNSPECIFIED: None,
+    common_pb2.SpeculationParams.MODE_AUTO: "auto",
+    common_pb2.SpeculationParams.MODE_FIXED: "fixed",
+    common_pb2.SpeculationParams.MODE_OFF: "off",
+}
+
+
+def prompt_ids(req: coordinator_pb2.GenerateRequest, tokenizer: PreTrainedTokenizerBase,
+               config: CoordinatorConfig, vocab_size: int) -> list[int]:
+    kind = req.WhichOneof("prompt")
+    if kind is None:
+        raise InvalidArgument("the request has no prompt; set one of text, token_ids or chat")
+    if kind == "text":
+        if not req.text:
+            raise InvalidArgument("the prompt text is empty; send some text")
+        if len(req.text) > config.max_prompt_chars:
+            raise InvalidArgument(f"the prompt has {len(req.text)} characters; the limit is {config.max_prompt_chars}")
+        ids = list(tokenizer(req.text, add_special_tokens=False).input_ids)
+    elif kind == "token_ids":
+        ids = list(req.token_ids.ids)
+        bad = [t for t in ids if t >= vocab_size]
+        if bad:
+            raise InvalidArgument(f"token id {bad[0]} is outside the vocabulary [0, {vocab_size}); send IDs from the model's tokenizer")
+    else:
+        messages = []
+        for i, m in enumerate(req.chat.messages):
+            if m.role not in CHAT_ROLES:
+                raise InvalidArgument(f"chat message {i} has role {m.role!r}; use one of {sorted(CHAT_ROLES)}")
+            messages.append({"role": m.role, "content": m.content})
+        if not messages:
+            raise InvalidArgument("chat has no messages; send at least one")
+        if sum(len(m["content"]) for m in messages) > config.max_prompt_chars:
+            raise InvalidArgument(f"the chat messages exceed {config.max_prompt_chars} characters")
+        if not tokenizer.chat_template:
+            raise InvalidArgument("the model has no chat template; send text or token_ids instead")
+        rendered = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        ids = list(tokenizer(rendered, add_special_tokens=False).input_ids)
+    if not ids:
+        raise InvalidArgument("the prompt is empty after tokenization; send some text or token IDs")
+    return ids
+
+
+def sampling_params(req: coordinator_pb2.GenerateRequest) -> SamplingParams:
+    s = req.sampling
+    for name in ("temperature", "top_p"):
+        if s.HasField(name) and not math.isfinite(getattr(s, name)):
+            raise InvalidArgument(f"sampling.{name} must be a finite number")
+    seed = s.seed if s.HasField("seed") else secrets.randbits(63)
+    if seed >= 2**63:
+        raise InvalidArgument("sampling.seed must be < 2**63")
+    return params_from_proto(s, seed=seed).validate()
+
+
+def spec_from_request(
+    req: coordinator_pb2.GenerateRequest,
+    tokenizer: PreTrainedTokenizerBase,
+    config: CoordinatorConfig,
+    *,
+    vocab_size: int,
+    max_context: int,
+    eos_token_ids: frozenset[int],
+) -> GenerateSpec:
+    ids = prompt_ids(req, tokenizer, config, vocab_size)
+    if len(ids) >= max_context:
+        raise InvalidArgument(
+            f"the prompt has {len(ids)} tokens; the model's context is {max_context}, so shorten the prompt"
+        )
+    if req.max_new_tokens > config.max_new_tokens_limit:
+        raise InvalidArgument(f"max_new_tokens is {req.max_new_tokens}; the limit is {config.max_new_tokens_limit}")
+    room = max_context - len(ids)
+    if req.max_new_tokens == 0:
+        max_new = min(config.default_max_new_tokens, room)
+    elif req.max_new_tokens > room:
+        raise InvalidArgument(
+            f"prompt ({len(ids)} tokens) + max_new_tokens ({req.max_new_tokens}) exceeds the context of "
+            f"{max_context}; ask for at most {room} new tokens"
+        )
+    else:
+        max_new = req.max_new_tokens
+    if len(req.stop) > config.max_stop_strings:
+        raise InvalidArgument(f"{len(req.stop)} stop strings given; the limit is {config.max_stop_strings}")
+    if any(not s for s in req.stop):
+        raise InvalidArgument("stop strings must not be empty")
+    if any(len(s) > 256 for s in req.stop):
+        raise InvalidArgument("stop strings must be at most 256 characters")
+    bad_stop = [t for t in req.stop_token_ids if t >= vocab_size]
+    if bad_stop:
+        raise InvalidArgument(f"stop token id {bad_stop[0]} is outside the vocabulary [0, {vocab_size})")
+    stop_ids = set(req.stop_token_ids) | (set() if req.ignore_eos else set(eos_token_ids))
+    mode = _MODES.get(req.speculation.mode)
+    if req.speculation.mode not in _MODES:
+        raise InvalidArgument(f"unknown speculation mode {req.speculation.mode}")
+    mode = mode or config.speculation
+    draft_length = config.draft_length
+    if mode == "fixed" and req.speculation.draft_length:
+        draft_length = req.speculation.draft_length
+        if not 1 <= draft_length <= config.max_draft_length:
+            raise InvalidArgument(
+                f"speculation.draft_length must be in 1..{config.max_draft_length} (got {draft_length})"
+            )
+    return GenerateSpec(
+        prompt_ids=ids,
+        params=sampling_params(req),
+        max_new_tokens=max_new,
+        stop_strings=tuple(req.stop),
+        stop_token_ids=frozenset(stop_ids),
+        speculation=mode,
+        draft_length=draft_length,
+    )

@@ -1,0 +1,88 @@
+"""Translates the public Coordinator API into engine calls; nothing else."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator
+
+import grpc
+
+from coordinator.engine import Chunk, RequestStats, RoundEngine
+from coordinator.requests import spec_from_request
+from specd.rounds import FinishReason
+from specd.v1 import common_pb2, coordinator_pb2, coordinator_pb2_grpc
+
+_FINISH = {
+    FinishReason.LENGTH: common_pb2.FINISH_REASON_LENGTH,
+    FinishReason.STOP_TOKEN: common_pb2.FINISH_REASON_STOP_TOKEN,
+    FinishReason.STOP_STRING: common_pb2.FINISH_REASON_STOP_STRING,
+    FinishReason.CONTEXT_FULL: common_pb2.FINISH_REASON_CONTEXT_FULL,
+}
+
+
+def stats_to_proto(stats: RequestStats) -> coordinator_pb2.GenerateStats:
+    r = stats.rounds
+    return coordinator_pb2.GenerateStats(
+        rounds=r.rounds,
+        drafts=r.drafts,
+        draft_tokens=r.draft_tokens,
+        accepted_tokens=r.accepted_tokens,
+        acceptance_length=r.acceptance_length,
+        acceptance_rate=r.acceptance_rate,
+        prompt_tokens=stats.prompt_tokens,
+        completion_tokens=stats.completion_tokens,
+        time_to_first_token_ms=stats.time_to_first_token_ms,
+        tokens_per_s=stats.tokens_per_s,
+        seed=stats.seed,
+        target_only_rounds=r.target_only_rounds,
+    )
+
+
+class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
+    def __init__(self, engine: RoundEngine) -> None:
+        self.engine = engine
+
+    def _chunks(self, request: coordinator_pb2.GenerateRequest, context: grpc.aio.ServicerContext) -> AsyncIterator[Chunk]:
+        arrival = time.monotonic()
+        engine = self.engine
+        spec = spec_from_request(
+            request,
+            engine.tokenizer,
+            engine.config,
+            vocab_size=engine.vocab_size,
+            max_context=engine.max_context,
+            eos_token_ids=engine.eos_token_ids,
+        )
+        remaining = context.time_remaining()
+        budget = engine.config.request_timeout_s if remaining is None else min(remaining, engine.config.request_timeout_s)
+        return engine.generate(spec, deadline=arrival + budget, arrival=arrival)
+
+    async def Generate(
+        self, request: coordinator_pb2.GenerateRequest, context: grpc.aio.ServicerContext
+    ) -> coordinator_pb2.GenerateResponse:
+        response = coordinator_pb2.GenerateResponse()
+        async for chunk in self._chunks(request, context):
+            response.token_ids.extend(chunk.token_ids)
+            response.text += chunk.text
+            if chunk.finish_reason is not None:
+                response.finish_reason = _FINISH[chunk.finish_reason]
+            if chunk.stats is not None:
+                response.stats.CopyFrom(stats_to_proto(chunk.stats))
+        return response
+
+    async def GenerateStream(
+        self, request: coordinator_pb2.GenerateRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[coordinator_pb2.GenerateStreamResponse]:
+        async for chunk in self._chunks(request, context):
+            msg = coordinator_pb2.GenerateStreamResponse(token_ids=chunk.token_ids, text=chunk.text)
+            if chunk.finish_reason is not None:
+                msg.finish_reason = _FINISH[chunk.finish_reason]
+            if chunk.stats is not None:
+                msg.stats.CopyFrom(stats_to_proto(chunk.stats))
+            yield msg
+
+    async def GetModelInfo(
+        self, request: common_pb2.GetModelInfoRequest, context: grpc.aio.ServicerContext
+    ) -> common_pb2.ModelInfo:
+        assert self.engine.target_info is not None
+        return self.engine.target_info

@@ -1,0 +1,59 @@
+"""Assembles the draft service: drafter + servicer + shared gRPC plumbing."""
+
+from __future__ import annotations
+
+import logging
+from concurrent.futures import ThreadPoolExecutor
+
+import torch
+
+from specd import catalog
+from specd.config import NGRAM, DraftConfig
+from specd.drafting import Drafter, ModelDrafter, NgramDrafter
+from specd.serving import ServiceHandle, build_server
+from specd.v1 import common_pb2, draft_pb2, draft_pb2_grpc
+from draft_service.servicer import DraftServicer
+
+log = logging.getLogger(__name__)
+
+SERVICE_NAME = draft_pb2.DESCRIPTOR.services_by_name["Draft"].full_name
+
+
+def build_drafter(config: DraftConfig) -> tuple[Drafter, common_pb2.ModelInfo]:
+    """The drafter a config names, and the ModelInfo the service reports."""
+    if config.torch_threads:
+        torch.set_num_threads(config.torch_threads)
+    if config.model == NGRAM:
+        # The n-gram drafter only repeats tokens it has seen, so it fits any
+        # target; it reports the target's token space.
+        identity = catalog.token_space(catalog.target_folder(config.target_model, config.cache_path))
+        info = common_pb2.ModelInfo(name="ngram", kind="ngram", **identity)
+        drafter = NgramDrafter(
+            int(identity["vocab_size"]), max_sessions=config.max_sessions, idle_timeout_s=config.idle_timeout_s
+        )
+        return drafter, info
+    folder = catalog.draft_folder(config.model, config.target_model, config.cache_path)
+    loaded, runner = catalog.load_for_serving(folder, config.device)
+    drafter = ModelDrafter(
+        runner,
+        max_sessions=config.max_sessions,
+        wire_top_k=config.wire_top_k,
+        wire_bits=config.wire_bits,
+        idle_timeout_s=config.idle_timeout_s,
+    )
+    info = common_pb2.ModelInfo(kind="model", **catalog.model_identity(loaded, runner))
+    return drafter, info
+
+
+def create_server(
+    config: DraftConfig, *, drafter: Drafter | None = None, info: common_pb2.ModelInfo | None = None
+) -> ServiceHandle:
+    """The draft service, bound (port 0 picks one) but not started."""
+    if drafter is None or info is None:
+        drafter, info = build_drafter(config)
+    executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="specd-draft-model")
+    servicer = DraftServicer(drafter, executor, info, config.max_draft_tokens)
+    server, port, health = build_server(
+        config, lambda s: draft_pb2_grpc.add_DraftServicer_to_server(servicer, s), [SERVICE_NAME]
+    )
+    return ServiceHandle(server, port, health, [SERVICE_NAME], on_stop=executor.shutdown)

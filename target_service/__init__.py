@@ -1,0 +1,1 @@
+"""The target service: a gRPC front over the verifier (forward pass + rejection sampler)."""

@@ -1,0 +1,39 @@
+"""In-process references the service tests compare against (no gRPC)."""
+
+from __future__ import annotations
+
+from functools import lru_cache
+from pathlib import Path
+
+from specd.drafting import ModelDrafter
+from specd.models import LoadedModel, load_pretrained
+from specd.rounds import GenerationResult, speculative_generate
+from specd.runner import CausalLMRunner
+from specd.sampling import SamplingParams
+from specd.verification import Verifier
+
+
+@lru_cache(maxsize=4)
+def loaded(folder: str) -> LoadedModel:
+    return load_pretrained(folder)
+
+
+def reference(
+    target: Path,
+    draft: Path | None,
+    prompt: list[int],
+    params: SamplingParams,
+    *,
+    max_new_tokens: int,
+    draft_length: int = 0,
+    stop_token_ids: frozenset[int] = frozenset(),
+) -> GenerationResult:
+    """What the services must produce: the in-process loop with the same settings."""
+    verifier = Verifier(CausalLMRunner(loaded(str(target)).model))
+    drafter = ModelDrafter(CausalLMRunner(loaded(str(draft)).model)) if draft is not None else None
+    return speculative_generate(
+        prompt, verifier, drafter, params,
+        draft_length=draft_length if drafter else 0,
+        max_new_tokens=max_new_tokens,
+        stop_token_ids=stop_token_ids,
+    )

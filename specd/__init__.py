@@ -1,0 +1,3 @@
+"""specd: distributed, disaggregated speculative decoding."""
+
+__version__ = "0.1.0"

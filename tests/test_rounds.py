@@ -1,0 +1,199 @@
+"""The round logic in-process: parity with target-only decoding, stop rules, errors."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
+
+from specd.drafting import ModelDrafter, NgramDrafter, lookup_continuation
+from specd.errors import InvalidArgument, SessionOutOfSync
+from specd.models import load_pretrained
+from specd.proposal import Proposal
+from specd.rounds import FinishReason, Generation, StopRule, speculative_generate
+from specd.runner import CausalLMRunner
+from specd.sampling import SamplingParams
+from specd.verification import Verifier
+
+GREEDY = SamplingParams(temperature=0.0)
+
+
+@pytest.fixture(scope="module")
+def tiny(tiny_pair: tuple[Path, Path]):  # noqa: ANN201
+    target, draft = tiny_pair
+    t, d = load_pretrained(target), load_pretrained(draft)
+    return t, Verifier(CausalLMRunner(t.model)), ModelDrafter(CausalLMRunner(d.model)), ModelDrafter(CausalLMRunner(t.model))
+
+
+def _plain_greedy(model, prompt: list[int], n: int) -> list[int]:  # noqa: ANN001
+    """Target-only greedy decoding with Hugging Face's own generate (an independent oracle)."""
+    config = GenerationConfig(max_new_tokens=n, do_sample=False, pad_token_id=0)
+    out = model.generate(torch.tensor([prompt]), generation_config=config)
+    return out[0, len(prompt):].tolist()  # may stop early at end-of-sequence
+
+
+@pytest.mark.parametrize("k", [1, 4, 8])
+def test_tiny_greedy_parity(tiny, k: int) -> None:  # noqa: ANN001
+    loaded, verifier, drafter, self_drafter = tiny
+    for text in ["hello world", "def f(x):", "abcabcabc", "The end."]:
+        prompt = loaded.tokenizer(text).input_ids
+        ref = speculative_generate(prompt, verifier, None, GREEDY, draft_length=0, max_new_tokens=20).token_ids
+        hf = _plain_greedy(loaded.model, prompt, 20)
+        assert ref[: len(hf)] == hf
+        for d in (drafter, self_drafter):
+            got = speculative_generate(prompt, verifier, d, GREEDY, draft_length=k, max_new_tokens=20)
+            assert got.token_ids == ref
+        # the target as its own draft accepts every greedy draft token
+        assert got.stats.accepted_tokens == got.stats.draft_tokens
+
+
+def test_same_seed_same_output_and_stats_add_up(tiny) -> None:  # noqa: ANN001
+    loaded, verifier, drafter, _ = tiny
+    prompt = loaded.tokenizer("sampling").input_ids
+    params = SamplingParams(temperature=0.9, top_p=0.95, seed=7)
+    a = speculative_generate(prompt, verifier, drafter, params, draft_length=4, max_new_tokens=30)
+    b = speculative_generate(prompt, verifier, drafter, params, draft_length=4, max_new_tokens=30)
+    assert a.token_ids == b.token_ids
+    other = speculative_generate(prompt, verifier, drafter, SamplingParams(temperature=0.9, top_p=0.95, seed=8),
+                                 draft_length=4, max_new_tokens=30)
+    assert other.token_ids != a.token_ids
+    s = a.stats
+    assert len(a.token_ids) == 30 and s.accepted_tokens + s.rounds == 30  # each round commits accepted + 1
+    assert sum(s.accepted_per_position) == s.accepted_tokens
+
+
+def test_ngram_drafter_is_exact(tiny) -> None:  # noqa: ANN001
+    loaded, verifier, _, _ = tiny
+    ngram = NgramDrafter(verifier.vocab_size)
+    prompt = loaded.tokenizer("abc abc abc abc abc abc").input_ids
+    ref = speculative_generate(prompt, verifier, None, GREEDY, draft_length=0, max_new_tokens=24).token_ids
+    got = speculative_generate(prompt, verifier, ngram, GREEDY, draft_length=4, max_new_tokens=24)
+    assert got.token_ids == ref
+    assert got.stats.draft_tokens > 0
+
+
+def test_lookup_continuation() -> None:
+    assert lookup_continuation([1, 2, 3, 9, 1, 2], 2, 3, 1) == [3, 9]
+    assert lookup_continuation([5, 1, 2, 7, 1, 2, 8, 1, 2], 3, 2, 1) == [8, 1, 2]  # latest match wins
+    assert lookup_continuation([1, 2, 3], 4, 3, 1) == []
+    assert lookup_continuation([4, 4], 3, 3, 1) == [4]
+
+
+def test_generation_stops_and_budget() -> None:
+    gen = Generation([1, 2, 3], StopRule(max_new_tokens=5, max_context=100, stop_token_ids=frozenset({9})))
+    assert gen.draft_budget(8) == 4  # 5 remaining -> at most 4 drafts + 1
+    assert gen.commit([4, 5, 9, 6], accepted=4, token=7) == [4, 5, 9]
+    assert gen.finish_reason == FinishReason.STOP_TOKEN and gen.generated == [4, 5, 9]
+    gen = Generation([1], StopRule(max_new_tokens=3, max_context=100))
+    assert gen.commit([4, 5, 6], accepted=3, token=7) == [4, 5, 6]
+    assert gen.finish_reason == FinishReason.LENGTH
+    gen = Generation([1, 2], StopRule(max_new_tokens=50, max_context=4))
+    assert gen.draft_budget(8) == 1
+    gen.commit([3], accepted=1, token=4)
+    assert gen.finish_reason == FinishReason.CONTEXT_FULL and gen.committed_length == 4
+
+
+def test_bad_input_raises_typed_errors(tiny) -> None:  # noqa: ANN001
+    loaded, verifier, drafter, _ = tiny
+    prompt = loaded.tokenizer("x").input_ids
+    cases = [
+        (lambda: speculative_generate([], verifier, None, GREEDY, draft_length=0, max_new_tokens=4), "empty"),
+        (lambda: speculative_generate([10**6], verifier, None, GREEDY, draft_length=0, max_new_tokens=4),
+         "vocabulary"),
+        (lambda: speculative_generate(prompt, verifier, drafter, GREEDY, draft_length=0, max_new_tokens=4),
+         "draft length"),
+        (lambda: speculative_generate(prompt, verifier, None, SamplingParams(top_p=0.0), draft_length=0,
+                                      max_new_tokens=4), "top_p"),
+        (lambda: speculative_generate(prompt, verifier, None, SamplingParams(top_p=1.5), draft_length=0,
+                                      max_new_tokens=4), "top_p"),
+        (lambda: speculative_generate(prompt, verifier, None, SamplingParams(temperature=-0.5), draft_length=0,
+                                      max_new_tokens=4), "temperature"),
+        (lambda: speculative_generate(prompt, verifier, None, GREEDY, draft_length=0, max_new_tokens=0),
+         "max_new_tokens"),
+        (lambda: speculative_generate(prompt * 600, verifier, None, GREEDY, draft_length=0, max_new_tokens=4),
+         "context"),
+    ]
+    for call, needle in cases:
+        with pytest.raises(InvalidArgument, match=needle):
+            call()
+    drafter.open("k", prompt, GREEDY)
+    with pytest.raises(InvalidArgument, match="num_tokens"):
+        drafter.propose("k", len(prompt), len(prompt), [], 0)
+    with pytest.raises(SessionOutOfSync):
+        drafter.propose("k", len(prompt) + 5, len(prompt) + 5, [], 2)
+    drafter.close("k")
+    verifier.open("v", prompt, GREEDY)
+    with pytest.raises(InvalidArgument, match="vocabulary"):
+        verifier.verify("v", len(prompt), Proposal([10**6]))
+    verifier.close("v")
+
+
+def test_verifier_rolls_back_an_unseen_verdict(tiny) -> None:  # noqa: ANN001
+    """A retried round (the coordinator missed the answer) gives the same verdict."""
+    loaded, verifier, _, _ = tiny
+    prompt = loaded.tokenizer("retry me").input_ids
+    verifier.open("r", prompt, SamplingParams(temperature=1.0, seed=3))
+    first = verifier.verify("r", len(prompt), Proposal([65, 66]), start=len(prompt))
+    again = verifier.verify("r", len(prompt), Proposal([65, 66]), start=len(prompt))
+    assert first == type(first)(**{**again.__dict__, "compute_ms": first.compute_ms})
+    verifier.close("r")
+
+
+# ---- the demo target --------------------------------------------------------------------
+
+DEMO_PROMPTS = [
+    "The capital of France is",
+    "def fibonacci(n):",
+    "Once upon a time",
+    "import numpy as np\n",
+    "The three primary colors are",
+    "To make a cup of tea, first",
+    "class Stack:\n    def __init__(self):",
+    "The quick brown fox",
+    "In 1492, Columbus",
+    "Water boils at",
+    "SELECT * FROM users WHERE",
+    "My favourite book is",
+    "for i in range(10):",
+    "The sun rises in the",
+    "Dear Sir or Madam,",
+    "Photosynthesis is the process",
+    "A haiku about autumn:",
+    "The Pythagorean theorem states",
+    "#include <stdio.h>\nint main() {",
+    "Once there was a little robot who",
+]
+
+
+@pytest.fixture(scope="module")
+def demo_pair(demo_target_dir: Path):  # noqa: ANN201
+    loaded = load_pretrained(demo_target_dir)
+    # A tiny random draft sharing the demo vocabulary: almost nothing is accepted, so
+    # every round exercises rejection and recovery.
+    cfg = LlamaConfig(vocab_size=loaded.model.config.vocab_size, hidden_size=32, intermediate_size=64,
+                      num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1,
+                      max_position_embeddings=2048)
+    torch.manual_seed(0)
+    tiny_draft = LlamaForCausalLM(cfg).eval()
+    verifier = Verifier(CausalLMRunner(loaded.model))
+    references = {}
+    for text in DEMO_PROMPTS:  # target-only greedy, computed once for every K
+        prompt = loaded.tokenizer(text).input_ids
+        references[text] = speculative_generate(prompt, verifier, None, GREEDY, draft_length=0,
+                                                max_new_tokens=10).token_ids
+    return loaded, verifier, references, ModelDrafter(CausalLMRunner(tiny_draft)), \
+        ModelDrafter(CausalLMRunner(loaded.model))
+
+
+@pytest.mark.demo
+@pytest.mark.parametrize("k", [1, 4, 8])
+def test_demo_greedy_parity(demo_pair, k: int) -> None:  # noqa: ANN001
+    loaded, verifier, references, tiny_draft, self_draft = demo_pair
+    for text in DEMO_PROMPTS:
+        prompt = loaded.tokenizer(text).input_ids
+        ref = references[text]
+        for drafter in (tiny_draft, self_draft):
+            got = speculative_generate(prompt, verifier, drafter, GREEDY, draft_length=k, max_new_tokens=10)
+            assert got.token_ids == ref, (text, k, drafter is self_draft)

@@ -68,3 +68,16 @@ def torch_single_thread() -> Iterator[None]:
         yield
     finally:
         torch.set_num_threads(previous)
+
+
+# ---- services -------------------------------------------------------------------
+
+
+@pytest.fixture(scope="session")
+def tiny_cluster(tiny_pair: tuple[Path, Path], tmp_path_factory: pytest.TempPathFactory):
+    """target + draft + coordinator processes on the tiny pair, shared by the tests that do not break them."""
+    from tests.cluster import Cluster
+
+    target, draft = tiny_pair
+    with Cluster(target, draft, cache_dir=tmp_path_factory.mktemp("cluster-cache")) as cluster:
+        yield cluster

@@ -34,11 +34,9 @@ def prompt_ids(target: Path, text: str) -> list[int]:
     return list(loaded(str(target)).tokenizer(text, add_special_tokens=False).input_ids)
 
 
-@pytest.fixture(scope="module")
-def cluster(tiny_pair: tuple[Path, Path], tmp_path_factory: pytest.TempPathFactory):
-    target, draft = tiny_pair
-    with Cluster(target, draft, cache_dir=tmp_path_factory.mktemp("cache")) as c:
-        yield c
+@pytest.fixture()
+def cluster(tiny_cluster: Cluster) -> Cluster:
+    return tiny_cluster
 
 
 def test_greedy_generate_and_stream_equal_target_only(cluster: Cluster, tiny_pair: tuple[Path, Path]) -> None:

@@ -1,0 +1,54 @@
+"""The adaptive draft-length controller (pure)."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from specd.adaptive import AdaptiveDraftLength, Estimate, best_draft_length, expected_speedup
+
+
+def test_speedup_formula_matches_known_values() -> None:
+    assert expected_speedup(0.8, 0.0, 4) == pytest.approx((1 - 0.8**5) / 0.2)
+    assert expected_speedup(0.8, 0.1, 4) == pytest.approx((1 - 0.8**5) / (0.2 * 1.4))
+    assert expected_speedup(0.5, 0.3, 0) == 1.0
+
+
+@pytest.mark.parametrize(
+    "a, c, k_max, expected",
+    [(0.9, 0.05, 16, None), (0.6, 0.1, 16, None), (0.05, 0.3, 8, 0), (0.3, 0.9, 8, 0)],
+)
+def test_best_k_maximises_s(a: float, c: float, k_max: int, expected: int | None) -> None:
+    k = best_draft_length(a, c, k_max)
+    if expected is not None:
+        assert k == expected
+    else:
+        assert k >= 1 and all(expected_speedup(a, c, k) >= expected_speedup(a, c, j) for j in range(1, k_max + 1))
+
+
+def _simulate(a_true: float, c: float, rounds: int = 400, seed: int = 0) -> tuple[AdaptiveDraftLength, list[int]]:
+    rng = random.Random(seed)
+    ctl = AdaptiveDraftLength(k_max=8, acceptance=Estimate(0.5, 4.0), cost_ratio=Estimate(c, 4.0))
+    ks = []
+    for _ in range(rounds):
+        k = ctl.next_k()
+        ks.append(k)
+        accepted = 0
+        while accepted < k and rng.random() < a_true:
+            accepted += 1
+        ctl.observe(k, accepted, draft_ms=c * 10.0 * k, verify_ms=10.0)
+    return ctl, ks
+
+
+def test_controller_learns_acceptance_and_picks_long_drafts_for_good_drafts() -> None:
+    ctl, ks = _simulate(0.9, 0.05)
+    assert ctl.acceptance.value == pytest.approx(0.9, abs=0.08)
+    assert sum(ks[-100:]) / 100 >= 5
+
+
+def test_controller_stops_speculating_when_it_cannot_pay_and_probes() -> None:
+    ctl, ks = _simulate(0.02, 0.3)
+    tail = ks[-160:]
+    assert tail.count(0) >= 140  # mostly target-only
+    assert 1 in tail  # but it probes again

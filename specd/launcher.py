@@ -76,12 +76,15 @@ def run_up(
     target_threads: int,
     draft_threads: int,
     extra_coordinator: Sequence[str] = (),
+    target_args: Sequence[str] = (),
     ready_timeout_s: float = 600.0,
 ) -> int:
     """Start target, draft and coordinator; block until SIGINT/SIGTERM; stop all three."""
     common = ["--host", "127.0.0.1", "--port", "0"] + (["--cache-dir", cache_dir] if cache_dir else [])
     services: list[ServiceProcess] = [
-        ServiceProcess("target", ["target", "--model", target, "--torch-threads", str(target_threads), *common])
+        ServiceProcess(
+            "target", ["target", "--model", target, "--torch-threads", str(target_threads), *common, *target_args]
+        )
     ]
     if draft != "none":
         services.append(

@@ -10,7 +10,9 @@ from coordinator.servicer import CoordinatorServicer
 from specd import catalog
 from specd.config import DEMO, CoordinatorConfig
 from specd.security import BearerTokenInterceptor, channel_credentials, read_token
+from specd.metrics import CoordinatorMetrics
 from specd.serving import ServiceHandle, build_server
+from specd.tracing import TRACING_OFF, Tracing
 from specd.v1 import coordinator_pb2, coordinator_pb2_grpc
 
 SERVICE_NAME = coordinator_pb2.DESCRIPTOR.services_by_name["Coordinator"].full_name
@@ -21,7 +23,13 @@ def load_tokenizer(config: CoordinatorConfig):  # noqa: ANN201 - a transformers 
     return AutoTokenizer.from_pretrained(folder, local_files_only=True)
 
 
-async def create_server(config: CoordinatorConfig, *, connect_timeout_s: float = 120.0) -> tuple[ServiceHandle, RoundEngine]:
+async def create_server(
+    config: CoordinatorConfig,
+    *,
+    connect_timeout_s: float = 120.0,
+    tracing: Tracing | None = None,
+    metrics: CoordinatorMetrics | None = None,
+) -> tuple[ServiceHandle, RoundEngine]:
     """The coordinator, connected to its peers, bound (port 0 picks one) but not started."""
     creds = (
         channel_credentials(config.peer_tls_ca, config.peer_tls_cert, config.peer_tls_key)
@@ -34,6 +42,10 @@ async def create_server(config: CoordinatorConfig, *, connect_timeout_s: float =
         channels.append(open_channel(config.draft_address, creds, config.peer_tls_server_name))
         draft = DraftPeer(channels[1])
     engine = RoundEngine(config, load_tokenizer(config), TargetPeer(channels[0]), draft)
+    engine.tracing = tracing or TRACING_OFF
+    engine.metrics = metrics
+    if metrics is not None:
+        metrics.watch_requests(lambda: engine.active_requests)
     await engine.start(timeout_s=connect_timeout_s)
     servicer = CoordinatorServicer(engine)
     interceptors = [BearerTokenInterceptor(read_token(config.api_token_file))] if config.api_token_file else []

@@ -8,22 +8,59 @@ from concurrent.futures import Executor
 
 import grpc
 
+from specd import tracing as tr
 from specd.drafting import Drafter
 from specd.errors import InvalidArgument
 from specd.grpc_errors import session_error
+from specd.metrics import DraftMetrics
 from specd.streams import serve_round_stream
-from specd.v1 import common_pb2, draft_pb2, draft_pb2_grpc
+from specd.v1 import common_pb2, draft_pb2, draft_pb2_grpc, session_pb2
 from specd.wire import params_from_proto, proposal_to_proto
 
 log = logging.getLogger(__name__)
 
+_SPANS = {"open": tr.SPAN_DRAFT_OPEN, "propose": tr.SPAN_DRAFT_PROPOSE, "close": tr.SPAN_DRAFT_CLOSE}
+
 
 class DraftServicer(draft_pb2_grpc.DraftServicer):
-    def __init__(self, drafter: Drafter, executor: Executor, info: common_pb2.ModelInfo, max_draft_tokens: int) -> None:
+    def __init__(self, drafter: Drafter, executor: Executor, info: common_pb2.ModelInfo, max_draft_tokens: int,
+                 *, tracing: tr.Tracing | None = None, metrics: DraftMetrics | None = None) -> None:
         self.drafter = drafter
         self.executor = executor
         self.info = info
         self.max_draft_tokens = max_draft_tokens
+        self.tracing = tracing or tr.TRACING_OFF
+        self.metrics = metrics
+        if metrics is not None:
+            metrics.watch_sessions(drafter.active_sessions)
+
+    def observed(self, req: draft_pb2.DraftRequest) -> draft_pb2.DraftResponse:
+        """handle() in a span under the round the message belongs to (if it carries one), and counted."""
+        op = req.WhichOneof("op") or "none"
+        span = None
+        if req.trace_context:
+            span = self.tracing.start_remote_child(
+                _SPANS.get(op, tr.SPAN_DRAFT_PROPOSE),
+                req.trace_context,
+                {tr.ATTR_SESSION_ID: req.session_id, tr.ATTR_COMMITTED_LENGTH: req.committed_length},
+            )
+        resp = self.handle(req)
+        if span is None and self.metrics is None:
+            return resp
+        error = None
+        if resp.WhichOneof("result") == "error":
+            error = (session_pb2.SessionError.Code.Name(resp.error.code).removeprefix("CODE_").lower(), resp.error.message)
+        attributes = None
+        if op == "propose" and error is None:
+            tokens, compute_ms = len(resp.proposal.token_ids), resp.proposal.compute_ms
+            attributes = {tr.ATTR_NUM_TOKENS: req.propose.num_tokens, tr.ATTR_DRAFT_TOKENS: tokens,
+                          tr.ATTR_COMPUTE_MS: compute_ms}
+            if self.metrics is not None:
+                self.metrics.observe_propose(tokens, compute_ms)
+        tr.end_message_span(span, attributes, error)
+        if self.metrics is not None:
+            self.metrics.observe_message(op, "ok" if error is None else error[0])
+        return resp
 
     def handle(self, req: draft_pb2.DraftRequest) -> draft_pb2.DraftResponse:
         """One request, on the model thread; per-session errors go back in-band."""
@@ -61,7 +98,7 @@ class DraftServicer(draft_pb2_grpc.DraftServicer):
     ) -> AsyncIterator[draft_pb2.DraftResponse]:
         # Headers first, so the coordinator knows the stream is up before any round.
         await context.send_initial_metadata(())
-        async for response in serve_round_stream(request_iterator, self.handle, self.executor):
+        async for response in serve_round_stream(request_iterator, self.observed, self.executor):
             yield response
 
     async def GetModelInfo(

@@ -8,22 +8,61 @@ from concurrent.futures import Executor
 
 import grpc
 
+from specd import tracing as tr
 from specd.errors import InvalidArgument
 from specd.grpc_errors import session_error
 from specd.proposal import Proposal
+from specd.metrics import TargetMetrics
 from specd.streams import serve_round_stream
-from specd.v1 import common_pb2, target_pb2, target_pb2_grpc
+from specd.v1 import common_pb2, session_pb2, target_pb2, target_pb2_grpc
 from specd.verification import Verifier
 from specd.wire import params_from_proto
 
 log = logging.getLogger(__name__)
 
+_SPANS = {"open": tr.SPAN_TARGET_OPEN, "verify": tr.SPAN_TARGET_VERIFY, "close": tr.SPAN_TARGET_CLOSE}
+
 
 class TargetServicer(target_pb2_grpc.TargetServicer):
-    def __init__(self, verifier: Verifier, executor: Executor, info: common_pb2.ModelInfo) -> None:
+    def __init__(self, verifier: Verifier, executor: Executor, info: common_pb2.ModelInfo,
+                 *, tracing: tr.Tracing | None = None, metrics: TargetMetrics | None = None) -> None:
         self.verifier = verifier
         self.executor = executor
         self.info = info
+        self.tracing = tracing or tr.TRACING_OFF
+        self.metrics = metrics
+        if metrics is not None:
+            metrics.watch_sessions(verifier.active_sessions)
+
+    def observed(self, req: target_pb2.TargetRequest) -> target_pb2.TargetResponse:
+        """handle() in a span under the round the message belongs to (if it carries one), and counted."""
+        op = req.WhichOneof("op") or "none"
+        span = None
+        if req.trace_context:
+            span = self.tracing.start_remote_child(
+                _SPANS.get(op, tr.SPAN_TARGET_VERIFY),
+                req.trace_context,
+                {tr.ATTR_SESSION_ID: req.session_id, tr.ATTR_COMMITTED_LENGTH: req.committed_length},
+            )
+        resp = self.handle(req)
+        if span is None and self.metrics is None:
+            return resp
+        error = None
+        if resp.WhichOneof("result") == "error":
+            error = (session_pb2.SessionError.Code.Name(resp.error.code).removeprefix("CODE_").lower(), resp.error.message)
+        attributes = None
+        if op == "verify" and error is None:
+            v = resp.verdict
+            kind = tr.token_kind(v.kind == target_pb2.TOKEN_KIND_BONUS)
+            drafts = len(req.verify.draft_token_ids)
+            attributes = {tr.ATTR_DRAFT_TOKENS: drafts, tr.ATTR_ACCEPTED: v.accepted, tr.ATTR_TOKEN_KIND: kind,
+                          tr.ATTR_COMPUTE_MS: v.compute_ms}
+            if self.metrics is not None:
+                self.metrics.observe_verify(drafts, v.accepted, kind, v.compute_ms)
+        tr.end_message_span(span, attributes, error)
+        if self.metrics is not None:
+            self.metrics.observe_message(op, "ok" if error is None else error[0])
+        return resp
 
     def handle(self, req: target_pb2.TargetRequest) -> target_pb2.TargetResponse:
         """One request, on the model thread; per-session errors go back in-band."""
@@ -70,7 +109,7 @@ class TargetServicer(target_pb2_grpc.TargetServicer):
     ) -> AsyncIterator[target_pb2.TargetResponse]:
         # Headers first, so the coordinator knows the stream is up before any round.
         await context.send_initial_metadata(())
-        async for response in serve_round_stream(request_iterator, self.handle, self.executor):
+        async for response in serve_round_stream(request_iterator, self.observed, self.executor):
             yield response
 
     async def GetModelInfo(

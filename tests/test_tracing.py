@@ -1,0 +1,376 @@
+"""Tracing: set-up and context in messages (in-process), then the three services end to end.
+
+The end-to-end tests run the services as processes exporting to a real
+OTLP/gRPC receiver started here; they also scrape the services' Prometheus
+endpoints (one cluster serves both, to keep the suite quick).
+"""
+
+from __future__ import annotations
+
+import secrets
+import signal
+import socket
+import time
+from collections import defaultdict
+from dataclasses import dataclass
+from pathlib import Path
+
+import grpc
+import pytest
+from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+from opentelemetry.sdk.trace.sampling import ParentBased, TraceIdRatioBased
+from opentelemetry.trace import INVALID_SPAN, SpanKind
+
+from coordinator.client import build_request
+from specd import tracing as tr
+from specd.config import CoordinatorConfig, DraftConfig
+from specd.v1 import coordinator_pb2, coordinator_pb2_grpc
+from tests.cluster import READY_TIMEOUT_S, Cluster, QuietService, metrics_address, scrape, total
+from tests.otlp_receiver import OtlpReceiver, ReceivedSpan
+
+# ---- in-process: settings, context, sampling, a dead collector -----------------------
+
+
+def test_tracing_is_off_without_an_endpoint() -> None:
+    t = tr.setup_tracing("coordinator", CoordinatorConfig(), env={})
+    assert t is tr.TRACING_OFF and not t.enabled and t.provider is None
+    assert t.start_generate("Generate", [("traceparent", "00-" + "1" * 32 + "-" + "2" * 16 + "-01")]) is INVALID_SPAN
+    assert t.start_round(INVALID_SPAN, 0, 5) is INVALID_SPAN
+    assert t.inject(INVALID_SPAN) == {}
+    assert t.start_remote_child(tr.SPAN_DRAFT_PROPOSE, {"traceparent": "00-" + "1" * 32 + "-" + "2" * 16 + "-01"}, {}) is None
+    t.shutdown()  # nothing to do
+
+
+def test_settings_follow_flags_then_standard_variables() -> None:
+    env = {"OTEL_EXPORTER_OTLP_ENDPOINT": "http://collector:4317"}
+    s = tr.resolve_settings("draft", DraftConfig(), env)
+    assert (s.service_name, s.endpoint, s.protocol, s.from_flag) == ("specd-draft", "http://collector:4317", "grpc", False)
+    s = tr.resolve_settings("draft", DraftConfig(), {**env, "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT": "http://traces:4317"})
+    assert s.endpoint == "http://traces:4317"
+    s = tr.resolve_settings("draft", DraftConfig(otlp_endpoint="jaeger:4317", trace_sample_ratio=0.25), env)
+    assert (s.endpoint, s.from_flag, s.sample_ratio) == ("http://jaeger:4317", True, 0.25)  # no scheme: plaintext
+    s = tr.resolve_settings("target", DraftConfig(otlp_endpoint="http://jaeger:4318", otlp_protocol="http/protobuf"), {})
+    assert (s.service_name, s.endpoint, s.protocol) == ("specd-target", "http://jaeger:4318/v1/traces", "http/protobuf")
+    s = tr.resolve_settings("coordinator", CoordinatorConfig(), {**env, "OTEL_EXPORTER_OTLP_PROTOCOL": "http/protobuf"})
+    assert s.protocol == "http/protobuf" and s.service_name == "specd-coordinator"
+    for protocol in ("grpc", "http/protobuf"):  # both exporters build (nothing is sent until spans end)
+        t = tr.setup_tracing("coordinator", CoordinatorConfig(otlp_endpoint="127.0.0.1:9", otlp_protocol=protocol), env={})
+        assert t.enabled
+        resource = t.provider.resource.attributes
+        assert resource["service.name"] == "specd-coordinator" and resource["service.version"]
+        t.shutdown(timeout_s=2.0)
+
+
+def _in_memory(ratio: float = 1.0) -> tuple[tr.Tracing, InMemorySpanExporter]:
+    exporter = InMemorySpanExporter()
+    provider = TracerProvider(sampler=ParentBased(TraceIdRatioBased(ratio)), shutdown_on_exit=False)
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    return tr.Tracing(provider.get_tracer("test"), provider), exporter
+
+
+def test_round_context_rides_in_messages() -> None:
+    coordinator, exported = _in_memory()
+    draft, draft_exported = _in_memory()
+    client_trace, client_span = secrets.token_hex(16), secrets.token_hex(8)
+    generate = coordinator.start_generate("Generate", [("traceparent", f"00-{client_trace}-{client_span}-01")])
+    rounds = [coordinator.start_round(generate, i, 10 + i) for i in range(2)]
+    carriers = [coordinator.inject(r) for r in rounds]
+    assert all(set(c) == {"traceparent"} for c in carriers)
+    for carrier in carriers:
+        child = draft.start_remote_child(tr.SPAN_DRAFT_PROPOSE, carrier, {tr.ATTR_SESSION_ID: "s"})
+        tr.end_message_span(child, {tr.ATTR_DRAFT_TOKENS: 4}, None)
+    for r in rounds:
+        r.end()
+    try:
+        raise RuntimeError("boom")
+    except RuntimeError as exc:
+        tr.record_error(generate, exc)
+    generate.end()
+    spans = {s.context.span_id: s for s in exported.get_finished_spans()}
+    gen = next(s for s in spans.values() if s.name == tr.SPAN_GENERATE)
+    assert f"{gen.context.trace_id:032x}" == client_trace and f"{gen.parent.span_id:016x}" == client_span
+    assert gen.kind == SpanKind.SERVER and not gen.status.is_ok and gen.attributes[tr.ATTR_ERROR_TYPE] == "RuntimeError"
+    round_spans = [s for s in spans.values() if s.name == tr.SPAN_ROUND]
+    assert [s.parent.span_id for s in round_spans] == [gen.context.span_id] * 2
+    children = draft_exported.get_finished_spans()
+    assert [c.parent.span_id for c in children] == [r.context.span_id for r in round_spans]
+    assert all(c.context.trace_id == gen.context.trace_id and c.kind == SpanKind.SERVER for c in children)
+
+
+def test_unsampled_requests_send_no_context() -> None:
+    coordinator, exported = _in_memory(ratio=0.0)
+    generate = coordinator.start_generate("Generate", ())
+    assert not generate.is_recording()
+    round_span = coordinator.start_round(generate, 0, 3)
+    assert round_span is INVALID_SPAN and coordinator.inject(round_span) == {}
+    generate.end()
+    assert exported.get_finished_spans() == ()
+
+
+def test_dead_collector_neither_blocks_spans_nor_shutdown(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A collector that accepts connections and never answers: ending spans stays cheap, exit is bounded."""
+    monkeypatch.setenv("OTEL_BSP_SCHEDULE_DELAY", "10")
+    monkeypatch.setenv("OTEL_BSP_MAX_QUEUE_SIZE", "64")
+    monkeypatch.setenv("OTEL_BSP_MAX_EXPORT_BATCH_SIZE", "32")
+    with socket.socket() as blackhole:
+        blackhole.bind(("127.0.0.1", 0))
+        blackhole.listen(64)  # never accepted: the exporter's calls hang until their timeout
+        port = blackhole.getsockname()[1]
+        t = tr.setup_tracing("target", DraftConfig(otlp_endpoint=f"127.0.0.1:{port}"), env={})
+        parent = t.start_generate("Generate", ())
+        start = time.perf_counter()
+        for i in range(3000):
+            t.start_round(parent, i, i).end()
+        per_span_us = (time.perf_counter() - start) / 3000 * 1e6
+        parent.end()
+        start = time.perf_counter()
+        t.shutdown(timeout_s=1.0)
+        assert time.perf_counter() - start < 3.0
+    assert per_span_us < 500, per_span_us
+
+
+# ---- end to end: three services, a real OTLP receiver -----------------------------------
+
+def cluster_with(target: Path, cache: Path, *, endpoint: str | None) -> Cluster:
+    """target, a draft of the same model (so tokens get accepted: bonus and recovered both occur), coordinator."""
+    flags = ["--metrics-port", "0"] + (["--otlp-endpoint", endpoint] if endpoint else [])
+    c = Cluster(target, target, cache_dir=cache, coordinator_args=flags, target_args=flags, draft_args=flags)
+    for name in [k for k in c.env if k.startswith("OTEL_")]:
+        del c.env[name]
+    c.env["OTEL_BSP_SCHEDULE_DELAY"] = "50"  # export within 50 ms, so tests need not wait
+    return c
+
+
+@pytest.fixture(scope="module")
+def receiver():
+    with OtlpReceiver() as r:
+        yield r
+
+
+@pytest.fixture(scope="module")
+def traced(tiny_pair: tuple[Path, Path], tmp_path_factory: pytest.TempPathFactory, receiver: OtlpReceiver):
+    with cluster_with(tiny_pair[0], tmp_path_factory.mktemp("cache"), endpoint=receiver.endpoint) as c:
+        yield c
+
+
+@dataclass
+class Call:
+    response: coordinator_pb2.GenerateResponse
+    trace_id: str | None  # the client's trace, when it sent one
+    seed: int
+    speculative: bool
+
+
+def generate(cluster: Cluster | str, *, stream: bool = False, traceparent: bool = True, seed: int, **kwargs) -> Call:
+    request = build_request([5, 17, 42, 9, 33, 8], seed=seed, ignore_eos=True, **kwargs)
+    trace_id = secrets.token_hex(16) if traceparent else None
+    metadata = [("traceparent", f"00-{trace_id}-{secrets.token_hex(8)}-01")] if trace_id else None
+    with grpc.insecure_channel(cluster if isinstance(cluster, str) else cluster.address) as channel:
+        stub = coordinator_pb2_grpc.CoordinatorStub(channel)
+        if stream:
+            response = coordinator_pb2.GenerateResponse()
+            for msg in stub.GenerateStream(request, metadata=metadata, timeout=60):
+                response.token_ids.extend(msg.token_ids)
+                if msg.HasField("stats"):
+                    response.stats.CopyFrom(msg.stats)
+                    response.finish_reason = msg.finish_reason
+        else:
+            response = stub.Generate(request, metadata=metadata, timeout=60)
+    return Call(response, trace_id, seed, kwargs.get("speculation") != "off")
+
+
+def trace_of(spans: list[ReceivedSpan], call: Call) -> list[ReceivedSpan]:
+    if call.trace_id is not None:
+        return [s for s in spans if s.trace_id == call.trace_id]
+    roots = [s for s in spans if s.name == tr.SPAN_GENERATE and s.attributes.get(tr.ATTR_SEED) == call.seed]
+    return [s for s in spans if roots and s.trace_id == roots[0].trace_id]
+
+
+def complete(trace: list[ReceivedSpan], call: Call) -> bool:
+    rounds = call.response.stats.rounds
+    verifies = [s for s in trace if s.name == tr.SPAN_TARGET_VERIFY]
+    return (
+        sum(s.name == tr.SPAN_GENERATE for s in trace) == 1
+        and sum(s.name == tr.SPAN_ROUND for s in trace) == rounds
+        and len(verifies) == rounds
+        and sum(s.name == tr.SPAN_DRAFT_PROPOSE for s in trace) == call.response.stats.drafts
+    )
+
+
+CALLS = [
+    dict(max_new_tokens=24, temperature=0, speculation="fixed", draft_length=4),
+    dict(max_new_tokens=20, temperature=0.9, speculation="fixed", draft_length=3, stream=True),
+    dict(max_new_tokens=10, temperature=0, speculation="off"),
+    dict(max_new_tokens=16, temperature=0.7, top_k=20, speculation="fixed", draft_length=5, traceparent=False),
+]
+
+
+def test_each_generate_is_one_trace_with_a_span_per_round(traced: Cluster, receiver: OtlpReceiver) -> None:
+    calls = [generate(traced, seed=1000 + i + secrets.randbelow(10**6) * 10, **kw) for i, kw in enumerate(CALLS)]
+    spans = receiver.wait_for(lambda spans: all(complete(trace_of(spans, c), c) for c in calls))
+    for call in calls:
+        stats = call.response.stats
+        trace = trace_of(spans, call)
+        assert complete(trace, call), (call, sorted(s.name for s in trace), traced.logs())
+        by_id = {s.span_id: s for s in trace}
+        (gen,) = [s for s in trace if s.name == tr.SPAN_GENERATE]
+        rounds = sorted((s for s in trace if s.name == tr.SPAN_ROUND), key=lambda s: s.attributes[tr.ATTR_ROUND_INDEX])
+        # One trace across the three services, rooted at the Generate span (or the client's span).
+        expected = {tr.SERVICE_COORDINATOR, tr.SERVICE_TARGET} | ({tr.SERVICE_DRAFT} if call.speculative else set())
+        assert {s.service for s in trace} == expected
+        assert gen.service == tr.SERVICE_COORDINATOR and gen.status_code != 2
+        assert (gen.parent_span_id != "") == (call.trace_id is not None)
+        assert all(s.resource["service.version"] for s in trace)
+        # One round span per round, children of the Generate span, in order.
+        assert len(rounds) == stats.rounds
+        assert [r.attributes[tr.ATTR_ROUND_INDEX] for r in rounds] == list(range(stats.rounds))
+        assert all(r.parent_span_id == gen.span_id and r.service == tr.SERVICE_COORDINATOR for r in rounds)
+        lengths = [r.attributes[tr.ATTR_COMMITTED_LENGTH] for r in rounds]
+        assert lengths == sorted(set(lengths))
+        # Every draft and target span hangs under the round its message belonged to.
+        children: dict[str, list[ReceivedSpan]] = defaultdict(list)
+        for s in trace:
+            if s.service in (tr.SERVICE_DRAFT, tr.SERVICE_TARGET):
+                parent = by_id.get(s.parent_span_id)
+                assert parent is not None and parent.name == tr.SPAN_ROUND, s
+                assert s.attributes[tr.ATTR_COMMITTED_LENGTH] == parent.attributes[tr.ATTR_COMMITTED_LENGTH], s
+                assert s.attributes[tr.ATTR_SESSION_ID] == gen.attributes[tr.ATTR_SESSION_ID]
+                children[parent.span_id].append(s)
+        for r in rounds:
+            names = sorted(c.name for c in children[r.span_id])
+            verify = [c for c in children[r.span_id] if c.name == tr.SPAN_TARGET_VERIFY]
+            assert len(verify) == 1, names
+            assert verify[0].attributes[tr.ATTR_ACCEPTED] == r.attributes[tr.ATTR_ROUND_ACCEPTED]
+            assert verify[0].attributes[tr.ATTR_TOKEN_KIND] == r.attributes[tr.ATTR_ROUND_TOKEN_KIND]
+            proposes = [c for c in children[r.span_id] if c.name == tr.SPAN_DRAFT_PROPOSE]
+            assert len(proposes) == (1 if r.attributes[tr.ATTR_ROUND_DRAFT_TOKENS] else 0), names
+            for p in proposes:
+                assert p.attributes[tr.ATTR_DRAFT_TOKENS] == r.attributes[tr.ATTR_ROUND_DRAFT_TOKENS]
+        assert sum(tr.SPAN_TARGET_OPEN == c.name for cs in children.values() for c in cs) == 1
+        assert rounds[0].attributes[tr.ATTR_ROUND_PIPELINE_HIT] is False
+
+
+def test_round_spans_add_up_to_the_response_stats(traced: Cluster, receiver: OtlpReceiver) -> None:
+    calls = [generate(traced, seed=2000 + i + secrets.randbelow(10**6) * 10, **kw) for i, kw in enumerate(CALLS)]
+    spans = receiver.wait_for(lambda spans: all(complete(trace_of(spans, c), c) for c in calls))
+    for call in calls:
+        stats = call.response.stats
+        trace = trace_of(spans, call)
+        rounds = [s.attributes for s in trace if s.name == tr.SPAN_ROUND]
+        assert len(rounds) == stats.rounds
+        assert sum(r[tr.ATTR_ROUND_ACCEPTED] for r in rounds) == stats.accepted_tokens
+        assert sum(r[tr.ATTR_ROUND_DRAFT_TOKENS] for r in rounds) == stats.draft_tokens
+        assert sum(r[tr.ATTR_ROUND_TOKENS] for r in rounds) == stats.completion_tokens == len(call.response.token_ids)
+        assert sum(r[tr.ATTR_ROUND_DRAFT_TOKENS] > 0 for r in rounds) == stats.drafts
+        assert sum(r[tr.ATTR_ROUND_TARGET_ONLY] for r in rounds) == stats.target_only_rounds
+        for r in rounds:
+            assert r[tr.ATTR_ROUND_ACCEPTED] <= r[tr.ATTR_ROUND_DRAFT_TOKENS] <= r[tr.ATTR_ROUND_DRAFT_LENGTH]
+            assert r[tr.ATTR_ROUND_TOKEN_KIND] in (tr.TOKEN_KIND_BONUS, tr.TOKEN_KIND_RECOVERED)
+            assert r[tr.ATTR_ROUND_WALL_MS] >= r[tr.ATTR_ROUND_DRAFT_MS] + r[tr.ATTR_ROUND_VERIFY_MS] - 1e-6
+        (gen,) = [s.attributes for s in trace if s.name == tr.SPAN_GENERATE]
+        assert gen[tr.ATTR_ROUNDS] == stats.rounds and gen[tr.ATTR_DRAFTS] == stats.drafts
+        assert gen[tr.ATTR_ACCEPTED_TOKENS] == stats.accepted_tokens and gen[tr.ATTR_DRAFT_TOKENS] == stats.draft_tokens
+        assert gen[tr.ATTR_COMPLETION_TOKENS] == stats.completion_tokens and gen[tr.ATTR_FINISH_REASON] == "length"
+        assert gen[tr.ATTR_SEED] == call.seed and gen[tr.ATTR_PROMPT_TOKENS] == 6
+        assert gen[tr.ATTR_ACCEPTANCE_LENGTH] == pytest.approx(stats.acceptance_length)
+        assert gen[tr.ATTR_DRAFT_MS] == pytest.approx(sum(r[tr.ATTR_ROUND_DRAFT_MS] for r in rounds))
+
+
+def test_metrics_endpoints_count_what_was_served(traced: Cluster) -> None:
+    assert traced.coordinator is not None and traced.draft is not None
+    addresses = {s.name: metrics_address(s) for s in (traced.coordinator, traced.draft, traced.target)}
+    before = {name: scrape(a) for name, a in addresses.items()}
+    calls = [generate(traced, **{**kw, "seed": 3000 + i, "traceparent": False}) for i, kw in enumerate(CALLS)]
+    calls.append(generate(traced, seed=4000, max_new_tokens=24, temperature=0, speculation="fixed", draft_length=4))
+    after = {name: scrape(a) for name, a in addresses.items()}
+
+    def delta(service: str, name: str, **labels: str) -> float:
+        return total(after[service], name, **labels) - total(before[service], name, **labels)
+
+    stats = [c.response.stats for c in calls]
+    rounds, drafts = sum(s.rounds for s in stats), sum(s.drafts for s in stats)
+    draft_tokens, accepted = sum(s.draft_tokens for s in stats), sum(s.accepted_tokens for s in stats)
+    tokens = sum(s.completion_tokens for s in stats)
+    assert drafts > 0 and accepted > 0
+    c = "coordinator"
+    assert delta(c, "specd:spec_decode_num_drafts_total") == drafts
+    assert delta(c, "specd:spec_decode_num_draft_tokens_total") == draft_tokens
+    assert delta(c, "specd:spec_decode_num_accepted_tokens_total") == accepted
+    assert delta(c, "specd:spec_decode_num_accepted_tokens_per_pos_total") == accepted
+    per_pos = [delta(c, "specd:spec_decode_num_accepted_tokens_per_pos_total", position=str(i)) for i in range(5)]
+    assert per_pos == sorted(per_pos, reverse=True)  # accepted at position i+1 means accepted at i
+    assert delta(c, "specd:spec_decode_acceptance_length_count") == drafts
+    assert delta(c, "specd:spec_decode_acceptance_length_sum") == drafts + accepted
+    assert delta(c, "specd:spec_decode_num_rounds_total") == rounds
+    assert delta(c, "specd:request_success_total") == len(calls)
+    assert delta(c, "specd:request_success_total", finished_reason="length") == len(calls)
+    assert delta(c, "specd:generation_tokens_total") == tokens
+    assert delta(c, "specd:prompt_tokens_total") == 6 * len(calls)
+    assert delta(c, "specd:time_to_first_token_seconds_count") == len(calls)
+    assert delta(c, "specd:e2e_request_latency_seconds_count") == len(calls)
+    assert delta(c, "specd:inter_token_latency_seconds_count") == rounds - len(calls)
+    for part in ("draft", "verify", "overhead"):
+        assert delta(c, "specd:round_seconds_count", part=part) == rounds
+    assert total(after[c], "specd:num_requests_running") == 0
+    # The draft proposed what the coordinator verified; the target verified every round.
+    assert delta("draft", "specd:draft_requests_total", op="propose", result="ok") == drafts
+    assert delta("draft", "specd:draft_proposed_tokens_total") == draft_tokens
+    assert delta("draft", "specd:draft_propose_seconds_count") == drafts
+    assert delta("target", "specd:target_requests_total", op="verify", result="ok") == rounds
+    assert delta("target", "specd:target_verified_draft_tokens_total") == draft_tokens
+    assert delta("target", "specd:target_accepted_tokens_total") == accepted
+    assert delta("target", "specd:target_verdicts_total") == rounds
+    assert delta("target", "specd:target_requests_total", op="open", result="ok") == len(calls)
+    # Sessions are closed in the background after each request: both services drain to 0.
+    deadline = time.monotonic() + 10
+    while any(total(scrape(addresses[s]), "specd:sessions_active") for s in ("draft", "target")):
+        assert time.monotonic() < deadline, "sessions were not closed"
+        time.sleep(0.1)
+
+
+def test_unreachable_collector_adds_no_latency(traced: Cluster, receiver: OtlpReceiver) -> None:
+    """The collector dies (its port now accepts and never answers): requests are as fast as with tracing off.
+
+    The baseline is a second coordinator without tracing on the same draft and target: it sends
+    no trace context, so no service opens a span. Runs last in this module: it takes the receiver away.
+    """
+    assert traced.coordinator is not None and traced.draft is not None
+    args = list(traced.coordinator.args)
+    i = args.index("--otlp-endpoint")
+    off = QuietService("coordinator-off", args[:i] + args[i + 2:])
+    off.start(traced.env)
+    try:
+        off.wait_ready(READY_TIMEOUT_S)
+        assert not any("tracing on" in line for line in off.lines)
+        receiver.stop()
+        with socket.socket() as blackhole:
+            blackhole.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            blackhole.bind((receiver.host, receiver.port))
+            blackhole.listen(64)  # never accepted: exports hang until their timeout
+            workload = [dict(max_new_tokens=24, temperature=0, speculation="fixed", draft_length=4, seed=5000 + i)
+                        for i in range(4)]
+
+            def timed(address: str) -> float:
+                start = time.perf_counter()
+                for kw in workload:
+                    assert generate(address, **kw).response.stats.completion_tokens == 24
+                return time.perf_counter() - start
+
+            for address in (off.address or "", traced.address):  # warm up
+                generate(address, **workload[0])
+            off_s = dead_s = 0.0
+            for _ in range(2):  # interleaved, so that load on the machine hits both alike
+                off_s += timed(off.address or "")
+                dead_s += timed(traced.address)
+            assert dead_s < 2 * off_s + 1.0, (dead_s, off_s)
+            # Shutting down with spans queued for a dead collector is bounded too.
+            services = [off, traced.coordinator, traced.draft, traced.target]
+            start = time.perf_counter()
+            for service in services:
+                service.signal(signal.SIGTERM)
+            codes = [s.proc.wait(30) for s in services]  # type: ignore[union-attr]
+            assert codes == [0, 0, 0, 0] and time.perf_counter() - start < 20, (codes, traced.logs())
+    finally:
+        off.stop(grace_s=5.0)

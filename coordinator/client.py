@@ -21,6 +21,11 @@ _MODES = {
     "off": common_pb2.SpeculationParams.MODE_OFF,
     None: common_pb2.SpeculationParams.MODE_UNSPECIFIED,
 }
+_PIPELINES = {
+    True: common_pb2.SpeculationParams.PIPELINE_BONUS_MATCH,
+    False: common_pb2.SpeculationParams.PIPELINE_OFF,
+    None: common_pb2.SpeculationParams.PIPELINE_UNSPECIFIED,
+}
 
 
 def build_request(
@@ -36,6 +41,7 @@ def build_request(
     stop_token_ids: Sequence[int] = (),
     speculation: str | None = None,
     draft_length: int = 0,
+    pipeline: bool | None = None,
     ignore_eos: bool = False,
 ) -> coordinator_pb2.GenerateRequest:
     """A GenerateRequest; prompt is text, token IDs, or chat messages ({'role', 'content'} dicts)."""
@@ -63,6 +69,7 @@ def build_request(
         raise ValueError(f"speculation must be one of auto, fixed, off (got {speculation!r})")
     req.speculation.mode = _MODES[speculation]
     req.speculation.draft_length = draft_length
+    req.speculation.pipeline = _PIPELINES[pipeline]
     return req
 
 

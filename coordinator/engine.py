@@ -19,6 +19,7 @@ from transformers import PreTrainedTokenizerBase
 
 from coordinator.detokenizer import IncrementalDetokenizer
 from coordinator.peers import DraftPeer, TargetPeer
+from specd import tracing as tr
 from specd.config import CoordinatorConfig
 from specd.errors import (
     DeadlineExceeded,
@@ -30,6 +31,8 @@ from specd.errors import (
     SpecdError,
     Unavailable,
 )
+from specd.metrics import CoordinatorMetrics
+from specd.adaptive import AdaptiveDraftLength, Estimate, observe_round
 from specd.proposal import Proposal
 from specd.rounds import FinishReason, Generation, RoundStats, StopRule
 from specd.sampling import SamplingParams
@@ -51,7 +54,8 @@ class GenerateSpec:
     stop_strings: tuple[str, ...] = ()
     stop_token_ids: frozenset[int] = frozenset()
     speculation: str = "auto"  # one of SPECULATION_MODES
-    draft_length: int = 4
+    draft_length: int = 4  # fixed K, or the largest K automatic mode may pick
+    pipeline: bool = False  # draft round r+1 while round r is verified (bonus-match)
 
 
 @dataclass
@@ -130,6 +134,11 @@ class RoundEngine:
         self._active = 0
         self._background: set[asyncio.Task[None]] = set()
         self.round_timings: deque[RoundTiming] = deque(maxlen=100_000)
+        # Service-wide acceptance and cost estimates: where each session's adaptive K starts.
+        self._acceptance_prior = Estimate(0.5)
+        self._cost_prior = Estimate(0.2)
+        self.tracing: tr.Tracing = tr.TRACING_OFF  # the service sets these before it serves
+        self.metrics: CoordinatorMetrics | None = None
 
     # ---- lifecycle -------------------------------------------------------
 
@@ -219,8 +228,12 @@ class RoundEngine:
                 f"the coordinator is serving its limit of {self.config.max_concurrent_requests} requests; retry later"
             )
 
-    async def generate(self, spec: GenerateSpec, *, deadline: float, arrival: float | None = None) -> AsyncIterator[Chunk]:
-        """Run the request's rounds, yielding a Chunk per round; the last one has finish_reason and stats."""
+    async def generate(self, spec: GenerateSpec, *, deadline: float, arrival: float | None = None,
+                       span: tr.Span | None = None) -> AsyncIterator[Chunk]:
+        """Run the request's rounds, yielding a Chunk per round; the last one has finish_reason and stats.
+
+        span: the request's (Generate) span; each round gets a child span.
+        """
         self.admit()
         self._active += 1
         arrival = time.monotonic() if arrival is None else arrival
@@ -230,18 +243,49 @@ class RoundEngine:
         target_s, draft_s = _PeerSession(), _PeerSession(known=len(spec.prompt_ids))
         first_token_at: float | None = None
         totals = RoundTiming(0.0, 0.0, 0.0)
+        if span is not None and span.is_recording():
+            span.set_attribute(tr.ATTR_SESSION_ID, sid)
+        round_span = tr.INVALID_SPAN
+        adaptive = self._adaptive(spec) if spec.speculation == "auto" else None
+        ahead: asyncio.Future[Proposal] | None = None  # pre-draft of the next round (pipelining)
+        ready: Proposal | None = None  # a pre-draft that matched: the next round's draft tokens
         try:
             while not gen.done:
                 round_start = time.perf_counter()
-                budget = gen.draft_budget(spec.draft_length) if spec.speculation != "off" else 0
-                k = budget if budget > 0 and await self._draft_usable() else 0
-                proposal = Proposal([])
-                if k > 0:
-                    proposal = await self._propose(sid, gen, draft_s, k, spec.params, deadline)
-                outcome = await self._verify(sid, gen, target_s, proposal, spec.params, deadline)
+                round_span = self.tracing.start_round(span, gen.stats.rounds, gen.committed_length)
+                wanted = 0 if spec.speculation == "off" else (adaptive.next_k() if adaptive else spec.draft_length)
+                budget = gen.draft_budget(wanted)
+                proposal, hit = Proposal([]), ready is not None
+                if ready is not None:
+                    proposal, ready = ready.window(0, budget), None
+                elif budget > 0 and await self._draft_usable():
+                    proposal = await self._propose(sid, gen.committed, draft_s, draft_s.known, budget, spec.params,
+                                                   deadline, round_span)
+                verify = asyncio.ensure_future(
+                    self._verify(sid, gen, target_s, proposal, spec.params, deadline, round_span))
+                if spec.pipeline and 0 < len(proposal) == budget:
+                    # Assume every draft token is accepted and draft K+1 more: the first
+                    # guesses the target's bonus token, the rest are the next round's drafts.
+                    ahead = asyncio.ensure_future(self._propose(
+                        sid, gen.committed + proposal.token_ids, draft_s, gen.committed_length + len(proposal),
+                        wanted + 1, spec.params, deadline, round_span))
+                try:
+                    outcome = await verify
+                finally:
+                    verify.cancel()  # no-op once done; stops the round if the request was cancelled
+                    pre = await ahead if ahead is not None else None  # the draft is busy with it either way
+                    ahead = None
                 if len(proposal):
                     draft_s.known = gen.committed_length + outcome.accepted
-                new = gen.commit(proposal.token_ids, outcome.accepted, outcome.token_id, fallback=budget > 0 and not proposal)
+                if (pre is not None and len(pre) >= 2 and outcome.is_bonus and outcome.accepted == len(proposal)
+                        and pre.token_ids[0] == outcome.token_id):
+                    ready = pre.window(1)  # drafted for exactly the prefix this round commits
+                    draft_s.known += 1
+                if adaptive is not None:
+                    self._learn(adaptive, proposal, outcome)
+                gen.stats.pipeline_hits += int(hit)
+                new = gen.commit(proposal.token_ids, outcome.accepted, outcome.token_id,
+                                 fallback=budget > 0 and not proposal)
                 keep = detok.push(new)
                 if keep is not None:
                     gen.finish(FinishReason.STOP_STRING, keep=len(gen.generated) - len(new) + keep)
@@ -253,6 +297,9 @@ class RoundEngine:
                 totals.wall_ms += timing.wall_ms
                 totals.draft_ms += timing.draft_ms
                 totals.verify_ms += timing.verify_ms
+                self._observe_round(round_span, gen.stats.rounds - 1, budget, proposal, outcome, len(new), timing,
+                                    target_only=budget > 0 and not proposal, pipeline_hit=hit)
+                round_span = tr.INVALID_SPAN
                 if gen.done:
                     break
                 yield Chunk(new, detok.take())
@@ -270,38 +317,60 @@ class RoundEngine:
                 overhead_ms=totals.overhead_ms,
             )
             yield Chunk(new, detok.take(final=True), gen.finish_reason, stats)
+        except BaseException as exc:
+            tr.record_error(round_span, exc)
+            raise
         finally:
             self._active -= 1
             self._close_later(sid, target_s.opened, draft_s.opened)
+            round_span.end()  # a round cut short by an error or cancellation
 
     # ---- rounds ------------------------------------------------------------------
 
+    def _adaptive(self, spec: GenerateSpec) -> AdaptiveDraftLength:
+        """A session's K controller, starting from the service-wide estimates."""
+        return AdaptiveDraftLength(
+            k_max=spec.draft_length,
+            acceptance=Estimate(self._acceptance_prior.value, weight=4.0),
+            cost_ratio=Estimate(self._cost_prior.value, weight=4.0),
+        )
+
+    def _learn(self, adaptive: AdaptiveDraftLength, proposal: Proposal, outcome: VerifyOutcome) -> None:
+        """Feed a round to the session's controller and to the service-wide priors."""
+        for acceptance, cost in ((adaptive.acceptance, adaptive.cost_ratio), (self._acceptance_prior, self._cost_prior)):
+            observe_round(acceptance, cost, len(proposal), outcome.accepted, proposal.compute_ms, outcome.compute_ms)
+
     async def _propose(
-        self, sid: str, gen: Generation, ds: _PeerSession, k: int, params: SamplingParams, deadline: float
+        self, sid: str, committed: list[int], ds: _PeerSession, start: int, k: int, params: SamplingParams,
+        deadline: float, round_span: tr.Span = tr.INVALID_SPAN,
     ) -> Proposal:
-        """K draft tokens, or an empty proposal (target-only round) if the draft fails."""
+        """K draft tokens after `committed` (the draft agrees on its first `start`), or none if the draft fails."""
         assert self.draft is not None
         timeout = min(self.config.draft_timeout_s, max(0.0, deadline - time.monotonic()))
-        committed = gen.committed
+        trace = self.tracing.inject(round_span)
         try:
             for _ in range(2):  # a second try after re-opening a session the draft lost
                 try:
                     if not ds.opened:
-                        await self.draft.open(sid, committed, params, timeout)
-                        ds.opened, ds.known = True, len(committed)
-                    return await self.draft.propose(sid, committed, ds.known, k, self.vocab_size, timeout)
+                        await self.draft.open(sid, committed, params, timeout, trace=trace)
+                        ds.opened, ds.known, start = True, len(committed), len(committed)
+                    return await self.draft.propose(sid, committed, start, k, self.vocab_size, timeout, trace=trace)
                 except (SessionNotFound, SessionOutOfSync):
                     ds.opened = False
             raise Unavailable("draft lost the session twice in a row")
         except SpecdError as exc:  # slow, gone, lying or full: speculation pauses, output stays exact
             ds.opened = False
             self._draft_failed(f"{type(exc).__name__}: {exc}")
+            if round_span.is_recording():
+                round_span.add_event("draft failed; target-only round", {tr.ATTR_ERROR_TYPE: type(exc).__name__})
             return Proposal([])
 
     async def _verify(
-        self, sid: str, gen: Generation, ts: _PeerSession, proposal: Proposal, params: SamplingParams, deadline: float
+        self, sid: str, gen: Generation, ts: _PeerSession, proposal: Proposal, params: SamplingParams, deadline: float,
+        round_span: tr.Span = tr.INVALID_SPAN,
     ) -> VerifyOutcome:
         """The target's verdict; re-opens lost sessions, retries a broken stream within the budget."""
+        trace = self.tracing.inject(round_span)
         failing_since: float | None = None
         backoff = 0.05
         while True:
@@ -312,19 +381,38 @@ class RoundEngine:
             timeout = min(budget_end - now, self.config.target_timeout_s)
             try:
                 if not ts.opened:
-                    await self.target.open(sid, gen.committed, params, timeout)
+                    await self.target.open(sid, gen.committed, params, timeout, trace=trace)
                     ts.opened = True
-                return await self.target.verify(sid, gen.committed_length, proposal, timeout)
+                return await self.target.verify(sid, gen.committed_length, proposal, timeout, trace=trace)
             except (SessionNotFound, SessionOutOfSync):
                 ts.opened = False
             except (Unavailable, DeadlineExceeded) as exc:
                 ts.opened = False
                 failing_since = failing_since or now
                 log.warning("target round failed (%s); retrying", exc)
+                if round_span.is_recording():
+                    round_span.add_event("target failed; retrying", {tr.ATTR_ERROR_TYPE: type(exc).__name__})
                 await asyncio.sleep(min(backoff, max(0.0, budget_end - time.monotonic())))
                 backoff = min(backoff * 2, 1.0)
             except InvalidArgument as exc:
                 raise FailedPrecondition(f"the target refused a round: {exc}") from exc
+
+    def _observe_round(self, round_span: tr.Span, index: int, k: int, proposal: Proposal, outcome: VerifyOutcome,
+                       tokens: int, timing: RoundTiming, *, target_only: bool, pipeline_hit: bool = False) -> None:
+        """A committed round's numbers: set once on its span (then ended) and counted in the metrics."""
+        if round_span.is_recording():
+            round_span.set_attributes(tr.round_attributes(
+                draft_length=k, draft_tokens=len(proposal), accepted=outcome.accepted, is_bonus=outcome.is_bonus,
+                tokens=tokens, target_only=target_only, draft_ms=timing.draft_ms, verify_ms=timing.verify_ms,
+                overhead_ms=timing.overhead_ms, wall_ms=timing.wall_ms, pipeline_hit=pipeline_hit,
+            ))
+        round_span.end()
+        if self.metrics is not None:
+            self.metrics.observe_round(
+                index=index, draft_tokens=len(proposal), accepted=outcome.accepted, target_only=target_only,
+                tokens=tokens, draft_ms=timing.draft_ms, verify_ms=timing.verify_ms, overhead_ms=timing.overhead_ms,
+                wall_ms=timing.wall_ms,
+            )
 
     def _close_later(self, sid: str, target_open: bool, draft_open: bool) -> None:
         """Free the session on both services without holding up (or being cancelled with) the request."""

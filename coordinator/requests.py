@@ -24,6 +24,11 @@ _MODES = {
     common_pb2.SpeculationParams.MODE_FIXED: "fixed",
     common_pb2.SpeculationParams.MODE_OFF: "off",
 }
+_PIPELINES = {
+    common_pb2.SpeculationParams.PIPELINE_UNSPECIFIED: None,
+    common_pb2.SpeculationParams.PIPELINE_OFF: "off",
+    common_pb2.SpeculationParams.PIPELINE_BONUS_MATCH: "bonus-match",
+}
 
 
 def prompt_ids(req: coordinator_pb2.GenerateRequest, tokenizer: PreTrainedTokenizerBase,
@@ -108,10 +113,12 @@ def spec_from_request(
     if bad_stop:
         raise InvalidArgument(f"stop token id {bad_stop[0]} is outside the vocabulary [0, {vocab_size})")
     stop_ids = set(req.stop_token_ids) | (set() if req.ignore_eos else set(eos_token_ids))
-    mode = _MODES.get(req.speculation.mode)
     if req.speculation.mode not in _MODES:
         raise InvalidArgument(f"unknown speculation mode {req.speculation.mode}")
-    mode = mode or config.speculation
+    mode = _MODES[req.speculation.mode] or config.speculation
+    if req.speculation.pipeline not in _PIPELINES:
+        raise InvalidArgument(f"unknown speculation pipeline {req.speculation.pipeline}")
+    pipeline = _PIPELINES[req.speculation.pipeline] or config.pipeline
     draft_length = config.draft_length
     if mode == "fixed" and req.speculation.draft_length:
         draft_length = req.speculation.draft_length
@@ -127,4 +134,5 @@ def spec_from_request(
         stop_token_ids=frozenset(stop_ids),
         speculation=mode,
         draft_length=draft_length,
+        pipeline=pipeline == "bonus-match",
     )

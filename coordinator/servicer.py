@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import time
 from collections.abc import AsyncIterator
+from contextlib import aclosing
 
 import grpc
 
 from coordinator.engine import Chunk, RequestStats, RoundEngine
 from coordinator.requests import spec_from_request
+from specd import tracing as tr
 from specd.rounds import FinishReason
 from specd.v1 import common_pb2, coordinator_pb2, coordinator_pb2_grpc
 
@@ -35,6 +37,8 @@ def stats_to_proto(stats: RequestStats) -> coordinator_pb2.GenerateStats:
         tokens_per_s=stats.tokens_per_s,
         seed=stats.seed,
         target_only_rounds=r.target_only_rounds,
+        pipeline_hits=r.pipeline_hits,
+        accepted_per_position=r.accepted_per_position,
     )
 
 
@@ -42,7 +46,8 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
     def __init__(self, engine: RoundEngine) -> None:
         self.engine = engine
 
-    def _chunks(self, request: coordinator_pb2.GenerateRequest, context: grpc.aio.ServicerContext) -> AsyncIterator[Chunk]:
+    def _chunks(self, request: coordinator_pb2.GenerateRequest, context: grpc.aio.ServicerContext,
+                span: tr.Span = tr.INVALID_SPAN) -> AsyncIterator[Chunk]:
         arrival = time.monotonic()
         engine = self.engine
         spec = spec_from_request(
@@ -55,13 +60,38 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
         )
         remaining = context.time_remaining()
         budget = engine.config.request_timeout_s if remaining is None else min(remaining, engine.config.request_timeout_s)
-        return engine.generate(spec, deadline=arrival + budget, arrival=arrival)
+        if span.is_recording():
+            span.set_attributes(tr.request_attributes(spec))
+        return engine.generate(spec, deadline=arrival + budget, arrival=arrival, span=span)
+
+    async def _observed(self, method: str, request: coordinator_pb2.GenerateRequest,
+                        context: grpc.aio.ServicerContext) -> AsyncIterator[Chunk]:
+        """The request's chunks inside its Generate span; request metrics when it ends."""
+        engine = self.engine
+        arrival = time.monotonic()
+        span = engine.tracing.start_generate(method, context.invocation_metadata() if engine.tracing.enabled else ())
+        try:
+            async with aclosing(self._chunks(request, context, span)) as chunks:
+                async for chunk in chunks:
+                    if chunk.stats is not None and chunk.finish_reason is not None:
+                        if span.is_recording():
+                            span.set_attributes(tr.stats_attributes(chunk.stats, chunk.finish_reason.value))
+                        if engine.metrics is not None:
+                            engine.metrics.observe_request(chunk.stats, chunk.finish_reason.value, time.monotonic() - arrival)
+                    yield chunk
+        except BaseException as exc:
+            tr.record_error(span, exc)
+            if engine.metrics is not None:
+                engine.metrics.observe_failure(tr.error_name(exc))
+            raise
+        finally:
+            span.end()
 
     async def Generate(
         self, request: coordinator_pb2.GenerateRequest, context: grpc.aio.ServicerContext
     ) -> coordinator_pb2.GenerateResponse:
         response = coordinator_pb2.GenerateResponse()
-        async for chunk in self._chunks(request, context):
+        async for chunk in self._observed("Generate", request, context):
             response.token_ids.extend(chunk.token_ids)
             response.text += chunk.text
             if chunk.finish_reason is not None:
@@ -73,7 +103,7 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
     async def GenerateStream(
         self, request: coordinator_pb2.GenerateRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[coordinator_pb2.GenerateStreamResponse]:
-        async for chunk in self._chunks(request, context):
+        async for chunk in self._observed("GenerateStream", request, context):
             msg = coordinator_pb2.GenerateStreamResponse(token_ids=chunk.token_ids, text=chunk.text)
             if chunk.finish_reason is not None:
                 msg.finish_reason = _FINISH[chunk.finish_reason]

@@ -70,12 +70,18 @@ class AdaptiveDraftLength:
 
     def observe(self, drafted: int, accepted: int, draft_ms: float, verify_ms: float) -> None:
         """One verified round: `accepted` of `drafted` tokens; compute times as the services report them."""
-        if drafted <= 0:
-            return
-        # Per-token acceptance from "accepted before the first rejection": the
-        # maximum-likelihood a for a truncated geometric observation.
-        rejected = 0 if accepted == drafted else 1
-        trials = accepted + rejected
-        self.acceptance.update(accepted / trials if trials else 0.0, n=trials)
-        if verify_ms > 0:
-            self.cost_ratio.update((draft_ms / drafted) / verify_ms)
+        observe_round(self.acceptance, self.cost_ratio, drafted, accepted, draft_ms, verify_ms)
+
+
+def observe_round(
+    acceptance: Estimate, cost_ratio: Estimate, drafted: int, accepted: int, draft_ms: float, verify_ms: float
+) -> None:
+    """Update acceptance and cost estimates with one verified round (nothing drafted: nothing learnt)."""
+    if drafted <= 0:
+        return
+    # Per-token acceptance from "accepted before the first rejection": the
+    # maximum-likelihood a for a truncated geometric observation.
+    trials = accepted + (0 if accepted == drafted else 1)
+    acceptance.update(accepted / trials, n=trials)
+    if draft_ms > 0 and verify_ms > 0:  # a pipelined draft's time was hidden: no cost sample
+        cost_ratio.update((draft_ms / drafted) / verify_ms)

@@ -27,6 +27,12 @@ class Proposal:
     def __len__(self) -> int:
         return len(self.token_ids)
 
+    def window(self, start: int, stop: int | None = None, *, compute_ms: float = 0.0) -> "Proposal":
+        """Draft tokens [start:stop] with their q rows (e.g. a pre-draft minus its first token)."""
+        q_ids = None if self.q_ids is None else self.q_ids[start:stop]
+        q_probs = None if self.q_probs is None else self.q_probs[start:stop]
+        return Proposal(self.token_ids[start:stop], q_ids, q_probs, compute_ms)
+
     @staticmethod
     def from_wire(
         token_ids: Sequence[int], q: Sequence[tuple[Sequence[int], Sequence[float]]], vocab_size: int

@@ -34,6 +34,7 @@ class RoundStats:
     accepted_tokens: int = 0  # draft tokens accepted
     target_only_rounds: int = 0  # rounds that wanted draft tokens but got none (draft down, failing, empty)
     accepted_per_position: list[int] = field(default_factory=list)  # [i] = rounds whose draft i was accepted
+    pipeline_hits: int = 0  # rounds whose drafts were made while the previous round was verified
 
     @property
     def acceptance_length(self) -> float:

@@ -187,3 +187,24 @@ def test_sigterm_lets_in_flight_request_finish(tiny_pair: tuple[Path, Path], tmp
         client.close()
     finally:
         c.stop()
+
+
+def test_pipelining_and_auto_give_the_same_tokens(tiny_pair: tuple[Path, Path], tmp_path: Path) -> None:
+    """Bonus-match pipelining is exact and changes no token; automatic K is exact (greedy)."""
+    target, _ = tiny_pair
+    with Cluster(target, target, cache_dir=tmp_path) as c, c.client() as client:  # the target drafts for itself
+        hits = 0
+        for seed, text in enumerate(PROMPTS[:4]):
+            ids = prompt_ids(target, text)
+            for temperature in (0.0, 0.8):
+                params = SamplingParams(temperature=temperature, seed=seed)
+                ref = reference(target, target, ids, params, max_new_tokens=24, draft_length=3)
+                got = client.generate(ids, max_new_tokens=24, temperature=temperature, seed=seed, ignore_eos=True,
+                                      speculation="fixed", draft_length=3, pipeline=True)
+                assert list(got.token_ids) == ref.token_ids
+                hits += got.stats.pipeline_hits
+            auto = client.generate(ids, max_new_tokens=24, temperature=0, ignore_eos=True, speculation="auto")
+            greedy = reference(target, None, ids, SamplingParams(temperature=0), max_new_tokens=24)
+            assert list(auto.token_ids) == greedy.token_ids
+            assert auto.stats.draft_tokens > 0
+        assert hits > 0

@@ -35,7 +35,7 @@ class SamplingParams(_message.Message):
     def __init__(self, temperature: _Optional[float] = ..., top_k: _Optional[int] = ..., top_p: _Optional[float] = ..., min_p: _Optional[float] = ..., seed: _Optional[int] = ...) -> None: ...
 
 class SpeculationParams(_message.Message):
-    __slots__ = ("mode", "draft_length")
+    __slots__ = ("mode", "draft_length", "pipeline")
     class Mode(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
         __slots__ = ()
         MODE_UNSPECIFIED: _ClassVar[SpeculationParams.Mode]
@@ -46,11 +46,21 @@ class SpeculationParams(_message.Message):
     MODE_AUTO: SpeculationParams.Mode
     MODE_FIXED: SpeculationParams.Mode
     MODE_OFF: SpeculationParams.Mode
+    class Pipeline(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+        __slots__ = ()
+        PIPELINE_UNSPECIFIED: _ClassVar[SpeculationParams.Pipeline]
+        PIPELINE_OFF: _ClassVar[SpeculationParams.Pipeline]
+        PIPELINE_BONUS_MATCH: _ClassVar[SpeculationParams.Pipeline]
+    PIPELINE_UNSPECIFIED: SpeculationParams.Pipeline
+    PIPELINE_OFF: SpeculationParams.Pipeline
+    PIPELINE_BONUS_MATCH: SpeculationParams.Pipeline
     MODE_FIELD_NUMBER: _ClassVar[int]
     DRAFT_LENGTH_FIELD_NUMBER: _ClassVar[int]
+    PIPELINE_FIELD_NUMBER: _ClassVar[int]
     mode: SpeculationParams.Mode
     draft_length: int
-    def __init__(self, mode: _Optional[_Union[SpeculationParams.Mode, str]] = ..., draft_length: _Optional[int] = ...) -> None: ...
+    pipeline: SpeculationParams.Pipeline
+    def __init__(self, mode: _Optional[_Union[SpeculationParams.Mode, str]] = ..., draft_length: _Optional[int] = ..., pipeline: _Optional[_Union[SpeculationParams.Pipeline, str]] = ...) -> None: ...
 
 class TokenIds(_message.Message):
     __slots__ = ("ids",)

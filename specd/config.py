@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import os
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar, get_type_hints
@@ -138,6 +139,8 @@ class CoordinatorConfig(ServiceBase):
     draft_length: int = _opt(4, "draft tokens per round when speculation is fixed or automatic")
     max_draft_length: int = _opt(16, "largest draft length a request may ask for")
     speculation: str = _opt("auto", "default speculation mode", choices=["auto", "fixed", "off"])
+    pipeline: str = _opt("off", "default pipelining: draft the next round during verification",
+                         choices=["off", "bonus-match"])
     default_max_new_tokens: int = _opt(128, "max_new_tokens when a request sets none")
     max_new_tokens_limit: int = _opt(4096, "largest max_new_tokens a request may ask for")
     max_concurrent_requests: int = _opt(64, "requests served at once; more get RESOURCE_EXHAUSTED")
@@ -191,14 +194,17 @@ def _parse_bool(raw: str) -> bool:
     raise ValueError(raw)
 
 
-def _env_default(name: str, kind: type, default: Any) -> Any:
+def _env_default(name: str, kind: Any, default: Any, choices: Sequence[str] | None = None) -> Any:
     raw = os.environ.get(f"SPECD_{name.upper()}")
     if raw is None:
         return default
     try:
-        return kind(raw)
+        value = kind(raw)
     except ValueError as exc:
         raise InvalidArgument(f"SPECD_{name.upper()}={raw!r} is not a valid {getattr(kind, '__name__', 'value')}") from exc
+    if choices is not None and value not in choices:
+        raise InvalidArgument(f"SPECD_{name.upper()}={raw!r} must be one of {', '.join(choices)}")
+    return value
 
 
 def add_arguments(parser: argparse.ArgumentParser, cls: type, *, skip: tuple[str, ...] = ()) -> None:
@@ -221,7 +227,7 @@ def add_arguments(parser: argparse.ArgumentParser, cls: type, *, skip: tuple[str
             f"--{f.name.replace('_', '-')}",
             dest=f.name,
             type=kind,
-            default=_env_default(f.name, kind, f.default),
+            default=_env_default(f.name, kind, f.default, f.metadata.get("choices")),
             choices=f.metadata.get("choices"),
             help=f"{f.metadata.get('help', '')} (default: %(default)s)",
         )

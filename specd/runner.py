@@ -84,8 +84,11 @@ class CausalLMRunner:
                 f"max_context {max_context} exceeds the model's {limit} positions; pass max_context <= {limit}"
             )
         self.model = model.eval()  # no dropout: cached and uncached passes must agree
-        self.vocab_size: int = int(head.weight.shape[0])  # logits width; may exceed len(tokenizer)
+        # Logits width; may exceed len(tokenizer). A tensor-parallel head states
+        # the full width in out_features (its weight holds one shard).
+        self.vocab_size: int = int(getattr(head, "out_features", None) or head.weight.shape[0])
         self.max_context: int = int(max_context)
+        self._kv_bytes_per_token: int | None = None
 
     # ---- validation -----------------------------------------------------
 
@@ -198,6 +201,20 @@ class CausalLMRunner:
         s.cached = n
         logits = out.logits[0, -num_last:, :]  # [num_last, V]
         return logits.float()
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        """KV-cache bytes one cached token costs (keys + values of every layer, this process's heads)."""
+        if self._kv_bytes_per_token is None:
+            probe = self.new_session([0])
+            self.logits(probe, 1)
+            self._kv_bytes_per_token = self.kv_bytes(probe)
+            self.release(probe)
+        return self._kv_bytes_per_token
+
+    def release(self, s: KVSession) -> None:
+        """The owner is done with `s`. Nothing to free here (the cache dies with the
+        session object); a tensor-parallel runner tells its followers to drop theirs."""
 
     # ---- memory ---------------------------------------------------------
 

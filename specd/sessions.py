@@ -18,6 +18,29 @@ class _Entry(Generic[T]):
     last_used: float = field(default_factory=time.monotonic)
 
 
+class KVBudget:
+    """Admission by KV-cache memory: a session is admitted if all held tokens plus its own fit.
+
+    Sessions grow as they generate, so the budget bounds what is admitted, and
+    idle expiry and closes give memory back; size it with headroom.
+    """
+
+    def __init__(self, max_bytes: int, bytes_per_token: Callable[[], int]) -> None:
+        self.max_bytes = max_bytes
+        self._bytes_per_token = bytes_per_token
+
+    def admit(self, held_tokens: int, new_tokens: int) -> None:
+        if not self.max_bytes:
+            return
+        per_token = self._bytes_per_token()
+        needed = (held_tokens + new_tokens) * per_token
+        if needed > self.max_bytes:
+            raise ResourceExhausted(
+                f"KV-cache budget reached: {held_tokens} tokens held + {new_tokens} new need {needed} bytes, "
+                f"the budget is {self.max_bytes} (--max-kv-bytes); retry later"
+            )
+
+
 class SessionTable(Generic[T]):
     """Session ID -> state, with an admission limit and idle expiry.
 

@@ -18,7 +18,7 @@ from specd.errors import InvalidArgument
 from specd.proposal import Proposal
 from specd.runner import CausalLMRunner, KVSession
 from specd.sampling import SamplingParams, SparseProposal
-from specd.sessions import SessionTable
+from specd.sessions import KVBudget, SessionTable
 
 
 @dataclass(frozen=True)
@@ -39,17 +39,26 @@ class _TargetSession:
 class Verifier:
     """Sessions of the target model and the verification step over them."""
 
-    def __init__(self, runner: CausalLMRunner, *, max_sessions: int = 256, idle_timeout_s: float = 600.0) -> None:
+    def __init__(
+        self, runner: CausalLMRunner, *, max_sessions: int = 256, idle_timeout_s: float = 600.0, max_kv_bytes: int = 0
+    ) -> None:
         self.runner = runner
+        self._kv_budget = KVBudget(max_kv_bytes, lambda: runner.kv_bytes_per_token)
         self.vocab_size = runner.vocab_size
-        self._sessions: SessionTable[_TargetSession] = SessionTable(max_sessions, idle_timeout_s=idle_timeout_s)
+        self._sessions: SessionTable[_TargetSession] = SessionTable(
+            max_sessions, idle_timeout_s=idle_timeout_s, on_evict=lambda _sid, s: runner.release(s.kv)
+        )
 
     def open(self, session_id: str, token_ids: Sequence[int], params: SamplingParams) -> None:
         params.validate()
+        self._sessions.pop(session_id)  # a re-open replaces the session and its memory
+        self._kv_budget.admit(sum(len(s.kv) for _, s in self._sessions), len(token_ids))
         self._sessions.put(session_id, _TargetSession(self.runner.new_session(token_ids), params))
 
     def close(self, session_id: str) -> None:
-        self._sessions.pop(session_id)
+        s = self._sessions.pop(session_id)
+        if s is not None:
+            self.runner.release(s.kv)
 
     def active_sessions(self) -> int:
         return len(self._sessions)

@@ -2,14 +2,19 @@
 
 from __future__ import annotations
 
+import asyncio
+import inspect
 import logging
+import os
 from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
 from specd import catalog
 from specd.config import TargetConfig
+from specd.metrics import TargetMetrics
 from specd.serving import ServiceHandle, build_server
+from specd.tracing import Tracing
 from specd.v1 import common_pb2, target_pb2, target_pb2_grpc
 from specd.verification import Verifier
 from target_service.servicer import TargetServicer
@@ -23,20 +28,76 @@ def build_verifier(config: TargetConfig) -> tuple[Verifier, common_pb2.ModelInfo
     if config.torch_threads:
         torch.set_num_threads(config.torch_threads)
     folder = catalog.target_folder(config.model, config.cache_path)
-    loaded, runner = catalog.load_for_serving(folder, config.device)
-    verifier = Verifier(runner, max_sessions=config.max_sessions, idle_timeout_s=config.idle_timeout_s)
+    if config.tp > 1:  # this process is rank 0 of a tensor-parallel group
+        from target_service.workers import build_tp_runner
+
+        loaded, runner = build_tp_runner(
+            folder, tp=config.tp, executor=config.executor, device=config.device,
+            torch_threads=config.torch_threads, ray_address=config.ray_address,
+            ready_timeout_s=config.worker_ready_timeout_s, exit_on_failure=config.exit_on_worker_failure,
+        )
+    else:
+        loaded, runner = catalog.load_for_serving(folder, config.device)
+    verifier = Verifier(
+        runner, max_sessions=config.max_sessions, idle_timeout_s=config.idle_timeout_s, max_kv_bytes=config.max_kv_bytes
+    )
     return verifier, common_pb2.ModelInfo(**catalog.model_identity(loaded, runner))
 
 
 def create_server(
-    config: TargetConfig, *, verifier: Verifier | None = None, info: common_pb2.ModelInfo | None = None
+    config: TargetConfig, *, verifier: Verifier | None = None, info: common_pb2.ModelInfo | None = None,
+    tracing: Tracing | None = None, metrics: TargetMetrics | None = None,
 ) -> ServiceHandle:
     """The target service, bound (port 0 picks one) but not started."""
     if verifier is None or info is None:
         verifier, info = build_verifier(config)
     executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="specd-target-model")
-    servicer = TargetServicer(verifier, executor, info)
+    servicer = TargetServicer(verifier, executor, info, tracing=tracing, metrics=metrics)
     server, port, health = build_server(
         config, lambda s: target_pb2_grpc.add_TargetServicer_to_server(servicer, s), [SERVICE_NAME]
     )
-    return ServiceHandle(server, port, health, [SERVICE_NAME], on_stop=executor.shutdown)
+    handle = ServiceHandle(server, port, health, [SERVICE_NAME], on_stop=executor.shutdown)
+    return _follow_worker_group(handle, verifier)
+
+
+def _follow_worker_group(handle: ServiceHandle, verifier: Verifier) -> ServiceHandle:
+    """With tp > 1: health follows the worker group, and stopping the service stops its workers."""
+    from target_service.workers import EXIT_WORKER_FAILURE, WorkerGroup
+
+    group = getattr(verifier.runner, "group", None)
+    if not isinstance(group, WorkerGroup):
+        return handle
+    try:
+        loop: asyncio.AbstractEventLoop | None = asyncio.get_running_loop()
+    except RuntimeError:
+        loop = None
+        log.warning("target service built outside an event loop: health will not follow the tp workers")
+    if loop is not None:
+        running = loop
+        pending: set[asyncio.Task[None]] = set()
+
+        def on_health(serving: bool) -> None:  # from the group's supervisor thread
+            asyncio.run_coroutine_threadsafe(handle.set_serving(serving), running)
+
+        async def exit_for_restart() -> None:
+            try:
+                await handle.set_serving(False)
+                await handle.server.stop(1.0)
+            finally:
+                os._exit(EXIT_WORKER_FAILURE)
+
+        def on_fatal(_why: str) -> None:
+            running.call_soon_threadsafe(lambda: pending.add(running.create_task(exit_for_restart())))
+
+        group.on_health, group.on_fatal = on_health, on_fatal
+    stop_model_thread = handle.on_stop
+
+    async def stop() -> None:
+        if stop_model_thread is not None:
+            result = stop_model_thread()  # no forward in flight after this
+            if inspect.isawaitable(result):
+                await result
+        await asyncio.to_thread(group.shutdown)
+
+    handle.on_stop = stop
+    return handle

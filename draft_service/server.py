@@ -10,7 +10,9 @@ import torch
 from specd import catalog
 from specd.config import NGRAM, DraftConfig
 from specd.drafting import Drafter, ModelDrafter, NgramDrafter
+from specd.metrics import DraftMetrics
 from specd.serving import ServiceHandle, build_server
+from specd.tracing import Tracing
 from specd.v1 import common_pb2, draft_pb2, draft_pb2_grpc
 from draft_service.servicer import DraftServicer
 
@@ -33,26 +35,31 @@ def build_drafter(config: DraftConfig) -> tuple[Drafter, common_pb2.ModelInfo]:
         )
         return drafter, info
     folder = catalog.draft_folder(config.model, config.target_model, config.cache_path)
-    loaded, runner = catalog.load_for_serving(folder, config.device)
+    # A draft folder may carry a reduced-vocabulary head (specd distill --vocab N): the
+    # drafter then proposes among those N tokens only (q = 0 elsewhere, still exact).
+    loaded, runner, token_map = catalog.load_draft_for_serving(folder, config.device)
     drafter = ModelDrafter(
         runner,
         max_sessions=config.max_sessions,
         wire_top_k=config.wire_top_k,
         wire_bits=config.wire_bits,
         idle_timeout_s=config.idle_timeout_s,
+        token_map=token_map,
+        max_kv_bytes=config.max_kv_bytes,
     )
     info = common_pb2.ModelInfo(kind="model", **catalog.model_identity(loaded, runner))
     return drafter, info
 
 
 def create_server(
-    config: DraftConfig, *, drafter: Drafter | None = None, info: common_pb2.ModelInfo | None = None
+    config: DraftConfig, *, drafter: Drafter | None = None, info: common_pb2.ModelInfo | None = None,
+    tracing: Tracing | None = None, metrics: DraftMetrics | None = None,
 ) -> ServiceHandle:
     """The draft service, bound (port 0 picks one) but not started."""
     if drafter is None or info is None:
         drafter, info = build_drafter(config)
     executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="specd-draft-model")
-    servicer = DraftServicer(drafter, executor, info, config.max_draft_tokens)
+    servicer = DraftServicer(drafter, executor, info, config.max_draft_tokens, tracing=tracing, metrics=metrics)
     server, port, health = build_server(
         config, lambda s: draft_pb2_grpc.add_DraftServicer_to_server(servicer, s), [SERVICE_NAME]
     )

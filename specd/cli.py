@@ -1,4 +1,4 @@
-"""The `specd` command: up | serve | generate | prepare."""
+"""The `specd` command: up | serve | generate | bench | prepare."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import sys
 from collections.abc import Sequence
 
 from specd import config as cfg
-from specd.errors import SpecdError
+from specd.errors import InvalidArgument, SpecdError
 
 
 def _serve(args: argparse.Namespace) -> int:
@@ -18,23 +18,36 @@ def _serve(args: argparse.Namespace) -> int:
     kind = {"draft": cfg.DraftConfig, "target": cfg.TargetConfig, "coordinator": cfg.CoordinatorConfig}[service]
     config = cfg.from_args(kind, args)
     logging.basicConfig(level=config.log_level, format=f"%(asctime)s specd-{service} %(levelname)s %(name)s: %(message)s")
+    from specd.metrics import metrics_for, serve_metrics
     from specd.serving import serve_until_signal
+    from specd.tracing import setup_tracing
 
     async def main() -> None:
+        tracing = setup_tracing(service, config)  # a no-op unless an OTLP endpoint is configured
+        metrics = metrics_for(service) if config.metrics_port >= 0 else None
         if service == "draft":
             from draft_service.server import create_server as create_draft
 
-            handle = create_draft(config)  # type: ignore[arg-type]
+            handle = create_draft(config, tracing=tracing, metrics=metrics)  # type: ignore[arg-type]
         elif service == "target":
             from target_service.server import create_server as create_target
 
-            handle = create_target(config)  # type: ignore[arg-type]
+            handle = create_target(config, tracing=tracing, metrics=metrics)  # type: ignore[arg-type]
         else:
             from coordinator.server import create_server as create_coordinator
 
-            handle, _ = await create_coordinator(config)  # type: ignore[arg-type]
+            handle, _ = await create_coordinator(config, tracing=tracing, metrics=metrics)  # type: ignore[arg-type]
+        metrics_server = None
+        if metrics is not None:
+            metrics_server, metrics_port = serve_metrics(metrics.registry, config.host, config.metrics_port)
+            print(f"specd-{service} metrics on {config.host}:{metrics_port}", flush=True)
         await handle.server.start()
-        await serve_until_signal(handle, config.grace_s, f"specd-{service} listening on {config.host}:{handle.port}")
+        try:
+            await serve_until_signal(handle, config.grace_s, f"specd-{service} listening on {config.host}:{handle.port}")
+        finally:
+            if metrics_server is not None:
+                metrics_server.shutdown()
+            tracing.shutdown(timeout_s=3.0)  # bounded: a dead collector must not hold up exit
 
     asyncio.run(main())
     return 0
@@ -52,7 +65,18 @@ def _up(args: argparse.Namespace) -> int:
         draft_length=args.draft_length,
         target_threads=args.target_threads,
         draft_threads=args.draft_threads,
+        target_args=_tp_args(args),
     )
+
+
+def _tp_args(args: argparse.Namespace) -> list[str]:
+    """`specd serve target` flags for the tensor-parallel settings of `specd up`."""
+    if args.tp < 1:
+        raise InvalidArgument(f"--tp must be >= 1 (got {args.tp})")
+    out = ["--tp", str(args.tp), "--executor", args.executor]
+    if args.ray_address:
+        out += ["--ray-address", args.ray_address]
+    return out
 
 
 def _generate(args: argparse.Namespace) -> int:
@@ -111,6 +135,20 @@ def _prepare(args: argparse.Namespace) -> int:
     return 0
 
 
+def _distill(args: argparse.Namespace) -> int:
+    from specd import distill
+
+    parser = argparse.ArgumentParser(prog="specd distill", description="Train a draft model for a target (KL to its distributions).")
+    distill.add_arguments(parser)
+    return distill.main_distill(parser.parse_args(args.distill_args))
+
+
+def _bench(args: argparse.Namespace) -> int:
+    from specd.bench import run
+
+    return run(args)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="specd", description="Distributed speculative decoding.")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -124,6 +162,10 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--draft-length", type=int, default=4, help="draft tokens per round (default: 4)")
     up.add_argument("--target-threads", type=int, default=2, help="torch threads of the target (default: 2)")
     up.add_argument("--draft-threads", type=int, default=1, help="torch threads of the draft (default: 1)")
+    up.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks of the target (default: 1)")
+    up.add_argument("--executor", choices=["mp", "ray"], default="mp",
+                    help="how the target's tp ranks run: local processes or Ray actors (default: mp)")
+    up.add_argument("--ray-address", default="", help="Ray cluster for --executor ray (default: start a local Ray)")
     up.set_defaults(func=_up)
 
     serve = sub.add_parser("serve", help="run one service (what a container runs)")
@@ -154,14 +196,31 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--token-file", default="", help="file holding the API token")
     gen.set_defaults(func=_generate)
 
+    from specd.bench import add_arguments as add_bench_arguments  # stdlib imports only
+
+    bench = sub.add_parser("bench", help="benchmark decoding modes side by side (target-only baseline, fixed K, "
+                           "auto, the transformers peer): JSON, markdown, PNG")
+    add_bench_arguments(bench)
+    bench.set_defaults(func=_bench)
+
     prep = sub.add_parser("prepare", help="build the demo models into the cache (setup does this once)")
     prep.add_argument("--cache-dir", default="")
     prep.set_defaults(func=_prepare)
+
+    # `specd distill` parses its own flags (specd.distill.add_arguments), so
+    # that other commands do not import torch just to build this parser.
+    dist = sub.add_parser("distill", help="train a draft model for a target (see docs/distill.md)", add_help=False)
+    dist.set_defaults(func=_distill, distill_args=[])  # main() hands it the rest of the command line
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args, rest = parser.parse_known_args(argv)
+    if rest and args.command != "distill":
+        parser.error(f"unrecognized arguments: {' '.join(rest)}")
+    if args.command == "distill":
+        args.distill_args = rest
     try:
         return int(args.func(args) or 0)
     except SpecdError as exc:

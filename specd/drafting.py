@@ -14,13 +14,14 @@ from dataclasses import dataclass
 from typing import Protocol
 
 import torch
+from torch import Tensor, nn
 
 from specd import sampling
 from specd.errors import InvalidArgument, SessionOutOfSync
 from specd.proposal import Proposal
 from specd.runner import CausalLMRunner, KVSession
 from specd.sampling import SamplingParams
-from specd.sessions import SessionTable
+from specd.sessions import KVBudget, SessionTable
 
 
 class Drafter(Protocol):
@@ -61,8 +62,53 @@ class _ModelDraftSession:
     wire_top_k: int
 
 
+class ReducedLMHead(nn.Module):
+    """An LM head over a subset of the vocabulary: N rows instead of V.
+
+    Logit row i belongs to target token ``token_map[i]``; every other token
+    gets -inf (probability 0), so the full-width output still means "the
+    draft's distribution over the target's token space" to any consumer
+    (HF generate, CausalLMRunner), while the matmul costs N/V of the full head.
+    A ModelDrafter given the same token_map reads only the N columns.
+    """
+
+    def __init__(self, weight: Tensor, token_map: Tensor, vocab_size: int) -> None:
+        super().__init__()
+        assert weight.dim() == 2 and token_map.shape == weight.shape[:1], (
+            f"weight must be [N, H] and token_map [N], got {tuple(weight.shape)} and {tuple(token_map.shape)}"
+        )
+        self.weight = nn.Parameter(weight.detach().clone(), requires_grad=False)  # [N, H]
+        self.register_buffer("token_map", token_map.to(torch.int64).clone())  # [N] target token ids
+        self.in_features = int(weight.shape[1])
+        self.out_features = int(vocab_size)  # the full width (CausalLMRunner reads it)
+
+    def forward(self, hidden: Tensor) -> Tensor:  # [..., H] -> [..., V]
+        reduced = nn.functional.linear(hidden, self.weight)  # [..., N]
+        out = reduced.new_full((*reduced.shape[:-1], self.out_features), float("-inf"))  # [..., V]
+        return out.index_copy_(-1, self.token_map, reduced)
+
+
+def check_token_map(token_map: Tensor, vocab_size: int) -> Tensor:
+    """token_map as int64 [N], or InvalidArgument: distinct target ids in [0, vocab_size)."""
+    if token_map.dim() != 1 or token_map.numel() == 0 or token_map.is_floating_point():
+        raise InvalidArgument(f"token_map must be a non-empty 1-D integer tensor, got {tuple(token_map.shape)}")
+    token_map = token_map.to(torch.int64)
+    if int(token_map.min()) < 0 or int(token_map.max()) >= vocab_size:
+        raise InvalidArgument(f"token_map holds ids outside the vocabulary [0, {vocab_size})")
+    if int(token_map.unique().numel()) != int(token_map.numel()):
+        raise InvalidArgument("token_map holds a token id twice; each draft row must map to its own token")
+    return token_map
+
+
 class ModelDrafter:
-    """Drafts with a causal LM, one KV cache per session, rolled back by position."""
+    """Drafts with a causal LM, one KV cache per session, rolled back by position.
+
+    token_map [N] (optional): the draft proposes only among these target token
+    ids (a reduced-vocabulary head, see ReducedLMHead); logit column
+    token_map[i] is its row i. q is the draft's distribution over those N
+    tokens and 0 elsewhere; sampled tokens and wire ids are target ids, and
+    the draft still samples from exactly the sparse q it sends.
+    """
 
     kind = "model"
 
@@ -74,9 +120,15 @@ class ModelDrafter:
         wire_top_k: int = 8,
         wire_bits: int = 16,
         idle_timeout_s: float = 600.0,
+        token_map: Tensor | None = None,
+        max_kv_bytes: int = 0,
     ) -> None:
         self.runner = runner
         self.vocab_size = runner.vocab_size
+        self._kv_budget = KVBudget(max_kv_bytes, lambda: runner.kv_bytes_per_token)
+        self.token_map: Tensor | None = None  # [N] int64 on the model's device
+        if token_map is not None:
+            self.token_map = check_token_map(token_map, runner.vocab_size).to(runner.model.device)
         self.default_wire_top_k = wire_top_k
         self.wire_bits = wire_bits
         self._sessions: SessionTable[_ModelDraftSession] = SessionTable(max_sessions, idle_timeout_s=idle_timeout_s)
@@ -85,6 +137,8 @@ class ModelDrafter:
         params.validate()
         if wire_top_k < 0:
             raise InvalidArgument("wire_top_k must be >= 0 (0 means the server default)")
+        self._sessions.pop(session_id)  # a re-open replaces the session and its memory
+        self._kv_budget.admit(sum(len(s.kv) for _, s in self._sessions), len(token_ids))
         kv = self.runner.new_session(token_ids)
         self._sessions.put(session_id, _ModelDraftSession(kv, params, wire_top_k or self.default_wire_top_k))
 
@@ -115,14 +169,17 @@ class ModelDrafter:
         q_probs: list[torch.Tensor] = []
         for _ in range(num_tokens):
             logits = self.runner.logits(s.kv, 1)  # [1, V]
-            probs = sampling.processed_probs(logits[None], [s.params])[0]  # [1, V]
+            if self.token_map is not None:
+                logits = logits[:, self.token_map]  # [1, N]: the reduced head's own rows
+            probs = sampling.processed_probs(logits[None], [s.params])[0]  # [1, V or N]
             if s.params.is_greedy:
-                token = int(probs[0].argmax())  # q one-hot: nothing to send
+                token = self._target_id(probs[0].argmax())  # q one-hot: nothing to send
             else:
                 position = torch.tensor([len(s.kv.tokens)], dtype=torch.int64)
                 tok, ids, wire = sampling.draft_token(probs, s.wire_top_k, self.wire_bits, seeds, position)
-                token = int(tok[0])
-                q_ids.append(ids[0])
+                token = self._target_id(tok[0])
+                # Same numbers, target ids: q(token_map[j]) = wire[j], 0 off the map.
+                q_ids.append(ids[0] if self.token_map is None else self.token_map[ids[0]])
                 q_probs.append(wire[0])
             self.runner.append(s.kv, [token])
             tokens.append(token)
@@ -130,6 +187,10 @@ class ModelDrafter:
         if not q_ids:
             return Proposal(tokens, compute_ms=compute_ms)
         return Proposal(tokens, torch.stack(q_ids), torch.stack(q_probs), compute_ms)
+
+    def _target_id(self, index: Tensor) -> int:
+        """A logit column index -> the target token id it stands for."""
+        return int(index) if self.token_map is None else int(self.token_map[int(index)])
 
 
 @dataclass
@@ -181,6 +242,9 @@ class NgramDrafter:
         s = self._sessions.get(session_id)
         s.tokens = sync_prefix(s.tokens, committed_length, start, tail)
         found = lookup_continuation(s.tokens, num_tokens, self.max_ngram, self.min_ngram)
+        # The drafts join the sequence, as a model drafter's do: the caller's next `start`
+        # counts the accepted ones as already known here.
+        s.tokens.extend(found)
         return Proposal(found, compute_ms=(time.perf_counter() - t0) * 1e3)
 
 

@@ -37,6 +37,10 @@ SERVER_OPTIONS: list[tuple[str, int]] = [
 CHANNEL_OPTIONS: list[tuple[str, int]] = [
     ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
     ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+    # A restarted peer is found within a second (gRPC's default backoff grows to 2 minutes).
+    ("grpc.initial_reconnect_backoff_ms", 100),
+    ("grpc.min_reconnect_backoff_ms", 100),
+    ("grpc.max_reconnect_backoff_ms", 1000),
     *KEEPALIVE_OPTIONS,
 ]
 

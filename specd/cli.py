@@ -112,6 +112,7 @@ def _generate(args: argparse.Namespace) -> int:
         response = client.generate(prompt, **kwargs)  # type: ignore[arg-type]
     if args.json:
         stats = MessageToDict(response.stats, preserving_proto_field_name=True, always_print_fields_with_no_presence=True)
+        stats["seed"] = int(stats.get("seed", 0))  # uint64 comes out of protobuf's JSON as a string
         finish = response.DESCRIPTOR.fields_by_name["finish_reason"].enum_type.values_by_number[response.finish_reason].name
         out = {
             "text": response.text,

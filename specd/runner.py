@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 from transformers import DynamicCache, PreTrainedModel
+from transformers.cache_utils import DynamicLayer
 
 from specd.errors import InvalidArgument
 
@@ -58,8 +59,8 @@ def _context_limit(model: PreTrainedModel) -> int | None:
 class CausalLMRunner:
     """Runs a causal LM over `KVSession`s: append, roll back, read logits.
 
-    Batch size is 1 per forward; one runner serves many sessions, one at a
-    time (not thread-safe: callers serialise access).
+    `logits` runs one session per forward; `logits_batch` runs many sessions
+    through one forward. Not thread-safe: callers serialise access.
     """
 
     def __init__(self, model: PreTrainedModel, *, max_context: int | None = None) -> None:
@@ -201,6 +202,152 @@ class CausalLMRunner:
         s.cached = n
         logits = out.logits[0, -num_last:, :]  # [num_last, V]
         return logits.float()
+
+    def _check_batch(self, sessions: Sequence[KVSession], num_last: Sequence[int]) -> list[tuple[KVSession, int]]:
+        """(session, num_last) pairs checked as `logits` checks them, plus batch rules; no side effects."""
+        if isinstance(num_last, (int, str, bytes)) or not isinstance(num_last, Sequence):
+            raise InvalidArgument(f"num_last must be a sequence of ints, one per session, got {num_last!r}")
+        if len(sessions) != len(num_last):
+            raise InvalidArgument(
+                f"got {len(sessions)} sessions but {len(num_last)} num_last values; pass one per session"
+            )
+        seen: set[int] = set()
+        pairs: list[tuple[KVSession, int]] = []
+        for i, (s, k) in enumerate(zip(sessions, num_last)):
+            if id(s) in seen:
+                raise InvalidArgument(
+                    f"sessions[{i}] appears more than once in one batch; a session can run once per forward"
+                )
+            seen.add(id(s))
+            n = len(s.tokens)
+            if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= n:
+                raise InvalidArgument(
+                    f"num_last must be an int in [1, {n}] (the sequence length), got {k!r} (sessions[{i}])"
+                )
+            pairs.append((s, k))
+        return pairs
+
+    @torch.inference_mode()
+    def logits_batch(self, sessions: Sequence[KVSession], num_last: Sequence[int]) -> list[Tensor]:
+        """`logits(sessions[b], num_last[b])` for every b, computed in ONE model forward.
+
+        Returns one [num_last[b], V] float32 tensor per session, with the same
+        side effects as the per-session calls: each session's cache then holds
+        exactly the keys/values of all its tokens (``cached == len(tokens)``).
+        Invalid input raises InvalidArgument before anything changes, as does a
+        session passed twice. On a failed forward every session is left cropped
+        to the positions it had cached before the call (at most), still usable.
+
+        How: session b recomputes positions [start_b, n_b) (start_b as in
+        `logits`). The batch gets a fresh cache of L = max start_b positions,
+        each session's keys/values left-padded with zeros to L, and the new
+        tokens right-padded to S = max (n_b - start_b); a [B, L + S] attention
+        mask hides both paddings and explicit position ids give every row its
+        own positions. Sessions with nothing cached are all padding in the
+        past part.
+
+        Memory: besides the sessions' own caches, the call transiently holds
+        B * (L + S) positions of keys/values for every layer (the padded batch
+        cache; one layer at a time also briefly holds its B * L before growing),
+        so a batch of one long and many short sessions costs as if all were
+        long. A single session skips all this and runs `logits`.
+        """
+        pairs = self._check_batch(sessions, num_last)
+        if not pairs:
+            return []
+        if len(pairs) == 1:
+            return [self.logits(*pairs[0])]
+
+        starts: list[int] = []
+        for s, k in pairs:
+            start = min(s.cached, len(s.tokens) - k)
+            self._crop(s, start)
+            starts.append(start)
+        try:
+            return self._forward_batch(pairs, starts)
+        except BaseException:
+            # Layers may have appended keys/values to some sessions before the failure.
+            for (s, _), start in zip(pairs, starts):
+                self._crop(s, start)
+            raise
+
+    def _forward_batch(self, pairs: list[tuple[KVSession, int]], starts: list[int]) -> list[Tensor]:
+        """The batched forward of `logits_batch`; sessions are already cropped to `starts`."""
+        device = self.model.device
+        B = len(pairs)
+        lens = [len(s.tokens) for s, _ in pairs]
+        news = [n - start for n, start in zip(lens, starts)]  # s_b >= num_last_b >= 1
+        L, S = max(starts), max(news)
+
+        input_ids = torch.zeros(B, S, dtype=torch.long, device=device)  # right padding with id 0
+        mask = torch.zeros(B, L + S, dtype=torch.long, device=device)
+        rows = torch.zeros(B, S, dtype=torch.bool, device=device)  # which output rows each session returns
+        for b, ((s, k), start, new) in enumerate(zip(pairs, starts, news)):
+            input_ids[b, :new] = torch.tensor(s.tokens[start:], dtype=torch.long)
+            mask[b, L - start : L + new] = 1
+            rows[b, new - k : new] = True
+        # Padded rows get positions past their sequence: clamp them into the
+        # table (GPT-2's positions are learned); their outputs are never read.
+        offsets = torch.arange(S, dtype=torch.long, device=device)
+        position_ids = (torch.tensor(starts, dtype=torch.long, device=device)[:, None] + offsets).clamp_(
+            max=self.max_context - 1
+        )
+
+        # The past: each session's keys/values right-aligned at L, zeros before
+        # (zeros, not garbage: a masked score still multiplies the key, and
+        # NaN * 0 would poison the row). Layers are set directly instead of
+        # through `update`, which would copy the padded tensor once more.
+        cache = DynamicCache()
+        if L > 0:
+            ref = pairs[starts.index(L)][0].cache
+            for layer_idx, ref_layer in enumerate(ref.layers):
+                _, H, _, D = ref_layer.keys.shape
+                keys = ref_layer.keys.new_zeros(B, H, L, D)
+                values = ref_layer.values.new_zeros(B, H, L, ref_layer.values.shape[-1])
+                for b, ((s, _), start) in enumerate(zip(pairs, starts)):
+                    if start:
+                        layer = s.cache.layers[layer_idx]
+                        keys[b, :, L - start :] = layer.keys[0]
+                        values[b, :, L - start :] = layer.values[0]
+                batch_layer = DynamicLayer()
+                batch_layer.lazy_initialization(keys, values)
+                batch_layer.keys, batch_layer.values = keys, values
+                cache.layers.append(batch_layer)
+                del keys, values  # the layer holds them; the forward's cat replaces and frees them
+
+        # HF turns the 2D mask into the 4D causal mask itself, padding in the
+        # cached part included (query i sits at L + i; checked for Llama and
+        # GPT-2 with SDPA and eager attention in tests/test_runner_batch.py).
+        out = self.model(
+            input_ids=input_ids,
+            attention_mask=mask,
+            position_ids=position_ids,
+            cache=cache,
+            use_cache=True,
+            # A 2D boolean mask keeps exactly the rows returned, flattened in
+            # (session, position) order: no LM head work on rows nobody reads
+            # (padding, or recomputed positions before the last num_last).
+            logits_to_keep=rows,
+        )
+        flat = out.logits
+        if flat.ndim == 3:  # a model that ignored the row selection: select here
+            flat = flat[rows]
+        del out
+
+        # Write back only the new positions: each session's cache already holds
+        # [0, start_b) exactly, and `update` concatenates, so the result is a
+        # fresh contiguous tensor and the padded batch cache is freed below.
+        for layer_idx, batch_layer in enumerate(cache.layers):
+            for b, ((s, _), new) in enumerate(zip(pairs, news)):
+                s.cache.update(
+                    batch_layer.keys[b : b + 1, :, L : L + new],
+                    batch_layer.values[b : b + 1, :, L : L + new],
+                    layer_idx,
+                )
+        del cache
+        for (s, _), n in zip(pairs, lens):
+            s.cached = n
+        return [chunk.float() for chunk in flat.split([k for _, k in pairs])]
 
     @property
     def kv_bytes_per_token(self) -> int:

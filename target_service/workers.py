@@ -690,6 +690,16 @@ class TensorParallelRunner(CausalLMRunner):
             self.group.send(("forward", s.tp_id, start, s.tokens[start:], num_last))
             return super().logits(s, num_last)
 
+    def logits_batch(self, sessions: Sequence[KVSession], num_last: Sequence[int]) -> list[torch.Tensor]:
+        """One `logits` call per session: correct, but not batched.
+
+        TP batching is not implemented: the followers' forward command carries
+        one session, so the inherited batched forward would run on rank 0 only
+        and leave the followers' caches (and the collectives) out of step.
+        """
+        pairs = self._check_batch(sessions, num_last)  # the same InvalidArgument as the batched runner
+        return [self.logits(s, k) for s, k in pairs]
+
     def release(self, s: KVSession) -> None:
         if not isinstance(s, TPSession) or s.generation != self.group.generation:
             return

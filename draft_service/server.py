@@ -46,6 +46,7 @@ def build_drafter(config: DraftConfig) -> tuple[Drafter, common_pb2.ModelInfo]:
         idle_timeout_s=config.idle_timeout_s,
         token_map=token_map,
         max_kv_bytes=config.max_kv_bytes,
+        max_batch=config.max_batch,
     )
     info = common_pb2.ModelInfo(kind="model", **catalog.model_identity(loaded, runner))
     return drafter, info
@@ -59,7 +60,8 @@ def create_server(
     if drafter is None or info is None:
         drafter, info = build_drafter(config)
     executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="specd-draft-model")
-    servicer = DraftServicer(drafter, executor, info, config.max_draft_tokens, tracing=tracing, metrics=metrics)
+    servicer = DraftServicer(drafter, executor, info, config.max_draft_tokens, tracing=tracing, metrics=metrics,
+                             max_batch=config.max_batch)
     server, port, health = build_server(
         config, lambda s: draft_pb2_grpc.add_DraftServicer_to_server(servicer, s), [SERVICE_NAME]
     )

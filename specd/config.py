@@ -80,6 +80,7 @@ class ModelServiceBase(ServiceBase):
     max_sessions: int = _opt(256, "sessions held at once; more get RESOURCE_EXHAUSTED")
     idle_timeout_s: float = _opt(600.0, "sessions unused this long are dropped")
     max_kv_bytes: int = _opt(0, "KV-cache bytes all sessions may hold (0: no limit)")
+    max_batch: int = _opt(32, "sessions whose steps share one forward pass (1: no batching)")
 
     @property
     def cache_path(self) -> Path:
@@ -93,6 +94,8 @@ class ModelServiceBase(ServiceBase):
             raise InvalidArgument("--idle-timeout-s must be > 0")
         if self.max_kv_bytes < 0:
             raise InvalidArgument("--max-kv-bytes must be >= 0")
+        if self.max_batch < 1:
+            raise InvalidArgument(f"--max-batch must be >= 1 (got {self.max_batch}); 1 turns batching off")
 
 
 @dataclass(frozen=True)

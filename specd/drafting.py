@@ -10,14 +10,16 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
 
 import torch
 from torch import Tensor, nn
 
+from specd import phases as ph
 from specd import sampling
 from specd.errors import InvalidArgument, SessionOutOfSync
+from specd.phases import PhaseLog
 from specd.proposal import Proposal
 from specd.runner import CausalLMRunner, KVSession
 from specd.sampling import SamplingParams
@@ -36,9 +38,31 @@ class Drafter(Protocol):
         self, session_id: str, committed_length: int, start: int, tail: Sequence[int], num_tokens: int
     ) -> Proposal: ...
 
+    def propose_batch(self, requests: Sequence["ProposeRequest"]) -> list[Proposal | Exception]: ...
+
     def close(self, session_id: str) -> None: ...
 
     def active_sessions(self) -> int: ...
+
+
+@dataclass(frozen=True)
+class ProposeRequest:
+    """One session's part of a (batched) drafting step."""
+
+    session_id: str
+    committed_length: int
+    start: int
+    tail: Sequence[int]
+    num_tokens: int
+
+
+def propose_one(drafter: "Drafter", session_id: str, committed_length: int, start: int, tail: Sequence[int],
+                num_tokens: int) -> Proposal:
+    """propose() as a batch of one: the proposal, or the request's exception raised."""
+    result = drafter.propose_batch([ProposeRequest(session_id, committed_length, start, tail, num_tokens)])[0]
+    if isinstance(result, BaseException):
+        raise result
+    return result
 
 
 def sync_prefix(tokens: list[int], committed_length: int, start: int, tail: Sequence[int]) -> list[int]:
@@ -122,8 +146,12 @@ class ModelDrafter:
         idle_timeout_s: float = 600.0,
         token_map: Tensor | None = None,
         max_kv_bytes: int = 0,
+        max_batch: int = 32,
     ) -> None:
+        if max_batch < 1:
+            raise InvalidArgument(f"max_batch must be >= 1 (got {max_batch})")
         self.runner = runner
+        self.max_batch = max_batch
         self.vocab_size = runner.vocab_size
         self._kv_budget = KVBudget(max_kv_bytes, lambda: runner.kv_bytes_per_token)
         self.token_map: Tensor | None = None  # [N] int64 on the model's device
@@ -151,46 +179,105 @@ class ModelDrafter:
     def kv_bytes(self) -> int:
         return sum(self.runner.kv_bytes(s.kv) for _, s in self._sessions)
 
-    @torch.inference_mode()
     def propose(
         self, session_id: str, committed_length: int, start: int, tail: Sequence[int], num_tokens: int
     ) -> Proposal:
-        if num_tokens < 1:
-            raise InvalidArgument(f"num_tokens must be >= 1 (got {num_tokens})")
-        t0 = time.perf_counter()
-        s = self._sessions.get(session_id)
-        self.runner.set_tokens(s.kv, sync_prefix(s.kv.tokens, committed_length, start, tail))
-        num_tokens = min(num_tokens, self.runner.max_context - committed_length)
-        if num_tokens < 1:
-            raise InvalidArgument("the session fills the draft model's context; nothing left to draft")
-        seeds = torch.tensor([s.params.seed], dtype=torch.int64)
-        tokens: list[int] = []
-        q_ids: list[torch.Tensor] = []
-        q_probs: list[torch.Tensor] = []
-        for _ in range(num_tokens):
-            logits = self.runner.logits(s.kv, 1)  # [1, V]
-            if self.token_map is not None:
-                logits = logits[:, self.token_map]  # [1, N]: the reduced head's own rows
-            probs = sampling.processed_probs(logits[None], [s.params])[0]  # [1, V or N]
+        return propose_one(self, session_id, committed_length, start, tail, num_tokens)
+
+    @torch.inference_mode()
+    def propose_batch(self, requests: Sequence[ProposeRequest]) -> list[Proposal | Exception]:
+        """Draft for many sessions at once: step i runs one forward over every session still drafting.
+
+        Per-request checks fail only that request; a failing forward fails the
+        sessions in it (each rolled back to its committed prefix). The tokens
+        do not depend on the batch: greedy is an argmax, sampling uses the
+        (seed, position) coins.
+        """
+        results: list[Proposal | Exception | None] = [None] * len(requests)
+        logs = [PhaseLog() for _ in requests]
+        ready: list[tuple[int, _ModelDraftSession, int]] = []  # (index, session, tokens to draft)
+        seen: set[str] = set()
+        for i, req in enumerate(requests):
+            try:
+                if req.num_tokens < 1:
+                    raise InvalidArgument(f"num_tokens must be >= 1 (got {req.num_tokens})")
+                if req.session_id in seen:
+                    raise InvalidArgument(f"session {req.session_id!r} appears twice in one drafting batch")
+                seen.add(req.session_id)
+                with logs[i].phase(ph.SYNC):
+                    s = self._sessions.get(req.session_id)
+                    self.runner.set_tokens(s.kv, sync_prefix(s.kv.tokens, req.committed_length, req.start, req.tail))
+                    n = min(req.num_tokens, self.runner.max_context - req.committed_length)
+                    if n < 1:
+                        raise InvalidArgument("the session fills the draft model's context; nothing left to draft")
+                ready.append((i, s, n))
+            except Exception as exc:  # noqa: BLE001 - this request's error, reported in its slot
+                results[i] = exc
+        drafted: dict[int, _Draft] = {i: _Draft() for i, _, _ in ready}
+        # Lengths at the end of the draft bound each group's padded copy.
+        for group in self._kv_budget.forward_groups([len(s.kv) + n for _, s, n in ready], self.max_batch):
+            part = [ready[g] for g in group]
+            try:
+                for step in range(max(n for _, _, n in part)):
+                    self._draft_step([(i, s) for i, s, n in part if n > step], drafted, logs)
+            except Exception as exc:  # noqa: BLE001 - the shared forward failed: every session in it fails
+                for i, s, _ in part:
+                    self.runner.truncate(s.kv, requests[i].committed_length)
+                    results[i] = exc
+            for i, _, _ in part:
+                logs[i].batch_size = len(part)
+        for i, _, _ in ready:
+            if results[i] is None:
+                results[i] = drafted[i].proposal(logs[i])
+        return [r if r is not None else RuntimeError("not drafted") for r in results]
+
+    def _draft_step(self, active: list[tuple[int, _ModelDraftSession]], drafted: dict[int, "_Draft"],
+                    logs: list[PhaseLog]) -> None:
+        """One token for each active session: a batched forward, then per-row sampling."""
+        t0 = time.time_ns()
+        rows = self.runner.logits_batch([s.kv for _, s in active], [1] * len(active))  # A x [1, V]
+        logits = torch.cat(rows)  # [A, V]
+        if self.token_map is not None:
+            logits = logits[:, self.token_map]  # [A, N]: the reduced head's own rows
+        t1 = time.time_ns()
+        probs = sampling.processed_probs(logits[:, None, :], [s.params for _, s in active])[:, 0]  # [A, V or N]
+        for a, (i, s) in enumerate(active):
+            d = drafted[i]
             if s.params.is_greedy:
-                token = self._target_id(probs[0].argmax())  # q one-hot: nothing to send
+                token = self._target_id(probs[a].argmax())  # q one-hot: nothing to send
             else:
+                seeds = torch.tensor([s.params.seed], dtype=torch.int64)
                 position = torch.tensor([len(s.kv.tokens)], dtype=torch.int64)
-                tok, ids, wire = sampling.draft_token(probs, s.wire_top_k, self.wire_bits, seeds, position)
+                tok, ids, wire = sampling.draft_token(probs[a : a + 1], s.wire_top_k, self.wire_bits, seeds, position)
                 token = self._target_id(tok[0])
                 # Same numbers, target ids: q(token_map[j]) = wire[j], 0 off the map.
-                q_ids.append(ids[0] if self.token_map is None else self.token_map[ids[0]])
-                q_probs.append(wire[0])
+                d.q_ids.append(ids[0] if self.token_map is None else self.token_map[ids[0]])
+                d.q_probs.append(wire[0])
             self.runner.append(s.kv, [token])
-            tokens.append(token)
-        compute_ms = (time.perf_counter() - t0) * 1e3
-        if not q_ids:
-            return Proposal(tokens, compute_ms=compute_ms)
-        return Proposal(tokens, torch.stack(q_ids), torch.stack(q_probs), compute_ms)
+            d.tokens.append(token)
+        t2 = time.time_ns()
+        for i, _ in active:
+            logs[i].add(ph.FORWARD, t0, t1)
+            logs[i].add(ph.SAMPLING, t1, t2)
 
     def _target_id(self, index: Tensor) -> int:
         """A logit column index -> the target token id it stands for."""
         return int(index) if self.token_map is None else int(self.token_map[int(index)])
+
+
+@dataclass
+class _Draft:
+    """One session's tokens and q rows, growing step by step in a batched draft."""
+
+    tokens: list[int] = field(default_factory=list)
+    q_ids: list[Tensor] = field(default_factory=list)
+    q_probs: list[Tensor] = field(default_factory=list)
+
+    def proposal(self, log: PhaseLog) -> Proposal:
+        compute_ms = (log.phases[-1].end_ns - log.phases[0].start_ns) / 1e6 if log.phases else 0.0
+        if not self.q_ids:
+            return Proposal(self.tokens, compute_ms=compute_ms, phases=log)
+        return Proposal(self.tokens, torch.stack(self.q_ids), torch.stack(self.q_probs), compute_ms, phases=log)
 
 
 @dataclass
@@ -246,6 +333,16 @@ class NgramDrafter:
         # counts the accepted ones as already known here.
         s.tokens.extend(found)
         return Proposal(found, compute_ms=(time.perf_counter() - t0) * 1e3)
+
+    def propose_batch(self, requests: Sequence[ProposeRequest]) -> list[Proposal | Exception]:
+        """No model to share: each request on its own (a lookup takes microseconds)."""
+        out: list[Proposal | Exception] = []
+        for r in requests:
+            try:
+                out.append(self.propose(r.session_id, r.committed_length, r.start, r.tail, r.num_tokens))
+            except Exception as exc:  # noqa: BLE001 - this request's error, reported in its slot
+                out.append(exc)
+        return out
 
 
 def lookup_continuation(tokens: Sequence[int], k: int, max_ngram: int, min_ngram: int) -> list[int]:

@@ -28,6 +28,7 @@ PREFIX = "specd:"
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
 ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0)
 E2E_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 60.0, 120.0, 300.0, 600.0)
+BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128)
 ROUND_PART_BUCKETS = (0.0002, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 10.0)
 TOKENS_PER_S_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000)
 MAX_ACCEPTANCE_LENGTH_BUCKET = 33  # acceptance length of one round is accepted + 1 <= K + 1
@@ -189,9 +190,15 @@ class DraftMetrics(_ModelServiceMetrics):
             buckets=ROUND_PART_BUCKETS, registry=r,
         )
 
-    def observe_propose(self, tokens: int, compute_ms: float) -> None:
+        self.batch_size = Histogram(
+            PREFIX + "draft_batch_size", "Sessions sharing the forward passes of a propose (one sample per propose).",
+            buckets=BATCH_BUCKETS, registry=r,
+        )
+
+    def observe_propose(self, tokens: int, compute_ms: float, batch_size: int = 1) -> None:
         self.proposed_tokens.inc(tokens)
         self.propose_seconds.observe(compute_ms / 1e3)
+        self.batch_size.observe(batch_size)
 
 
 class TargetMetrics(_ModelServiceMetrics):
@@ -213,11 +220,18 @@ class TargetMetrics(_ModelServiceMetrics):
             buckets=ROUND_PART_BUCKETS, registry=r,
         )
 
-    def observe_verify(self, draft_tokens: int, accepted: int, kind: str, compute_ms: float) -> None:
+        self.batch_size = Histogram(
+            PREFIX + "target_batch_size", "Sessions sharing the forward pass of a verify (one sample per verify).",
+            buckets=BATCH_BUCKETS, registry=r,
+        )
+
+    def observe_verify(self, draft_tokens: int, accepted: int, kind: str, compute_ms: float,
+                       batch_size: int = 1) -> None:
         self.verified_draft_tokens.inc(draft_tokens)
         self.accepted_tokens.inc(accepted)
         self.verdicts.labels(kind=kind).inc()
         self.verify_seconds.observe(compute_ms / 1e3)
+        self.batch_size.observe(batch_size)
 
 
 def metrics_for(service: str) -> CoordinatorMetrics | DraftMetrics | TargetMetrics:

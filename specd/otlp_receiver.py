@@ -1,4 +1,7 @@
-"""A real OTLP/gRPC trace receiver for tests: the collector's TraceService, keeping what it gets.
+"""A real OTLP/gRPC trace receiver: the collector's TraceService, keeping what it gets.
+
+Used by the tests (spans to assert on) and by `specd bench --tracing` (a
+local sink, so tracing overhead is measured with real export, no Jaeger).
 
     with OtlpReceiver() as receiver:      # listens on 127.0.0.1:<free port>
         ... --otlp-endpoint receiver.endpoint ...
@@ -31,6 +34,8 @@ class ReceivedSpan:
     attributes: dict[str, Any]
     status_code: int  # 0 unset, 1 ok, 2 error
     events: tuple[str, ...]
+    start_ns: int = 0  # epoch nanoseconds
+    end_ns: int = 0
 
 
 def _value(v: common_pb2.AnyValue) -> Any:
@@ -43,10 +48,12 @@ def _attributes(kvs: Any) -> dict[str, Any]:
 
 
 class OtlpReceiver(trace_service_pb2_grpc.TraceServiceServicer):
-    def __init__(self, host: str = "127.0.0.1") -> None:
+    def __init__(self, host: str = "127.0.0.1", *, keep: bool = True) -> None:
         self._lock = threading.Lock()
         self._spans: list[ReceivedSpan] = []
+        self.keep = keep  # False: count spans only (a long bench would otherwise hold them all)
         self.exports = 0
+        self.span_count = 0
         self._server = grpc.server(ThreadPoolExecutor(max_workers=4, thread_name_prefix="otlp-receiver"))
         trace_service_pb2_grpc.add_TraceServiceServicer_to_server(self, self._server)
         self.port = self._server.add_insecure_port(f"{host}:0")
@@ -77,10 +84,14 @@ class OtlpReceiver(trace_service_pb2_grpc.TraceServiceServicer):
                             attributes=_attributes(s.attributes),
                             status_code=s.status.code,
                             events=tuple(e.name for e in s.events),
+                            start_ns=s.start_time_unix_nano,
+                            end_ns=s.end_time_unix_nano,
                         )
                     )
         with self._lock:
-            self._spans.extend(got)
+            if self.keep:
+                self._spans.extend(got)
+            self.span_count += len(got)
             self.exports += 1
         return trace_service_pb2.ExportTraceServiceResponse()
 

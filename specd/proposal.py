@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 from specd.errors import InvalidArgument
+from specd.phases import PhaseLog
 
 
 @dataclass(frozen=True)
@@ -23,6 +24,7 @@ class Proposal:
     q_ids: torch.Tensor | None = None  # [K, W] int64
     q_probs: torch.Tensor | None = None  # [K, W] float32 (the wire values)
     compute_ms: float = 0.0
+    phases: PhaseLog = field(default_factory=PhaseLog, compare=False, repr=False)  # where the time went
 
     def __len__(self) -> int:
         return len(self.token_ids)

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Generic, TypeVar
 
@@ -39,6 +39,28 @@ class KVBudget:
                 f"KV-cache budget reached: {held_tokens} tokens held + {new_tokens} new need {needed} bytes, "
                 f"the budget is {self.max_bytes} (--max-kv-bytes); retry later"
             )
+
+    def forward_groups(self, lengths: Sequence[int], max_batch: int) -> list[list[int]]:
+        """Split a batch (indices into `lengths`, session lengths) into forward passes.
+
+        A batched forward copies its sessions' caches into one padded tensor:
+        n sessions of at most L tokens hold n x L positions more for the pass.
+        Groups are formed shortest-first (similar lengths pad least), at most
+        `max_batch` sessions each, and with a budget each group's padded copy
+        stays within max_bytes, so a step never needs more than twice the
+        budget (the admitted sessions plus one pass's copy).
+        """
+        order = sorted(range(len(lengths)), key=lambda i: lengths[i])
+        limit = self.max_bytes // max(1, self._bytes_per_token()) if self.max_bytes else 0
+        groups: list[list[int]] = []
+        for i in order:
+            g = groups[-1] if groups else None
+            # Sorted ascending, so the newcomer is the group's longest.
+            if g is not None and len(g) < max_batch and (not limit or (len(g) + 1) * lengths[i] <= limit):
+                g.append(i)
+            else:
+                groups.append([i])
+        return groups
 
 
 class SessionTable(Generic[T]):

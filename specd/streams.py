@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator, Callable
-from concurrent.futures import Executor
+from concurrent.futures import Future
 from typing import TypeVar
 
 Req = TypeVar("Req")
@@ -13,12 +13,11 @@ Resp = TypeVar("Resp")
 
 async def serve_round_stream(
     requests: AsyncIterator[Req],
-    handle: Callable[[Req], Resp],
-    executor: Executor,
+    submit: Callable[[Req], "Future[Resp]"],
     *,
     max_pending: int = 256,
 ) -> AsyncIterator[Resp]:
-    """Handle each request in `executor` (the model's one thread), yield responses in order.
+    """Hand each request to `submit` (the model thread's batcher), yield responses in order.
 
     At most max_pending requests wait at once; beyond that the stream stops
     reading, so gRPC flow control pushes back on the sender (no unbounded queue).
@@ -30,7 +29,7 @@ async def serve_round_stream(
     async def read() -> None:
         try:
             async for request in requests:
-                await pending.put(loop.run_in_executor(executor, handle, request))
+                await pending.put(asyncio.wrap_future(submit(request), loop=loop))
         finally:
             await pending.put(None)
 

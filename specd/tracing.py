@@ -65,6 +65,10 @@ SPAN_DRAFT_CLOSE = "specd.draft.close"
 SPAN_TARGET_OPEN = "specd.target.open"
 SPAN_TARGET_VERIFY = "specd.target.verify"
 SPAN_TARGET_CLOSE = "specd.target.close"
+# Phase spans, children of a propose / verify span (see specd.phases): PREFIX + phase name,
+# e.g. specd.target.forward, specd.draft.sampling, specd.target.rollback.
+SPAN_DRAFT_PHASE_PREFIX = "specd.draft."
+SPAN_TARGET_PHASE_PREFIX = "specd.target."
 
 # ---- attribute names (vLLM's words: drafts, draft tokens, accepted, recovered, bonus) ----
 
@@ -125,6 +129,8 @@ ATTR_COMPUTE_MS = "specd.compute_ms"  # model time of this message
 ATTR_ACCEPTED = "specd.accepted"  # target verify: draft tokens accepted
 ATTR_TOKEN_KIND = "specd.token_kind"  # target verify: "recovered" or "bonus"
 ATTR_SESSION_ERROR = "specd.session_error"  # in-band error code sent back to the coordinator
+ATTR_BATCH_SIZE = "specd.batch_size"  # sessions that shared this step's forward pass
+ATTR_PHASE_MS = "specd.phase_ms"  # phase span: time spent in the phase (a draft's K steps summed)
 
 TOKEN_KIND_BONUS = "bonus"
 TOKEN_KIND_RECOVERED = "recovered"
@@ -225,8 +231,11 @@ class Tracing:
         *,
         kind: SpanKind = SpanKind.INTERNAL,
         attributes: Mapping[str, Any] | None = None,
+        start_time: int | None = None,
     ) -> Span:
         """A started span under `parent` (a span or a context); INVALID_SPAN when off.
+
+        start_time: epoch ns, for a span recorded after the fact (phase spans).
 
         Never made current: specd passes spans explicitly (rounds of many
         requests interleave on one event loop and one model thread).
@@ -234,7 +243,7 @@ class Tracing:
         if self.provider is None:
             return INVALID_SPAN
         ctx = trace.set_span_in_context(parent) if isinstance(parent, Span) else (parent or Context())
-        return self.tracer.start_span(name, context=ctx, kind=kind, attributes=attributes)
+        return self.tracer.start_span(name, context=ctx, kind=kind, attributes=attributes, start_time=start_time)
 
     def start_generate(self, method: str, metadata: Any = ()) -> Span:
         """The span of one Generate call, continuing a W3C context the client sent in its metadata."""

@@ -8,13 +8,15 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 from specd import sampling
 from specd.drafting import sync_prefix
+from specd import phases as ph
 from specd.errors import InvalidArgument
+from specd.phases import PhaseLog
 from specd.proposal import Proposal
 from specd.runner import CausalLMRunner, KVSession
 from specd.sampling import SamplingParams, SparseProposal
@@ -27,7 +29,19 @@ class VerifyOutcome:
     token_id: int  # the recovered or bonus token (committed after them)
     is_bonus: bool
     committed_length: int  # after this verdict
-    compute_ms: float
+    compute_ms: float  # this session's wall time in the step (a batch's forward counts whole)
+    phases: PhaseLog = field(default_factory=PhaseLog, compare=False, repr=False)  # where the time went
+
+
+@dataclass(frozen=True)
+class VerifyRequest:
+    """One session's part of a (batched) verification step."""
+
+    session_id: str
+    committed_length: int
+    proposal: Proposal
+    start: int | None = None  # (start, tail) patch the committed prefix, as in the drafter
+    tail: Sequence[int] = ()
 
 
 @dataclass
@@ -40,9 +54,13 @@ class Verifier:
     """Sessions of the target model and the verification step over them."""
 
     def __init__(
-        self, runner: CausalLMRunner, *, max_sessions: int = 256, idle_timeout_s: float = 600.0, max_kv_bytes: int = 0
+        self, runner: CausalLMRunner, *, max_sessions: int = 256, idle_timeout_s: float = 600.0, max_kv_bytes: int = 0,
+        max_batch: int = 32,
     ) -> None:
+        if max_batch < 1:
+            raise InvalidArgument(f"max_batch must be >= 1 (got {max_batch})")
         self.runner = runner
+        self.max_batch = max_batch
         self._kv_budget = KVBudget(max_kv_bytes, lambda: runner.kv_bytes_per_token)
         self.vocab_size = runner.vocab_size
         self._sessions: SessionTable[_TargetSession] = SessionTable(
@@ -66,7 +84,6 @@ class Verifier:
     def kv_bytes(self) -> int:
         return sum(self.runner.kv_bytes(s.kv) for _, s in self._sessions)
 
-    @torch.inference_mode()
     def verify(
         self,
         session_id: str,
@@ -76,44 +93,128 @@ class Verifier:
         start: int | None = None,
         tail: Sequence[int] = (),
     ) -> VerifyOutcome:
-        """Verify `proposal` after the committed prefix and commit the verdict.
+        """Verify `proposal` after the committed prefix and commit the verdict (a batch of one)."""
+        result = self.verify_batch([VerifyRequest(session_id, committed_length, proposal, start, tail)])[0]
+        if isinstance(result, BaseException):
+            raise result
+        return result
 
-        (start, tail) patch the committed prefix as in the drafter (normally
-        start = committed_length, tail empty: the target commits its own verdicts).
+    @torch.inference_mode()
+    def verify_batch(self, requests: Sequence[VerifyRequest]) -> list[VerifyOutcome | Exception]:
+        """Verify many sessions' proposals in one target forward pass; per-request outcome or error.
+
+        A request that fails its own checks (unknown session, out of sync, bad
+        drafts) gets its exception and leaves the others alone; a failing
+        forward pass fails every request that reached it. Greedy and seeded
+        outcomes do not depend on the batch: coins hash (seed, position).
         """
-        t0 = time.perf_counter()
-        s = self._sessions.get(session_id)
-        start = len(s.kv.tokens) if start is None else start
-        self.runner.set_tokens(s.kv, sync_prefix(s.kv.tokens, committed_length, start, tail))
-        k = len(proposal)
-        if committed_length + k + 1 > self.runner.max_context:
+        results: list[VerifyOutcome | Exception | None] = [None] * len(requests)
+        logs = [PhaseLog() for _ in requests]
+        ready: list[tuple[int, _TargetSession]] = []  # (index, session) that reach the forward pass
+        seen: set[str] = set()
+        for i, req in enumerate(requests):
+            try:
+                if req.session_id in seen:
+                    raise InvalidArgument(f"session {req.session_id!r} appears twice in one verification batch")
+                seen.add(req.session_id)
+                with logs[i].phase(ph.SYNC):
+                    ready.append((i, self._prepare(req)))
+            except Exception as exc:  # noqa: BLE001 - this request's error, reported in its slot
+                results[i] = exc
+        for group in self._kv_budget.forward_groups([len(s.kv) for _, s in ready], self.max_batch):
+            part = [ready[g] for g in group]
+            try:
+                self._verify_ready(requests, part, logs, results)
+            except Exception as exc:  # noqa: BLE001 - the shared forward failed: every request in it fails
+                for i, s in part:
+                    self.runner.truncate(s.kv, requests[i].committed_length)
+                    results[i] = exc
+            for i, _ in part:
+                logs[i].batch_size = len(part)
+        for i, log in enumerate(logs):
+            outcome = results[i]
+            if isinstance(outcome, VerifyOutcome):
+                ms = (log.phases[-1].end_ns - log.phases[0].start_ns) / 1e6
+                results[i] = VerifyOutcome(outcome.accepted, outcome.token_id, outcome.is_bonus,
+                                           outcome.committed_length, ms, log)
+        return [r if r is not None else RuntimeError("not verified") for r in results]
+
+    def _prepare(self, req: VerifyRequest) -> _TargetSession:
+        """Sync the session to the committed prefix and append the drafts (no forward yet)."""
+        s = self._sessions.get(req.session_id)
+        start = len(s.kv.tokens) if req.start is None else req.start
+        self.runner.set_tokens(s.kv, sync_prefix(s.kv.tokens, req.committed_length, start, req.tail))
+        k = len(req.proposal)
+        if req.committed_length + k + 1 > self.runner.max_context:
             raise InvalidArgument(
-                f"{k} draft tokens after {committed_length} committed exceed the context of {self.runner.max_context}"
+                f"{k} draft tokens after {req.committed_length} committed exceed the context of "
+                f"{self.runner.max_context}"
             )
-        drafts = torch.tensor([proposal.token_ids], dtype=torch.int64).reshape(1, k)  # [1, K]
-        if bool((drafts >= self.vocab_size).any()) or bool((drafts < 0).any()):
+        if any(not 0 <= t < self.vocab_size for t in req.proposal.token_ids):
             raise InvalidArgument(f"a draft token id is outside the vocabulary [0, {self.vocab_size})")
-        self.runner.append(s.kv, proposal.token_ids)
-        logits = self.runner.logits(s.kv, k + 1)  # [K+1, V]
-        p = sampling.processed_probs(logits[None], [s.params])  # [1, K+1, V] float32
-        sparse = None
-        if proposal.q_ids is not None and proposal.q_probs is not None and k > 0:
-            sparse = SparseProposal(proposal.q_ids[None], proposal.q_probs[None])  # [1, K, W]
+        self.runner.append(s.kv, req.proposal.token_ids)
+        return s
+
+    def _verify_ready(
+        self,
+        requests: Sequence[VerifyRequest],
+        ready: list[tuple[int, _TargetSession]],
+        logs: list[PhaseLog],
+        results: list[VerifyOutcome | Exception | None],
+    ) -> None:
+        """Forward, rejection sampler and commit for the sessions that passed their checks."""
+        ks = [len(requests[i].proposal) for i, _ in ready]
+        k_max = max(ks)
+        t0 = _now()
+        logits = self.runner.logits_batch([s.kv for _, s in ready], [k + 1 for k in ks])  # B x [K_b+1, V]
+        t1 = _now()
+        # Pad each row to K_max + 1 positions (repeating its last row: never read, the
+        # sampler stops at num_draft) and each q to the widest W; q = 0 on padding.
+        rows = [torch.cat([lg, lg[-1:].expand(k_max - k, -1)]) if k < k_max else lg for lg, k in zip(logits, ks)]
+        p = sampling.processed_probs(torch.stack(rows), [s.params for _, s in ready])  # [B, K_max+1, V]
+        drafts = torch.zeros(len(ready), k_max, dtype=torch.int64)  # [B, K_max]
+        for b, (i, _) in enumerate(ready):
+            drafts[b, : ks[b]] = torch.tensor(requests[i].proposal.token_ids, dtype=torch.int64)
         verdict = sampling.rejection_sample(
             p,
             drafts,
-            sparse,
-            seeds=torch.tensor([s.params.seed], dtype=torch.int64),
-            start_positions=torch.tensor([committed_length], dtype=torch.int64),
+            _sparse_batch([requests[i].proposal for i, _ in ready], k_max),
+            seeds=torch.tensor([s.params.seed for _, s in ready], dtype=torch.int64),
+            start_positions=torch.tensor([requests[i].committed_length for i, _ in ready], dtype=torch.int64),
+            num_draft=torch.tensor(ks, dtype=torch.int64),
         )
-        accepted = int(verdict.num_accepted[0])
-        token = int(verdict.next_token[0])
-        self.runner.truncate(s.kv, committed_length + accepted)
-        self.runner.append(s.kv, [token])
-        return VerifyOutcome(
-            accepted=accepted,
-            token_id=token,
-            is_bonus=bool(verdict.is_bonus[0]),
-            committed_length=len(s.kv.tokens),
-            compute_ms=(time.perf_counter() - t0) * 1e3,
-        )
+        t2 = _now()
+        for b, (i, s) in enumerate(ready):
+            logs[i].add(ph.FORWARD, t0, t1)
+            logs[i].add(ph.SAMPLING, t1, t2)
+            with logs[i].phase(ph.ROLLBACK):
+                accepted = int(verdict.num_accepted[b])
+                token = int(verdict.next_token[b])
+                committed = requests[i].committed_length
+                self.runner.truncate(s.kv, committed + accepted)
+                self.runner.append(s.kv, [token])
+            results[i] = VerifyOutcome(accepted, token, bool(verdict.is_bonus[b]), len(s.kv.tokens), 0.0)
+
+
+def _now() -> int:
+    return time.time_ns()
+
+
+def _sparse_batch(proposals: Sequence[Proposal], k_max: int) -> SparseProposal | None:
+    """The batch's q as [B, K_max, W]: None if every proposal is one-hot; one-hot rows spelled out otherwise."""
+    if k_max == 0 or all(p.q_ids is None or p.q_probs is None for p in proposals):
+        return None
+    width = max(int(p.q_ids.shape[1]) for p in proposals if p.q_ids is not None)
+    ids = torch.zeros(len(proposals), k_max, width, dtype=torch.int64)
+    probs = torch.zeros(len(proposals), k_max, width, dtype=torch.float32)
+    for b, p in enumerate(proposals):
+        k = len(p)
+        if k == 0:
+            continue
+        if p.q_ids is None or p.q_probs is None:  # one-hot at each draft token: q(token) = 1
+            ids[b, :k, 0] = torch.tensor(p.token_ids, dtype=torch.int64)
+            probs[b, :k, 0] = 1.0
+        else:
+            ids[b, :k, : p.q_ids.shape[1]] = p.q_ids
+            probs[b, :k, : p.q_probs.shape[1]] = p.q_probs
+    return SparseProposal(ids, probs)

@@ -39,7 +39,8 @@ def build_verifier(config: TargetConfig) -> tuple[Verifier, common_pb2.ModelInfo
     else:
         loaded, runner = catalog.load_for_serving(folder, config.device)
     verifier = Verifier(
-        runner, max_sessions=config.max_sessions, idle_timeout_s=config.idle_timeout_s, max_kv_bytes=config.max_kv_bytes
+        runner, max_sessions=config.max_sessions, idle_timeout_s=config.idle_timeout_s, max_kv_bytes=config.max_kv_bytes,
+        max_batch=config.max_batch,
     )
     return verifier, common_pb2.ModelInfo(**catalog.model_identity(loaded, runner))
 
@@ -52,7 +53,7 @@ def create_server(
     if verifier is None or info is None:
         verifier, info = build_verifier(config)
     executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="specd-target-model")
-    servicer = TargetServicer(verifier, executor, info, tracing=tracing, metrics=metrics)
+    servicer = TargetServicer(verifier, executor, info, tracing=tracing, metrics=metrics, max_batch=config.max_batch)
     server, port, health = build_server(
         config, lambda s: target_pb2_grpc.add_TargetServicer_to_server(servicer, s), [SERVICE_NAME]
     )

@@ -3,92 +3,86 @@
 from __future__ import annotations
 
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from concurrent.futures import Executor
+from typing import Any
 
 import grpc
 
 from specd import tracing as tr
 from specd.errors import InvalidArgument
 from specd.grpc_errors import session_error
-from specd.proposal import Proposal
 from specd.metrics import TargetMetrics
-from specd.streams import serve_round_stream
-from specd.v1 import common_pb2, session_pb2, target_pb2, target_pb2_grpc
-from specd.verification import Verifier
+from specd.proposal import Proposal
+from specd.round_servicing import BatchedRoundServicer, Handled
+from specd.v1 import common_pb2, target_pb2, target_pb2_grpc
+from specd.verification import Verifier, VerifyOutcome, VerifyRequest
 from specd.wire import params_from_proto
 
 log = logging.getLogger(__name__)
 
-_SPANS = {"open": tr.SPAN_TARGET_OPEN, "verify": tr.SPAN_TARGET_VERIFY, "close": tr.SPAN_TARGET_CLOSE}
 
+class TargetServicer(BatchedRoundServicer[target_pb2.TargetRequest, target_pb2.TargetResponse],
+                     target_pb2_grpc.TargetServicer):
+    step_op = "verify"
+    span_names = {"open": tr.SPAN_TARGET_OPEN, "verify": tr.SPAN_TARGET_VERIFY, "close": tr.SPAN_TARGET_CLOSE}
+    phase_span_prefix = tr.SPAN_TARGET_PHASE_PREFIX
 
-class TargetServicer(target_pb2_grpc.TargetServicer):
     def __init__(self, verifier: Verifier, executor: Executor, info: common_pb2.ModelInfo,
-                 *, tracing: tr.Tracing | None = None, metrics: TargetMetrics | None = None) -> None:
+                 *, tracing: tr.Tracing | None = None, metrics: TargetMetrics | None = None,
+                 max_batch: int = 32) -> None:
+        super().__init__(executor, tracing=tracing, metrics=metrics, max_batch=max_batch)
         self.verifier = verifier
-        self.executor = executor
         self.info = info
-        self.tracing = tracing or tr.TRACING_OFF
-        self.metrics = metrics
         if metrics is not None:
             metrics.watch_sessions(verifier.active_sessions)
 
-    def observed(self, req: target_pb2.TargetRequest) -> target_pb2.TargetResponse:
-        """handle() in a span under the round the message belongs to (if it carries one), and counted."""
-        op = req.WhichOneof("op") or "none"
-        span = None
-        if req.trace_context:
-            span = self.tracing.start_remote_child(
-                _SPANS.get(op, tr.SPAN_TARGET_VERIFY),
-                req.trace_context,
-                {tr.ATTR_SESSION_ID: req.session_id, tr.ATTR_COMMITTED_LENGTH: req.committed_length},
-            )
-        resp = self.handle(req)
-        if span is None and self.metrics is None:
-            return resp
-        error = None
-        if resp.WhichOneof("result") == "error":
-            error = (session_pb2.SessionError.Code.Name(resp.error.code).removeprefix("CODE_").lower(), resp.error.message)
-        attributes = None
-        if op == "verify" and error is None:
-            v = resp.verdict
-            kind = tr.token_kind(v.kind == target_pb2.TOKEN_KIND_BONUS)
-            drafts = len(req.verify.draft_token_ids)
-            attributes = {tr.ATTR_DRAFT_TOKENS: drafts, tr.ATTR_ACCEPTED: v.accepted, tr.ATTR_TOKEN_KIND: kind,
-                          tr.ATTR_COMPUTE_MS: v.compute_ms}
-            if self.metrics is not None:
-                self.metrics.observe_verify(drafts, v.accepted, kind, v.compute_ms)
-        tr.end_message_span(span, attributes, error)
-        if self.metrics is not None:
-            self.metrics.observe_message(op, "ok" if error is None else error[0])
-        return resp
-
-    def handle(self, req: target_pb2.TargetRequest) -> target_pb2.TargetResponse:
-        """One request, on the model thread; per-session errors go back in-band."""
-        resp = target_pb2.TargetResponse(
+    @staticmethod
+    def _response(req: target_pb2.TargetRequest) -> target_pb2.TargetResponse:
+        return target_pb2.TargetResponse(
             request_id=req.request_id, session_id=req.session_id, committed_length=req.committed_length
         )
-        try:
-            op = req.WhichOneof("op")
-            if op == "verify":
-                v = req.verify
+
+    def run_steps(self, requests: Sequence[target_pb2.TargetRequest]) -> list[Handled]:
+        """Verify messages of different sessions: one batched verification (model thread)."""
+        out: list[Handled | None] = [None] * len(requests)
+        work: list[tuple[int, VerifyRequest]] = []
+        for i, req in enumerate(requests):
+            v = req.verify
+            try:
                 proposal = Proposal.from_wire(
-                    list(v.draft_token_ids),
-                    [(list(d.token_ids), list(d.probs)) for d in v.q],
+                    list(v.draft_token_ids), [(list(d.token_ids), list(d.probs)) for d in v.q],
                     self.verifier.vocab_size,
                 )
-                outcome = self.verifier.verify(
-                    req.session_id, req.committed_length, proposal, start=v.start, tail=list(v.token_ids)
-                )
-                resp.committed_length = outcome.committed_length
-                resp.verdict.accepted = outcome.accepted
-                resp.verdict.token_id = outcome.token_id
-                resp.verdict.kind = (
-                    target_pb2.TOKEN_KIND_BONUS if outcome.is_bonus else target_pb2.TOKEN_KIND_RECOVERED
-                )
-                resp.verdict.compute_ms = outcome.compute_ms
-            elif op == "open":
+            except Exception as exc:  # noqa: BLE001 - this message's error, in-band
+                resp = self._response(req)
+                resp.error.CopyFrom(session_error(exc))
+                out[i] = (resp, None)
+                continue
+            work.append((i, VerifyRequest(req.session_id, req.committed_length, proposal, v.start, list(v.token_ids))))
+        results = self.verifier.verify_batch([w for _, w in work]) if work else []
+        for (i, _), result in zip(work, results):
+            resp = self._response(requests[i])
+            if isinstance(result, VerifyOutcome):
+                resp.committed_length = result.committed_length
+                resp.verdict.accepted = result.accepted
+                resp.verdict.token_id = result.token_id
+                resp.verdict.kind = target_pb2.TOKEN_KIND_BONUS if result.is_bonus else target_pb2.TOKEN_KIND_RECOVERED
+                resp.verdict.compute_ms = result.compute_ms
+                resp.verdict.batch_size = result.phases.batch_size
+                out[i] = (resp, result.phases)
+            else:
+                resp.error.CopyFrom(session_error(result))
+                out[i] = (resp, None)
+        assert all(h is not None for h in out)
+        return out  # type: ignore[return-value]
+
+    def run_other(self, req: target_pb2.TargetRequest) -> target_pb2.TargetResponse:
+        """open / close (or a message with no op): per-session errors go back in-band."""
+        resp = self._response(req)
+        try:
+            op = req.WhichOneof("op")
+            if op == "open":
                 if len(req.open.token_ids) != req.committed_length:
                     raise InvalidArgument("open: committed_length must equal the number of token_ids")
                 if not req.open.sampling.HasField("seed"):
@@ -104,12 +98,20 @@ class TargetServicer(target_pb2_grpc.TargetServicer):
             resp.error.CopyFrom(session_error(exc))
         return resp
 
+    def observe_step(self, req: target_pb2.TargetRequest, resp: target_pb2.TargetResponse,
+                     batch_size: int) -> dict[str, Any]:
+        v = resp.verdict
+        kind = tr.token_kind(v.kind == target_pb2.TOKEN_KIND_BONUS)
+        drafts = len(req.verify.draft_token_ids)
+        if self.metrics is not None:
+            self.metrics.observe_verify(drafts, v.accepted, kind, v.compute_ms, batch_size)
+        return {tr.ATTR_DRAFT_TOKENS: drafts, tr.ATTR_ACCEPTED: v.accepted, tr.ATTR_TOKEN_KIND: kind,
+                tr.ATTR_COMPUTE_MS: v.compute_ms, tr.ATTR_BATCH_SIZE: batch_size}
+
     async def Rounds(
         self, request_iterator: AsyncIterator[target_pb2.TargetRequest], context: grpc.aio.ServicerContext
     ) -> AsyncIterator[target_pb2.TargetResponse]:
-        # Headers first, so the coordinator knows the stream is up before any round.
-        await context.send_initial_metadata(())
-        async for response in serve_round_stream(request_iterator, self.observed, self.executor):
+        async for response in self.serve(request_iterator, context):
             yield response
 
     async def GetModelInfo(

@@ -14,7 +14,7 @@ import torch
 from draft_service.server import create_server
 from specd import catalog
 from specd.config import DraftConfig
-from specd.drafting import ModelDrafter
+from specd.drafting import ModelDrafter, ProposeRequest
 from specd.proposal import Proposal
 from specd.runner import CausalLMRunner
 from specd.sampling import SamplingParams
@@ -44,6 +44,16 @@ class LyingDrafter:
 
     def active_sessions(self) -> int:
         return self.inner.active_sessions()
+
+    def propose_batch(self, requests: Sequence[ProposeRequest]) -> list[Proposal | Exception]:
+        """One by one through propose(), so each answer gets its turn of lying (or stalling)."""
+        out: list[Proposal | Exception] = []
+        for r in requests:
+            try:
+                out.append(self.propose(r.session_id, r.committed_length, r.start, r.tail, r.num_tokens))
+            except Exception as exc:  # noqa: BLE001 - this request's error, as a real drafter reports it
+                out.append(exc)
+        return out
 
     def propose(self, session_id: str, committed_length: int, start: int, tail: Sequence[int], num_tokens: int) -> Proposal:
         real = self.inner.propose(session_id, committed_length, start, tail, num_tokens)

@@ -28,7 +28,7 @@ from specd import tracing as tr
 from specd.config import CoordinatorConfig, DraftConfig
 from specd.v1 import coordinator_pb2, coordinator_pb2_grpc
 from tests.cluster import READY_TIMEOUT_S, Cluster, QuietService, metrics_address, scrape, total
-from tests.otlp_receiver import OtlpReceiver, ReceivedSpan
+from specd.otlp_receiver import OtlpReceiver, ReceivedSpan
 
 # ---- in-process: settings, context, sampling, a dead collector -----------------------
 
@@ -188,6 +188,10 @@ def trace_of(spans: list[ReceivedSpan], call: Call) -> list[ReceivedSpan]:
     return [s for s in spans if roots and s.trace_id == roots[0].trace_id]
 
 
+MESSAGE_SPANS = {tr.SPAN_DRAFT_OPEN, tr.SPAN_DRAFT_PROPOSE, tr.SPAN_DRAFT_CLOSE,
+                 tr.SPAN_TARGET_OPEN, tr.SPAN_TARGET_VERIFY, tr.SPAN_TARGET_CLOSE}
+
+
 def complete(trace: list[ReceivedSpan], call: Call) -> bool:
     rounds = call.response.stats.rounds
     verifies = [s for s in trace if s.name == tr.SPAN_TARGET_VERIFY]
@@ -229,10 +233,18 @@ def test_each_generate_is_one_trace_with_a_span_per_round(traced: Cluster, recei
         assert all(r.parent_span_id == gen.span_id and r.service == tr.SERVICE_COORDINATOR for r in rounds)
         lengths = [r.attributes[tr.ATTR_COMMITTED_LENGTH] for r in rounds]
         assert lengths == sorted(set(lengths))
-        # Every draft and target span hangs under the round its message belonged to.
+        # Every draft and target message span hangs under the round its message belonged to;
+        # their phase spans (sync, forward, sampling, rollback) under the message span.
         children: dict[str, list[ReceivedSpan]] = defaultdict(list)
+        phases: dict[str, list[ReceivedSpan]] = defaultdict(list)
         for s in trace:
-            if s.service in (tr.SERVICE_DRAFT, tr.SERVICE_TARGET):
+            if s.service in (tr.SERVICE_DRAFT, tr.SERVICE_TARGET) and s.name not in MESSAGE_SPANS:
+                parent = by_id.get(s.parent_span_id)
+                assert parent is not None and parent.name in MESSAGE_SPANS and parent.service == s.service, s
+                assert parent.start_ns <= s.start_ns <= s.end_ns <= parent.end_ns, s
+                phases[parent.span_id].append(s)
+        for s in trace:
+            if s.service in (tr.SERVICE_DRAFT, tr.SERVICE_TARGET) and s.name in MESSAGE_SPANS:
                 parent = by_id.get(s.parent_span_id)
                 assert parent is not None and parent.name == tr.SPAN_ROUND, s
                 assert s.attributes[tr.ATTR_COMMITTED_LENGTH] == parent.attributes[tr.ATTR_COMMITTED_LENGTH], s
@@ -244,10 +256,14 @@ def test_each_generate_is_one_trace_with_a_span_per_round(traced: Cluster, recei
             assert len(verify) == 1, names
             assert verify[0].attributes[tr.ATTR_ACCEPTED] == r.attributes[tr.ATTR_ROUND_ACCEPTED]
             assert verify[0].attributes[tr.ATTR_TOKEN_KIND] == r.attributes[tr.ATTR_ROUND_TOKEN_KIND]
+            assert [p.name for p in sorted(phases[verify[0].span_id], key=lambda p: p.start_ns)] == [
+                tr.SPAN_TARGET_PHASE_PREFIX + name for name in ("sync", "forward", "sampling", "rollback")]
             proposes = [c for c in children[r.span_id] if c.name == tr.SPAN_DRAFT_PROPOSE]
             assert len(proposes) == (1 if r.attributes[tr.ATTR_ROUND_DRAFT_TOKENS] else 0), names
             for p in proposes:
                 assert p.attributes[tr.ATTR_DRAFT_TOKENS] == r.attributes[tr.ATTR_ROUND_DRAFT_TOKENS]
+                assert {c.name for c in phases[p.span_id]} == {
+                    tr.SPAN_DRAFT_PHASE_PREFIX + name for name in ("sync", "forward", "sampling")}
         assert sum(tr.SPAN_TARGET_OPEN == c.name for cs in children.values() for c in cs) == 1
         assert rounds[0].attributes[tr.ATTR_ROUND_PIPELINE_HIT] is False
 

@@ -1,0 +1,184 @@
+"""Batched verification and drafting in-process: the same tokens as one session at a time."""
+
+from __future__ import annotations
+
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+import torch
+
+from specd.batching import MicroBatcher
+from specd.drafting import ModelDrafter, NgramDrafter, ProposeRequest
+from specd.errors import SessionNotFound
+from specd.models import load_pretrained
+from specd.proposal import Proposal
+from specd.rounds import Generation, StopRule, speculative_generate
+from specd.runner import CausalLMRunner
+from specd.sampling import SamplingParams
+from specd.sessions import KVBudget
+from specd.verification import Verifier, VerifyOutcome, VerifyRequest
+
+pytestmark = pytest.mark.usefixtures("torch_single_thread")
+
+PROMPTS = ["hello world", "def f(x):\n    return", "abcabcabc", "The end.", "x", "a much longer prompt " * 6]
+
+
+@pytest.fixture(scope="module")
+def tiny(tiny_pair: tuple[Path, Path]):  # noqa: ANN201
+    target, draft = tiny_pair
+    t, d = load_pretrained(target), load_pretrained(draft)
+    return t, d
+
+
+def _batched_generate(prompts: list[list[int]], verifier: Verifier, drafter: ModelDrafter | NgramDrafter | None,
+                      params: list[SamplingParams], ks: list[int], max_new_tokens: int) -> list[list[int]]:
+    """Every session's rounds in lock-step: one propose_batch and one verify_batch per round."""
+    gens = [Generation(p, StopRule(max_new_tokens, verifier.runner.max_context, frozenset())) for p in prompts]
+    known = [len(g.prompt) for g in gens]
+    ids = [f"s{i}" for i in range(len(gens))]
+    for sid, g, p in zip(ids, gens, params):
+        verifier.open(sid, g.prompt, p)
+        if drafter is not None:
+            drafter.open(sid, g.prompt, p)
+    try:
+        while live := [i for i, g in enumerate(gens) if not g.done]:
+            want = {i: gens[i].draft_budget(ks[i]) if drafter is not None else 0 for i in live}
+            asks = [i for i in live if want[i] > 0]
+            proposals = {i: Proposal([]) for i in live}
+            if asks:
+                assert drafter is not None
+                got = drafter.propose_batch([
+                    ProposeRequest(ids[i], gens[i].committed_length, known[i], gens[i].committed[known[i]:], want[i])
+                    for i in asks])
+                for i, prop in zip(asks, got):
+                    assert isinstance(prop, Proposal), prop
+                    proposals[i] = prop
+            outcomes = verifier.verify_batch([VerifyRequest(ids[i], gens[i].committed_length, proposals[i])
+                                              for i in live])
+            for i, out in zip(live, outcomes):
+                assert isinstance(out, VerifyOutcome), out
+                if want[i] > 0:
+                    known[i] = gens[i].committed_length + out.accepted
+                gens[i].commit(proposals[i].token_ids, out.accepted, out.token_id)
+    finally:
+        for sid in ids:
+            verifier.close(sid)
+            if drafter is not None:
+                drafter.close(sid)
+    return [g.generated for g in gens]
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.9])
+def test_batched_rounds_equal_one_session_at_a_time(tiny, temperature: float) -> None:  # noqa: ANN001
+    t, d = tiny
+    verifier, drafter = Verifier(CausalLMRunner(t.model)), ModelDrafter(CausalLMRunner(d.model), wire_top_k=4)
+    prompts = [t.tokenizer(p).input_ids for p in PROMPTS]
+    params = [SamplingParams(temperature=temperature, top_p=0.95 if i % 2 else 1.0, seed=100 + i)
+              for i in range(len(prompts))]
+    ks = [1, 2, 3, 4, 5, 8]  # different K per session: the batch pads drafts and q
+    want = [speculative_generate(p, verifier, drafter, sp, draft_length=k, max_new_tokens=24).token_ids
+            for p, sp, k in zip(prompts, params, ks)]
+    got = _batched_generate(prompts, verifier, drafter, params, ks, 24)
+    assert got == want
+
+
+def test_batched_target_only_and_ngram_equal_unbatched(tiny) -> None:  # noqa: ANN001
+    t, _ = tiny
+    verifier = Verifier(CausalLMRunner(t.model))
+    prompts = [t.tokenizer(p).input_ids for p in PROMPTS]
+    params = [SamplingParams(temperature=0.0, seed=i) for i in range(len(prompts))]
+    want = [speculative_generate(p, verifier, None, sp, draft_length=0, max_new_tokens=20).token_ids
+            for p, sp in zip(prompts, params)]
+    assert _batched_generate(prompts, verifier, None, params, [0] * len(prompts), 20) == want
+    ngram = NgramDrafter(verifier.vocab_size)
+    assert _batched_generate(prompts, verifier, ngram, params, [4] * len(prompts), 20) == want
+
+
+def test_one_bad_request_leaves_the_batch_alone(tiny) -> None:  # noqa: ANN001
+    t, d = tiny
+    verifier, drafter = Verifier(CausalLMRunner(t.model)), ModelDrafter(CausalLMRunner(d.model))
+    greedy = SamplingParams(temperature=0.0, seed=0)
+    a, b = t.tokenizer("first one").input_ids, t.tokenizer("second").input_ids
+    for sid, p in (("a", a), ("b", b)):
+        verifier.open(sid, p, greedy)
+        drafter.open(sid, p, greedy)
+    props = drafter.propose_batch([ProposeRequest("a", len(a), len(a), [], 3), ProposeRequest("nope", 3, 3, [], 3),
+                                   ProposeRequest("b", len(b), len(b), [], 2)])
+    assert isinstance(props[1], SessionNotFound)
+    assert [len(props[0]), len(props[2])] == [3, 2]
+    assert props[0].phases.batch_size == 2 and props[0].phases.total_ms("forward") > 0
+    outs = verifier.verify_batch([
+        VerifyRequest("a", len(a), props[0]),
+        VerifyRequest("b", len(b) + 5, props[2]),  # wrong committed length: out of sync, alone
+        VerifyRequest("a", len(a), props[0]),  # the same session twice in one batch
+    ])
+    assert isinstance(outs[0], VerifyOutcome) and outs[0].phases.batch_size == 1
+    assert not isinstance(outs[1], VerifyOutcome) and not isinstance(outs[2], VerifyOutcome)
+    names = [p.name for p in outs[0].phases.phases]
+    assert names == ["sync", "forward", "sampling", "rollback"]
+    # "b" is untouched by its failed message: a correct verify still works
+    assert isinstance(verifier.verify_batch([VerifyRequest("b", len(b), props[2])])[0], VerifyOutcome)
+
+
+def test_forward_groups_respect_max_batch_and_the_kv_budget() -> None:
+    free = KVBudget(0, lambda: 100)
+    assert free.forward_groups([5, 1, 3, 2], 2) == [[1, 3], [2, 0]]  # shortest first, two per pass
+    tight = KVBudget(100 * 10, lambda: 100)  # room for 10 token positions
+    groups = tight.forward_groups([4, 4, 4, 9], 32)
+    assert groups == [[0, 1], [2], [3]]  # 2 x 4 <= 10; adding a third would pad to 12
+    assert sorted(i for g in groups for i in g) == [0, 1, 2, 3]
+
+
+def test_micro_batcher_batches_what_waits_in_order() -> None:
+    seen: list[list[int]] = []
+    gate = threading.Event()
+
+    def handle(batch: list[int]) -> list[int]:
+        if not seen:
+            gate.wait(5)  # hold the first batch so the rest queue up
+        seen.append(list(batch))
+        return [x * 10 for x in batch]
+
+    with ThreadPoolExecutor(max_workers=1) as pool:
+        batcher: MicroBatcher[int, int] = MicroBatcher(handle, pool, max_batch=3)
+        first = batcher.submit(0)
+        time.sleep(0.05)
+        futures = [batcher.submit(i) for i in range(1, 6)]
+        gate.set()
+        assert first.result(5) == 0
+        assert [f.result(5) for f in futures] == [10, 20, 30, 40, 50]
+    assert seen == [[0], [1, 2, 3], [4, 5]]
+
+
+def test_micro_batcher_fails_every_request_of_a_failed_batch() -> None:
+    def handle(batch: list[int]) -> list[int]:
+        raise RuntimeError("model thread fell over")
+
+    with ThreadPoolExecutor(max_workers=1) as pool:
+        batcher: MicroBatcher[int, int] = MicroBatcher(handle, pool)
+        f = batcher.submit(1)
+        with pytest.raises(RuntimeError, match="fell over"):
+            f.result(5)
+        assert batcher.submit(2).exception(5) is not None  # and it keeps taking requests
+
+
+def test_verify_batch_is_one_forward(tiny, monkeypatch: pytest.MonkeyPatch) -> None:  # noqa: ANN001
+    t, _ = tiny
+    runner = CausalLMRunner(t.model)
+    verifier = Verifier(runner)
+    calls: list[int] = []
+    real = runner.logits_batch
+    monkeypatch.setattr(runner, "logits_batch", lambda ss, nl: calls.append(len(ss)) or real(ss, nl))
+    greedy = SamplingParams(temperature=0.0, seed=0)
+    reqs = []
+    for i, text in enumerate(PROMPTS):
+        p = t.tokenizer(text).input_ids
+        verifier.open(f"s{i}", p, greedy)
+        reqs.append(VerifyRequest(f"s{i}", len(p), Proposal([1, 2][: i % 3])))
+    outs = verifier.verify_batch(reqs)
+    assert all(isinstance(o, VerifyOutcome) for o in outs)
+    assert calls == [len(PROMPTS)]
+    assert torch.tensor([o.phases.batch_size for o in outs]).eq(len(PROMPTS)).all()

@@ -100,11 +100,20 @@ class CoordinatorClient:
         self._metadata = (("authorization", f"Bearer {token}"),) if token else None
         self.timeout = timeout
 
-    def generate(self, prompt: Prompt, **kwargs: Any) -> coordinator_pb2.GenerateResponse:
-        return self._stub.Generate(build_request(prompt, **kwargs), timeout=self.timeout, metadata=self._metadata)
+    def _call_metadata(self, extra: Sequence[tuple[str, str]]) -> tuple[tuple[str, str], ...] | None:
+        both = (*(self._metadata or ()), *extra)
+        return both or None
 
-    def generate_stream(self, prompt: Prompt, **kwargs: Any) -> Iterator[coordinator_pb2.GenerateStreamResponse]:
-        return self._stub.GenerateStream(build_request(prompt, **kwargs), timeout=self.timeout, metadata=self._metadata)
+    def generate(self, prompt: Prompt, *, metadata: Sequence[tuple[str, str]] = (),
+                 **kwargs: Any) -> coordinator_pb2.GenerateResponse:
+        """metadata: extra call metadata, e.g. a W3C ``traceparent`` to join (or opt out of) a trace."""
+        return self._stub.Generate(build_request(prompt, **kwargs), timeout=self.timeout,
+                                   metadata=self._call_metadata(metadata))
+
+    def generate_stream(self, prompt: Prompt, *, metadata: Sequence[tuple[str, str]] = (),
+                        **kwargs: Any) -> Iterator[coordinator_pb2.GenerateStreamResponse]:
+        return self._stub.GenerateStream(build_request(prompt, **kwargs), timeout=self.timeout,
+                                         metadata=self._call_metadata(metadata))
 
     def model_info(self) -> common_pb2.ModelInfo:
         return self._stub.GetModelInfo(common_pb2.GetModelInfoRequest(), timeout=self.timeout, metadata=self._metadata)

@@ -32,7 +32,7 @@ from specd.errors import (
     Unavailable,
 )
 from specd.metrics import CoordinatorMetrics
-from specd.adaptive import AdaptiveDraftLength, Estimate, observe_round
+from specd.adaptive import AdaptiveDraftLength, Estimate, LinearCost, observe_round
 from specd.proposal import Proposal
 from specd.rounds import FinishReason, Generation, RoundStats, StopRule
 from specd.sampling import SamplingParams
@@ -137,6 +137,10 @@ class RoundEngine:
         # Service-wide acceptance and cost estimates: where each session's adaptive K starts.
         self._acceptance_prior = Estimate(0.5)
         self._cost_prior = Estimate(0.2)
+        # How the target's step time grows with the tokens of its batch, and the batch it sees:
+        # together the extra cost of a draft token under batching (adaptive.LinearCost.share).
+        self._target_cost = LinearCost()
+        self._target_batch = Estimate(1.0)
         self.tracing: tr.Tracing = tr.TRACING_OFF  # the service sets these before it serves
         self.metrics: CoordinatorMetrics | None = None
 
@@ -253,7 +257,7 @@ class RoundEngine:
             while not gen.done:
                 round_start = time.perf_counter()
                 round_span = self.tracing.start_round(span, gen.stats.rounds, gen.committed_length)
-                wanted = 0 if spec.speculation == "off" else (adaptive.next_k() if adaptive else spec.draft_length)
+                wanted = 0 if spec.speculation == "off" else (adaptive.next_k(self.batch_share()) if adaptive else spec.draft_length)
                 budget = gen.draft_budget(wanted)
                 proposal, hit = Proposal([]), ready is not None
                 if ready is not None:
@@ -281,6 +285,7 @@ class RoundEngine:
                         and pre.token_ids[0] == outcome.token_id):
                     ready = pre.window(1)  # drafted for exactly the prefix this round commits
                     draft_s.known += 1
+                self._learn_target_cost(outcome)
                 if adaptive is not None:
                     self._learn(adaptive, proposal, outcome)
                 gen.stats.pipeline_hits += int(hit)
@@ -334,6 +339,15 @@ class RoundEngine:
             acceptance=Estimate(self._acceptance_prior.value, weight=4.0),
             cost_ratio=Estimate(self._cost_prior.value, weight=4.0),
         )
+
+    def batch_share(self) -> float:
+        """sigma: what one more draft token per session costs the batched target, in target-only steps."""
+        return self._target_cost.share(self._target_batch.value)
+
+    def _learn_target_cost(self, outcome: VerifyOutcome) -> None:
+        if outcome.phases.batch_tokens > 0:
+            self._target_cost.observe(outcome.phases.batch_tokens, outcome.compute_ms)
+            self._target_batch.update(outcome.phases.batch_size, horizon=64.0)
 
     def _learn(self, adaptive: AdaptiveDraftLength, proposal: Proposal, outcome: VerifyOutcome) -> None:
         """Feed a round to the session's controller and to the service-wide priors."""

@@ -18,6 +18,7 @@ import grpc
 
 from specd.errors import DeadlineExceeded, Unavailable
 from specd.grpc_errors import exception_from_session_error
+from specd.phases import PhaseLog
 from specd.proposal import Proposal
 from specd.sampling import SamplingParams
 from specd.serving import CHANNEL_OPTIONS
@@ -193,6 +194,7 @@ class TargetPeer:
             is_bonus=v.kind == target_pb2.TOKEN_KIND_BONUS,
             committed_length=resp.committed_length,
             compute_ms=v.compute_ms,
+            phases=PhaseLog(batch_size=max(1, v.batch_size), batch_tokens=v.batch_tokens),
         )
 
     async def close_session(self, sid: str, timeout: float) -> None:

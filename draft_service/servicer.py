@@ -63,7 +63,6 @@ class DraftServicer(BatchedRoundServicer[draft_pb2.DraftRequest, draft_pb2.Draft
             resp = self._response(requests[i])
             if isinstance(result, Proposal):
                 resp.proposal.CopyFrom(proposal_to_proto(result))
-                resp.proposal.batch_size = result.phases.batch_size
                 out[i] = (resp, result.phases)
             else:
                 resp.error.CopyFrom(session_error(result))

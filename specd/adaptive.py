@@ -9,6 +9,19 @@ The controller keeps running estimates of a and c per session (seeded from
 the service-wide estimate), picks the K in [1, k_max] that maximises S, and
 drafts nothing (K = 0) when no K pays, probing again every `probe_every`
 rounds so that a session whose text became predictable gets speculation back.
+
+Under batching a verify of K + 1 tokens is no longer as cheap as a one-token
+step: the target's step time grows with the tokens of the whole batch,
+T(n) = base + per_token * n (fitted online by `LinearCost` from the verdicts).
+With B sessions each verifying K + 1 tokens, a round costs
+base + per_token * B (K + 1) against base + per_token * B for target-only, so
+every draft token adds a share
+
+    sigma = per_token * B / (base + per_token * B)
+
+of a target-only step on top of its drafting cost c. S(K) then uses
+c + sigma: at batch 1 on a GPU sigma is ~0 (Leviathan's model); as the batch
+grows sigma approaches 1 and K shrinks, down to no speculation.
 """
 
 from __future__ import annotations
@@ -48,6 +61,54 @@ class Estimate:
 
 
 @dataclass
+class LinearCost:
+    """Online least-squares fit of step time = base + per_token * tokens, forgetting old steps.
+
+    Fed (tokens the batch's forward ran, its time); the batches' changing
+    composition (sessions joining with their prompts, different K) spreads
+    the token counts, which is what makes the slope identifiable.
+    """
+
+    forget: float = 0.99  # per observation; ~100 steps of memory
+    _w: float = 0.0
+    _x: float = 0.0
+    _y: float = 0.0
+    _xx: float = 0.0
+    _xy: float = 0.0
+
+    def observe(self, tokens: float, ms: float) -> None:
+        if tokens <= 0 or ms <= 0:
+            return
+        f = self.forget
+        self._w = f * self._w + 1.0
+        self._x = f * self._x + tokens
+        self._y = f * self._y + ms
+        self._xx = f * self._xx + tokens * tokens
+        self._xy = f * self._xy + tokens * ms
+
+    def fit(self) -> tuple[float, float] | None:
+        """(base_ms, per_token_ms), or None until the token counts vary enough to tell them apart."""
+        if self._w < 8:
+            return None
+        mx, my = self._x / self._w, self._y / self._w
+        var = self._xx / self._w - mx * mx
+        if var < 0.25 or var < 1e-4 * mx * mx:  # (near) constant token counts: slope unknown
+            return None
+        slope = max(0.0, (self._xy / self._w - mx * my) / var)
+        return max(0.0, my - slope * mx), slope
+
+    def share(self, batch_size: float) -> float:
+        """sigma: the cost of one more token per session, as a fraction of a target-only step (0 if unknown)."""
+        fitted = self.fit()
+        if fitted is None:
+            return 0.0
+        base, per_token = fitted
+        marginal = per_token * max(1.0, batch_size)
+        total = base + marginal
+        return marginal / total if total > 0 else 0.0
+
+
+@dataclass
 class AdaptiveDraftLength:
     """Per-session K controller; feed it every speculative round's outcome."""
 
@@ -57,8 +118,9 @@ class AdaptiveDraftLength:
     probe_every: int = 16
     _rounds_off: int = 0
 
-    def next_k(self) -> int:
-        k = best_draft_length(self.acceptance.value, self.cost_ratio.value, self.k_max)
+    def next_k(self, batch_share: float = 0.0) -> int:
+        """K for the next round; batch_share is sigma (see the module docstring), 0 unbatched."""
+        k = best_draft_length(self.acceptance.value, self.cost_ratio.value + batch_share, self.k_max)
         if k > 0:
             self._rounds_off = 0
             return k

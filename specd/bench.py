@@ -33,6 +33,7 @@ import json
 import math
 import os
 import platform
+import secrets
 import shlex
 import signal
 import sys
@@ -283,13 +284,14 @@ def _stats_dict(stats: Any) -> dict[str, Any]:
     return out
 
 
-def run_service_request(client: Any, prompt_id: str, ids: list[int], options: Mapping[str, Any]) -> RequestResult:
+def run_service_request(client: Any, prompt_id: str, ids: list[int], options: Mapping[str, Any],
+                        metadata: Sequence[tuple[str, str]] = ()) -> RequestResult:
     """One GenerateStream call, timed per message (one message per round)."""
     r = RequestResult(prompt_id)
     r.start = time.perf_counter()
     timeline = _Timeline(r)
     try:
-        for msg in client.generate_stream(ids, **options):
+        for msg in client.generate_stream(ids, metadata=metadata, **options):
             timeline.add(time.perf_counter(), len(msg.token_ids))
             r.token_ids.extend(int(t) for t in msg.token_ids)
             if msg.HasField("stats"):
@@ -617,29 +619,29 @@ def _nan_none(x: float) -> float | None:
     return None if x is None or math.isnan(x) else x
 
 
-def finish_records(records: list[dict[str, Any]], outputs: Mapping[tuple[str, float, int], Mapping[str, list[int]]]
-                   ) -> dict[str, Any]:
+def finish_records(records: list[dict[str, Any]],
+                   outputs: Mapping[tuple[str, str, float, int], Mapping[str, list[int]]]) -> dict[str, Any]:
     """Fill speed-up and efficiency (vs target-only of the same cell) and the greedy check; return its summary.
 
     Greedy reference: target-only's outputs in the first temperature-0 cell run.
     """
-    base = {(r["temperature"], r["concurrency"]): r for r in records if r["mode"] == BASELINE}
+    base = {(r.get("services", ""), r["temperature"], r["concurrency"]): r for r in records if r["mode"] == BASELINE}
     for r in records:
-        b = base.get((r["temperature"], r["concurrency"]))
+        b = base.get((r.get("services", ""), r["temperature"], r["concurrency"]))
         if b is None and r["runner"] == RUNNER_HF:  # the peer runs at 1 client; compare with the 1-client baseline
-            b = base.get((r["temperature"], 1))
+            b = base.get((r.get("services", ""), r["temperature"], 1))
         if b and b["tokens_per_s"] and r["tokens_per_s"] is not None:
             r["speedup"] = r["tokens_per_s"] / b["tokens_per_s"]
             if r["theoretical_speedup"]:
                 r["efficiency"] = r["speedup"] / r["theoretical_speedup"]
-    greedy_cells = [key for key in outputs if key[1] == 0.0]
-    ref_key = next((key for key in greedy_cells if key[0] == BASELINE), None)
+    greedy_cells = [key for key in outputs if key[2] == 0.0]
+    ref_key = next((key for key in greedy_cells if key[1] == BASELINE), None)
     failures: list[dict[str, Any]] = []
     checked = 0
     if ref_key is not None:
         reference = outputs[ref_key]
         for r in records:
-            key = (r["mode"], r["temperature"], r["concurrency"])
+            key = (r.get("services", ""), r["mode"], r["temperature"], r["concurrency"])
             if r["temperature"] != 0.0 or key not in outputs:
                 continue
             checked += 1
@@ -654,15 +656,103 @@ def finish_records(records: list[dict[str, Any]], outputs: Mapping[tuple[str, fl
             r["greedy_identical"] = not mismatches
             r["greedy_mismatches"] = mismatches
             if mismatches:
-                failures.append({"mode": r["mode"], "concurrency": r["concurrency"], "runner": r["runner"],
+                failures.append({"mode": _row_name(r), "concurrency": r["concurrency"], "runner": r["runner"],
                                  "prompts": [m["prompt"] for m in mismatches]})
     return {
-        "reference": f"{BASELINE} at temperature 0, {ref_key[2]} client(s)" if ref_key else None,
+        "reference": f"{BASELINE} at temperature 0, {ref_key[3]} client(s)" if ref_key else None,
         "records_checked": checked,
         "identical": not [f for f in failures if f["runner"] == RUNNER_SERVICE] if ref_key else None,
         "peer_identical": not [f for f in failures if f["runner"] == RUNNER_HF] if ref_key else None,
         "failures": failures,
     }
+
+
+# ---- service set-ups and tracing -------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ServiceSetup:
+    """One way of starting the services; a run compares set-ups side by side (e.g. batching on / off)."""
+
+    label: str  # "" when the run has a single set-up
+    model_service_args: tuple[str, ...] = ()  # added to the draft's and the target's flags
+
+
+BATCHING_SETUPS = {
+    "on": [ServiceSetup("")],  # the services' default (--max-batch 32)
+    "off": [ServiceSetup("unbatched", ("--max-batch", "1"))],
+    "both": [ServiceSetup("batched"), ServiceSetup("unbatched", ("--max-batch", "1"))],
+}
+
+
+def untraced_metadata() -> tuple[tuple[str, str], ...]:
+    """A W3C traceparent whose sampled flag is off: services with tracing on record nothing for the call."""
+    return (("traceparent", f"00-{secrets.randbits(128) | 1:032x}-{secrets.randbits(64) | 1:016x}-00"),)
+
+
+def measure_tracing_overhead(address: str, mode: Mode, items: Sequence[tuple[BenchPrompt, list[int]]], *,
+                             repeats: int, max_new_tokens: int, seed: int, ignore_eos: bool, timeout: float,
+                             spans: Callable[[], int], bar: Any) -> dict[str, Any]:
+    """Tokens/s of `mode` with every request traced vs none, interleaved request by request.
+
+    The services run with tracing on at 100% sampling, exporting to a real
+    OTLP receiver. "off" requests carry a not-sampled traceparent, so they
+    take the services' untraced path (no spans, no context in stream
+    messages); "on" requests are traced and exported. Alternating the two
+    per prompt (and the order per repeat) cancels the machine's drift.
+    """
+    from coordinator.client import CoordinatorClient
+
+    wall = {"off": 0.0, "on": 0.0}
+    tokens = {"off": 0, "on": 0}
+    errors = 0
+    options = dict(max_new_tokens=max_new_tokens, temperature=0.0, ignore_eos=ignore_eos, **mode.request)
+    with CoordinatorClient(address, timeout=timeout) as client:
+        for rep in range(repeats):
+            for i, (p, ids) in enumerate(items):
+                order = ("off", "on") if (rep + i) % 2 == 0 else ("on", "off")
+                for variant in order:
+                    meta = untraced_metadata() if variant == "off" else ()
+                    r = run_service_request(client, p.id, ids, dict(options, seed=seed + i), meta)
+                    errors += r.error is not None
+                    wall[variant] += r.end - r.start
+                    tokens[variant] += len(r.token_ids)
+                    bar.update(1)
+    tps = {v: tokens[v] / wall[v] if wall[v] > 0 else None for v in wall}
+    ratio = tps["on"] / tps["off"] if tps["on"] and tps["off"] else None
+    return {
+        "mode": mode.name, "repeats": repeats, "requests_per_variant": repeats * len(items), "errors": errors,
+        "tokens_per_s_off": tps["off"], "tokens_per_s_on": tps["on"], "on_over_off": ratio,
+        "overhead_pct": (1.0 - ratio) * 100 if ratio else None, "sample_ratio": 1.0,
+        "spans_received": spans(),  # so far; the run updates it once the services have flushed
+    }
+
+
+def concurrency_table(records: Sequence[Mapping[str, Any]], temperature: float) -> tuple[list[int], list[tuple[str, dict[int, float]]]]:
+    """tokens/s per (services, mode) row and concurrency column, at one temperature."""
+    cols = sorted({r["concurrency"] for r in records if r["temperature"] == temperature})
+    rows: dict[str, dict[int, float]] = {}
+    for r in records:
+        if r["temperature"] == temperature and r["runner"] == RUNNER_SERVICE and r["tokens_per_s"] is not None:
+            rows.setdefault(_row_name(r), {})[r["concurrency"]] = r["tokens_per_s"]
+    return cols, list(rows.items())
+
+
+def batching_gains(records: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
+    """batched / unbatched tokens/s for every (mode, T, clients) measured both ways."""
+    by_key = {(r.get("services", ""), r["mode"], r["temperature"], r["concurrency"]): r for r in records}
+    out = []
+    for (label, mode, t, c), r in by_key.items():
+        other = by_key.get(("unbatched", mode, t, c))
+        if label == "batched" and other and r["tokens_per_s"] and other["tokens_per_s"]:
+            out.append({"mode": mode, "temperature": t, "concurrency": c, "batched_tokens_per_s": r["tokens_per_s"],
+                        "unbatched_tokens_per_s": other["tokens_per_s"],
+                        "gain": r["tokens_per_s"] / other["tokens_per_s"]})
+    return out
+
+
+def _row_name(r: Mapping[str, Any]) -> str:
+    return f"{r['mode']} [{r['services']}]" if r.get("services") else r["mode"]
 
 
 # ---- reports ------------------------------------------------------------------
@@ -698,7 +788,7 @@ def render_markdown(report: Mapping[str, Any]) -> str:
     ]
     for r in records:
         lines.append("| " + " | ".join([
-            _fmt(r["temperature"], 1), str(r["concurrency"]), f"`{r['mode']}`", _fmt(r["tokens_per_s"], 1),
+            _fmt(r["temperature"], 1), str(r["concurrency"]), f"`{_row_name(r)}`", _fmt(r["tokens_per_s"], 1),
             _fmt(r["speedup"], 2, "x"), _fmt(r["acceptance_rate"], 3), _fmt(r["acceptance_length"]), _fmt(r["alpha"], 3),
             _fmt(r["cost_ratio"], 3), _fmt(r["theoretical_speedup"], 2, "x"), _fmt(r["efficiency"]),
             _fmt(r["ttft_ms_p50"], 1), _fmt(r["itl_ms_p50"], 1), _fmt(r["itl_ms_p99"], 1),
@@ -707,7 +797,7 @@ def render_markdown(report: Mapping[str, Any]) -> str:
         ]) + " |")
     fallback = [r for r in records if r.get("target_only_rounds")]
     for r in fallback:
-        lines += ["", f"Note: `{r['mode']}` at T={r['temperature']:g}, {r['concurrency']} client(s) ran "
+        lines += ["", f"Note: `{_row_name(r)}` at T={r['temperature']:g}, {r['concurrency']} client(s) ran "
                       f"{r['target_only_rounds']} target-only fallback rounds (the draft was unavailable, slow or "
                       "incompatible): its numbers mix in target-only decoding."]
     spec = [r for r in records if r["acceptance_per_position"]]
@@ -718,7 +808,29 @@ def render_markdown(report: Mapping[str, Any]) -> str:
                   "|---|---|---|" + "---|" * width]
         for r in spec:
             cells = [_fmt(x) for x in r["acceptance_per_position"]] + [""] * (width - len(r["acceptance_per_position"]))
-            lines.append(f"| {_fmt(r['temperature'], 1)} | {r['concurrency']} | `{r['mode']}` | " + " | ".join(cells) + " |")
+            lines.append(f"| {_fmt(r['temperature'], 1)} | {r['concurrency']} | `{_row_name(r)}` | " + " | ".join(cells) + " |")
+    temps = list(dict.fromkeys(r["temperature"] for r in records))
+    for t in temps:
+        cols, rows = concurrency_table(records, t)
+        if len(cols) > 1:
+            lines += ["", f"Tokens/s against concurrent clients (T={t:g}):", "",
+                      "| mode | " + " | ".join(str(c) for c in cols) + " |", "|---|" + "---|" * len(cols)]
+            for name, by_c in rows:
+                lines.append(f"| `{name}` | " + " | ".join(_fmt(by_c.get(c), 1) for c in cols) + " |")
+    gains = meta.get("batching_gains") or []
+    if gains:
+        lines += ["", "Batching: tokens/s with batched forward passes / the same services with --max-batch 1:", "",
+                  "| T | clients | mode | batched tok/s | unbatched tok/s | gain |", "|---|---|---|---|---|---|"]
+        for g in gains:
+            lines.append(f"| {_fmt(g['temperature'], 1)} | {g['concurrency']} | `{g['mode']}` | "
+                         f"{_fmt(g['batched_tokens_per_s'], 1)} | {_fmt(g['unbatched_tokens_per_s'], 1)} | "
+                         f"{_fmt(g['gain'], 2, 'x')} |")
+    tro = meta.get("tracing_overhead")
+    if tro:
+        lines += ["", f"Tracing overhead (`{tro['mode']}`, T=0, 1 client, {tro['requests_per_variant']} requests each, "
+                      f"interleaved; {tro['spans_received']} spans received by the OTLP sink): traced "
+                      f"{_fmt(tro['tokens_per_s_on'], 2)} tok/s vs untraced {_fmt(tro['tokens_per_s_off'], 2)} tok/s, "
+                      f"**{_fmt(tro['overhead_pct'], 2)}% fewer tokens/s** with 100% sampling."]
     cost = meta.get("cost") or {}
     if cost.get("service"):
         c = cost["service"]
@@ -745,20 +857,38 @@ def render_markdown(report: Mapping[str, Any]) -> str:
 
 
 def write_plot(records: Sequence[Mapping[str, Any]], path: Path) -> None:
-    """Two panels: speed-up per mode (one bar per cell), acceptance per draft position."""
+    """Speed-up per mode (one bar per cell), acceptance per draft position, and, when the run
+    has several concurrency levels, tokens/s against concurrent clients."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(13, 4.8))
-    modes = [m for m in dict.fromkeys(r["mode"] for r in records) if m != BASELINE]
+    levels = sorted({r["concurrency"] for r in records})
+    panels = 3 if len(levels) > 1 else 2
+    fig, axes = plt.subplots(1, panels, figsize=(6.5 * panels, 4.8))
+    ax1, ax2 = axes[0], axes[1]
+    if panels == 3:
+        t0 = min(r["temperature"] for r in records)
+        cols, rows = concurrency_table(records, t0)
+        for name, by_c in rows:
+            xs = [c for c in cols if c in by_c]
+            axes[2].plot(xs, [by_c[c] for c in xs], marker="o", label=name)
+        axes[2].set_xscale("log", base=2)
+        axes[2].set_xticks(cols)
+        axes[2].set_xticklabels([str(c) for c in cols])
+        axes[2].set_xlabel("concurrent clients")
+        axes[2].set_ylabel("aggregate tokens/s")
+        axes[2].set_title(f"Throughput against concurrency (T={t0:g})")
+        axes[2].legend(fontsize=8)
+    modes = [m for m in dict.fromkeys(_row_name(r) for r in records) if m != BASELINE]
     cells = list(dict.fromkeys((r["temperature"], r["concurrency"]) for r in records))
     width = 0.8 / max(1, len(cells))
     for j, (t, c) in enumerate(cells):
         values = []
         for m in modes:
-            hit = next((r for r in records if r["mode"] == m and r["temperature"] == t and r["concurrency"] == c), None)
+            hit = next((r for r in records if _row_name(r) == m and r["temperature"] == t and r["concurrency"] == c),
+                       None)
             values.append(hit["speedup"] if hit and hit["speedup"] is not None else math.nan)
         xs = [i + (j - (len(cells) - 1) / 2) * width for i in range(len(modes))]
         ax1.bar(xs, values, width, label=f"T={t:g}, {c} client{'s' if c > 1 else ''}")
@@ -773,7 +903,7 @@ def write_plot(records: Sequence[Mapping[str, Any]], path: Path) -> None:
         if r["acceptance_per_position"] and r["concurrency"] == low_c:
             ys = r["acceptance_per_position"]
             ax2.plot(range(1, len(ys) + 1), ys, marker="o", linestyle="-" if r["temperature"] == 0 else "--",
-                     label=f"{r['mode']} T={r['temperature']:g}")
+                     label=f"{_row_name(r)} T={r['temperature']:g}")
     ax2.set_xlabel("draft position")
     ax2.set_ylabel("acceptance (accepted / rounds that drafted)")
     ax2.set_ylim(0, 1.02)
@@ -853,6 +983,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--no-inprocess", action="store_true", help="skip everything that loads the models in this "
                    "process: the peer and the measured c (S(K) then stays empty)")
     g.add_argument("--timeout", type=float, default=600.0, help="seconds per request (default: 600)")
+    g.add_argument("--batching", choices=sorted(BATCHING_SETUPS), default="on",
+                   help="'both' runs every cell twice, on services with batched forward passes and on the same "
+                   "services with --max-batch 1, and reports the gain; 'off' only the latter (default: on)")
+    g.add_argument("--tracing-overhead", action="store_true",
+                   help="also measure tracing's cost: services trace 100%% of requests to an OTLP receiver in "
+                   "this process; traced and untraced requests alternate (see docs/bench.md)")
+    g.add_argument("--tracing-mode", default="", help="mode for --tracing-overhead (default: the first "
+                   "speculative service mode, else target-only)")
+    g.add_argument("--tracing-repeats", type=int, default=2, help="passes over the prompts per variant for "
+                   "--tracing-overhead (default: 2)")
     g = p.add_argument_group("output")
     g.add_argument("--json", default="", help="JSON report (default: bench-results/bench.json)")
     g.add_argument("--markdown", default="", help="markdown table (default: next to the JSON, .md)")
@@ -914,7 +1054,8 @@ def _progress(total: int, desc: str, disable: bool) -> Any:
 
 def _run_service_cell(address: str, mode: Mode, items: Sequence[tuple[BenchPrompt, list[int]]], *, temperature: float,
                       concurrency: int, max_new_tokens: int, seed: int, ignore_eos: bool, timeout: float,
-                      bar: Any) -> tuple[list[RequestResult], float]:
+                      bar: Any, metadata: Callable[[], Sequence[tuple[str, str]]] = lambda: ()
+                      ) -> tuple[list[RequestResult], float]:
     from coordinator.client import CoordinatorClient
 
     options = dict(max_new_tokens=max_new_tokens, temperature=temperature, ignore_eos=ignore_eos, **mode.request)
@@ -928,7 +1069,7 @@ def _run_service_cell(address: str, mode: Mode, items: Sequence[tuple[BenchPromp
             with lock:
                 clients.append(local.client)
         p, ids = items[i]
-        r = run_service_request(local.client, p.id, ids, dict(options, seed=seed + i))
+        r = run_service_request(local.client, p.id, ids, dict(options, seed=seed + i), metadata())
         bar.update(1)
         return r
 
@@ -1016,113 +1157,107 @@ def _run(args: argparse.Namespace, plan: _Plan, json_path: Path, md_path: Path, 
     target_dir = catalog.target_folder(args.target, cache)
     draft_dir: Path | None = None if args.draft == NGRAM else catalog.draft_folder(args.draft, args.target, cache)
     tokenizer = AutoTokenizer.from_pretrained(target_dir, local_files_only=True)
-    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (tokenizer.eos_token_id or 0)
     k_max = max([m.draft_length or 0 for m in plan.modes] + plan.draft_lengths)
     quiet = args.no_progress
     interrupted = False
     records: list[dict[str, Any]] = []
-    outputs: dict[tuple[str, float, int], dict[str, list[int]]] = {}
+    outputs: dict[tuple[str, str, float, int], dict[str, list[int]]] = {}
     cost: dict[str, Any] = {}
     peak: dict[str, Any] = {}
 
-    cluster = None
-    if not args.address:
-        from specd.localcluster import LocalCluster
-
-        _say(f"starting target, draft and coordinator ({target_dir.name}, "
-             f"{draft_dir.name if draft_dir else args.draft}) ...", quiet)
-        cluster = LocalCluster(
-            target_dir, draft_dir if draft_dir is not None else NGRAM, cache_dir=cache,
-            target_threads=args.target_threads, draft_threads=args.draft_threads, coordinator_threads=1,
-            target_args=shlex.split(args.target_args),
-            draft_args=["--max-draft-tokens", str(max(32, k_max)), *shlex.split(args.draft_args)],
-            coordinator_args=["--max-draft-length", str(max(16, k_max)), *shlex.split(args.coordinator_args)],
-            ready_timeout_s=600.0, echo=args.verbose,
-        )
-        try:
-            cluster.start()
-        except RuntimeError as exc:
-            print(f"specd bench: {exc}\n{cluster.logs()}", file=sys.stderr)
-            return 2
-        address = cluster.address
-    else:
-        address = args.address
-    phase("start_services_s")
-    try:
-        from coordinator.client import CoordinatorClient
-
-        try:
-            with CoordinatorClient(address, timeout=min(args.timeout, 30.0)) as client:
-                max_context = int(client.model_info().max_context) or 1 << 30
-        except Exception as exc:  # noqa: BLE001 - grpc.RpcError: say which address failed
-            raise BenchError(f"cannot reach the coordinator at {address}: {exc}") from exc
-        room = max(1, max_context - plan.max_new_tokens)
-        items = [(p, tokenize_prompt(tokenizer, p)[-room:]) for p in plan.prompts]
-
-        peer: HFPeer | None = None
-        if not args.no_inprocess:
-            _say("loading the models in-process (the peer and the cost ratio c) ...", quiet)
-            target_m, draft_m = _load_inprocess(target_dir, draft_dir)
-            phase("load_inprocess_s")
-            probe = items[0][1]
-            if draft_m is not None:
-                cost["service"] = measure_cost(target_m.model, draft_m.model, probe,
-                                               target_threads=args.target_threads, draft_threads=args.draft_threads,
-                                               samples=plan.cost_samples, draft_lengths=plan.draft_lengths)
-                if any(m.peer for m in plan.modes):
-                    same = plan.hf_threads == args.target_threads == args.draft_threads
-                    cost["hf"] = cost["service"] if same else measure_cost(
-                        target_m.model, draft_m.model, probe, target_threads=plan.hf_threads,
-                        draft_threads=plan.hf_threads, samples=plan.cost_samples, draft_lengths=plan.draft_lengths)
-            if any(m.peer for m in plan.modes):
-                peer = HFPeer(target_m.model, draft_m.model if draft_m else None, threads=plan.hf_threads,
-                              pad_token_id=pad)
-        modes = [m for m in plan.modes if not m.peer or peer is not None]
-        phase("measure_cost_s")
-
-        # Warm-up (not measured): every mode once, short.
-        _say("warming up ...", quiet)
-        with CoordinatorClient(address, timeout=args.timeout) as client:
-            for m in modes:
-                if not m.peer:
-                    r = run_service_request(client, "warmup", items[0][1],
-                                            dict(max_new_tokens=min(8, plan.max_new_tokens), temperature=0.0,
-                                                 ignore_eos=True, **m.request))
-                    if r.error:
-                        raise BenchError(f"mode {m.name} fails on its warm-up request: {r.error}")
-        if peer is not None:
-            for m in modes:
-                if m.peer:
-                    peer.configure(m)
-                    peer.run("warmup", items[0][1], m, temperature=0.0, seed=0, max_new_tokens=4, stop_at_eos=False)
-        phase("warmup_s")
-
-        try:
-            _run_cells(args, plan, modes, items, address, peer, cost, records, outputs, quiet)
-        except KeyboardInterrupt:
-            interrupted = True
-            print(f"specd bench: interrupted; stopping the services and writing the {len(records)} records so far",
-                  file=sys.stderr, flush=True)
-        phase("cells_s")
-        if cluster is not None:
-            peak = {k: (v / 2**20 if v is not None else None) for k, v in cluster.peak_rss_bytes().items()}
-        from specd.localcluster import peak_rss_of
-
-        bench_rss = peak_rss_of(os.getpid())
-        peak["bench"] = bench_rss / 2**20 if bench_rss is not None else None
-    except BenchError as exc:
-        print(f"specd bench: {exc}", file=sys.stderr)
+    setups = BATCHING_SETUPS[args.batching]
+    if args.address and len(setups) > 1:
+        print("specd bench: --batching both starts its own services; drop --address", file=sys.stderr)
         return 2
-    except KeyboardInterrupt:
-        print("specd bench: interrupted before the first cell; nothing to report", file=sys.stderr)
-        return 130
-    except Exception:
-        if cluster is not None:
-            print(cluster.logs(), file=sys.stderr)
-        raise
+    receiver = None
+    tracing_args: list[str] = []
+    if args.tracing_overhead:
+        if args.address:
+            print("specd bench: --tracing-overhead starts its own services; drop --address", file=sys.stderr)
+            return 2
+        from specd.otlp_receiver import OtlpReceiver
+
+        receiver = OtlpReceiver(keep=False)
+        tracing_args = ["--otlp-endpoint", receiver.endpoint, "--trace-sample-ratio", "1"]
+    # With tracing on, the ordinary cells opt out per request, so they cost what they cost without it.
+    cell_metadata = untraced_metadata if receiver is not None else (lambda: ())
+    items: list[tuple[BenchPrompt, list[int]]] = []
+    peer: HFPeer | None = None
+    tracing_result: dict[str, Any] | None = None
+    try:
+        for index, setup in enumerate(setups):
+            cluster = None
+            label = f" [{setup.label}]" if setup.label else ""
+            if not args.address:
+                from specd.localcluster import LocalCluster
+
+                _say(f"starting target, draft and coordinator{label} ({target_dir.name}, "
+                     f"{draft_dir.name if draft_dir else args.draft}) ...", quiet)
+                extra = [*setup.model_service_args, *tracing_args]
+                cluster = LocalCluster(
+                    target_dir, draft_dir if draft_dir is not None else NGRAM, cache_dir=cache,
+                    target_threads=args.target_threads, draft_threads=args.draft_threads, coordinator_threads=1,
+                    target_args=[*extra, *shlex.split(args.target_args)],
+                    draft_args=["--max-draft-tokens", str(max(32, k_max)), *extra, *shlex.split(args.draft_args)],
+                    coordinator_args=["--max-draft-length", str(max(16, k_max)), *tracing_args,
+                                      *shlex.split(args.coordinator_args)],
+                    ready_timeout_s=600.0, echo=args.verbose,
+                )
+                try:
+                    cluster.start()
+                except RuntimeError as exc:
+                    print(f"specd bench: {exc}\n{cluster.logs()}", file=sys.stderr)
+                    return 2
+                address = cluster.address
+            else:
+                address = args.address
+            phase(f"start_services{setup.label and '_' + setup.label}_s")
+            try:
+                if not items:
+                    items, peer = _first_setup(args, plan, address, tokenizer, target_dir, draft_dir, cost, quiet,
+                                               phase)
+                modes = [m for m in plan.modes if not m.peer or (peer is not None and index == 0)]
+                _warm_up(args, plan, modes, items, address, peer if index == 0 else None, quiet, cell_metadata)
+                phase(f"warmup{setup.label and '_' + setup.label}_s")
+                try:
+                    _run_cells(args, plan, modes, items, address, peer if index == 0 else None, cost, records,
+                               outputs, quiet, setup.label, cell_metadata)
+                    if receiver is not None and index == 0:
+                        tracing_result = _tracing_cell(args, plan, modes, items, address, receiver, quiet)
+                except KeyboardInterrupt:
+                    interrupted = True
+                    print(f"specd bench: interrupted; stopping the services and writing the {len(records)} "
+                          "records so far", file=sys.stderr, flush=True)
+                phase(f"cells{setup.label and '_' + setup.label}_s")
+                if cluster is not None:
+                    rss = {k: (v / 2**20 if v is not None else None) for k, v in cluster.peak_rss_bytes().items()}
+                    peak.update({f"{k}{label}": v for k, v in rss.items()})
+            except BenchError as exc:
+                print(f"specd bench: {exc}", file=sys.stderr)
+                return 2
+            except KeyboardInterrupt:
+                if not records:
+                    print("specd bench: interrupted before the first cell; nothing to report", file=sys.stderr)
+                    return 130
+                interrupted = True
+            except Exception:
+                if cluster is not None:
+                    print(cluster.logs(), file=sys.stderr)
+                raise
+            finally:
+                if cluster is not None:
+                    cluster.stop()
+            if interrupted:
+                break
     finally:
-        if cluster is not None:
-            cluster.stop()
+        if receiver is not None:
+            receiver.stop()  # after the services stopped: they flush their last spans on the way out
+            if tracing_result is not None:
+                tracing_result["spans_received"] = receiver.span_count
+    from specd.localcluster import peak_rss_of
+
+    bench_rss = peak_rss_of(os.getpid())
+    peak["bench"] = bench_rss / 2**20 if bench_rss is not None else None
 
     phase("stop_services_s")
     correctness = finish_records(records, outputs)
@@ -1130,6 +1265,8 @@ def _run(args: argparse.Namespace, plan: _Plan, json_path: Path, md_path: Path, 
                  time.perf_counter() - t_run)
     meta["phases_s"] = phases
     meta["interrupted"] = interrupted
+    meta["batching_gains"] = batching_gains(records)
+    meta["tracing_overhead"] = tracing_result
     report = {"meta": meta, "records": records}
     for path in (json_path, md_path, png_path):
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -1147,16 +1284,93 @@ def _run(args: argparse.Namespace, plan: _Plan, json_path: Path, md_path: Path, 
     return 1 if args.strict and failed else 0
 
 
+def _first_setup(args: argparse.Namespace, plan: _Plan, address: str, tokenizer: Any, target_dir: Path,
+                 draft_dir: Path | None, cost: dict[str, Any], quiet: bool, phase: Callable[[str], None]
+                 ) -> tuple[list[tuple[BenchPrompt, list[int]]], HFPeer | None]:
+    """Once per run: the prompts as token IDs (fitted to the context), c and the in-process peer."""
+    from coordinator.client import CoordinatorClient
+
+    try:
+        with CoordinatorClient(address, timeout=min(args.timeout, 30.0)) as client:
+            max_context = int(client.model_info().max_context) or 1 << 30
+    except Exception as exc:  # noqa: BLE001 - grpc.RpcError: say which address failed
+        raise BenchError(f"cannot reach the coordinator at {address}: {exc}") from exc
+    room = max(1, max_context - plan.max_new_tokens)
+    items = [(p, tokenize_prompt(tokenizer, p)[-room:]) for p in plan.prompts]
+    peer: HFPeer | None = None
+    if not args.no_inprocess:
+        _say("loading the models in-process (the peer and the cost ratio c) ...", quiet)
+        target_m, draft_m = _load_inprocess(target_dir, draft_dir)
+        phase("load_inprocess_s")
+        probe = items[0][1]
+        if draft_m is not None:
+            cost["service"] = measure_cost(target_m.model, draft_m.model, probe,
+                                           target_threads=args.target_threads, draft_threads=args.draft_threads,
+                                           samples=plan.cost_samples, draft_lengths=plan.draft_lengths)
+            if any(m.peer for m in plan.modes):
+                same = plan.hf_threads == args.target_threads == args.draft_threads
+                cost["hf"] = cost["service"] if same else measure_cost(
+                    target_m.model, draft_m.model, probe, target_threads=plan.hf_threads,
+                    draft_threads=plan.hf_threads, samples=plan.cost_samples, draft_lengths=plan.draft_lengths)
+        if any(m.peer for m in plan.modes):
+            pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (tokenizer.eos_token_id or 0)
+            peer = HFPeer(target_m.model, draft_m.model if draft_m else None, threads=plan.hf_threads,
+                          pad_token_id=pad)
+    phase("measure_cost_s")
+    return items, peer
+
+
+def _warm_up(args: argparse.Namespace, plan: _Plan, modes: Sequence[Mode],
+             items: Sequence[tuple[BenchPrompt, list[int]]], address: str, peer: HFPeer | None, quiet: bool,
+             metadata: Callable[[], Sequence[tuple[str, str]]] = lambda: ()) -> None:
+    """Every mode once, short, not measured."""
+    from coordinator.client import CoordinatorClient
+
+    _say("warming up ...", quiet)
+    with CoordinatorClient(address, timeout=args.timeout) as client:
+        for m in modes:
+            if not m.peer:
+                r = run_service_request(client, "warmup", items[0][1],
+                                        dict(max_new_tokens=min(8, plan.max_new_tokens), temperature=0.0,
+                                             ignore_eos=True, **m.request), metadata())
+                if r.error:
+                    raise BenchError(f"mode {m.name} fails on its warm-up request: {r.error}")
+    if peer is not None:
+        for m in modes:
+            if m.peer:
+                peer.configure(m)
+                peer.run("warmup", items[0][1], m, temperature=0.0, seed=0, max_new_tokens=4, stop_at_eos=False)
+
+
+def _tracing_cell(args: argparse.Namespace, plan: _Plan, modes: Sequence[Mode],
+                  items: Sequence[tuple[BenchPrompt, list[int]]], address: str, receiver: Any,
+                  quiet: bool) -> dict[str, Any]:
+    service_modes = [m for m in modes if not m.peer]
+    if args.tracing_mode:
+        chosen = next((m for m in service_modes if m.name == args.tracing_mode), None)
+        if chosen is None:
+            raise BenchError(f"--tracing-mode {args.tracing_mode!r} is not one of this run's modes "
+                             f"({', '.join(m.name for m in service_modes)})")
+    else:
+        chosen = next((m for m in service_modes if not m.baseline), service_modes[0])
+    repeats = max(1, args.tracing_repeats)
+    with _progress(2 * repeats * len(items), f"tracing off/on {chosen.name}", quiet) as bar:
+        return measure_tracing_overhead(address, chosen, items, repeats=repeats, max_new_tokens=plan.max_new_tokens,
+                                        seed=args.seed, ignore_eos=not args.stop_at_eos, timeout=args.timeout,
+                                        spans=lambda: receiver.span_count, bar=bar)
+
+
 def _run_cells(args: argparse.Namespace, plan: _Plan, modes: Sequence[Mode], items: Sequence[tuple[BenchPrompt, list[int]]],
                address: str, peer: HFPeer | None, cost: Mapping[str, Any], records: list[dict[str, Any]],
-               outputs: dict[tuple[str, float, int], dict[str, list[int]]], quiet: bool) -> None:
+               outputs: dict[tuple[str, str, float, int], dict[str, list[int]]], quiet: bool, services: str = "",
+               metadata: Callable[[], Sequence[tuple[str, str]]] = lambda: ()) -> None:
     """Every (temperature, concurrency, mode) cell, appending to records / outputs as each finishes."""
     for temperature in plan.temperatures:
         for concurrency in plan.concurrency:
             for m in modes:
                 if m.peer and concurrency != 1:
                     continue  # transformers' assisted generation serves one sequence at a time
-                desc = f"T={temperature:g} c={concurrency} {m.name}"
+                desc = f"T={temperature:g} c={concurrency} {m.name}{f' [{services}]' if services else ''}"
                 with _progress(len(items), desc, quiet) as bar:
                     if m.peer:
                         assert peer is not None
@@ -1173,11 +1387,12 @@ def _run_cells(args: argparse.Namespace, plan: _Plan, modes: Sequence[Mode], ite
                         results, wall = _run_service_cell(
                             address, m, items, temperature=temperature, concurrency=concurrency,
                             max_new_tokens=plan.max_new_tokens, seed=args.seed, ignore_eos=not args.stop_at_eos,
-                            timeout=args.timeout, bar=bar)
+                            timeout=args.timeout, bar=bar, metadata=metadata)
                     rec = summarize(m, temperature, concurrency, results, wall, max_new_tokens=plan.max_new_tokens,
                                     cost=cost.get("hf" if m.peer else "service"))
+                    rec["services"] = services
                     bar.set_postfix_str(f"{rec['tokens_per_s'] or 0:.1f} tok/s")
-                outputs[(m.name, temperature, concurrency)] = {r.prompt_id: r.token_ids for r in results
+                outputs[(services, m.name, temperature, concurrency)] = {r.prompt_id: r.token_ids for r in results
                                                                if r.error is None}
                 if args.save_outputs:
                     rec["outputs"] = {r.prompt_id: r.token_ids for r in results}

@@ -39,6 +39,7 @@ class PhaseLog:
 
     phases: list[Phase] = field(default_factory=list)
     batch_size: int = 1  # sessions that shared the forward pass(es)
+    batch_tokens: int = 0  # token positions the shared forward pass ran (all sessions; target only)
 
     @contextmanager
     def phase(self, name: str) -> Iterator[None]:

@@ -165,6 +165,9 @@ class Verifier:
         """Forward, rejection sampler and commit for the sessions that passed their checks."""
         ks = [len(requests[i].proposal) for i, _ in ready]
         k_max = max(ks)
+        batch_tokens = sum(len(s.kv.tokens) - s.kv.cached for _, s in ready)  # positions the forward runs
+        for i, _ in ready:
+            logs[i].batch_tokens = batch_tokens
         t0 = _now()
         logits = self.runner.logits_batch([s.kv for _, s in ready], [k + 1 for k in ks])  # B x [K_b+1, V]
         t1 = _now()

@@ -5,6 +5,7 @@ Servicers and the coordinator call these; the core never imports *_pb2.
 
 from __future__ import annotations
 
+from specd.phases import PhaseLog
 from specd.proposal import Proposal
 from specd.sampling import SamplingParams
 from specd.v1 import common_pb2, draft_pb2
@@ -32,7 +33,8 @@ def params_to_proto(params: SamplingParams) -> common_pb2.SamplingParams:
 
 
 def proposal_to_proto(proposal: Proposal) -> draft_pb2.DraftProposal:
-    msg = draft_pb2.DraftProposal(token_ids=proposal.token_ids, compute_ms=proposal.compute_ms)
+    msg = draft_pb2.DraftProposal(token_ids=proposal.token_ids, compute_ms=proposal.compute_ms,
+                                  batch_size=proposal.phases.batch_size)
     for ids, probs in proposal.to_wire():
         msg.q.add(token_ids=ids, probs=probs)
     return msg
@@ -42,7 +44,8 @@ def proposal_from_proto(msg: draft_pb2.DraftProposal, vocab_size: int) -> Propos
     """Validated proposal (InvalidArgument on out-of-range IDs or bad probabilities)."""
     q = [(list(d.token_ids), list(d.probs)) for d in msg.q]
     proposal = Proposal.from_wire(list(msg.token_ids), q, vocab_size)
-    return Proposal(proposal.token_ids, proposal.q_ids, proposal.q_probs, msg.compute_ms)
+    return Proposal(proposal.token_ids, proposal.q_ids, proposal.q_probs, msg.compute_ms,
+                    phases=PhaseLog(batch_size=max(1, msg.batch_size)))
 
 
 def sparse_to_proto(proposal: Proposal) -> list[common_pb2.SparseDistribution]:

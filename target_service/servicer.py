@@ -70,6 +70,7 @@ class TargetServicer(BatchedRoundServicer[target_pb2.TargetRequest, target_pb2.T
                 resp.verdict.kind = target_pb2.TOKEN_KIND_BONUS if result.is_bonus else target_pb2.TOKEN_KIND_RECOVERED
                 resp.verdict.compute_ms = result.compute_ms
                 resp.verdict.batch_size = result.phases.batch_size
+                resp.verdict.batch_tokens = result.phases.batch_tokens
                 out[i] = (resp, result.phases)
             else:
                 resp.error.CopyFrom(session_error(result))

@@ -6,7 +6,7 @@ import random
 
 import pytest
 
-from specd.adaptive import AdaptiveDraftLength, Estimate, best_draft_length, expected_speedup
+from specd.adaptive import AdaptiveDraftLength, Estimate, LinearCost, best_draft_length, expected_speedup
 
 
 def test_speedup_formula_matches_known_values() -> None:
@@ -52,3 +52,25 @@ def test_controller_stops_speculating_when_it_cannot_pay_and_probes() -> None:
     tail = ks[-160:]
     assert tail.count(0) >= 140  # mostly target-only
     assert 1 in tail  # but it probes again
+
+
+def test_linear_cost_recovers_base_and_slope_and_waits_for_spread() -> None:
+    rng = random.Random(0)
+    cost = LinearCost()
+    for _ in range(20):
+        cost.observe(40, 10.0 + 0.5 * 40)  # one token count only: the slope is unknown
+    assert cost.fit() is None and cost.share(8) == 0.0
+    for _ in range(300):
+        n = rng.choice([8, 16, 40, 80, 160])
+        cost.observe(n, (10.0 + 0.5 * n) * rng.uniform(0.95, 1.05))
+    base, per_token = cost.fit()
+    assert base == pytest.approx(10.0, rel=0.25) and per_token == pytest.approx(0.5, rel=0.1)
+    # one more token per session costs per_token * B of a base + per_token * B step
+    assert cost.share(1) == pytest.approx(0.5 / 10.5, rel=0.3)
+    assert cost.share(32) == pytest.approx(16 / 26, rel=0.1)
+
+
+def test_k_shrinks_as_the_batch_share_grows() -> None:
+    ctl = AdaptiveDraftLength(k_max=8, acceptance=Estimate(0.7, 32), cost_ratio=Estimate(0.05, 32))
+    ks = [ctl.next_k(share) for share in (0.0, 0.1, 0.3, 0.6, 0.9)]
+    assert ks == sorted(ks, reverse=True) and ks[0] >= 4 and ks[-1] == 0

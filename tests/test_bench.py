@@ -184,13 +184,31 @@ def test_finish_records_speedup_and_greedy_check() -> None:
                 "theoretical_speedup": 2.0 if mode != BASELINE else None, "speedup": None, "efficiency": None}
 
     records = [rec(BASELINE, "service", 10.0), rec("fixed-2", "service", 15.0), rec("hf-2", "hf", 12.0)]
-    outputs = {(BASELINE, 0.0, 1): {"a": [1, 2, 3]}, ("fixed-2", 0.0, 1): {"a": [1, 2, 4]},
-               ("hf-2", 0.0, 1): {"a": [1, 2, 3]}}
+    outputs = {("", BASELINE, 0.0, 1): {"a": [1, 2, 3]}, ("", "fixed-2", 0.0, 1): {"a": [1, 2, 4]},
+               ("", "hf-2", 0.0, 1): {"a": [1, 2, 3]}}
     summary = finish_records(records, outputs)
     assert records[1]["speedup"] == 1.5 and records[1]["efficiency"] == 0.75
     assert records[1]["greedy_identical"] is False and records[1]["greedy_mismatches"][0]["first_diff"] == 2
     assert records[2]["greedy_identical"] is True
     assert summary["identical"] is False and summary["peer_identical"] is True
+
+
+def test_batched_and_unbatched_setups_each_have_their_baseline_and_a_gain() -> None:
+    def rec(services: str, mode: str, c: int, tps: float) -> dict:
+        return {"services": services, "mode": mode, "runner": "service", "temperature": 0.0, "concurrency": c,
+                "tokens_per_s": tps, "theoretical_speedup": None, "speedup": None, "efficiency": None}
+
+    records = [rec("batched", BASELINE, 8, 40.0), rec("batched", "auto", 8, 44.0),
+               rec("unbatched", BASELINE, 8, 10.0), rec("unbatched", "auto", 8, 11.0),
+               rec("batched", BASELINE, 1, 10.0)]
+    outputs = {(r["services"], r["mode"], 0.0, r["concurrency"]): {"a": [1, 2]} for r in records}
+    summary = finish_records(records, outputs)
+    assert records[1]["speedup"] == pytest.approx(1.1) and records[3]["speedup"] == pytest.approx(1.1)
+    assert summary["identical"] is True and summary["records_checked"] == 5
+    gains = {g["mode"]: g["gain"] for g in bench.batching_gains(records)}
+    assert gains == {BASELINE: 4.0, "auto": 4.0}
+    cols, rows = bench.concurrency_table(records, 0.0)
+    assert cols == [1, 8] and dict(rows)[f"{BASELINE} [batched]"] == {8: 40.0, 1: 10.0}
 
 
 def test_peak_rss_of_this_process() -> None:
@@ -237,6 +255,37 @@ def test_bench_smoke_on_the_tiny_pair(tiny_cluster, tiny_pair: tuple[Path, Path]
     md = out.with_suffix(".md").read_text()
     assert "| T | clients | mode | tok/s | speed-up" in md and "`fixed-2`" in md and "Greedy check" in md
     assert out.with_suffix(".png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_bench_batching_both_and_tracing_overhead(tiny_pair: tuple[Path, Path], tmp_path: Path) -> None:
+    """Its own services, twice (batched, --max-batch 1), tracing to an in-process OTLP receiver."""
+    from specd.cli import main
+
+    target, draft = tiny_pair
+    out = tmp_path / "bench.json"
+    rc = main([
+        "bench", "--target", str(target), "--draft", str(draft), "--cache-dir", str(tmp_path / "cache"),
+        "--modes", "target-only,fixed", "--draft-lengths", "2", "--prompts", "3", "--max-new-tokens", "6",
+        "--temperatures", "0", "--concurrency", "1,3", "--target-threads", "1", "--no-inprocess",
+        "--batching", "both", "--tracing-overhead", "--tracing-repeats", "1",
+        "--json", str(out), "--no-progress", "--strict",
+    ])
+    assert rc == 0
+    report = json.loads(out.read_text())
+    records, meta = report["records"], report["meta"]
+    assert sorted({r["services"] for r in records}) == ["batched", "unbatched"] and len(records) == 2 * 2 * 2
+    assert all(r["errors"] == 0 and r["greedy_identical"] is True for r in records)
+    gains = meta["batching_gains"]
+    assert {(g["mode"], g["concurrency"]) for g in gains} == {(m, c) for m in (BASELINE, "fixed-2") for c in (1, 3)}
+    tro = meta["tracing_overhead"]
+    assert tro["mode"] == "fixed-2" and tro["errors"] == 0 and tro["requests_per_variant"] == 3
+    assert tro["tokens_per_s_on"] > 0 and tro["tokens_per_s_off"] > 0
+    # traced requests reached the receiver: Generate + rounds + draft/target spans (+ phases) per request
+    assert tro["spans_received"] >= 3 * 6
+    assert set(meta["peak_rss_mb"]) >= {"target [batched]", "target [unbatched]", "bench"}
+    md = out.with_suffix(".md").read_text()
+    assert "Tokens/s against concurrent clients" in md and "`fixed-2 [unbatched]`" in md
+    assert "Batching: tokens/s" in md and "Tracing overhead" in md
 
 
 def test_cluster_reports_peak_rss(tiny_cluster) -> None:  # noqa: ANN001

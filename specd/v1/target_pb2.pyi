@@ -64,18 +64,20 @@ class Verify(_message.Message):
     def __init__(self, start: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., draft_token_ids: _Optional[_Iterable[int]] = ..., q: _Optional[_Iterable[_Union[_common_pb2.SparseDistribution, _Mapping]]] = ...) -> None: ...
 
 class Verdict(_message.Message):
-    __slots__ = ("accepted", "token_id", "kind", "compute_ms", "batch_size")
+    __slots__ = ("accepted", "token_id", "kind", "compute_ms", "batch_size", "batch_tokens")
     ACCEPTED_FIELD_NUMBER: _ClassVar[int]
     TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
     KIND_FIELD_NUMBER: _ClassVar[int]
     COMPUTE_MS_FIELD_NUMBER: _ClassVar[int]
     BATCH_SIZE_FIELD_NUMBER: _ClassVar[int]
+    BATCH_TOKENS_FIELD_NUMBER: _ClassVar[int]
     accepted: int
     token_id: int
     kind: TokenKind
     compute_ms: float
     batch_size: int
-    def __init__(self, accepted: _Optional[int] = ..., token_id: _Optional[int] = ..., kind: _Optional[_Union[TokenKind, str]] = ..., compute_ms: _Optional[float] = ..., batch_size: _Optional[int] = ...) -> None: ...
+    batch_tokens: int
+    def __init__(self, accepted: _Optional[int] = ..., token_id: _Optional[int] = ..., kind: _Optional[_Union[TokenKind, str]] = ..., compute_ms: _Optional[float] = ..., batch_size: _Optional[int] = ..., batch_tokens: _Optional[int] = ...) -> None: ...
 
 class TargetResponse(_message.Message):
     __slots__ = ("request_id", "session_id", "committed_length", "verdict", "ack", "error")

@@ -179,11 +179,21 @@ class BenchPrompt:
 
 
 def default_prompt_file() -> Path:
-    return Path(__file__).resolve().parent / "prompts" / "bench.jsonl"
+    return shipped_prompt_file("bench")
+
+
+def shipped_prompt_file(name: str) -> Path:
+    """A prompt set shipped with specd: 'bench' (code, chat, prose) or 'edit' (edit code given in the prompt)."""
+    return Path(__file__).resolve().parent / "prompts" / f"{name}.jsonl"
 
 
 def load_prompts(path: Path | str | None = None) -> list[BenchPrompt]:
-    """The prompt set: one JSON object per line with id, category, format (chat|text), prompt."""
+    """The prompt set: one JSON object per line with id, category, format (chat|text), prompt.
+
+    path: a file, or the name of a shipped set ('bench', 'edit'); default 'bench'.
+    """
+    if path and not Path(path).exists() and shipped_prompt_file(str(path)).exists():
+        path = shipped_prompt_file(str(path))
     path = Path(path) if path else default_prompt_file()
     out: list[BenchPrompt] = []
     with open(path, encoding="utf-8") as f:
@@ -973,7 +983,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    "runs at 1")
     g.add_argument("--prompts", type=int, default=None, help="prompts per cell, mixed over categories (default: 30; "
                    "quick: 6)")
-    g.add_argument("--prompt-file", default="", help="JSONL prompt set (default: the shipped specd/prompts/bench.jsonl)")
+    g.add_argument("--prompt-file", default="", help="JSONL prompt set, or a shipped one by name: 'bench' (default: "
+                   "code, chat, prose) or 'edit' (repetition-heavy: edit the code in the prompt, for --draft ngram)")
     g.add_argument("--categories", default="", help="only these categories, comma list (default: all)")
     g.add_argument("--max-new-tokens", type=int, default=None, help="tokens per request (default: 64; quick: 32)")
     g.add_argument("--stop-at-eos", action="store_true", help="stop at end-of-sequence (default: generate "

@@ -84,6 +84,12 @@ def test_shipped_prompt_set() -> None:
     assert {p.format for p in prompts} == {"chat", "text"}
 
 
+def test_shipped_edit_prompt_set_repeats_its_code() -> None:
+    prompts = load_prompts("edit")
+    assert len(prompts) >= 30 and {p.category for p in prompts} == {"edit"}
+    assert all("```python\n" in p.prompt for p in prompts)
+
+
 def test_prompt_set_ships_with_the_package() -> None:
     config = tomllib.loads((ROOT / "pyproject.toml").read_text())
     patterns = config["tool"]["setuptools"]["package-data"]["specd"]

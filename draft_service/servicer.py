@@ -51,10 +51,8 @@ class DraftServicer(BatchedRoundServicer[draft_pb2.DraftRequest, draft_pb2.Draft
         for i, req in enumerate(requests):
             p = req.propose
             if not 1 <= p.num_tokens <= self.max_draft_tokens:
-                resp = self._response(req)
-                resp.error.CopyFrom(session_error(InvalidArgument(
-                    f"num_tokens must be in 1..{self.max_draft_tokens} (got {p.num_tokens})")))
-                out[i] = (resp, None)
+                out[i] = (self._error(req, InvalidArgument(
+                    f"num_tokens must be in 1..{self.max_draft_tokens} (got {p.num_tokens})")), None)
                 continue
             work.append((i, ProposeRequest(req.session_id, req.committed_length, p.start, list(p.token_ids),
                                            p.num_tokens)))
@@ -65,8 +63,7 @@ class DraftServicer(BatchedRoundServicer[draft_pb2.DraftRequest, draft_pb2.Draft
                 resp.proposal.CopyFrom(proposal_to_proto(result))
                 out[i] = (resp, result.phases)
             else:
-                resp.error.CopyFrom(session_error(result))
-                out[i] = (resp, None)
+                out[i] = (self._error(requests[i], result), None)
         assert all(h is not None for h in out)
         return out  # type: ignore[return-value]
 

@@ -20,6 +20,7 @@ from typing import Any, Generic, TypeVar
 
 from specd import tracing as tr
 from specd.batching import MicroBatcher
+from specd.grpc_errors import session_error
 from specd.phases import PhaseLog
 from specd.streams import serve_round_stream
 from specd.v1 import session_pb2
@@ -43,6 +44,11 @@ class BatchedRoundServicer(abc.ABC, Generic[Req, Resp]):
 
     # ---- what a subclass provides --------------------------------------------------
 
+    @staticmethod
+    @abc.abstractmethod
+    def _response(request: Any) -> Any:
+        """An empty response addressed to `request` (request id, session, committed length)."""
+
     @abc.abstractmethod
     def run_steps(self, requests: Sequence[Req]) -> list[Handled]:
         """The step messages of different sessions as one batched core call."""
@@ -64,8 +70,13 @@ class BatchedRoundServicer(abc.ABC, Generic[Req, Resp]):
         sessions: set[str] = set()
 
         def flush() -> None:
-            for i, h in zip(group, self.run_steps([requests[i] for i in group])):
-                handled[i] = h
+            if group:
+                try:
+                    results = self.run_steps([requests[i] for i in group])
+                except Exception as exc:  # noqa: BLE001 - a bug in the batch path must not break the stream
+                    results = [(self._error(requests[i], exc), None) for i in group]
+                for i, h in zip(group, results):
+                    handled[i] = h
             group.clear()
             sessions.clear()
 
@@ -87,6 +98,11 @@ class BatchedRoundServicer(abc.ABC, Generic[Req, Resp]):
             self._finish(req, resp, span, phases, steps)
             out.append(resp)
         return out
+
+    def _error(self, req: Any, exc: BaseException) -> Any:
+        resp = self._response(req)
+        resp.error.CopyFrom(session_error(exc))
+        return resp
 
     # ---- spans and metrics ------------------------------------------------------------
 

@@ -186,3 +186,71 @@ def speculative_generate(
             drafter.close(session_id)
     assert gen.finish_reason is not None
     return GenerationResult(gen.generated, gen.finish_reason, gen.stats, time.perf_counter() - t0)
+
+
+def speculative_generate_batch(
+    prompts: Sequence[Sequence[int]],
+    verifier: Verifier,
+    drafter: Drafter | None,
+    params: Sequence[SamplingParams],
+    *,
+    draft_lengths: Sequence[int],
+    max_new_tokens: int,
+    stop_token_ids: Iterable[int] = (),
+) -> list[GenerationResult]:
+    """Many requests in lock-step, one propose_batch and one verify_batch per round.
+
+    What the batched services do, in-process: each result equals
+    `speculative_generate` of the same request alone (same tokens greedy and
+    seeded). draft_lengths: K per request (0 = target-only for that request).
+    """
+    if not len(prompts) == len(params) == len(draft_lengths):
+        raise InvalidArgument("prompts, params and draft_lengths need one entry per request")
+    from specd.drafting import ProposeRequest
+    from specd.verification import VerifyRequest
+
+    t0 = time.perf_counter()
+    stops = frozenset(int(t) for t in stop_token_ids)
+    gens = [Generation(p, StopRule(max_new_tokens, verifier.runner.max_context, stops)) for p in prompts]
+    known = [len(g.prompt) for g in gens]  # leading committed tokens each drafter sequence agrees with
+    ids = [f"batch-{i}" for i in range(len(gens))]
+    opened: list[str] = []
+    try:
+        for sid, g, p in zip(ids, gens, params):
+            p.validate()
+            verifier.open(sid, g.prompt, p)
+            opened.append(sid)
+            if drafter is not None:
+                drafter.open(sid, g.prompt, p)
+        while live := [i for i, g in enumerate(gens) if not g.done]:
+            want = {i: gens[i].draft_budget(draft_lengths[i]) if drafter is not None else 0 for i in live}
+            proposals = {i: Proposal([]) for i in live}
+            asks = [i for i in live if want[i] > 0]
+            if asks:
+                assert drafter is not None
+                got = drafter.propose_batch([
+                    ProposeRequest(ids[i], gens[i].committed_length, known[i], gens[i].committed[known[i]:], want[i])
+                    for i in asks])
+                for i, proposal in zip(asks, got):
+                    if isinstance(proposal, BaseException):
+                        raise proposal
+                    proposals[i] = proposal
+            outcomes = verifier.verify_batch(
+                [VerifyRequest(ids[i], gens[i].committed_length, proposals[i]) for i in live])
+            for i, outcome in zip(live, outcomes):
+                if isinstance(outcome, BaseException):
+                    raise outcome
+                if want[i] > 0:
+                    known[i] = gens[i].committed_length + outcome.accepted
+                gens[i].commit(proposals[i].token_ids, outcome.accepted, outcome.token_id)
+    finally:
+        for sid in opened:
+            verifier.close(sid)
+            if drafter is not None:
+                drafter.close(sid)
+    seconds = time.perf_counter() - t0
+    out = []
+    for g in gens:
+        assert g.finish_reason is not None
+        out.append(GenerationResult(g.generated, g.finish_reason, g.stats, seconds))
+    return out

@@ -55,9 +55,7 @@ class TargetServicer(BatchedRoundServicer[target_pb2.TargetRequest, target_pb2.T
                     self.verifier.vocab_size,
                 )
             except Exception as exc:  # noqa: BLE001 - this message's error, in-band
-                resp = self._response(req)
-                resp.error.CopyFrom(session_error(exc))
-                out[i] = (resp, None)
+                out[i] = (self._error(req, exc), None)
                 continue
             work.append((i, VerifyRequest(req.session_id, req.committed_length, proposal, v.start, list(v.token_ids))))
         results = self.verifier.verify_batch([w for _, w in work]) if work else []
@@ -73,8 +71,7 @@ class TargetServicer(BatchedRoundServicer[target_pb2.TargetRequest, target_pb2.T
                 resp.verdict.batch_tokens = result.phases.batch_tokens
                 out[i] = (resp, result.phases)
             else:
-                resp.error.CopyFrom(session_error(result))
-                out[i] = (resp, None)
+                out[i] = (self._error(requests[i], result), None)
         assert all(h is not None for h in out)
         return out  # type: ignore[return-value]
 

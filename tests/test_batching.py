@@ -15,7 +15,7 @@ from specd.drafting import ModelDrafter, NgramDrafter, ProposeRequest
 from specd.errors import SessionNotFound
 from specd.models import load_pretrained
 from specd.proposal import Proposal
-from specd.rounds import Generation, StopRule, speculative_generate
+from specd.rounds import speculative_generate, speculative_generate_batch
 from specd.runner import CausalLMRunner
 from specd.sampling import SamplingParams
 from specd.sessions import KVBudget
@@ -35,40 +35,9 @@ def tiny(tiny_pair: tuple[Path, Path]):  # noqa: ANN201
 
 def _batched_generate(prompts: list[list[int]], verifier: Verifier, drafter: ModelDrafter | NgramDrafter | None,
                       params: list[SamplingParams], ks: list[int], max_new_tokens: int) -> list[list[int]]:
-    """Every session's rounds in lock-step: one propose_batch and one verify_batch per round."""
-    gens = [Generation(p, StopRule(max_new_tokens, verifier.runner.max_context, frozenset())) for p in prompts]
-    known = [len(g.prompt) for g in gens]
-    ids = [f"s{i}" for i in range(len(gens))]
-    for sid, g, p in zip(ids, gens, params):
-        verifier.open(sid, g.prompt, p)
-        if drafter is not None:
-            drafter.open(sid, g.prompt, p)
-    try:
-        while live := [i for i, g in enumerate(gens) if not g.done]:
-            want = {i: gens[i].draft_budget(ks[i]) if drafter is not None else 0 for i in live}
-            asks = [i for i in live if want[i] > 0]
-            proposals = {i: Proposal([]) for i in live}
-            if asks:
-                assert drafter is not None
-                got = drafter.propose_batch([
-                    ProposeRequest(ids[i], gens[i].committed_length, known[i], gens[i].committed[known[i]:], want[i])
-                    for i in asks])
-                for i, prop in zip(asks, got):
-                    assert isinstance(prop, Proposal), prop
-                    proposals[i] = prop
-            outcomes = verifier.verify_batch([VerifyRequest(ids[i], gens[i].committed_length, proposals[i])
-                                              for i in live])
-            for i, out in zip(live, outcomes):
-                assert isinstance(out, VerifyOutcome), out
-                if want[i] > 0:
-                    known[i] = gens[i].committed_length + out.accepted
-                gens[i].commit(proposals[i].token_ids, out.accepted, out.token_id)
-    finally:
-        for sid in ids:
-            verifier.close(sid)
-            if drafter is not None:
-                drafter.close(sid)
-    return [g.generated for g in gens]
+    results = speculative_generate_batch(prompts, verifier, drafter, params, draft_lengths=ks,
+                                         max_new_tokens=max_new_tokens)
+    return [r.token_ids for r in results]
 
 
 @pytest.mark.parametrize("temperature", [0.0, 0.9])
@@ -182,3 +151,39 @@ def test_verify_batch_is_one_forward(tiny, monkeypatch: pytest.MonkeyPatch) -> N
     assert all(isinstance(o, VerifyOutcome) for o in outs)
     assert calls == [len(PROMPTS)]
     assert torch.tensor([o.phases.batch_size for o in outs]).eq(len(PROMPTS)).all()
+
+
+def test_servicer_batch_walk_keeps_session_order_and_turns_failures_into_in_band_errors(tiny) -> None:  # noqa: ANN001
+    from specd.v1 import common_pb2, session_pb2, target_pb2
+    from target_service.servicer import TargetServicer
+
+    t, _ = tiny
+    verifier = Verifier(CausalLMRunner(t.model))
+    with ThreadPoolExecutor(max_workers=1) as pool:
+        servicer = TargetServicer(verifier, pool, common_pb2.ModelInfo())
+        prompt = t.tokenizer("walk").input_ids
+
+        def open_(sid: str) -> target_pb2.TargetRequest:
+            req = target_pb2.TargetRequest(session_id=sid, committed_length=len(prompt))
+            req.open.token_ids.extend(prompt)
+            req.open.sampling.seed = 1
+            return req
+
+        def verify(sid: str) -> target_pb2.TargetRequest:
+            req = target_pb2.TargetRequest(session_id=sid, committed_length=len(prompt))
+            req.verify.start = len(prompt)
+            return req
+
+        close = target_pb2.TargetRequest(session_id="a")
+        close.close.SetInParent()
+        # open a, open b, verify a, verify b, close a: the verifies share one pass, close a runs after it
+        out = servicer.handle_batch([open_("a"), open_("b"), verify("a"), verify("b"), close])
+        assert [r.WhichOneof("result") for r in out] == ["ack", "ack", "verdict", "verdict", "ack"]
+        assert out[2].verdict.batch_size == 2 and out[2].verdict.batch_tokens == 2 * len(prompt)
+        # a bug below the batch walk becomes an in-band INTERNAL error, not a broken stream
+        def broken(requests):  # noqa: ANN001, ANN202
+            raise RuntimeError("boom")
+
+        verifier.verify_batch = broken  # type: ignore[method-assign]
+        out = servicer.handle_batch([verify("b")])
+        assert out[0].error.code == session_pb2.SessionError.CODE_INTERNAL and "boom" not in out[0].error.message

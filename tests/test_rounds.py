@@ -12,7 +12,7 @@ from specd.drafting import ModelDrafter, NgramDrafter, lookup_continuation
 from specd.errors import InvalidArgument, SessionOutOfSync
 from specd.models import load_pretrained
 from specd.proposal import Proposal
-from specd.rounds import FinishReason, Generation, StopRule, speculative_generate
+from specd.rounds import FinishReason, Generation, StopRule, speculative_generate, speculative_generate_batch
 from specd.runner import CausalLMRunner
 from specd.sampling import SamplingParams
 from specd.verification import Verifier
@@ -199,10 +199,12 @@ def _demo_pair(demo_target_dir: Path):  # noqa: ANN202
 @pytest.mark.timeout(900)
 @pytest.mark.parametrize("k", [1, 4, 8])
 def test_demo_greedy_parity(demo_pair, k: int) -> None:  # noqa: ANN001
+    """All prompts in lock-step through batched rounds (as the services run them under load)
+    equal target-only decoding one prompt at a time, one token per forward."""
     loaded, verifier, references, tiny_draft, self_draft = demo_pair
-    for text in DEMO_PROMPTS:
-        prompt = loaded.tokenizer(text).input_ids
-        ref = references[text]
-        for drafter in (tiny_draft, self_draft):
-            got = speculative_generate(prompt, verifier, drafter, GREEDY, draft_length=k, max_new_tokens=10)
-            assert got.token_ids == ref, (text, k, drafter is self_draft)
+    prompts = [loaded.tokenizer(text).input_ids for text in DEMO_PROMPTS]
+    for drafter in (tiny_draft, self_draft):
+        got = speculative_generate_batch(prompts, verifier, drafter, [GREEDY] * len(prompts),
+                                         draft_lengths=[k] * len(prompts), max_new_tokens=10)
+        for text, g in zip(DEMO_PROMPTS, got):
+            assert g.token_ids == references[text], (text, k, drafter is self_draft)

@@ -14,6 +14,7 @@ rollback; see specd.phases) at the times they really ran.
 from __future__ import annotations
 
 import abc
+import logging
 from collections.abc import AsyncIterator, Mapping, Sequence
 from concurrent.futures import Executor
 from typing import Any, Generic, TypeVar
@@ -28,6 +29,8 @@ from specd.v1 import session_pb2
 Req = TypeVar("Req")
 Resp = TypeVar("Resp")
 Handled = tuple[Any, PhaseLog | None]  # (response message, where the core's time went)
+
+log = logging.getLogger(__name__)
 
 
 class BatchedRoundServicer(abc.ABC, Generic[Req, Resp]):
@@ -95,7 +98,10 @@ class BatchedRoundServicer(abc.ABC, Generic[Req, Resp]):
         for req, span, h in zip(requests, spans, handled):
             assert h is not None
             resp, phases = h
-            self._finish(req, resp, span, phases, steps)
+            try:
+                self._finish(req, resp, span, phases, steps)
+            except Exception:  # noqa: BLE001 - spans and metrics never fail a request
+                log.exception("recording a %s message failed", self.step_op)
             out.append(resp)
         return out
 

@@ -194,7 +194,7 @@ def test_killed_worker_gives_unavailable_then_the_group_recovers(
     restarts, pid = group.restarts, group.workers[0]["pid"]
 
     os.kill(pid, signal.SIGKILL)
-    resp = servicer.handle(_verify_request("s", before.committed_length, [3]))
+    resp = servicer.handle_batch([_verify_request("s", before.committed_length, [3])])[0]
     assert resp.WhichOneof("result") == "error"
     assert resp.error.code == session_pb2.SessionError.CODE_UNAVAILABLE, resp.error
     assert "restarting" in resp.error.message

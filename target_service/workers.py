@@ -171,13 +171,12 @@ def run_follower(spec: WorkerSpec, rank: int, rdv: Rendezvous, executor: str = "
             op = box[0]
             if op[0] == "forward":
                 _, sid, start, tokens, num_last = op
-                s = sessions.get(sid) or sessions.setdefault(sid, KVSession(tokens=[]))
-                if s.cached < start:  # rank 0 believes we cached more than we did
-                    raise RuntimeError(f"rank {rank} is out of step on session {sid}: {s.cached} < {start}")
-                del s.tokens[start:]
-                s.tokens.extend(tokens)
-                runner._crop(s, start)
+                s = _follow(runner, sessions, rank, sid, start, tokens)
                 runner.logits(s, num_last)  # the same forward as rank 0; logits discarded
+            elif op[0] == "forward_batch":  # the same batched forward as rank 0: same sessions, same order
+                batch = [(_follow(runner, sessions, rank, sid, start, tokens), num_last)
+                         for sid, start, tokens, num_last in op[1]]
+                runner.logits_batch([s for s, _ in batch], [k for _, k in batch])
             elif op[0] == "release":
                 for sid in op[1]:
                     sessions.pop(sid, None)
@@ -187,6 +186,18 @@ def run_follower(spec: WorkerSpec, rank: int, rdv: Rendezvous, executor: str = "
                 raise RuntimeError(f"unknown command {op[0]!r}")
     finally:
         _destroy_groups()
+
+
+def _follow(runner: CausalLMRunner, sessions: dict[int, KVSession], rank: int, sid: int, start: int,
+            tokens: list[int]) -> KVSession:
+    """A follower's session brought to rank 0's: tokens[start:] replaced, cache cropped to start."""
+    s = sessions.get(sid) or sessions.setdefault(sid, KVSession(tokens=[]))
+    if s.cached < start:  # rank 0 believes we cached more than we did
+        raise RuntimeError(f"rank {rank} is out of step on session {sid}: {s.cached} < {start}")
+    del s.tokens[start:]
+    s.tokens.extend(tokens)
+    runner._crop(s, start)
+    return s
 
 
 class RayWorker:
@@ -691,14 +702,23 @@ class TensorParallelRunner(CausalLMRunner):
             return super().logits(s, num_last)
 
     def logits_batch(self, sessions: Sequence[KVSession], num_last: Sequence[int]) -> list[torch.Tensor]:
-        """One `logits` call per session: correct, but not batched.
-
-        TP batching is not implemented: the followers' forward command carries
-        one session, so the inherited batched forward would run on rank 0 only
-        and leave the followers' caches (and the collectives) out of step.
-        """
+        """One batched forward on every rank: the followers get the sessions' (start, new tokens) in
+        order and run the same `CausalLMRunner.logits_batch`, so the padded shapes, and with them the
+        collectives inside the model, match rank 0's."""
         pairs = self._check_batch(sessions, num_last)  # the same InvalidArgument as the batched runner
-        return [self.logits(s, k) for s, k in pairs]
+        if len(pairs) <= 1:
+            return [self.logits(s, k) for s, k in pairs]  # one session: the plain forward command
+        with self.group.collective():
+            batch = []
+            for s, k in pairs:
+                assert isinstance(s, TPSession), "sessions of a TensorParallelRunner come from its new_session"
+                if s.generation != self.group.generation:  # the followers restarted: they hold nothing
+                    self._crop(s, 0)
+                    s.generation = self.group.generation
+                start = min(s.cached, len(s.tokens) - k)  # what CausalLMRunner.logits_batch will compute
+                batch.append((s.tp_id, start, s.tokens[start:], k))
+            self.group.send(("forward_batch", batch))
+            return super().logits_batch([s for s, _ in pairs], [k for _, k in pairs])
 
     def release(self, s: KVSession) -> None:
         if not isinstance(s, TPSession) or s.generation != self.group.generation:

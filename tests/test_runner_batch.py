@@ -243,7 +243,8 @@ class _FakeGroup:
         self.sent.append(command)
 
 
-def test_tensor_parallel_runner_is_unbatched(tiny_pair: tuple[Path, Path], llama_runner: CausalLMRunner) -> None:
+def test_tensor_parallel_runner_sends_one_batch_command(tiny_pair: tuple[Path, Path],
+                                                       llama_runner: CausalLMRunner) -> None:
     from target_service.workers import TensorParallelRunner
 
     group = _FakeGroup()
@@ -253,7 +254,8 @@ def test_tensor_parallel_runner_is_unbatched(tiny_pair: tuple[Path, Path], llama
         tp.logits_batch([a, a], [1, 1])
     assert group.sent == []
     got = tp.logits_batch([a, b], [2, 1])
-    assert [cmd[:2] for cmd in group.sent] == [("forward", a.tp_id), ("forward", b.tp_id)]
+    # one command for the whole batch: (session, start, new tokens, rows) in order
+    assert group.sent == [("forward_batch", [(a.tp_id, 0, [1, 2, 3], 2), (b.tp_id, 0, [4, 5], 1)])]
     want: list[Tensor] = [llama_runner.logits(llama_runner.new_session(t), k) for t, k in (([1, 2, 3], 2), ([4, 5], 1))]
     for g, w in zip(got, want):
         assert (g - w).abs().max().item() <= TOL

@@ -14,6 +14,7 @@ import re
 import signal
 import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import grpc
@@ -32,7 +33,7 @@ from specd.v1 import common_pb2, session_pb2, target_pb2, target_pb2_grpc
 from specd.verification import Verifier
 from target_service.servicer import TargetServicer
 from target_service.workers import TensorParallelRunner, build_tp_runner
-from tests.cluster import READY_TIMEOUT_S, Cluster, QuietService
+from tests.cluster import READY_TIMEOUT_S, Cluster, QuietService, metrics_address, scrape, total
 from tests.references import loaded, reference
 
 pytestmark = [pytest.mark.usefixtures("torch_single_thread"), pytest.mark.timeout(240)]
@@ -160,6 +161,36 @@ def test_tp2_logits_match_tp1_after_prefill_verify_and_rollback(
     tp_runner.release(a)
 
 
+def test_tp2_batched_forward_matches_tp1_and_keeps_followers_in_step(
+    tp_runner: TensorParallelRunner, tp1_runner: CausalLMRunner
+) -> None:
+    """Sessions of different lengths through one batched forward on both ranks, then a rollback
+    and another batch, then a single-session forward: all within TOL of tp=1."""
+    rng = random.Random(5)
+    prompts = [[rng.randrange(tp1_runner.vocab_size) for _ in range(n)] for n in (3, 9, 14)]
+    tp = [tp_runner.new_session(p) for p in prompts]
+    one = [tp1_runner.new_session(p) for p in prompts]
+
+    def compare(num_last: list[int], what: str) -> None:
+        got = tp_runner.logits_batch(tp, num_last)
+        want = tp1_runner.logits_batch(one, num_last)
+        for g, w in zip(got, want):
+            assert _close(g, w) <= TOL, what
+
+    compare([1, 1, 1], "batched prefill")
+    for runner, sessions in ((tp_runner, tp), (tp1_runner, one)):
+        for i, s in enumerate(sessions):
+            runner.append(s, [7 + i] * (i + 1))  # different K per session
+    compare([2, 3, 4], "batched verify")
+    for runner, sessions in ((tp_runner, tp), (tp1_runner, one)):
+        runner.truncate(sessions[1], len(sessions[1].tokens) - 2)  # a rejection: roll back two
+        runner.append(sessions[1], [5])
+    compare([1, 1, 1], "batched after roll back")
+    assert _close(tp_runner.logits(tp[2], 1), tp1_runner.logits(one[2], 1)) <= TOL  # followers still in step
+    for s in tp:
+        tp_runner.release(s)
+
+
 def test_live_ranks_report_one_nth_of_the_sharded_weights(
     tp_runner: TensorParallelRunner, tiny_pair: tuple[Path, Path]
 ) -> None:
@@ -271,7 +302,7 @@ def local_ray() -> Iterator[tuple[str, dict[str, str]]]:
 
 
 def _tp_args(executor: str, ray_address: str = "") -> list[str]:
-    args = ["--tp", str(TP), "--executor", executor, "--worker-ready-timeout-s", "120"]
+    args = ["--tp", str(TP), "--executor", executor, "--worker-ready-timeout-s", "120", "--metrics-port", "0"]
     return args + (["--ray-address", ray_address] if ray_address else [])
 
 
@@ -333,23 +364,34 @@ def _health(channel: grpc.Channel) -> int:
 
 
 def test_tp2_services_give_tp1_tokens_greedy_and_seeded(tp_cluster: Cluster, tiny_pair: tuple[Path, Path]) -> None:
+    """Five requests at once, so the tp=2 target batches them (forward_batch on both ranks)."""
     target, draft = tiny_pair
-    with tp_cluster.client() as client:
-        for k, text in zip([1, 4, 6], PROMPTS):
-            ids = _ids(target, text)
-            want = reference(target, None, ids, SamplingParams(temperature=0), max_new_tokens=24)
-            got = client.generate(ids, max_new_tokens=24, temperature=0, ignore_eos=True,
-                                  speculation="fixed", draft_length=k)
-            assert list(got.token_ids) == want.token_ids, (text, tp_cluster.logs())
-            assert got.stats.draft_tokens > 0
-        for seed, (temperature, top_k, top_p) in enumerate([(0.8, 0, 1.0), (1.2, 20, 0.9)]):
-            ids = _ids(target, PROMPTS[seed])
-            params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed + 11)
-            want = reference(target, draft, ids, params, max_new_tokens=20, draft_length=4)
-            got = client.generate(ids, max_new_tokens=20, temperature=temperature, top_k=top_k, top_p=top_p,
-                                  seed=seed + 11, ignore_eos=True, speculation="fixed", draft_length=4)
-            assert list(got.token_ids) == want.token_ids
-            assert got.stats.accepted_tokens == want.stats.accepted_tokens
+    calls = []
+    for k, text in zip([1, 4, 6], PROMPTS):
+        ids = _ids(target, text)
+        want = reference(target, None, ids, SamplingParams(temperature=0), max_new_tokens=24)
+        calls.append((ids, dict(max_new_tokens=24, temperature=0, speculation="fixed", draft_length=k), want))
+    for seed, (temperature, top_k, top_p) in enumerate([(0.8, 0, 1.0), (1.2, 20, 0.9)]):
+        ids = _ids(target, PROMPTS[seed])
+        params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed + 11)
+        want = reference(target, draft, ids, params, max_new_tokens=20, draft_length=4)
+        calls.append((ids, dict(max_new_tokens=20, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed + 11,
+                                speculation="fixed", draft_length=4), want))
+
+    def run(call):  # noqa: ANN001, ANN202
+        ids, kwargs, _ = call
+        with tp_cluster.client() as client:
+            return client.generate(ids, ignore_eos=True, **kwargs)
+
+    with ThreadPoolExecutor(max_workers=len(calls)) as pool:
+        results = list(pool.map(run, calls))
+    for (_, _, want), got in zip(calls, results):
+        assert list(got.token_ids) == want.token_ids, tp_cluster.logs()
+        assert got.stats.draft_tokens > 0 and got.stats.accepted_tokens == want.stats.accepted_tokens
+    assert tp_cluster.target is not None
+    samples = scrape(metrics_address(tp_cluster.target))
+    mean_batch = total(samples, "specd:target_batch_size_sum") / total(samples, "specd:target_batch_size_count")
+    assert mean_batch > 1.0  # some verifies shared a forward pass: forward_batch ran on both ranks
 
 
 @pytest.mark.parametrize("tp_cluster", ["ray"], indirect=True)  # mp: the in-process test above

@@ -215,7 +215,8 @@ class ModelDrafter:
                 results[i] = exc
         drafted: dict[int, _Draft] = {i: _Draft() for i, _, _ in ready}
         # Lengths at the end of the draft bound each group's padded copy.
-        for group in self._kv_budget.forward_groups([len(s.kv) + n for _, s, n in ready], self.max_batch):
+        for group in self._kv_budget.forward_groups([len(s.kv) + n for _, s, n in ready], self.max_batch,
+                                                    [len(s.kv) - s.kv.cached for _, s, _ in ready]):
             part = [ready[g] for g in group]
             try:
                 for step in range(max(n for _, _, n in part)):

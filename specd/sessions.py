@@ -40,23 +40,36 @@ class KVBudget:
                 f"the budget is {self.max_bytes} (--max-kv-bytes); retry later"
             )
 
-    def forward_groups(self, lengths: Sequence[int], max_batch: int) -> list[list[int]]:
+    def forward_groups(self, lengths: Sequence[int], max_batch: int,
+                       new_tokens: Sequence[int] | None = None) -> list[list[int]]:
         """Split a batch (indices into `lengths`, session lengths) into forward passes.
 
-        A batched forward copies its sessions' caches into one padded tensor:
-        n sessions of at most L tokens hold n x L positions more for the pass.
-        Groups are formed shortest-first (similar lengths pad least), at most
-        `max_batch` sessions each, and with a budget each group's padded copy
-        stays within max_bytes, so a step never needs more than twice the
-        budget (the admitted sessions plus one pass's copy).
+        A batched forward pads every session to the longest cache and to the
+        most new tokens. Two rules keep that cheap:
+        - new tokens: a session whose step runs many more positions than the
+          others (a prompt's prefill next to K+1-token verifies) gets its own
+          pass: a group's most new tokens stay within 2 x its fewest + 16;
+        - memory: the padded copy holds n x L positions for n sessions of at
+          most L tokens; with a budget each group's copy stays within
+          max_bytes, so a step never needs more than twice the budget (the
+          admitted sessions plus one pass's copy).
+        Sessions are taken in order of (new tokens, length), at most
+        `max_batch` per group.
         """
-        order = sorted(range(len(lengths)), key=lambda i: lengths[i])
+        new = list(new_tokens) if new_tokens is not None else [0] * len(lengths)
+        order = sorted(range(len(lengths)), key=lambda i: (new[i], lengths[i]))
         limit = self.max_bytes // max(1, self._bytes_per_token()) if self.max_bytes else 0
         groups: list[list[int]] = []
         for i in order:
             g = groups[-1] if groups else None
-            # Sorted ascending, so the newcomer is the group's longest.
-            if g is not None and len(g) < max_batch and (not limit or (len(g) + 1) * lengths[i] <= limit):
+            fits = (
+                g is not None
+                and len(g) < max_batch
+                and new[i] <= 2 * new[g[0]] + 16  # sorted: g[0] has the fewest new tokens
+                and (not limit or (len(g) + 1) * max(lengths[i], max(lengths[j] for j in g)) <= limit)
+            )
+            if fits:
+                assert g is not None
                 g.append(i)
             else:
                 groups.append([i])

@@ -121,7 +121,8 @@ class Verifier:
                     ready.append((i, self._prepare(req)))
             except Exception as exc:  # noqa: BLE001 - this request's error, reported in its slot
                 results[i] = exc
-        for group in self._kv_budget.forward_groups([len(s.kv) for _, s in ready], self.max_batch):
+        for group in self._kv_budget.forward_groups([len(s.kv) for _, s in ready], self.max_batch,
+                                                    [len(s.kv) - s.kv.cached for _, s in ready]):
             part = [ready[g] for g in group]
             try:
                 self._verify_ready(requests, part, logs, results)

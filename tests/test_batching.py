@@ -99,6 +99,11 @@ def test_forward_groups_respect_max_batch_and_the_kv_budget() -> None:
     groups = tight.forward_groups([4, 4, 4, 9], 32)
     assert groups == [[0, 1], [2], [3]]  # 2 x 4 <= 10; adding a third would pad to 12
     assert sorted(i for g in groups for i in g) == [0, 1, 2, 3]
+    # A prompt's prefill (300 new positions) does not pad four 5-token verifies to 300 each.
+    groups = free.forward_groups([400, 120, 130, 140, 150], 32, new_tokens=[300, 5, 5, 5, 5])
+    assert groups == [[1, 2, 3, 4], [0]]
+    assert free.forward_groups([10, 20], 32, new_tokens=[5, 26]) == [[0, 1]]  # 26 <= 2 x 5 + 16: together
+    assert free.forward_groups([10, 20], 32, new_tokens=[5, 27]) == [[0], [1]]
 
 
 def test_micro_batcher_batches_what_waits_in_order() -> None:
@@ -146,8 +151,12 @@ def test_verify_batch_is_one_forward(tiny, monkeypatch: pytest.MonkeyPatch) -> N
     for i, text in enumerate(PROMPTS):
         p = t.tokenizer(text).input_ids
         verifier.open(f"s{i}", p, greedy)
-        reqs.append(VerifyRequest(f"s{i}", len(p), Proposal([1, 2][: i % 3])))
-    outs = verifier.verify_batch(reqs)
+        reqs.append(VerifyRequest(f"s{i}", len(p), Proposal([])))
+    first = verifier.verify_batch(reqs)  # prefills of different lengths: grouped by new tokens
+    assert len(calls) > 1 and sum(calls) == len(PROMPTS)
+    calls.clear()
+    reqs = [VerifyRequest(f"s{i}", o.committed_length, Proposal([1, 2][: i % 3])) for i, o in enumerate(first)]
+    outs = verifier.verify_batch(reqs)  # then K+1-token verifies: one pass for all
     assert all(isinstance(o, VerifyOutcome) for o in outs)
     assert calls == [len(PROMPTS)]
     assert torch.tensor([o.phases.batch_size for o in outs]).eq(len(PROMPTS)).all()

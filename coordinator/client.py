@@ -23,7 +23,10 @@ _MODES = {
 }
 _PIPELINES = {
     True: common_pb2.SpeculationParams.PIPELINE_BONUS_MATCH,
+    "bonus-match": common_pb2.SpeculationParams.PIPELINE_BONUS_MATCH,
+    "post-verify": common_pb2.SpeculationParams.PIPELINE_POST_VERIFY,
     False: common_pb2.SpeculationParams.PIPELINE_OFF,
+    "off": common_pb2.SpeculationParams.PIPELINE_OFF,
     None: common_pb2.SpeculationParams.PIPELINE_UNSPECIFIED,
 }
 
@@ -41,7 +44,7 @@ def build_request(
     stop_token_ids: Sequence[int] = (),
     speculation: str | None = None,
     draft_length: int = 0,
-    pipeline: bool | None = None,
+    pipeline: bool | str | None = None,
     ignore_eos: bool = False,
 ) -> coordinator_pb2.GenerateRequest:
     """A GenerateRequest; prompt is text, token IDs, or chat messages ({'role', 'content'} dicts)."""
@@ -69,6 +72,8 @@ def build_request(
         raise ValueError(f"speculation must be one of auto, fixed, off (got {speculation!r})")
     req.speculation.mode = _MODES[speculation]
     req.speculation.draft_length = draft_length
+    if pipeline not in _PIPELINES:
+        raise ValueError(f"pipeline must be True / 'bonus-match', 'post-verify', False / 'off' or None (got {pipeline!r})")
     req.speculation.pipeline = _PIPELINES[pipeline]
     return req
 

@@ -55,7 +55,7 @@ class GenerateSpec:
     stop_token_ids: frozenset[int] = frozenset()
     speculation: str = "auto"  # one of SPECULATION_MODES
     draft_length: int = 4  # fixed K, or the largest K automatic mode may pick
-    pipeline: bool = False  # draft round r+1 while round r is verified (bonus-match)
+    pipeline: str = "off"  # draft round r+1 while round r is verified: off | bonus-match | post-verify
 
 
 @dataclass
@@ -262,17 +262,21 @@ class RoundEngine:
                 proposal, hit = Proposal([]), ready is not None
                 if ready is not None:
                     proposal, ready = ready.window(0, budget), None
+                    hit = len(proposal) > 0
                 elif budget > 0 and await self._draft_usable():
                     proposal = await self._propose(sid, gen.committed, draft_s, draft_s.known, budget, spec.params,
                                                    deadline, round_span)
-                verify = asyncio.ensure_future(
-                    self._verify(sid, gen, target_s, proposal, spec.params, deadline, round_span))
-                if spec.pipeline and 0 < len(proposal) == budget:
-                    # Assume every draft token is accepted and draft K+1 more: the first
-                    # guesses the target's bonus token, the rest are the next round's drafts.
+                piped = spec.pipeline != "off" and 0 < len(proposal) == budget
+                post_verify = piped and spec.pipeline == "post-verify"
+                verify = asyncio.ensure_future(self._verify(sid, gen, target_s, proposal, spec.params, deadline,
+                                                            round_span, defer_bonus=post_verify))
+                if piped:
+                    # Assume every draft token is accepted and draft the next round now.
+                    # bonus-match: K+1 tokens, the first a guess of the target's bonus token;
+                    # post-verify: K tokens, the first verified next round at the bonus position.
                     ahead = asyncio.ensure_future(self._propose(
                         sid, gen.committed + proposal.token_ids, draft_s, gen.committed_length + len(proposal),
-                        wanted + 1, spec.params, deadline, round_span))
+                        wanted + (0 if post_verify else 1), spec.params, deadline, round_span))
                 try:
                     outcome = await verify
                 finally:
@@ -285,11 +289,13 @@ class RoundEngine:
                         and pre.token_ids[0] == outcome.token_id):
                     ready = pre.window(1)  # drafted for exactly the prefix this round commits
                     draft_s.known += 1
+                elif outcome.deferred and pre is not None and len(pre) >= 1:
+                    ready = pre  # drafted after exactly the K accepted tokens; its first fills the bonus position
                 self._learn_target_cost(outcome)
                 if adaptive is not None:
                     self._learn(adaptive, proposal, outcome)
                 gen.stats.pipeline_hits += int(hit)
-                new = gen.commit(proposal.token_ids, outcome.accepted, outcome.token_id,
+                new = gen.commit(proposal.token_ids, outcome.accepted, None if outcome.deferred else outcome.token_id,
                                  fallback=budget > 0 and not proposal)
                 keep = detok.push(new)
                 if keep is not None:
@@ -381,7 +387,7 @@ class RoundEngine:
 
     async def _verify(
         self, sid: str, gen: Generation, ts: _PeerSession, proposal: Proposal, params: SamplingParams, deadline: float,
-        round_span: tr.Span = tr.INVALID_SPAN,
+        round_span: tr.Span = tr.INVALID_SPAN, *, defer_bonus: bool = False,
     ) -> VerifyOutcome:
         """The target's verdict; re-opens lost sessions, retries a broken stream within the budget."""
         trace = self.tracing.inject(round_span)
@@ -397,7 +403,8 @@ class RoundEngine:
                 if not ts.opened:
                     await self.target.open(sid, gen.committed, params, timeout, trace=trace)
                     ts.opened = True
-                return await self.target.verify(sid, gen.committed_length, proposal, timeout, trace=trace)
+                return await self.target.verify(sid, gen.committed_length, proposal, timeout, trace=trace,
+                                                defer_bonus=defer_bonus)
             except (SessionNotFound, SessionOutOfSync):
                 ts.opened = False
             except (Unavailable, DeadlineExceeded) as exc:
@@ -417,7 +424,7 @@ class RoundEngine:
         if round_span.is_recording():
             round_span.set_attributes(tr.round_attributes(
                 draft_length=k, draft_tokens=len(proposal), accepted=outcome.accepted, is_bonus=outcome.is_bonus,
-                tokens=tokens, target_only=target_only, draft_ms=timing.draft_ms, verify_ms=timing.verify_ms,
+                deferred=outcome.deferred, tokens=tokens, target_only=target_only, draft_ms=timing.draft_ms, verify_ms=timing.verify_ms,
                 overhead_ms=timing.overhead_ms, wall_ms=timing.wall_ms, pipeline_hit=pipeline_hit,
             ))
         round_span.end()

@@ -181,17 +181,22 @@ class TargetPeer:
         await self._call(req, timeout)
 
     async def verify(self, sid: str, committed_length: int, proposal: Proposal, timeout: float,
-                     trace: dict[str, str] | None = None) -> VerifyOutcome:
+                     trace: dict[str, str] | None = None, defer_bonus: bool = False) -> VerifyOutcome:
         req = target_pb2.TargetRequest(session_id=sid, committed_length=committed_length, trace_context=trace or {})
         req.verify.start = committed_length  # the target rolls back any verdict we did not see
         req.verify.draft_token_ids.extend(proposal.token_ids)
         req.verify.q.extend(sparse_to_proto(proposal))
+        req.verify.defer_bonus = defer_bonus
         resp = await self._call(req, timeout)
         v = resp.verdict
+        deferred = v.kind == target_pb2.TOKEN_KIND_DEFERRED
+        if deferred and (not defer_bonus or v.accepted != len(proposal) or not len(proposal)):
+            raise Unavailable("the target deferred a bonus it was not asked to defer")  # a peer out of step: retry
         return VerifyOutcome(
             accepted=v.accepted,
-            token_id=v.token_id,
+            token_id=-1 if deferred else v.token_id,
             is_bonus=v.kind == target_pb2.TOKEN_KIND_BONUS,
+            deferred=deferred,
             committed_length=resp.committed_length,
             compute_ms=v.compute_ms,
             phases=PhaseLog(batch_size=max(1, v.batch_size), batch_tokens=v.batch_tokens),

@@ -28,6 +28,7 @@ _PIPELINES = {
     common_pb2.SpeculationParams.PIPELINE_UNSPECIFIED: None,
     common_pb2.SpeculationParams.PIPELINE_OFF: "off",
     common_pb2.SpeculationParams.PIPELINE_BONUS_MATCH: "bonus-match",
+    common_pb2.SpeculationParams.PIPELINE_POST_VERIFY: "post-verify",
 }
 
 
@@ -134,5 +135,5 @@ def spec_from_request(
         stop_token_ids=frozenset(stop_ids),
         speculation=mode,
         draft_length=draft_length,
-        pipeline=pipeline == "bonus-match",
+        pipeline=pipeline,
     )

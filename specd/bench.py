@@ -91,6 +91,7 @@ SERVICE_MODES: dict[str, dict[str, Any]] = {
 SERVICE_FAMILIES: dict[str, Callable[[int], dict[str, Any]]] = {
     "fixed": lambda k: {"speculation": "fixed", "draft_length": k, "pipeline": False},
     "pipelined": lambda k: {"speculation": "fixed", "draft_length": k, "pipeline": True},  # bonus-match pipelining
+    "postverify": lambda k: {"speculation": "fixed", "draft_length": k, "pipeline": "post-verify"},  # PEARL's
 }
 
 # The peer: transformers' assisted generation. hf-K: K assistant tokens, constant
@@ -781,7 +782,7 @@ def _fmt(x: Any, digits: int = 2, suffix: str = "") -> str:
 def render_markdown(report: Mapping[str, Any]) -> str:
     meta, records = report["meta"], report["records"]
     s = meta["settings"]
-    piped = any(r["request"].get("pipeline") for r in records)
+    piped = any(r["request"].get("pipeline") not in (None, False, "off") for r in records)
     lines = [
         "# specd bench",
         "",

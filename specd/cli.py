@@ -94,6 +94,7 @@ def _generate(args: argparse.Namespace) -> int:
         stop=args.stop or (),
         speculation="off" if args.no_speculation else ("fixed" if args.draft_length else None),
         draft_length=args.draft_length or 0,
+        pipeline=args.pipeline,
         ignore_eos=args.ignore_eos,
     )
     prompt: object = [{"role": "user", "content": args.prompt}] if args.chat else args.prompt
@@ -188,6 +189,8 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--stop", action="append", help="stop string (repeatable)")
     gen.add_argument("--draft-length", type=int, default=None, help="fixed draft length K (default: server's choice)")
     gen.add_argument("--no-speculation", action="store_true", help="target-only decoding")
+    gen.add_argument("--pipeline", choices=["off", "bonus-match", "post-verify"], default=None,
+                     help="draft the next round while this one is verified (default: server's choice)")
     gen.add_argument("--ignore-eos", action="store_true", help="keep going past end-of-sequence")
     gen.add_argument("--chat", action="store_true", help="send the prompt as a user chat message")
     gen.add_argument("--stream", action="store_true", help="print text as it is generated")

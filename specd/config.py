@@ -143,7 +143,7 @@ class CoordinatorConfig(ServiceBase):
     max_draft_length: int = _opt(16, "largest draft length a request may ask for")
     speculation: str = _opt("auto", "default speculation mode", choices=["auto", "fixed", "off"])
     pipeline: str = _opt("off", "default pipelining: draft the next round during verification",
-                         choices=["off", "bonus-match"])
+                         choices=["off", "bonus-match", "post-verify"])
     default_max_new_tokens: int = _opt(128, "max_new_tokens when a request sets none")
     max_new_tokens_limit: int = _opt(4096, "largest max_new_tokens a request may ask for")
     max_concurrent_requests: int = _opt(64, "requests served at once; more get RESOURCE_EXHAUSTED")

@@ -109,13 +109,15 @@ class Generation:
         room = self.rule.max_context - self.committed_length
         return max(0, min(wanted, remaining - 1, room - 1))
 
-    def commit(self, drafts: Sequence[int], accepted: int, token: int, *, fallback: bool = False) -> list[int]:
+    def commit(self, drafts: Sequence[int], accepted: int, token: int | None, *, fallback: bool = False) -> list[int]:
         """Apply one verdict; return the tokens committed (cut at a stop token or limit).
 
+        token: the recovered or bonus token; None when the bonus was deferred
+        (every draft accepted, the next round's first draft takes its place).
         fallback: the round wanted draft tokens but had none (counted in stats).
         """
         self.stats.record(len(drafts), accepted, fallback=fallback)
-        new = [int(t) for t in drafts[:accepted]] + [int(token)]
+        new = [int(t) for t in drafts[:accepted]] + ([] if token is None else [int(token)])
         out: list[int] = []
         for t in new:
             out.append(t)

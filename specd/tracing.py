@@ -114,7 +114,7 @@ ATTR_ROUND_INDEX = "specd.round.index"  # 0-based within the request
 ATTR_ROUND_DRAFT_LENGTH = "specd.round.draft_length"  # K asked of the draft (0: target-only round)
 ATTR_ROUND_DRAFT_TOKENS = "specd.round.draft_tokens"  # draft tokens verified
 ATTR_ROUND_ACCEPTED = "specd.round.accepted"  # draft tokens accepted
-ATTR_ROUND_TOKEN_KIND = "specd.round.token_kind"  # the extra token: "recovered" or "bonus"
+ATTR_ROUND_TOKEN_KIND = "specd.round.token_kind"  # the extra token: "recovered", "bonus" or "deferred"
 ATTR_ROUND_TOKENS = "specd.round.tokens"  # tokens committed (accepted + 1, cut at a stop)
 ATTR_ROUND_TARGET_ONLY = "specd.round.target_only"  # wanted draft tokens, got none (draft down or failing)
 ATTR_ROUND_PIPELINE_HIT = "specd.round.pipeline_hit"  # the round's draft came from pipelining
@@ -134,6 +134,7 @@ ATTR_PHASE_MS = "specd.phase_ms"  # phase span: time spent in the phase (a draft
 
 TOKEN_KIND_BONUS = "bonus"
 TOKEN_KIND_RECOVERED = "recovered"
+TOKEN_KIND_DEFERRED = "deferred"  # post-verify pipelining: all accepted, the bonus left to the next round
 
 _W3C = TraceContextTextMapPropagator()  # stateless
 
@@ -391,7 +392,9 @@ def end_message_span(span: Span | None, attributes: Mapping[str, Any] | None, er
     span.end()
 
 
-def token_kind(is_bonus: bool) -> str:
+def token_kind(is_bonus: bool, deferred: bool = False) -> str:
+    if deferred:
+        return TOKEN_KIND_DEFERRED
     return TOKEN_KIND_BONUS if is_bonus else TOKEN_KIND_RECOVERED
 
 
@@ -441,6 +444,7 @@ def round_attributes(
     is_bonus: bool,
     tokens: int,
     target_only: bool,
+    deferred: bool = False,
     draft_ms: float,
     verify_ms: float,
     overhead_ms: float,
@@ -452,7 +456,7 @@ def round_attributes(
         ATTR_ROUND_DRAFT_LENGTH: draft_length,
         ATTR_ROUND_DRAFT_TOKENS: draft_tokens,
         ATTR_ROUND_ACCEPTED: accepted,
-        ATTR_ROUND_TOKEN_KIND: token_kind(is_bonus),
+        ATTR_ROUND_TOKEN_KIND: token_kind(is_bonus, deferred),
         ATTR_ROUND_TOKENS: tokens,
         ATTR_ROUND_TARGET_ONLY: target_only,
         ATTR_ROUND_PIPELINE_HIT: pipeline_hit,

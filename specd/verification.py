@@ -6,6 +6,7 @@ coordinator only hears (accepted, token, kind).
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -26,11 +27,12 @@ from specd.sessions import KVBudget, SessionTable
 @dataclass(frozen=True)
 class VerifyOutcome:
     accepted: int  # draft tokens accepted (committed)
-    token_id: int  # the recovered or bonus token (committed after them)
+    token_id: int  # the recovered or bonus token (committed after them); -1 when deferred
     is_bonus: bool
     committed_length: int  # after this verdict
     compute_ms: float  # this session's wall time in the step (a batch's forward counts whole)
     phases: PhaseLog = field(default_factory=PhaseLog, compare=False, repr=False)  # where the time went
+    deferred: bool = False  # all drafts accepted, bonus not drawn (VerifyRequest.defer_bonus)
 
 
 @dataclass(frozen=True)
@@ -42,6 +44,10 @@ class VerifyRequest:
     proposal: Proposal
     start: int | None = None  # (start, tail) patch the committed prefix, as in the drafter
     tail: Sequence[int] = ()
+    # All drafts accepted: commit them only and leave the bonus position to the next
+    # verify's first draft token (PEARL post-verify). Exact: that position then gets
+    # an accept (or recover) coin instead of a bonus coin, never both.
+    defer_bonus: bool = False
 
 
 @dataclass
@@ -92,9 +98,11 @@ class Verifier:
         *,
         start: int | None = None,
         tail: Sequence[int] = (),
+        defer_bonus: bool = False,
     ) -> VerifyOutcome:
         """Verify `proposal` after the committed prefix and commit the verdict (a batch of one)."""
-        result = self.verify_batch([VerifyRequest(session_id, committed_length, proposal, start, tail)])[0]
+        result = self.verify_batch(
+            [VerifyRequest(session_id, committed_length, proposal, start, tail, defer_bonus)])[0]
         if isinstance(result, BaseException):
             raise result
         return result
@@ -136,8 +144,7 @@ class Verifier:
             outcome = results[i]
             if isinstance(outcome, VerifyOutcome):
                 ms = (log.phases[-1].end_ns - log.phases[0].start_ns) / 1e6
-                results[i] = VerifyOutcome(outcome.accepted, outcome.token_id, outcome.is_bonus,
-                                           outcome.committed_length, ms, log)
+                results[i] = dataclasses.replace(outcome, compute_ms=ms, phases=log)
         return [r if r is not None else RuntimeError("not verified") for r in results]
 
     def _prepare(self, req: VerifyRequest) -> _TargetSession:
@@ -194,10 +201,14 @@ class Verifier:
             with logs[i].phase(ph.ROLLBACK):
                 accepted = int(verdict.num_accepted[b])
                 token = int(verdict.next_token[b])
+                is_bonus = bool(verdict.is_bonus[b])
+                deferred = requests[i].defer_bonus and is_bonus and ks[b] > 0
                 committed = requests[i].committed_length
                 self.runner.truncate(s.kv, committed + accepted)
-                self.runner.append(s.kv, [token])
-            results[i] = VerifyOutcome(accepted, token, bool(verdict.is_bonus[b]), len(s.kv.tokens), 0.0)
+                if not deferred:  # deferred: the bonus coin is never used; that position is the next draft's
+                    self.runner.append(s.kv, [token])
+            results[i] = VerifyOutcome(accepted, -1 if deferred else token, is_bonus and not deferred,
+                                       len(s.kv.tokens), 0.0, deferred=deferred)
 
 
 def _now() -> int:

@@ -57,15 +57,20 @@ class TargetServicer(BatchedRoundServicer[target_pb2.TargetRequest, target_pb2.T
             except Exception as exc:  # noqa: BLE001 - this message's error, in-band
                 out[i] = (self._error(req, exc), None)
                 continue
-            work.append((i, VerifyRequest(req.session_id, req.committed_length, proposal, v.start, list(v.token_ids))))
+            work.append((i, VerifyRequest(req.session_id, req.committed_length, proposal, v.start, list(v.token_ids),
+                                          v.defer_bonus)))
         results = self.verifier.verify_batch([w for _, w in work]) if work else []
         for (i, _), result in zip(work, results):
             resp = self._response(requests[i])
             if isinstance(result, VerifyOutcome):
                 resp.committed_length = result.committed_length
                 resp.verdict.accepted = result.accepted
-                resp.verdict.token_id = result.token_id
-                resp.verdict.kind = target_pb2.TOKEN_KIND_BONUS if result.is_bonus else target_pb2.TOKEN_KIND_RECOVERED
+                if result.deferred:
+                    resp.verdict.kind = target_pb2.TOKEN_KIND_DEFERRED
+                else:
+                    resp.verdict.token_id = result.token_id
+                    resp.verdict.kind = (target_pb2.TOKEN_KIND_BONUS if result.is_bonus
+                                         else target_pb2.TOKEN_KIND_RECOVERED)
                 resp.verdict.compute_ms = result.compute_ms
                 resp.verdict.batch_size = result.phases.batch_size
                 resp.verdict.batch_tokens = result.phases.batch_tokens
@@ -99,7 +104,7 @@ class TargetServicer(BatchedRoundServicer[target_pb2.TargetRequest, target_pb2.T
     def observe_step(self, req: target_pb2.TargetRequest, resp: target_pb2.TargetResponse,
                      batch_size: int) -> dict[str, Any]:
         v = resp.verdict
-        kind = tr.token_kind(v.kind == target_pb2.TOKEN_KIND_BONUS)
+        kind = tr.token_kind(v.kind == target_pb2.TOKEN_KIND_BONUS, v.kind == target_pb2.TOKEN_KIND_DEFERRED)
         drafts = len(req.verify.draft_token_ids)
         if self.metrics is not None:
             self.metrics.observe_verify(drafts, v.accepted, kind, v.compute_ms, batch_size)

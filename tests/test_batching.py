@@ -196,3 +196,43 @@ def test_servicer_batch_walk_keeps_session_order_and_turns_failures_into_in_band
         verifier.verify_batch = broken  # type: ignore[method-assign]
         out = servicer.handle_batch([verify("b")])
         assert out[0].error.code == session_pb2.SessionError.CODE_INTERNAL and "boom" not in out[0].error.message
+
+
+def test_a_deferred_bonus_splits_one_round_into_two_with_the_same_tokens(tiny) -> None:  # noqa: ANN001
+    """Post-verify: round x with the bonus deferred, then round y == one round over x + y (same coins, same
+    verdict); with no y, the next round draws exactly the bonus the deferred round did not."""
+    t, _ = tiny
+    target_runner = CausalLMRunner(t.model)
+    drafter = ModelDrafter(CausalLMRunner(t.model), wire_top_k=8)  # the target drafts for itself: q close to p
+    split, single = Verifier(target_runner), Verifier(CausalLMRunner(t.model))
+    prompt = t.tokenizer("defer the bonus").input_ids
+    n, deferred_seen = len(prompt), 0
+    for seed in range(24):
+        params = SamplingParams(temperature=0.0 if seed < 2 else 0.3, seed=seed)
+        for v in (split, single):
+            v.open("s", prompt, params)
+        drafter.open("d", prompt, params)
+        x = drafter.propose("d", n, n, [], 3)
+        y = drafter.propose("d", n + 3, n + 3, [], 2)  # drafted as if x were all accepted
+        first = split.verify("s", n, x, start=n, defer_bonus=True)
+        if first.deferred:
+            deferred_seen += 1
+            assert (first.accepted, first.committed_length, first.token_id) == (3, n + 3, -1)
+            second = split.verify("s", n + 3, y, start=n + 3)
+            both = Proposal(x.token_ids + y.token_ids,
+                            None if x.q_ids is None else torch.cat([x.q_ids, y.q_ids]),
+                            None if x.q_probs is None else torch.cat([x.q_probs, y.q_probs]))
+            whole = single.verify("s", n, both, start=n)
+            assert (3 + second.accepted, second.token_id, second.committed_length) == (
+                whole.accepted, whole.token_id, whole.committed_length)
+            # and with nothing drafted after it, the next round draws the very bonus that was deferred
+            split.verify("s", n, x, start=n, defer_bonus=True)  # the same round again (rolled back by start)
+            bonus = split.verify("s", n + 3, Proposal([]), start=n + 3)
+            plain = single.verify("s", n, x, start=n)
+            assert plain.is_bonus and (bonus.token_id, bonus.committed_length) == (plain.token_id, plain.committed_length)
+        else:  # a rejection inside x: nothing is deferred and the verdict is the plain one
+            assert first.token_id == single.verify("s", n, x, start=n).token_id and not first.deferred
+        for v in (split, single):
+            v.close("s")
+        drafter.close("d")
+    assert deferred_seen >= 4  # greedy ones and some sampled ones

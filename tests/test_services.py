@@ -190,10 +190,11 @@ def test_sigterm_lets_in_flight_request_finish(tiny_pair: tuple[Path, Path], tmp
 
 
 def test_pipelining_and_auto_give_the_same_tokens(tiny_pair: tuple[Path, Path], tmp_path: Path) -> None:
-    """Bonus-match pipelining is exact and changes no token; automatic K is exact (greedy)."""
+    """Bonus-match pipelining is exact and changes no token; post-verify pipelining gives target-only's greedy
+    tokens and is seeded-deterministic; automatic K is exact (greedy)."""
     target, _ = tiny_pair
     with Cluster(target, target, cache_dir=tmp_path) as c, c.client() as client:  # the target drafts for itself
-        hits = 0
+        hits = post_hits = 0
         for seed, text in enumerate(PROMPTS[:4]):
             ids = prompt_ids(target, text)
             for temperature in (0.0, 0.8):
@@ -203,8 +204,13 @@ def test_pipelining_and_auto_give_the_same_tokens(tiny_pair: tuple[Path, Path], 
                                       speculation="fixed", draft_length=3, pipeline=True)
                 assert list(got.token_ids) == ref.token_ids
                 hits += got.stats.pipeline_hits
-            auto = client.generate(ids, max_new_tokens=24, temperature=0, ignore_eos=True, speculation="auto")
             greedy = reference(target, None, ids, SamplingParams(temperature=0), max_new_tokens=24)
+            post = [client.generate(ids, max_new_tokens=24, temperature=t, seed=seed, ignore_eos=True,
+                                    speculation="fixed", draft_length=3, pipeline="post-verify") for t in (0.0, 0.8, 0.8)]
+            assert list(post[0].token_ids) == greedy.token_ids
+            assert list(post[1].token_ids) == list(post[2].token_ids) and len(post[1].token_ids) == 24
+            post_hits += post[0].stats.pipeline_hits
+            auto = client.generate(ids, max_new_tokens=24, temperature=0, ignore_eos=True, speculation="auto")
             assert list(auto.token_ids) == greedy.token_ids
             assert auto.stats.draft_tokens > 0
-        assert hits > 0
+        assert hits > 0 and post_hits > 0

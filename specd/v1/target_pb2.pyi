@@ -14,9 +14,11 @@ class TokenKind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     TOKEN_KIND_UNSPECIFIED: _ClassVar[TokenKind]
     TOKEN_KIND_RECOVERED: _ClassVar[TokenKind]
     TOKEN_KIND_BONUS: _ClassVar[TokenKind]
+    TOKEN_KIND_DEFERRED: _ClassVar[TokenKind]
 TOKEN_KIND_UNSPECIFIED: TokenKind
 TOKEN_KIND_RECOVERED: TokenKind
 TOKEN_KIND_BONUS: TokenKind
+TOKEN_KIND_DEFERRED: TokenKind
 
 class TargetRequest(_message.Message):
     __slots__ = ("request_id", "session_id", "committed_length", "trace_context", "open", "verify", "close")
@@ -52,16 +54,18 @@ class TargetOpen(_message.Message):
     def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ...) -> None: ...
 
 class Verify(_message.Message):
-    __slots__ = ("start", "token_ids", "draft_token_ids", "q")
+    __slots__ = ("start", "token_ids", "draft_token_ids", "q", "defer_bonus")
     START_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     DRAFT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     Q_FIELD_NUMBER: _ClassVar[int]
+    DEFER_BONUS_FIELD_NUMBER: _ClassVar[int]
     start: int
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     draft_token_ids: _containers.RepeatedScalarFieldContainer[int]
     q: _containers.RepeatedCompositeFieldContainer[_common_pb2.SparseDistribution]
-    def __init__(self, start: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., draft_token_ids: _Optional[_Iterable[int]] = ..., q: _Optional[_Iterable[_Union[_common_pb2.SparseDistribution, _Mapping]]] = ...) -> None: ...
+    defer_bonus: bool
+    def __init__(self, start: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., draft_token_ids: _Optional[_Iterable[int]] = ..., q: _Optional[_Iterable[_Union[_common_pb2.SparseDistribution, _Mapping]]] = ..., defer_bonus: _Optional[bool] = ...) -> None: ...
 
 class Verdict(_message.Message):
     __slots__ = ("accepted", "token_id", "kind", "compute_ms", "batch_size", "batch_tokens")

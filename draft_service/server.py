@@ -61,7 +61,7 @@ def create_server(
         drafter, info = build_drafter(config)
     executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="specd-draft-model")
     servicer = DraftServicer(drafter, executor, info, config.max_draft_tokens, tracing=tracing, metrics=metrics,
-                             max_batch=config.max_batch)
+                             max_batch=config.max_batch, batch_wait_s=config.batch_wait_ms / 1e3)
     server, port, health = build_server(
         config, lambda s: draft_pb2_grpc.add_DraftServicer_to_server(servicer, s), [SERVICE_NAME]
     )

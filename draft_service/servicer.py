@@ -30,8 +30,9 @@ class DraftServicer(BatchedRoundServicer[draft_pb2.DraftRequest, draft_pb2.Draft
 
     def __init__(self, drafter: Drafter, executor: Executor, info: common_pb2.ModelInfo, max_draft_tokens: int,
                  *, tracing: tr.Tracing | None = None, metrics: DraftMetrics | None = None,
-                 max_batch: int = 32) -> None:
-        super().__init__(executor, tracing=tracing, metrics=metrics, max_batch=max_batch)
+                 max_batch: int = 32, batch_wait_s: float = 0.0) -> None:
+        super().__init__(executor, tracing=tracing, metrics=metrics, max_batch=max_batch, batch_wait_s=batch_wait_s,
+                         active_sessions=drafter.active_sessions)
         self.drafter = drafter
         self.info = info
         self.max_draft_tokens = max_draft_tokens

@@ -9,12 +9,20 @@ So a session joins or leaves between any two batches, and no request waits
 for another session longer than one batch's run (the bound).
 
 `max_batch = 1` turns batching off (one request per call, as before).
+
+Cohorts: with no wait at all, sessions split into groups that take turns
+(while group A runs, group B queues; when A's sessions send again, B is
+already running), so every round of all sessions costs two passes. With
+`max_wait_s` > 0 a batch smaller than `expected()` (the sessions the
+service holds) waits up to that long for more requests before it runs, so
+the groups merge; the bound on waiting grows by max_wait_s.
 """
 
 from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections import deque
 from collections.abc import Callable, Sequence
 from concurrent.futures import Executor, Future
@@ -30,14 +38,20 @@ class MicroBatcher(Generic[Req, Resp]):
     """Submit single requests; `handle_batch` sees them in batches, in arrival order."""
 
     def __init__(
-        self, handle_batch: Callable[[Sequence[Req]], Sequence[Resp]], executor: Executor, *, max_batch: int = 32
+        self, handle_batch: Callable[[Sequence[Req]], Sequence[Resp]], executor: Executor, *, max_batch: int = 32,
+        max_wait_s: float = 0.0, expected: Callable[[], int] | None = None,
     ) -> None:
         if max_batch < 1:
             raise ValueError(f"max_batch must be >= 1 (got {max_batch})")
+        if max_wait_s < 0:
+            raise ValueError(f"max_wait_s must be >= 0 (got {max_wait_s})")
         self._handle_batch = handle_batch
         self._executor = executor  # one thread: the model's
         self.max_batch = max_batch
+        self.max_wait_s = max_wait_s
+        self._expected = expected
         self._lock = threading.Lock()
+        self._arrived = threading.Condition(self._lock)
         self._queue: deque[tuple[Req, Future[Resp]]] = deque()
         self._scheduled = False  # a drain is queued or running on the executor
 
@@ -45,6 +59,7 @@ class MicroBatcher(Generic[Req, Resp]):
         future: Future[Resp] = Future()
         with self._lock:
             self._queue.append((request, future))
+            self._arrived.notify()
             if self._scheduled:
                 return future
             self._scheduled = True
@@ -64,6 +79,7 @@ class MicroBatcher(Generic[Req, Resp]):
                 if not self._queue:
                     self._scheduled = False
                     return
+                self._wait_for_more()
                 n = min(len(self._queue), self.max_batch)
                 batch = [self._queue.popleft() for _ in range(n)]
             requests = [r for r, _ in batch]
@@ -80,3 +96,15 @@ class MicroBatcher(Generic[Req, Resp]):
             for (_, f), resp in zip(batch, responses):
                 if f.set_running_or_notify_cancel():
                     f.set_result(resp)
+
+    def _wait_for_more(self) -> None:
+        """Hold a small batch up to max_wait_s for the requests the held sessions may still send (lock held)."""
+        if self.max_wait_s <= 0 or self._expected is None or self.max_batch == 1:
+            return
+        want = min(self.max_batch, self._expected())
+        deadline = time.monotonic() + self.max_wait_s
+        while len(self._queue) < want:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return
+            self._arrived.wait(left)

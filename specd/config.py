@@ -81,6 +81,7 @@ class ModelServiceBase(ServiceBase):
     idle_timeout_s: float = _opt(600.0, "sessions unused this long are dropped")
     max_kv_bytes: int = _opt(0, "KV-cache bytes all sessions may hold (0: no limit)")
     max_batch: int = _opt(32, "sessions whose steps share one forward pass (1: no batching)")
+    batch_wait_ms: float = _opt(3.0, "a batch smaller than the sessions held waits up to this long for their steps")
 
     @property
     def cache_path(self) -> Path:
@@ -94,6 +95,8 @@ class ModelServiceBase(ServiceBase):
             raise InvalidArgument("--idle-timeout-s must be > 0")
         if self.max_kv_bytes < 0:
             raise InvalidArgument("--max-kv-bytes must be >= 0")
+        if self.batch_wait_ms < 0:
+            raise InvalidArgument(f"--batch-wait-ms must be >= 0 (got {self.batch_wait_ms})")
         if self.max_batch < 1:
             raise InvalidArgument(f"--max-batch must be >= 1 (got {self.max_batch}); 1 turns batching off")
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import abc
 import logging
-from collections.abc import AsyncIterator, Mapping, Sequence
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from concurrent.futures import Executor
 from typing import Any, Generic, TypeVar
 
@@ -40,10 +40,12 @@ class BatchedRoundServicer(abc.ABC, Generic[Req, Resp]):
     span_names: Mapping[str, str]  # oneof case -> span name
     phase_span_prefix: str  # "specd.draft." | "specd.target."
 
-    def __init__(self, executor: Executor, *, tracing: tr.Tracing | None, metrics: Any, max_batch: int) -> None:
+    def __init__(self, executor: Executor, *, tracing: tr.Tracing | None, metrics: Any, max_batch: int,
+                 batch_wait_s: float = 0.0, active_sessions: Callable[[], int] | None = None) -> None:
         self.tracing = tracing or tr.TRACING_OFF
         self.metrics = metrics
-        self.batcher: MicroBatcher[Req, Resp] = MicroBatcher(self.handle_batch, executor, max_batch=max_batch)
+        self.batcher: MicroBatcher[Req, Resp] = MicroBatcher(
+            self.handle_batch, executor, max_batch=max_batch, max_wait_s=batch_wait_s, expected=active_sessions)
 
     # ---- what a subclass provides --------------------------------------------------
 

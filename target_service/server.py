@@ -53,7 +53,8 @@ def create_server(
     if verifier is None or info is None:
         verifier, info = build_verifier(config)
     executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="specd-target-model")
-    servicer = TargetServicer(verifier, executor, info, tracing=tracing, metrics=metrics, max_batch=config.max_batch)
+    servicer = TargetServicer(verifier, executor, info, tracing=tracing, metrics=metrics, max_batch=config.max_batch,
+                              batch_wait_s=config.batch_wait_ms / 1e3)
     server, port, health = build_server(
         config, lambda s: target_pb2_grpc.add_TargetServicer_to_server(servicer, s), [SERVICE_NAME]
     )

@@ -30,8 +30,9 @@ class TargetServicer(BatchedRoundServicer[target_pb2.TargetRequest, target_pb2.T
 
     def __init__(self, verifier: Verifier, executor: Executor, info: common_pb2.ModelInfo,
                  *, tracing: tr.Tracing | None = None, metrics: TargetMetrics | None = None,
-                 max_batch: int = 32) -> None:
-        super().__init__(executor, tracing=tracing, metrics=metrics, max_batch=max_batch)
+                 max_batch: int = 32, batch_wait_s: float = 0.0) -> None:
+        super().__init__(executor, tracing=tracing, metrics=metrics, max_batch=max_batch, batch_wait_s=batch_wait_s,
+                         active_sessions=verifier.active_sessions)
         self.verifier = verifier
         self.info = info
         if metrics is not None:

@@ -236,3 +236,24 @@ def test_a_deferred_bonus_splits_one_round_into_two_with_the_same_tokens(tiny) -
             v.close("s")
         drafter.close("d")
     assert deferred_seen >= 4  # greedy ones and some sampled ones
+
+
+def test_micro_batcher_waits_briefly_so_cohorts_merge() -> None:
+    """With max_wait_s, a batch smaller than the sessions held waits for the rest (bounded)."""
+    seen: list[list[int]] = []
+
+    def handle(batch: list[int]) -> list[int]:
+        seen.append(list(batch))
+        return batch
+
+    with ThreadPoolExecutor(max_workers=1) as pool:
+        batcher: MicroBatcher[int, int] = MicroBatcher(handle, pool, max_wait_s=1.0, expected=lambda: 3)
+        first = batcher.submit(1)
+        time.sleep(0.05)
+        rest = [batcher.submit(2), batcher.submit(3)]  # arrive while the first waits
+        assert [f.result(5) for f in (first, *rest)] == [1, 2, 3]
+        assert seen == [[1, 2, 3]]
+        lone: MicroBatcher[int, int] = MicroBatcher(handle, pool, max_wait_s=0.05, expected=lambda: 3)
+        start = time.monotonic()
+        assert lone.submit(4).result(5) == 4  # nobody else comes: it runs after at most max_wait_s
+        assert time.monotonic() - start < 1.0 and seen[-1] == [4]

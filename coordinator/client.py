@@ -73,7 +73,8 @@ def build_request(
     req.speculation.mode = _MODES[speculation]
     req.speculation.draft_length = draft_length
     if pipeline not in _PIPELINES:
-        raise ValueError(f"pipeline must be True / 'bonus-match', 'post-verify', False / 'off' or None (got {pipeline!r})")
+        raise ValueError(
+            f"pipeline must be True / 'bonus-match', 'post-verify', False / 'off' or None (got {pipeline!r})")
     req.speculation.pipeline = _PIPELINES[pipeline]
     return req
 

@@ -257,7 +257,10 @@ class RoundEngine:
             while not gen.done:
                 round_start = time.perf_counter()
                 round_span = self.tracing.start_round(span, gen.stats.rounds, gen.committed_length)
-                wanted = 0 if spec.speculation == "off" else (adaptive.next_k(self.batch_share()) if adaptive else spec.draft_length)
+                if spec.speculation == "off":
+                    wanted = 0
+                else:
+                    wanted = adaptive.next_k(self.batch_share()) if adaptive else spec.draft_length
                 budget = gen.draft_budget(wanted)
                 proposal, hit = Proposal([]), ready is not None
                 if ready is not None:
@@ -424,7 +427,8 @@ class RoundEngine:
         if round_span.is_recording():
             round_span.set_attributes(tr.round_attributes(
                 draft_length=k, draft_tokens=len(proposal), accepted=outcome.accepted, is_bonus=outcome.is_bonus,
-                deferred=outcome.deferred, tokens=tokens, target_only=target_only, draft_ms=timing.draft_ms, verify_ms=timing.verify_ms,
+                deferred=outcome.deferred, tokens=tokens, target_only=target_only, draft_ms=timing.draft_ms,
+                verify_ms=timing.verify_ms,
                 overhead_ms=timing.overhead_ms, wall_ms=timing.wall_ms, pipeline_hit=pipeline_hit,
             ))
         round_span.end()

@@ -44,8 +44,12 @@ class ServiceProcess:
             if match and self.address is None:
                 self.address = f"{match.group(2)}:{match.group(3)}"
                 self._ready.set()
-            sys.stderr.write(f"[{self.name}] {line}")
+            self._on_line(line)
         self._ready.set()  # exited: wake the waiter
+
+    def _on_line(self, line: str) -> None:
+        """Each line the service prints (after the banner check): relayed to stderr."""
+        sys.stderr.write(f"[{self.name}] {line}")
 
     def wait_ready(self, timeout: float) -> str:
         if not self._ready.wait(timeout) or self.address is None:

@@ -13,12 +13,11 @@ when something fails.
 from __future__ import annotations
 
 import os
-import sys
 import threading
 from collections.abc import Sequence
 from pathlib import Path
 
-from specd.launcher import _BANNER, ServiceProcess
+from specd.launcher import ServiceProcess
 
 READY_TIMEOUT_S = 120.0
 
@@ -32,17 +31,10 @@ class QuietService(ServiceProcess):
         self.echo = echo
         self.ready_timeout_s = READY_TIMEOUT_S
 
-    def _relay(self) -> None:  # type: ignore[override]
-        assert self.proc is not None and self.proc.stdout is not None
-        for line in self.proc.stdout:
-            match = _BANNER.match(line)
-            if match and self.address is None:
-                self.address = f"{match.group(2)}:{match.group(3)}"
-                self._ready.set()
-            self.lines.append(line)
-            if self.echo:
-                sys.stderr.write(f"[{self.name}] {line}")
-        self._ready.set()
+    def _on_line(self, line: str) -> None:
+        self.lines.append(line)
+        if self.echo:
+            super()._on_line(line)
 
     @property
     def pid(self) -> int | None:

@@ -169,6 +169,11 @@ class _ModelServiceMetrics:
             registry=self.registry,
         )
         self.sessions = Gauge(PREFIX + "sessions_active", "Sessions (KV caches) held now.", registry=self.registry)
+        self.batch_size = Histogram(
+            f"{PREFIX}{self.service}_batch_size",
+            f"Sessions sharing the forward pass(es) of a {self.service} step (one sample per step).",
+            buckets=BATCH_BUCKETS, registry=self.registry,
+        )
 
     def watch_sessions(self, count: Callable[[], float]) -> None:
         """sessions_active reads `count()` at scrape time."""
@@ -188,11 +193,6 @@ class DraftMetrics(_ModelServiceMetrics):
         self.propose_seconds = Histogram(
             PREFIX + "draft_propose_seconds", "Draft model time per propose (K forward passes and sampling).",
             buckets=ROUND_PART_BUCKETS, registry=r,
-        )
-
-        self.batch_size = Histogram(
-            PREFIX + "draft_batch_size", "Sessions sharing the forward passes of a propose (one sample per propose).",
-            buckets=BATCH_BUCKETS, registry=r,
         )
 
     def observe_propose(self, tokens: int, compute_ms: float, batch_size: int = 1) -> None:
@@ -218,11 +218,6 @@ class TargetMetrics(_ModelServiceMetrics):
         self.verify_seconds = Histogram(
             PREFIX + "target_verify_seconds", "Target model time per verify (forward pass, sampling, roll-back).",
             buckets=ROUND_PART_BUCKETS, registry=r,
-        )
-
-        self.batch_size = Histogram(
-            PREFIX + "target_batch_size", "Sessions sharing the forward pass of a verify (one sample per verify).",
-            buckets=BATCH_BUCKETS, registry=r,
         )
 
     def observe_verify(self, draft_tokens: int, accepted: int, kind: str, compute_ms: float,

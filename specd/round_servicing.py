@@ -95,13 +95,12 @@ class BatchedRoundServicer(abc.ABC, Generic[Req, Resp]):
             else:
                 handled[i] = (self.run_other(req), None)
         flush()
-        steps = sum(1 for r in requests if r.WhichOneof("op") == self.step_op)  # type: ignore[attr-defined]
         out: list[Resp] = []
         for req, span, h in zip(requests, spans, handled):
             assert h is not None
             resp, phases = h
             try:
-                self._finish(req, resp, span, phases, steps)
+                self._finish(req, resp, span, phases)
             except Exception:  # noqa: BLE001 - spans and metrics never fail a request
                 log.exception("recording a %s message failed", self.step_op)
             out.append(resp)
@@ -124,7 +123,7 @@ class BatchedRoundServicer(abc.ABC, Generic[Req, Resp]):
             {tr.ATTR_SESSION_ID: req.session_id, tr.ATTR_COMMITTED_LENGTH: req.committed_length},
         )
 
-    def _finish(self, req: Any, resp: Any, span: tr.Span | None, phases: PhaseLog | None, steps: int) -> None:
+    def _finish(self, req: Any, resp: Any, span: tr.Span | None, phases: PhaseLog | None) -> None:
         if span is None and self.metrics is None:
             return
         op = req.WhichOneof("op") or "none"
@@ -133,8 +132,8 @@ class BatchedRoundServicer(abc.ABC, Generic[Req, Resp]):
             error = (session_pb2.SessionError.Code.Name(resp.error.code).removeprefix("CODE_").lower(),
                      resp.error.message)
         attributes = None
-        if op == self.step_op and error is None:
-            attributes = self.observe_step(req, resp, phases.batch_size if phases is not None else steps)
+        if op == self.step_op and error is None:  # a successful step always carries its phases
+            attributes = self.observe_step(req, resp, phases.batch_size if phases is not None else 1)
         if span is not None and phases is not None and span.is_recording():
             for p in phases.merged():
                 child = self.tracing.start_span(self.phase_span_prefix + p.name, span, start_time=p.start_ns,

@@ -176,9 +176,9 @@ class Verifier:
         batch_tokens = sum(len(s.kv.tokens) - s.kv.cached for _, s in ready)  # positions the forward runs
         for i, _ in ready:
             logs[i].batch_tokens = batch_tokens
-        t0 = _now()
+        t0 = time.time_ns()
         logits = self.runner.logits_batch([s.kv for _, s in ready], [k + 1 for k in ks])  # B x [K_b+1, V]
-        t1 = _now()
+        t1 = time.time_ns()
         # Pad each row to K_max + 1 positions (repeating its last row: never read, the
         # sampler stops at num_draft) and each q to the widest W; q = 0 on padding.
         rows = [torch.cat([lg, lg[-1:].expand(k_max - k, -1)]) if k < k_max else lg for lg, k in zip(logits, ks)]
@@ -194,7 +194,7 @@ class Verifier:
             start_positions=torch.tensor([requests[i].committed_length for i, _ in ready], dtype=torch.int64),
             num_draft=torch.tensor(ks, dtype=torch.int64),
         )
-        t2 = _now()
+        t2 = time.time_ns()
         for b, (i, s) in enumerate(ready):
             logs[i].add(ph.FORWARD, t0, t1)
             logs[i].add(ph.SAMPLING, t1, t2)
@@ -209,10 +209,6 @@ class Verifier:
                     self.runner.append(s.kv, [token])
             results[i] = VerifyOutcome(accepted, -1 if deferred else token, is_bonus and not deferred,
                                        len(s.kv.tokens), 0.0, deferred=deferred)
-
-
-def _now() -> int:
-    return time.time_ns()
 
 
 def _sparse_batch(proposals: Sequence[Proposal], k_max: int) -> SparseProposal | None:

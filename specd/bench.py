@@ -419,11 +419,32 @@ def measure_forward_ms(model: Any, prompt_ids: list[int], *, threads: int, sampl
         torch.set_num_threads(previous)
 
 
-def measure_cost(target_model: Any, draft_model: Any, prompt_ids: list[int], *, target_threads: int,
+def measure_ngram_ms(prompt_ids: list[int], *, samples: int, num_tokens: int = 4, warmup: int = 3) -> float:
+    """Median ms per proposed token of the n-gram drafter (prompt lookup) over the prompt, as the draft service runs it."""
+    from specd.drafting import NgramDrafter
+    from specd.sampling import SamplingParams
+
+    drafter = NgramDrafter(max(prompt_ids) + 1)
+    times: list[float] = []
+    for i in range(samples + warmup):
+        drafter.open("probe", prompt_ids, SamplingParams(temperature=0.0))
+        t0 = time.perf_counter()
+        found = drafter.propose("probe", len(prompt_ids), len(prompt_ids), [], num_tokens)
+        dt = (time.perf_counter() - t0) * 1e3
+        if i >= warmup:
+            times.append(dt / max(1, len(found.token_ids)))
+    return percentile(times, 50)
+
+
+def measure_cost(target_model: Any, draft_model: Any | None, prompt_ids: list[int], *, target_threads: int,
                  draft_threads: int, samples: int, draft_lengths: Iterable[int]) -> dict[str, Any]:
-    """c = draft ms per token / target ms per 1-token forward, plus the target's K+1-token verify time."""
+    """c = draft ms per token / target ms per 1-token forward, plus the target's K+1-token verify time.
+
+    draft_model None: the n-gram drafter, timed per proposed token (no model, no threads).
+    """
     target_ms = measure_forward_ms(target_model, prompt_ids, threads=target_threads, samples=samples)
-    draft_ms = measure_forward_ms(draft_model, prompt_ids, threads=draft_threads, samples=samples)
+    draft_ms = (measure_ngram_ms(prompt_ids, samples=samples) if draft_model is None
+                else measure_forward_ms(draft_model, prompt_ids, threads=draft_threads, samples=samples))
     verify = {str(k): measure_forward_ms(target_model, prompt_ids, threads=target_threads, samples=max(3, samples // 3),
                                          block=k + 1)
               for k in sorted(set(draft_lengths))}
@@ -613,7 +634,7 @@ def summarize(mode: Mode, temperature: float, concurrency: int, results: Sequenc
         expected_tokens_per_round(alpha, k) / (k * c + verify_ms / cost["target_ms"])  # type: ignore[index]
         if speculative and alpha is not None and c and verify_ms else None
     )
-    rec["efficiency"] = None
+    rec["efficiency"] = rec["efficiency_measured_verify"] = None
     # -- latencies (client side)
     ttft = [r.ttft_s * 1e3 for r in ok if r.ttft_s is not None]
     itl = [x * 1e3 for r in ok for x in r.itl_s]
@@ -645,6 +666,8 @@ def finish_records(records: list[dict[str, Any]],
             r["speedup"] = r["tokens_per_s"] / b["tokens_per_s"]
             if r["theoretical_speedup"]:
                 r["efficiency"] = r["speedup"] / r["theoretical_speedup"]
+            if r.get("theoretical_speedup_measured_verify"):
+                r["efficiency_measured_verify"] = r["speedup"] / r["theoretical_speedup_measured_verify"]
     greedy_cells = [key for key in outputs if key[2] == 0.0]
     ref_key = next((key for key in greedy_cells if key[1] == BASELINE), None)
     failures: list[dict[str, Any]] = []
@@ -794,14 +817,16 @@ def render_markdown(report: Mapping[str, Any]) -> str:
         "",
         *(["**Interrupted: partial results.**", ""] if meta.get("interrupted") else []),
         "| T | clients | mode | tok/s | speed-up | acc. rate | acc. length | a | c | S(K) | efficiency "
+        "| S(K) at measured verify | efficiency at measured verify "
         "| TTFT p50 ms | ITL p50 ms | ITL p99 ms | greedy = target-only | errors |" + (" pipeline hits |" if piped else ""),
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|" + ("---|" if piped else ""),
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|" + ("---|" if piped else ""),
     ]
     for r in records:
         lines.append("| " + " | ".join([
             _fmt(r["temperature"], 1), str(r["concurrency"]), f"`{_row_name(r)}`", _fmt(r["tokens_per_s"], 1),
             _fmt(r["speedup"], 2, "x"), _fmt(r["acceptance_rate"], 3), _fmt(r["acceptance_length"]), _fmt(r["alpha"], 3),
             _fmt(r["cost_ratio"], 3), _fmt(r["theoretical_speedup"], 2, "x"), _fmt(r["efficiency"]),
+            _fmt(r.get("theoretical_speedup_measured_verify"), 2, "x"), _fmt(r.get("efficiency_measured_verify")),
             _fmt(r["ttft_ms_p50"], 1), _fmt(r["itl_ms_p50"], 1), _fmt(r["itl_ms_p99"], 1),
             _fmt(r["greedy_identical"]), str(r["errors"]),
             *([_fmt(r.get("pipeline_hit_rate"))] if piped else []),
@@ -809,8 +834,9 @@ def render_markdown(report: Mapping[str, Any]) -> str:
     fallback = [r for r in records if r.get("target_only_rounds")]
     for r in fallback:
         lines += ["", f"Note: `{_row_name(r)}` at T={r['temperature']:g}, {r['concurrency']} client(s) ran "
-                      f"{r['target_only_rounds']} target-only fallback rounds (the draft was unavailable, slow or "
-                      "incompatible): its numbers mix in target-only decoding."]
+                      f"{r['target_only_rounds']} rounds without draft tokens (the drafter proposed nothing, e.g. an "
+                      "n-gram drafter without a match, or the draft was unavailable, slow or incompatible): its "
+                      "numbers mix in target-only decoding."]
     spec = [r for r in records if r["acceptance_per_position"]]
     if spec:
         width = max(len(r["acceptance_per_position"]) for r in spec)
@@ -863,7 +889,9 @@ def render_markdown(report: Mapping[str, Any]) -> str:
                       f"{corr['reference']} ({corr['records_checked']} records checked).{peer}"]
     lines += ["", "Definitions: docs/bench.md. tok/s = completion tokens of the cell / its wall time; speed-up = "
                   "tok/s / target-only's in the same (T, clients) cell; a = per-token acceptance; S(K) = "
-                  "(1 - a^(K+1)) / ((1 - a)(K c + 1)); efficiency = speed-up / S(K).", ""]
+                  "(1 - a^(K+1)) / ((1 - a)(K c + 1)); efficiency = speed-up / S(K); 'at measured verify' puts the "
+                  "measured cost of the target's K+1-token pass, v_K, in place of S(K)'s 1: "
+                  "(1 - a^(K+1)) / ((1 - a)(K c + v_K)).", ""]
     return "\n".join(lines)
 
 
@@ -1301,6 +1329,7 @@ def _first_setup(args: argparse.Namespace, plan: _Plan, address: str, tokenizer:
                  ) -> tuple[list[tuple[BenchPrompt, list[int]]], HFPeer | None]:
     """Once per run: the prompts as token IDs (fitted to the context), c and the in-process peer."""
     from coordinator.client import CoordinatorClient
+    from specd.config import NGRAM
 
     try:
         with CoordinatorClient(address, timeout=min(args.timeout, 30.0)) as client:
@@ -1315,11 +1344,11 @@ def _first_setup(args: argparse.Namespace, plan: _Plan, address: str, tokenizer:
         target_m, draft_m = _load_inprocess(target_dir, draft_dir)
         phase("load_inprocess_s")
         probe = items[0][1]
-        if draft_m is not None:
-            cost["service"] = measure_cost(target_m.model, draft_m.model, probe,
+        if draft_m is not None or args.draft == NGRAM:
+            cost["service"] = measure_cost(target_m.model, draft_m.model if draft_m else None, probe,
                                            target_threads=args.target_threads, draft_threads=args.draft_threads,
                                            samples=plan.cost_samples, draft_lengths=plan.draft_lengths)
-            if any(m.peer for m in plan.modes):
+            if draft_m is not None and any(m.peer for m in plan.modes):
                 same = plan.hf_threads == args.target_threads == args.draft_threads
                 cost["hf"] = cost["service"] if same else measure_cost(
                     target_m.model, draft_m.model, probe, target_threads=plan.hf_threads,

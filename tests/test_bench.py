@@ -161,6 +161,19 @@ def test_summarize_fixed_k_from_stream_and_stats() -> None:
     assert rec["ttft_ms_p50"] == pytest.approx(10.0) and rec["itl_ms_p50"] == pytest.approx(2.0)
 
 
+def test_ngram_cost_is_timed_per_proposed_token(tiny_pair: tuple[Path, Path]) -> None:
+    from specd.models import load_pretrained
+
+    target, _ = tiny_pair
+    prompt = [5, 6, 7, 8, 9, 10, 11] * 12 + [5, 6]  # the lookup finds 7, 8, 9, 10 after "5 6"
+    ngram_ms = bench.measure_ngram_ms(prompt, samples=5)
+    assert 0 < ngram_ms < 50
+    cost = bench.measure_cost(load_pretrained(target).model, None, prompt, target_threads=1, draft_threads=1,
+                              samples=5, draft_lengths=[2])
+    assert cost["draft_ms"] > 0 and cost["c"] == pytest.approx(cost["draft_ms"] / cost["target_ms"])
+    assert set(cost["target_verify_ms"]) == {"2"}
+
+
 def test_summarize_falls_back_to_acceptance_length_when_rounds_do_not_add_up() -> None:
     # auto: K unknown per round; a is solved from the acceptance length at the mean draft length
     stats = {"rounds": 2, "drafts": 2, "draft_tokens": 6, "accepted_tokens": 2, "target_only_rounds": 0}
@@ -187,13 +200,15 @@ def test_summarize_peer_counts_draft_forwards() -> None:
 def test_finish_records_speedup_and_greedy_check() -> None:
     def rec(mode: str, runner: str, tps: float) -> dict:
         return {"mode": mode, "runner": runner, "temperature": 0.0, "concurrency": 1, "tokens_per_s": tps,
-                "theoretical_speedup": 2.0 if mode != BASELINE else None, "speedup": None, "efficiency": None}
+                "theoretical_speedup": 2.0 if mode != BASELINE else None, "speedup": None, "efficiency": None,
+                "theoretical_speedup_measured_verify": 3.0 if mode != BASELINE else None}
 
     records = [rec(BASELINE, "service", 10.0), rec("fixed-2", "service", 15.0), rec("hf-2", "hf", 12.0)]
     outputs = {("", BASELINE, 0.0, 1): {"a": [1, 2, 3]}, ("", "fixed-2", 0.0, 1): {"a": [1, 2, 4]},
                ("", "hf-2", 0.0, 1): {"a": [1, 2, 3]}}
     summary = finish_records(records, outputs)
     assert records[1]["speedup"] == 1.5 and records[1]["efficiency"] == 0.75
+    assert records[1]["efficiency_measured_verify"] == 0.5  # 1.5 / S(K) of 3.0 at the measured verify cost
     assert records[1]["greedy_identical"] is False and records[1]["greedy_mismatches"][0]["first_diff"] == 2
     assert records[2]["greedy_identical"] is True
     assert summary["identical"] is False and summary["peer_identical"] is True

@@ -813,7 +813,9 @@ def render_markdown(report: Mapping[str, Any]) -> str:
         f"({', '.join(s['categories'])}), {s['max_new_tokens']} new tokens each"
         f"{'' if s['stop_at_eos'] else ' (past end-of-sequence)'}; threads target {s['target_threads']}, "
         f"draft {s['draft_threads']}, peer {s['hf_threads']}; {meta['machine']['cpus']} CPUs; "
-        f"{meta['duration_s']:.0f} s.",
+        f"{meta['duration_s']:.0f} s."
+        + (f" Modes interleaved over up to {s['interleave']} slices of the prompts per cell."
+           if s.get("interleave", 1) > 1 else ""),
         "",
         *(["**Interrupted: partial results.**", ""] if meta.get("interrupted") else []),
         "| T | clients | mode | tok/s | speed-up | acc. rate | acc. length | a | c | S(K) | efficiency "
@@ -1038,6 +1040,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--markdown", default="", help="markdown table (default: next to the JSON, .md)")
     g.add_argument("--plot", default="", help="PNG plot (default: next to the JSON, .png)")
     g.add_argument("--save-outputs", action="store_true", help="include every request's token IDs in the JSON")
+    g.add_argument("--interleave", type=int, default=1,
+                   help="modes take turns over N slices of the prompts (each of at least `clients` prompts), so a "
+                        "shared machine's drifts hit every mode alike (default: 1, each mode runs the whole set)")
     g.add_argument("--strict", action="store_true", help="exit 1 if a specd mode's greedy output differs from "
                    "target-only's or a request failed")
     g.add_argument("--no-progress", action="store_true", help="no progress bars")
@@ -1070,6 +1075,8 @@ def _plan(args: argparse.Namespace) -> _Plan:
     prompts_n, max_new = int(pick("prompts")), int(pick("max_new_tokens"))
     if prompts_n < 1 or max_new < 1:
         raise ValueError("--prompts and --max-new-tokens must be >= 1")
+    if args.interleave < 1:
+        raise ValueError(f"--interleave must be >= 1 (got {args.interleave})")
     categories = [c.strip() for c in args.categories.split(",") if c.strip()]
     prompts = select_prompts(load_prompts(args.prompt_file or None), prompts_n, categories)
     if not prompts:
@@ -1401,42 +1408,65 @@ def _tracing_cell(args: argparse.Namespace, plan: _Plan, modes: Sequence[Mode],
                                         spans=lambda: receiver.span_count, bar=bar)
 
 
+def interleave_slices(n_items: int, concurrency: int, requested: int) -> list[range]:
+    """Contiguous slices of the prompt set that every mode runs in turn (one slice: the whole set).
+
+    A slice keeps at least `concurrency` prompts, so interleaving never leaves clients idle by design.
+    """
+    n = max(1, min(requested, n_items // max(1, concurrency)))
+    bounds = [round(i * n_items / n) for i in range(n + 1)]
+    return [range(a, b) for a, b in zip(bounds, bounds[1:])]
+
+
 def _run_cells(args: argparse.Namespace, plan: _Plan, modes: Sequence[Mode], items: Sequence[tuple[BenchPrompt, list[int]]],
                address: str, peer: HFPeer | None, cost: Mapping[str, Any], records: list[dict[str, Any]],
                outputs: dict[tuple[str, str, float, int], dict[str, list[int]]], quiet: bool, services: str = "",
                metadata: Callable[[], Sequence[tuple[str, str]]] = lambda: ()) -> None:
-    """Every (temperature, concurrency, mode) cell, appending to records / outputs as each finishes."""
+    """Every (temperature, concurrency, mode) cell, appending to records / outputs as each (T, clients) cell finishes.
+
+    With --interleave N the modes take turns over N slices of the prompts, so slow drifts of a
+    shared machine's speed hit every mode alike; a mode's wall time is the sum over its slices.
+    """
     for temperature in plan.temperatures:
         for concurrency in plan.concurrency:
-            for m in modes:
-                if m.peer and concurrency != 1:
-                    continue  # transformers' assisted generation serves one sequence at a time
-                desc = f"T={temperature:g} c={concurrency} {m.name}{f' [{services}]' if services else ''}"
-                with _progress(len(items), desc, quiet) as bar:
-                    if m.peer:
-                        assert peer is not None
-                        peer.configure(m)
-                        start = time.perf_counter()
-                        results = []
-                        for i, (p, ids) in enumerate(items):
-                            results.append(peer.run(p.id, ids, m, temperature=temperature, seed=args.seed + i,
-                                                    max_new_tokens=plan.max_new_tokens,
-                                                    stop_at_eos=args.stop_at_eos))
-                            bar.update(1)
-                        wall = time.perf_counter() - start
-                    else:
-                        results, wall = _run_service_cell(
-                            address, m, items, temperature=temperature, concurrency=concurrency,
-                            max_new_tokens=plan.max_new_tokens, seed=args.seed, ignore_eos=not args.stop_at_eos,
-                            timeout=args.timeout, bar=bar, metadata=metadata)
-                    rec = summarize(m, temperature, concurrency, results, wall, max_new_tokens=plan.max_new_tokens,
-                                    cost=cost.get("hf" if m.peer else "service"))
-                    rec["services"] = services
-                    bar.set_postfix_str(f"{rec['tokens_per_s'] or 0:.1f} tok/s")
-                outputs[(services, m.name, temperature, concurrency)] = {r.prompt_id: r.token_ids for r in results
-                                                               if r.error is None}
+            cell_modes = [m for m in modes if not m.peer or concurrency == 1]  # the peer serves one sequence at a time
+            slices = interleave_slices(len(items), concurrency, args.interleave)
+            results: dict[str, list[RequestResult]] = {m.name: [] for m in cell_modes}
+            walls = dict.fromkeys(results, 0.0)
+            for part, rows in enumerate(slices):
+                for m in cell_modes:
+                    chunk = [items[i] for i in rows]
+                    where = f" {part + 1}/{len(slices)}" if len(slices) > 1 else ""
+                    desc = f"T={temperature:g} c={concurrency} {m.name}{f' [{services}]' if services else ''}{where}"
+                    with _progress(len(chunk), desc, quiet) as bar:
+                        if m.peer:
+                            assert peer is not None
+                            peer.configure(m)
+                            start = time.perf_counter()
+                            got = []
+                            for i, (p, ids) in zip(rows, chunk):
+                                got.append(peer.run(p.id, ids, m, temperature=temperature, seed=args.seed + i,
+                                                    max_new_tokens=plan.max_new_tokens, stop_at_eos=args.stop_at_eos))
+                                bar.update(1)
+                            wall = time.perf_counter() - start
+                        else:
+                            got, wall = _run_service_cell(
+                                address, m, chunk, temperature=temperature, concurrency=concurrency,
+                                max_new_tokens=plan.max_new_tokens, seed=args.seed + rows.start,
+                                ignore_eos=not args.stop_at_eos, timeout=args.timeout, bar=bar, metadata=metadata)
+                        bar.set_postfix_str(f"{sum(len(r.token_ids) for r in got if r.error is None) / wall:.1f} tok/s"
+                                            if wall > 0 else "")
+                    results[m.name] += got
+                    walls[m.name] += wall
+            for m in cell_modes:
+                rec = summarize(m, temperature, concurrency, results[m.name], walls[m.name],
+                                max_new_tokens=plan.max_new_tokens, cost=cost.get("hf" if m.peer else "service"))
+                rec["services"] = services
+                rec["interleave_slices"] = len(slices)
+                outputs[(services, m.name, temperature, concurrency)] = {
+                    r.prompt_id: r.token_ids for r in results[m.name] if r.error is None}
                 if args.save_outputs:
-                    rec["outputs"] = {r.prompt_id: r.token_ids for r in results}
+                    rec["outputs"] = {r.prompt_id: r.token_ids for r in results[m.name]}
                 records.append(rec)
 
 
@@ -1467,7 +1497,7 @@ def _meta(args: argparse.Namespace, plan: _Plan, target_dir: Path, draft_dir: Pa
             "draft_lengths": plan.draft_lengths, "prompts": len(plan.prompts), "prompt_ids": [p.id for p in plan.prompts],
             "categories": categories, "max_new_tokens": plan.max_new_tokens, "stop_at_eos": args.stop_at_eos,
             "seed": args.seed, "target_threads": args.target_threads, "draft_threads": args.draft_threads,
-            "hf_threads": plan.hf_threads, "quick": args.quick,
+            "hf_threads": plan.hf_threads, "quick": args.quick, "interleave": args.interleave,
         },
         "cost": cost,
         "peak_rss_mb": peak,

@@ -161,6 +161,13 @@ def test_summarize_fixed_k_from_stream_and_stats() -> None:
     assert rec["ttft_ms_p50"] == pytest.approx(10.0) and rec["itl_ms_p50"] == pytest.approx(2.0)
 
 
+def test_interleave_slices_cover_the_prompts_and_keep_clients_busy() -> None:
+    assert bench.interleave_slices(10, 1, 1) == [range(0, 10)]
+    assert bench.interleave_slices(10, 1, 3) == [range(0, 3), range(3, 7), range(7, 10)]
+    assert bench.interleave_slices(10, 4, 3) == [range(0, 5), range(5, 10)]  # >= 4 prompts per slice
+    assert bench.interleave_slices(3, 8, 4) == [range(0, 3)]
+
+
 def test_ngram_cost_is_timed_per_proposed_token(tiny_pair: tuple[Path, Path]) -> None:
     from specd.models import load_pretrained
 
@@ -248,13 +255,15 @@ def test_bench_smoke_on_the_tiny_pair(tiny_cluster, tiny_pair: tuple[Path, Path]
         "bench", "--address", tiny_cluster.address, "--target", str(target), "--draft", str(draft),
         "--modes", "target-only,fixed,pipelined,auto,hf", "--draft-lengths", "2", "--prompts", "3", "--max-new-tokens", "8",
         "--temperatures", "0,0.7", "--concurrency", "1,2", "--target-threads", "1", "--draft-threads", "1",
-        "--cost-samples", "3", "--json", str(out), "--no-progress", "--strict",
+        "--cost-samples", "3", "--interleave", "3", "--json", str(out), "--no-progress", "--strict",
     ])
     assert rc == 0
     report = json.loads(out.read_text())
     records = report["records"]
     # 4 service modes x 4 cells + the peer at 1 client x 2 temperatures
     assert len(records) == 4 * 4 + 2
+    # modes took turns over 3 one-prompt slices at 1 client; 2 clients keep one slice (3 // 2 = 1)
+    assert {(r["concurrency"], r["interleave_slices"]) for r in records} == {(1, 3), (2, 1)}
     for r in records:
         for key in ("mode", "tokens_per_s", "speedup", "acceptance_rate", "acceptance_length", "acceptance_per_position",
                     "cost_ratio", "theoretical_speedup", "efficiency", "ttft_ms_p50", "itl_ms_p50", "itl_ms_p99",

@@ -100,6 +100,9 @@ HF_DEFAULT = "hf-default"  # transformers' own defaults for the assistant
 HF_TARGET_ONLY = "hf-target-only"  # transformers' generate() on the target alone
 
 
+HF_LOOKUP = "hf-lookup"  # transformers' prompt lookup decoding: the peer of --draft ngram (hf-lookup-K)
+
+
 def _hf_fixed(k: int) -> dict[str, Any]:
     return {"num_assistant_tokens": k, "num_assistant_tokens_schedule": "constant", "assistant_confidence_threshold": 0.0}
 
@@ -136,7 +139,10 @@ def _expand_mode(raw: str, draft_lengths: Sequence[int]) -> list[Mode]:
         return [Mode(f"{family}-{k}", RUNNER_SERVICE, SERVICE_FAMILIES[family](k), k) for k in ks]
     if family == "hf":
         return [Mode(f"hf-{k}", RUNNER_HF, _hf_fixed(k), k) for k in ks]
-    known = sorted([*SERVICE_MODES, *(f"{f}[-K]" for f in SERVICE_FAMILIES), "hf[-K]", HF_DEFAULT, HF_TARGET_ONLY])
+    if family == HF_LOOKUP:  # no draft model: the target alone, drafting by prompt lookup
+        return [Mode(f"{HF_LOOKUP}-{k}", RUNNER_HF, {"assistant": False, "prompt_lookup_num_tokens": k}, k) for k in ks]
+    known = sorted([*SERVICE_MODES, *(f"{f}[-K]" for f in SERVICE_FAMILIES), "hf[-K]", f"{HF_LOOKUP}[-K]", HF_DEFAULT,
+                    HF_TARGET_ONLY])
     raise ValueError(f"unknown mode {raw!r}; known: {', '.join(known)} (or --custom-mode NAME:key=value,...)")
 
 
@@ -370,6 +376,8 @@ class HFPeer:
             kwargs["eos_token_id"] = []  # keep going past end-of-sequence, as the services' ignore_eos
         if assisted:
             kwargs["assistant_model"] = self.draft
+        if mode.request.get("prompt_lookup_num_tokens"):
+            kwargs["prompt_lookup_num_tokens"] = int(mode.request["prompt_lookup_num_tokens"])
         x = torch.tensor([ids], dtype=torch.long, device=self.target.device)
         previous = torch.get_num_threads()
         torch.set_num_threads(self.threads)

@@ -52,6 +52,12 @@ def test_default_modes_expand_over_draft_lengths() -> None:
     assert modes["auto"].draft_length is None  # auto picks K itself
 
 
+def test_prompt_lookup_peer_runs_the_target_alone() -> None:
+    modes = parse_modes("target-only,hf-lookup", [2, 4])
+    assert [(m.name, m.runner, m.draft_length) for m in modes[1:]] == [("hf-lookup-2", "hf", 2), ("hf-lookup-4", "hf", 4)]
+    assert modes[1].request == {"assistant": False, "prompt_lookup_num_tokens": 2}
+
+
 def test_baseline_is_always_first_and_custom_modes_are_request_options() -> None:
     modes = parse_modes("fixed-3", [2], ["pipe-4:speculation=fixed,draft_length=4,pipeline=bonus,eager=true"])
     assert [m.name for m in modes] == [BASELINE, "fixed-3", "pipe-4"]
@@ -253,15 +259,15 @@ def test_bench_smoke_on_the_tiny_pair(tiny_cluster, tiny_pair: tuple[Path, Path]
     out = tmp_path / "bench.json"
     rc = main([
         "bench", "--address", tiny_cluster.address, "--target", str(target), "--draft", str(draft),
-        "--modes", "target-only,fixed,pipelined,auto,hf", "--draft-lengths", "2", "--prompts", "3", "--max-new-tokens", "8",
+        "--modes", "target-only,fixed,pipelined,auto,hf,hf-lookup", "--draft-lengths", "2", "--prompts", "3", "--max-new-tokens", "8",
         "--temperatures", "0,0.7", "--concurrency", "1,2", "--target-threads", "1", "--draft-threads", "1",
         "--cost-samples", "3", "--interleave", "3", "--json", str(out), "--no-progress", "--strict",
     ])
     assert rc == 0
     report = json.loads(out.read_text())
     records = report["records"]
-    # 4 service modes x 4 cells + the peer at 1 client x 2 temperatures
-    assert len(records) == 4 * 4 + 2
+    # 4 service modes x 4 cells + the two peers (assisted, prompt lookup) at 1 client x 2 temperatures
+    assert len(records) == 4 * 4 + 2 * 2
     # modes took turns over 3 one-prompt slices at 1 client; 2 clients keep one slice (3 // 2 = 1)
     assert {(r["concurrency"], r["interleave_slices"]) for r in records} == {(1, 3), (2, 1)}
     for r in records:
@@ -278,6 +284,8 @@ def test_bench_smoke_on_the_tiny_pair(tiny_cluster, tiny_pair: tuple[Path, Path]
     assert fixed["pipeline_hits"] == 0
     greedy = [r for r in records if r["temperature"] == 0.0]
     assert all(r["greedy_identical"] is True for r in greedy if r["runner"] == "service")
+    lookup = next(r for r in greedy if r["mode"] == "hf-lookup-2")
+    assert lookup["greedy_identical"] is True and lookup["tokens_per_s"] > 0
     assert all(r["greedy_identical"] is None for r in records if r["temperature"] != 0.0)
     correctness = report["meta"]["correctness"]
     assert correctness["identical"] is True and correctness["records_checked"] == len(greedy)

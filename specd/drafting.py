@@ -287,7 +287,7 @@ class _NgramSession:
 
 
 class NgramDrafter:
-    """Prompt lookup: continue the latest earlier occurrence of the sequence's last n-gram.
+    """Prompt lookup: continue the earliest occurrence of the sequence's last n-gram.
 
     No model and no q: proposals are one-hot, which the sampler treats exactly.
     Returns fewer than K tokens (possibly none) when the history offers fewer.
@@ -347,12 +347,19 @@ class NgramDrafter:
 
 
 def lookup_continuation(tokens: Sequence[int], k: int, max_ngram: int, min_ngram: int) -> list[int]:
-    """Up to k tokens that followed the latest earlier match of the longest suffix n-gram."""
+    """Up to k tokens that followed the earliest match of the longest suffix n-gram.
+
+    Earliest, not latest: when an answer reproduces text from the prompt (code
+    being edited), the first occurrence is usually the source being copied,
+    while the latest is often a short repeat inside the answer itself. On the
+    shipped edit prompts' greedy answers (K = 4) the earliest match gives 2.98
+    tokens per round against 2.78 for the latest; on the mixed bench prompts
+    the two tie (1.15).
+    """
     n_tokens = len(tokens)
     for n in range(min(max_ngram, n_tokens - 1), min_ngram - 1, -1):
         suffix = list(tokens[n_tokens - n :])
-        # Scan backwards so the most recent occurrence wins (it best predicts edits in progress).
-        for begin in range(n_tokens - n - 1, -1, -1):
+        for begin in range(n_tokens - n):
             if list(tokens[begin : begin + n]) == suffix:
                 return list(tokens[begin + n : begin + n + k])
     return []

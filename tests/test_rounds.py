@@ -76,7 +76,8 @@ def test_ngram_drafter_is_exact(tiny) -> None:  # noqa: ANN001
 
 def test_lookup_continuation() -> None:
     assert lookup_continuation([1, 2, 3, 9, 1, 2], 2, 3, 1) == [3, 9]
-    assert lookup_continuation([5, 1, 2, 7, 1, 2, 8, 1, 2], 3, 2, 1) == [8, 1, 2]  # latest match wins
+    assert lookup_continuation([5, 1, 2, 7, 1, 2, 8, 1, 2], 3, 2, 1) == [7, 1, 2]  # the earliest match wins
+    assert lookup_continuation([9, 2, 3, 5, 1, 2, 3, 6, 1, 2, 3], 2, 3, 1) == [6, 1]  # the longest n-gram first
     assert lookup_continuation([1, 2, 3], 4, 3, 1) == []
     assert lookup_continuation([4, 4], 3, 3, 1) == [4]
 

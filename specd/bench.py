@@ -1359,15 +1359,17 @@ def _first_setup(args: argparse.Namespace, plan: _Plan, address: str, tokenizer:
         target_m, draft_m = _load_inprocess(target_dir, draft_dir)
         phase("load_inprocess_s")
         probe = items[0][1]
+        # every K some mode drafts with (fixed-6 among default lengths 2, 4), for its S(K) at the measured verify
+        verify_ks = sorted({m.draft_length for m in plan.modes if m.draft_length} | set(plan.draft_lengths))
         if draft_m is not None or args.draft == NGRAM:
             cost["service"] = measure_cost(target_m.model, draft_m.model if draft_m else None, probe,
                                            target_threads=args.target_threads, draft_threads=args.draft_threads,
-                                           samples=plan.cost_samples, draft_lengths=plan.draft_lengths)
+                                           samples=plan.cost_samples, draft_lengths=verify_ks)
             if draft_m is not None and any(m.peer for m in plan.modes):
                 same = plan.hf_threads == args.target_threads == args.draft_threads
                 cost["hf"] = cost["service"] if same else measure_cost(
                     target_m.model, draft_m.model, probe, target_threads=plan.hf_threads,
-                    draft_threads=plan.hf_threads, samples=plan.cost_samples, draft_lengths=plan.draft_lengths)
+                    draft_threads=plan.hf_threads, samples=plan.cost_samples, draft_lengths=verify_ks)
         if any(m.peer for m in plan.modes):
             pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (tokenizer.eos_token_id or 0)
             peer = HFPeer(target_m.model, draft_m.model if draft_m else None, threads=plan.hf_threads,

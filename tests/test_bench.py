@@ -259,7 +259,7 @@ def test_bench_smoke_on_the_tiny_pair(tiny_cluster, tiny_pair: tuple[Path, Path]
     out = tmp_path / "bench.json"
     rc = main([
         "bench", "--address", tiny_cluster.address, "--target", str(target), "--draft", str(draft),
-        "--modes", "target-only,fixed,pipelined,auto,hf,hf-lookup", "--draft-lengths", "2", "--prompts", "3", "--max-new-tokens", "8",
+        "--modes", "target-only,fixed,pipelined-3,auto,hf,hf-lookup", "--draft-lengths", "2", "--prompts", "3", "--max-new-tokens", "8",
         "--temperatures", "0,0.7", "--concurrency", "1,2", "--target-threads", "1", "--draft-threads", "1",
         "--cost-samples", "3", "--interleave", "3", "--json", str(out), "--no-progress", "--strict",
     ])
@@ -290,6 +290,8 @@ def test_bench_smoke_on_the_tiny_pair(tiny_cluster, tiny_pair: tuple[Path, Path]
     correctness = report["meta"]["correctness"]
     assert correctness["identical"] is True and correctness["records_checked"] == len(greedy)
     assert report["meta"]["cost"]["service"]["c"] > 0
+    assert set(report["meta"]["cost"]["service"]["target_verify_ms"]) == {"2", "3"}  # pipelined-3's K too
+    assert all(r["theoretical_speedup_measured_verify"] for r in records if r["mode"] in ("fixed-2", "pipelined-3"))
     md = out.with_suffix(".md").read_text()
     assert "| T | clients | mode | tok/s | speed-up" in md and "`fixed-2`" in md and "Greedy check" in md
     assert out.with_suffix(".png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

@@ -134,9 +134,11 @@ class RoundEngine:
         self._active = 0
         self._background: set[asyncio.Task[None]] = set()
         self.round_timings: deque[RoundTiming] = deque(maxlen=100_000)
-        # Service-wide acceptance and cost estimates: where each session's adaptive K starts.
-        self._acceptance_prior = Estimate(0.5)
-        self._cost_prior = Estimate(0.2)
+        # Service-wide acceptance and cost estimates, read live by every session's adaptive K.
+        # The starting guesses count as two rounds, so one unlucky first round cannot switch a
+        # good draft off for everyone.
+        self._acceptance_prior = Estimate(0.5, weight=2.0)
+        self._cost_prior = Estimate(0.2, weight=2.0)
         # How the target's step time grows with the tokens of its batch, and the batch it sees:
         # together the extra cost of a draft token under batching (adaptive.LinearCost.share).
         self._target_cost = LinearCost()
@@ -342,11 +344,13 @@ class RoundEngine:
     # ---- rounds ------------------------------------------------------------------
 
     def _adaptive(self, spec: GenerateSpec) -> AdaptiveDraftLength:
-        """A session's K controller, starting from the service-wide estimates."""
+        """A session's K controller: its own evidence, shrunk towards the live service-wide estimates."""
         return AdaptiveDraftLength(
             k_max=spec.draft_length,
-            acceptance=Estimate(self._acceptance_prior.value, weight=4.0),
-            cost_ratio=Estimate(self._cost_prior.value, weight=4.0),
+            acceptance=Estimate(self._acceptance_prior.value),
+            cost_ratio=Estimate(self._cost_prior.value),
+            service_acceptance=self._acceptance_prior,
+            service_cost_ratio=self._cost_prior,
         )
 
     def batch_share(self) -> float:

@@ -33,11 +33,11 @@ def percentile(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
 
-async def measure(target: str, draft: str, requests: int, tokens: int, k: int) -> None:
+async def measure(target: str, draft: str, requests: int, tokens: int, k: int, target_threads: int) -> None:
     import grpc
 
     peers = [
-        QuietService("target", ["target", "--model", target, "--port", "0", "--torch-threads", "1"]),
+        QuietService("target", ["target", "--model", target, "--port", "0", "--torch-threads", str(target_threads)]),
         QuietService("draft", ["draft", "--model", draft, "--target-model", target, "--port", "0",
                                "--torch-threads", "1"]),
     ]
@@ -75,11 +75,12 @@ def main() -> None:
     parser.add_argument("--requests", type=int, default=20)
     parser.add_argument("--tokens", type=int, default=64)
     parser.add_argument("--draft-length", type=int, default=4)
+    parser.add_argument("--target-threads", type=int, default=1, help="torch threads of the target service")
     args = parser.parse_args()
     target, draft = args.target, args.draft
     if not target:
         target, draft = (str(p) for p in build_tiny_pair(Path(tempfile.mkdtemp(prefix="specd-overhead-"))))
-    asyncio.run(measure(target, draft, args.requests, args.tokens, args.draft_length))
+    asyncio.run(measure(target, draft, args.requests, args.tokens, args.draft_length, args.target_threads))
 
 
 if __name__ == "__main__":

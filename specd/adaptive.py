@@ -5,10 +5,14 @@ for per-token acceptance a and draft/target cost ratio c:
 
     S(K) = (1 - a^(K+1)) / ((1 - a) (K c + 1))
 
-The controller keeps running estimates of a and c per session (seeded from
-the service-wide estimate), picks the K in [1, k_max] that maximises S, and
-drafts nothing (K = 0) when no K pays, probing again every `probe_every`
-rounds so that a session whose text became predictable gets speculation back.
+The controller keeps running estimates of a and c per session and reads
+them against the service-wide estimates, live: a session with little
+evidence of its own follows what every other session is seeing right now
+(a bad draft is switched off for all concurrent sessions after their first
+rounds, not after ten rounds of each), and its own text takes over as its
+evidence grows. It picks the K in [1, k_max] that maximises S, and drafts
+nothing (K = 0) when no K pays, probing again every `probe_every` rounds so
+that a session whose text became predictable gets speculation back.
 
 Under batching a verify of K + 1 tokens is no longer as cheap as a one-token
 step: the target's step time grows with the tokens of the whole batch,
@@ -108,19 +112,44 @@ class LinearCost:
         return marginal / total if total > 0 else 0.0
 
 
+def blend(own: Estimate, prior: Estimate | None, prior_weight: float) -> float:
+    """own's value shrunk towards prior's by their evidence: prior_weight against own.weight."""
+    if prior is None:
+        return own.value
+    if own.weight <= 0:
+        return prior.value
+    return (prior_weight * prior.value + own.weight * own.value) / (prior_weight + own.weight)
+
+
 @dataclass
 class AdaptiveDraftLength:
-    """Per-session K controller; feed it every speculative round's outcome."""
+    """Per-session K controller; feed it every speculative round's outcome.
+
+    acceptance / cost_ratio: this session's own evidence. service_acceptance /
+    service_cost_ratio: the shared, live service-wide estimates (not copied:
+    read every round), worth `prior_weight` observations against the session's.
+    """
 
     k_max: int
     acceptance: Estimate
     cost_ratio: Estimate
+    service_acceptance: Estimate | None = None
+    service_cost_ratio: Estimate | None = None
+    prior_weight: float = 4.0
     probe_every: int = 16
     _rounds_off: int = 0
 
+    @property
+    def expected_acceptance(self) -> float:
+        return blend(self.acceptance, self.service_acceptance, self.prior_weight)
+
+    @property
+    def expected_cost_ratio(self) -> float:
+        return blend(self.cost_ratio, self.service_cost_ratio, self.prior_weight)
+
     def next_k(self, batch_share: float = 0.0) -> int:
         """K for the next round; batch_share is sigma (see the module docstring), 0 unbatched."""
-        k = best_draft_length(self.acceptance.value, self.cost_ratio.value + batch_share, self.k_max)
+        k = best_draft_length(self.expected_acceptance, self.expected_cost_ratio + batch_share, self.k_max)
         if k > 0:
             self._rounds_off = 0
             return k

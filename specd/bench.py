@@ -126,6 +126,21 @@ def parse_modes(spec: str, draft_lengths: Sequence[int], custom: Sequence[str] =
     return modes
 
 
+def cap_adaptive_modes(modes: Sequence[Mode], draft_lengths: Sequence[int]) -> list[Mode]:
+    """Let modes that choose K themselves (auto) choose up to the largest K the run gives a fixed mode.
+
+    Like for like: "auto is within 5% of the best fixed K" only means something
+    when auto may pick that K. A mode that names its own draft_length keeps it.
+    """
+    k_max = max([m.draft_length or 0 for m in modes] + list(draft_lengths))
+    out: list[Mode] = []
+    for m in modes:
+        if m.runner == RUNNER_SERVICE and m.request.get("speculation") == "auto" and "draft_length" not in m.request:
+            m = Mode(m.name, m.runner, {**m.request, "draft_length": k_max}, m.draft_length)
+        out.append(m)
+    return out
+
+
 def _expand_mode(raw: str, draft_lengths: Sequence[int]) -> list[Mode]:
     if raw in SERVICE_MODES:
         return [Mode(raw, RUNNER_SERVICE, SERVICE_MODES[raw])]
@@ -1077,7 +1092,7 @@ def _plan(args: argparse.Namespace) -> _Plan:
         return preset[name] if value is None else value
 
     draft_lengths = _int_list(pick("draft_lengths"), "--draft-lengths")
-    modes = parse_modes(args.modes, draft_lengths, args.custom_mode)
+    modes = cap_adaptive_modes(parse_modes(args.modes, draft_lengths, args.custom_mode), draft_lengths)
     if args.no_inprocess or args.draft == "ngram":
         modes = [m for m in modes if not m.peer or not m.request.get("assistant", True) and not args.no_inprocess]
     prompts_n, max_new = int(pick("prompts")), int(pick("max_new_tokens"))

@@ -74,3 +74,35 @@ def test_k_shrinks_as_the_batch_share_grows() -> None:
     ctl = AdaptiveDraftLength(k_max=8, acceptance=Estimate(0.7, 32), cost_ratio=Estimate(0.05, 32))
     ks = [ctl.next_k(share) for share in (0.0, 0.1, 0.3, 0.6, 0.9)]
     assert ks == sorted(ks, reverse=True) and ks[0] >= 4 and ks[-1] == 0
+
+
+def test_a_new_session_follows_the_live_service_estimate_until_its_own_evidence_grows() -> None:
+    service_a, service_c = Estimate(0.5, 2.0), Estimate(0.1, 2.0)
+    ctl = AdaptiveDraftLength(k_max=8, acceptance=Estimate(0.5), cost_ratio=Estimate(0.1),
+                              service_acceptance=service_a, service_cost_ratio=service_c)
+    assert ctl.next_k() >= 1  # nothing known yet: the optimistic guess drafts
+    for _ in range(8):  # the other sessions keep rejecting: the shared estimate falls ...
+        service_a.update(0.0)
+    assert ctl.expected_acceptance == pytest.approx(service_a.value) and ctl.next_k() == 0  # ... read live
+    shared_before = service_a.value
+    for _ in range(64):  # this session's own text is predictable: its evidence takes over
+        ctl.observe(8, 8, draft_ms=1.0, verify_ms=10.0)
+    assert ctl.expected_acceptance > 0.8 and ctl.next_k() >= 4
+    assert service_a.value == shared_before  # the controller reads the shared estimate; the engine writes it
+
+
+def test_a_bad_draft_is_switched_off_for_concurrent_sessions_within_a_few_rounds() -> None:
+    service_a, service_c = Estimate(0.5, 2.0), Estimate(0.2, 2.0)
+    sessions = [AdaptiveDraftLength(k_max=4, acceptance=Estimate(0.5), cost_ratio=Estimate(0.2),
+                                    service_acceptance=service_a, service_cost_ratio=service_c) for _ in range(8)]
+    drafted_rounds = 0
+    for _ in range(3):  # three batch steps of 8 sessions that all reject every draft token
+        for ctl in sessions:
+            k = ctl.next_k()
+            if k:
+                drafted_rounds += 1
+                ctl.observe(k, 0, draft_ms=0.2 * k, verify_ms=1.0)
+                service_a.update(0.0)
+                service_c.update(0.2)
+    assert all(ctl.next_k() == 0 for ctl in sessions)
+    assert drafted_rounds <= 10  # the first step's rounds, about; not ten rounds per session

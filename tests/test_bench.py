@@ -52,6 +52,15 @@ def test_default_modes_expand_over_draft_lengths() -> None:
     assert modes["auto"].draft_length is None  # auto picks K itself
 
 
+def test_auto_may_choose_up_to_the_largest_fixed_k_of_the_run() -> None:
+    modes = {m.name: m for m in bench.cap_adaptive_modes(parse_modes("fixed-2,fixed-6,auto,auto-pipelined", [4]), [4])}
+    assert modes["auto"].request == {"speculation": "auto", "draft_length": 6}
+    assert modes["auto-pipelined"].request["draft_length"] == 6 and modes["auto"].draft_length is None
+    assert modes["fixed-2"].request["draft_length"] == 2  # fixed modes keep their own K
+    named = bench.cap_adaptive_modes(parse_modes("auto", [4], ["mine:speculation=auto,draft_length=3"]), [8])
+    assert {m.name: m.request.get("draft_length") for m in named} == {"target-only": None, "auto": 8, "mine": 3}
+
+
 def test_prompt_lookup_peer_runs_the_target_alone() -> None:
     modes = parse_modes("target-only,hf-lookup", [2, 4])
     assert [(m.name, m.runner, m.draft_length) for m in modes[1:]] == [("hf-lookup-2", "hf", 2), ("hf-lookup-4", "hf", 4)]

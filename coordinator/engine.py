@@ -32,7 +32,7 @@ from specd.errors import (
     Unavailable,
 )
 from specd.metrics import CoordinatorMetrics
-from specd.adaptive import AdaptiveDraftLength, Estimate, LinearCost, observe_round
+from specd.adaptive import AdaptiveDraftLength, Estimate, LinearCost, ProbeBudget, observe_round
 from specd.proposal import Proposal
 from specd.rounds import FinishReason, Generation, RoundStats, StopRule
 from specd.sampling import SamplingParams
@@ -139,6 +139,7 @@ class RoundEngine:
         # good draft off for everyone.
         self._acceptance_prior = Estimate(0.5, weight=2.0)
         self._cost_prior = Estimate(0.2, weight=2.0)
+        self._probes = ProbeBudget()  # sessions that stopped speculating take turns to probe
         # How the target's step time grows with the tokens of its batch, and the batch it sees:
         # together the extra cost of a draft token under batching (adaptive.LinearCost.share).
         self._target_cost = LinearCost()
@@ -351,6 +352,7 @@ class RoundEngine:
             cost_ratio=Estimate(self._cost_prior.value),
             service_acceptance=self._acceptance_prior,
             service_cost_ratio=self._cost_prior,
+            probes=self._probes,
         )
 
     def batch_share(self) -> float:

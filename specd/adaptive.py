@@ -12,7 +12,12 @@ evidence of its own follows what every other session is seeing right now
 rounds, not after ten rounds of each), and its own text takes over as its
 evidence grows. It picks the K in [1, k_max] that maximises S, and drafts
 nothing (K = 0) when no K pays, probing again every `probe_every` rounds so
-that a session whose text became predictable gets speculation back.
+that a session whose text became predictable gets speculation back. A
+probe costs about a round (the draft catches up on the session's whole
+text), so the wait doubles after each probe that fails, up to 256 rounds. With
+a shared `ProbeBudget` the rounds and the wait are counted service-wide, over
+all sessions together: a draft that does not pay is left alone under load
+and across short requests, instead of being probed once per session.
 
 Under batching a verify of K + 1 tokens is no longer as cheap as a one-token
 step: the target's step time grows with the tokens of the whole batch,
@@ -112,6 +117,37 @@ class LinearCost:
         return marginal / total if total > 0 else 0.0
 
 
+@dataclass
+class ProbeBudget:
+    """When rounds that draft nothing should probe instead, counted over every session that shares it.
+
+    The first probe comes after `every` such rounds; each probe that does not
+    bring speculation back doubles the wait, up to `max_every`: a probe costs
+    about a round (the draft catches up on the whole text), so a draft that
+    keeps failing is probed ever more rarely. Any session that chooses to
+    speculate resets the wait.
+    """
+
+    every: int = 16
+    max_every: int = 256
+    _wait: int = 0
+    _rounds_off: int = 0
+
+    def round_off(self) -> bool:
+        """Count a round that drafts nothing; True when it should probe instead."""
+        self._wait = self._wait or self.every
+        self._rounds_off += 1
+        if self._rounds_off >= self._wait:
+            self._rounds_off = 0
+            self._wait = min(self.max_every, 2 * self._wait)
+            return True
+        return False
+
+    def speculating(self) -> None:
+        """A session chose K > 0: the draft pays somewhere, so probe eagerly again."""
+        self._wait = self.every
+
+
 def blend(own: Estimate, prior: Estimate | None, prior_weight: float) -> float:
     """own's value shrunk towards prior's by their evidence: prior_weight against own.weight."""
     if prior is None:
@@ -128,6 +164,7 @@ class AdaptiveDraftLength:
     acceptance / cost_ratio: this session's own evidence. service_acceptance /
     service_cost_ratio: the shared, live service-wide estimates (not copied:
     read every round), worth `prior_weight` observations against the session's.
+    probes: a shared ProbeBudget; None counts this session's rounds alone.
     """
 
     k_max: int
@@ -137,7 +174,11 @@ class AdaptiveDraftLength:
     service_cost_ratio: Estimate | None = None
     prior_weight: float = 4.0
     probe_every: int = 16
-    _rounds_off: int = 0
+    probes: ProbeBudget | None = None
+
+    def __post_init__(self) -> None:
+        if self.probes is None:
+            self.probes = ProbeBudget(self.probe_every)
 
     @property
     def expected_acceptance(self) -> float:
@@ -150,14 +191,11 @@ class AdaptiveDraftLength:
     def next_k(self, batch_share: float = 0.0) -> int:
         """K for the next round; batch_share is sigma (see the module docstring), 0 unbatched."""
         k = best_draft_length(self.expected_acceptance, self.expected_cost_ratio + batch_share, self.k_max)
+        assert self.probes is not None
         if k > 0:
-            self._rounds_off = 0
+            self.probes.speculating()
             return k
-        self._rounds_off += 1
-        if self._rounds_off >= self.probe_every:  # probe: the text may have become predictable
-            self._rounds_off = 0
-            return 1
-        return 0
+        return 1 if self.probes.round_off() else 0  # probe: the text may have become predictable
 
     def observe(self, drafted: int, accepted: int, draft_ms: float, verify_ms: float) -> None:
         """One verified round: `accepted` of `drafted` tokens; compute times as the services report them."""

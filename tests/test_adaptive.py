@@ -106,3 +106,19 @@ def test_a_bad_draft_is_switched_off_for_concurrent_sessions_within_a_few_rounds
                 service_c.update(0.2)
     assert all(ctl.next_k() == 0 for ctl in sessions)
     assert drafted_rounds <= 10  # the first step's rounds, about; not ten rounds per session
+
+
+def test_sessions_sharing_a_probe_budget_take_turns_and_back_off() -> None:
+    from specd.adaptive import ProbeBudget
+
+    shared = ProbeBudget(16, max_every=64)
+    bad = [AdaptiveDraftLength(k_max=4, acceptance=Estimate(0.0, 32), cost_ratio=Estimate(0.2, 32), probes=shared)
+           for _ in range(8)]
+    steps = [sum(ctl.next_k() for ctl in bad) for _ in range(64)]  # 64 batch steps of 8 sessions: 512 rounds
+    # probes after 16, 32 (48), 64 (112), then every 64 rounds of all sessions: not one per 16 rounds of each
+    assert sum(steps) == 3 + (512 - 112) // 64
+    good = AdaptiveDraftLength(k_max=4, acceptance=Estimate(0.9, 32), cost_ratio=Estimate(0.05, 32), probes=shared)
+    assert good.next_k() > 0  # a session that pays resets the wait
+    assert sum(bad[0].next_k() for _ in range(16)) == 1
+    alone = AdaptiveDraftLength(k_max=4, acceptance=Estimate(0.0, 32), cost_ratio=Estimate(0.2, 32))
+    assert [i for i in range(100) if alone.next_k()] == [15, 47]  # after 16, then 32 more rounds

@@ -121,7 +121,7 @@ def spec_from_request(
         raise InvalidArgument(f"unknown speculation pipeline {req.speculation.pipeline}")
     pipeline = _PIPELINES[req.speculation.pipeline] or config.pipeline
     draft_length = config.draft_length
-    if mode == "fixed" and req.speculation.draft_length:
+    if mode in ("fixed", "auto") and req.speculation.draft_length:  # auto: the largest K it may pick
         draft_length = req.speculation.draft_length
         if not 1 <= draft_length <= config.max_draft_length:
             raise InvalidArgument(

@@ -31,7 +31,8 @@ def build_drafter(config: DraftConfig) -> tuple[Drafter, common_pb2.ModelInfo]:
         identity = catalog.token_space(catalog.target_folder(config.target_model, config.cache_path))
         info = common_pb2.ModelInfo(name="ngram", kind="ngram", **identity)
         drafter = NgramDrafter(
-            int(identity["vocab_size"]), max_sessions=config.max_sessions, idle_timeout_s=config.idle_timeout_s
+            int(identity["vocab_size"]), max_sessions=config.max_sessions, idle_timeout_s=config.idle_timeout_s,
+            cap_at_match=config.ngram_cap_at_match,
         )
         return drafter, info
     folder = catalog.draft_folder(config.model, config.target_model, config.cache_path)

@@ -108,6 +108,8 @@ class DraftConfig(ModelServiceBase):
     wire_top_k: int = _opt(8, "tokens of q sent per draft position (sparse proposal)")
     wire_bits: int = _opt(16, "q is rounded to multiples of 2**-wire_bits before sampling")
     max_draft_tokens: int = _opt(32, "largest K a propose may ask for")
+    ngram_cap_at_match: bool = _opt(True, "n-gram drafter: propose at most as many tokens as the context its "
+                                          "match agrees on (--no-ngram-cap-at-match: always K when there are K)")
 
     def validate(self) -> None:
         super().validate()

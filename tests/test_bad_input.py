@@ -42,6 +42,7 @@ def req(**fields) -> coordinator_pb2.GenerateRequest:  # noqa: ANN003
 
 
 FIXED = common_pb2.SpeculationParams.MODE_FIXED
+AUTO = common_pb2.SpeculationParams.MODE_AUTO
 MALFORMED = [
     (coordinator_pb2.GenerateRequest(max_new_tokens=2), "no prompt"),
     (req(text=""), "empty"),
@@ -72,6 +73,7 @@ MALFORMED = [
     (req(text="x", stop=["y" * 300]), "stop strings"),
     (req(text="x", stop_token_ids=[VOCAB + 5]), "stop token"),
     (req(text="x", speculation={"mode": FIXED, "draft_length": 100}), "draft_length"),
+    (req(text="x", speculation={"mode": AUTO, "draft_length": 100}), "draft_length"),
     (req(text="x", speculation={"mode": 99}), "speculation mode"),
     (req(text="x" * 1_000_001), "characters"),
 ]
@@ -132,3 +134,14 @@ def test_fuzzed_requests_never_crash(stub, fields) -> None:  # noqa: ANN001
         assert err.code() in (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.RESOURCE_EXHAUSTED), (
             err.code(), err.details(), fields)
         assert err.details() and "internal" not in err.details().lower()
+
+
+@pytest.mark.parametrize("mode, asked, expected", [(AUTO, 12, 12), (AUTO, 0, 4), (FIXED, 6, 6), (FIXED, 0, 4)])
+def test_draft_length_is_fixed_k_or_autos_largest_k(mode: int, asked: int, expected: int) -> None:
+    from coordinator.requests import spec_from_request
+    from specd.config import CoordinatorConfig
+
+    r = req(token_ids=[1, 2, 3], speculation={"mode": mode, "draft_length": asked})
+    spec = spec_from_request(r, None, CoordinatorConfig(), vocab_size=VOCAB, max_context=100,  # type: ignore[arg-type]
+                             eos_token_ids=frozenset())
+    assert spec.draft_length == expected  # 0: the server's --draft-length (4)

@@ -82,6 +82,28 @@ def test_lookup_continuation() -> None:
     assert lookup_continuation([4, 4], 3, 3, 1) == [4]
 
 
+def test_lookup_capped_at_the_agreeing_context() -> None:
+    # "1 2" follows 7 in one place and 8 in the other: only the n-gram agrees (L = 2), so at most 2 tokens
+    assert lookup_continuation([7, 1, 2, 3, 4, 5, 6, 8, 1, 2], 6, 3, 1, cap_at_match=True) == [3, 4]
+    assert lookup_continuation([7, 1, 2, 3, 4, 5, 6, 8, 1, 2], 6, 3, 1) == [3, 4, 5, 6, 8, 1]
+    # the context agrees back past the n-gram: "5 6 7 1 2" twice (L = 5), so 5 of the 6 asked for
+    seq = [5, 6, 7, 1, 2, 3, 4, 9, 9, 9, 9, 9, 0, 5, 6, 7, 1, 2]
+    assert lookup_continuation(seq, 6, 2, 1, cap_at_match=True) == [3, 4, 9, 9, 9]
+    assert lookup_continuation(seq, 3, 2, 1, cap_at_match=True) == [3, 4, 9]  # never more than k
+    assert lookup_continuation([1, 2, 3], 4, 3, 1, cap_at_match=True) == []  # no match, nothing
+    assert lookup_continuation([4, 4], 3, 3, 1, cap_at_match=True) == [4]  # a match always proposes >= 1
+
+
+def test_capped_ngram_drafter_is_exact(tiny) -> None:  # noqa: ANN001
+    loaded, verifier, _, _ = tiny
+    prompt = loaded.tokenizer("def f(x):\n    return x + 1\n\ndef f(x):\n    return").input_ids
+    ref = speculative_generate(prompt, verifier, None, GREEDY, draft_length=0, max_new_tokens=24).token_ids
+    for cap in (True, False):
+        got = speculative_generate(prompt, verifier, NgramDrafter(verifier.vocab_size, cap_at_match=cap), GREEDY,
+                                   draft_length=8, max_new_tokens=24)
+        assert got.token_ids == ref
+
+
 def test_generation_stops_and_budget() -> None:
     gen = Generation([1, 2, 3], StopRule(max_new_tokens=5, max_context=100, stop_token_ids=frozenset({9})))
     assert gen.draft_budget(8) == 4  # 5 remaining -> at most 4 drafts + 1

@@ -348,8 +348,8 @@ class RoundEngine:
         """A session's K controller: its own evidence, shrunk towards the live service-wide estimates."""
         return AdaptiveDraftLength(
             k_max=spec.draft_length,
-            acceptance=Estimate(self._acceptance_prior.value),
-            cost_ratio=Estimate(self._cost_prior.value),
+            acceptance=Estimate(0.0),  # weight 0: no evidence of its own yet (blend reads the service's)
+            cost_ratio=Estimate(0.0),
             service_acceptance=self._acceptance_prior,
             service_cost_ratio=self._cost_prior,
             probes=self._probes,

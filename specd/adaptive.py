@@ -11,7 +11,7 @@ evidence of its own follows what every other session is seeing right now
 (a bad draft is switched off for all concurrent sessions after their first
 rounds, not after ten rounds of each), and its own text takes over as its
 evidence grows. It picks the K in [1, k_max] that maximises S, and drafts
-nothing (K = 0) when no K pays, probing again every `probe_every` rounds so
+nothing (K = 0) when no K pays, probing again (K = 1) after 16 such rounds so
 that a session whose text became predictable gets speculation back. A
 probe costs about a round (the draft catches up on the session's whole
 text), so the wait doubles after each probe that fails, up to 256 rounds. With
@@ -35,7 +35,7 @@ grows sigma approaches 1 and K shrinks, down to no speculation.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 
 def expected_speedup(a: float, c: float, k: int) -> float:
@@ -130,12 +130,14 @@ class ProbeBudget:
 
     every: int = 16
     max_every: int = 256
-    _wait: int = 0
-    _rounds_off: int = 0
+    _wait: int = field(init=False)
+    _rounds_off: int = field(init=False, default=0)
+
+    def __post_init__(self) -> None:
+        self._wait = self.every
 
     def round_off(self) -> bool:
         """Count a round that drafts nothing; True when it should probe instead."""
-        self._wait = self._wait or self.every
         self._rounds_off += 1
         if self._rounds_off >= self._wait:
             self._rounds_off = 0
@@ -164,7 +166,7 @@ class AdaptiveDraftLength:
     acceptance / cost_ratio: this session's own evidence. service_acceptance /
     service_cost_ratio: the shared, live service-wide estimates (not copied:
     read every round), worth `prior_weight` observations against the session's.
-    probes: a shared ProbeBudget; None counts this session's rounds alone.
+    probes: when to probe after K = 0 rounds; pass a shared one to count service-wide.
     """
 
     k_max: int
@@ -173,12 +175,7 @@ class AdaptiveDraftLength:
     service_acceptance: Estimate | None = None
     service_cost_ratio: Estimate | None = None
     prior_weight: float = 4.0
-    probe_every: int = 16
-    probes: ProbeBudget | None = None
-
-    def __post_init__(self) -> None:
-        if self.probes is None:
-            self.probes = ProbeBudget(self.probe_every)
+    probes: ProbeBudget = field(default_factory=ProbeBudget)
 
     @property
     def expected_acceptance(self) -> float:
@@ -191,7 +188,6 @@ class AdaptiveDraftLength:
     def next_k(self, batch_share: float = 0.0) -> int:
         """K for the next round; batch_share is sigma (see the module docstring), 0 unbatched."""
         k = best_draft_length(self.expected_acceptance, self.expected_cost_ratio + batch_share, self.k_max)
-        assert self.probes is not None
         if k > 0:
             self.probes.speculating()
             return k

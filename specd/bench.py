@@ -126,13 +126,18 @@ def parse_modes(spec: str, draft_lengths: Sequence[int], custom: Sequence[str] =
     return modes
 
 
+def largest_k(modes: Sequence[Mode], draft_lengths: Sequence[int]) -> int:
+    """The largest K any mode of the run drafts with (or --draft-lengths names)."""
+    return max([m.draft_length or 0 for m in modes] + list(draft_lengths))
+
+
 def cap_adaptive_modes(modes: Sequence[Mode], draft_lengths: Sequence[int]) -> list[Mode]:
     """Let modes that choose K themselves (auto) choose up to the largest K the run gives a fixed mode.
 
     Like for like: "auto is within 5% of the best fixed K" only means something
     when auto may pick that K. A mode that names its own draft_length keeps it.
     """
-    k_max = max([m.draft_length or 0 for m in modes] + list(draft_lengths))
+    k_max = largest_k(modes, draft_lengths)
     out: list[Mode] = []
     for m in modes:
         if m.runner == RUNNER_SERVICE and m.request.get("speculation") == "auto" and "draft_length" not in m.request:
@@ -1227,7 +1232,7 @@ def _run(args: argparse.Namespace, plan: _Plan, json_path: Path, md_path: Path, 
     target_dir = catalog.target_folder(args.target, cache)
     draft_dir: Path | None = None if args.draft == NGRAM else catalog.draft_folder(args.draft, args.target, cache)
     tokenizer = AutoTokenizer.from_pretrained(target_dir, local_files_only=True)
-    k_max = max([m.draft_length or 0 for m in plan.modes] + plan.draft_lengths)
+    k_max = largest_k(plan.modes, plan.draft_lengths)
     quiet = args.no_progress
     interrupted = False
     records: list[dict[str, Any]] = []

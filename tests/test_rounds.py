@@ -102,6 +102,7 @@ def test_capped_ngram_drafter_is_exact(tiny) -> None:  # noqa: ANN001
         got = speculative_generate(prompt, verifier, NgramDrafter(verifier.vocab_size, cap_at_match=cap), GREEDY,
                                    draft_length=8, max_new_tokens=24)
         assert got.token_ids == ref
+        assert got.stats.draft_tokens > 0  # the drafter did propose: parity is not target-only's by default
 
 
 def test_generation_stops_and_budget() -> None:

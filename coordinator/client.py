@@ -1,7 +1,7 @@
 """Python client for the public Coordinator API.
 
-    with CoordinatorClient("127.0.0.1:50051") as client:
-        print(client.generate("Once upon a time", max_new_tokens=32).text)
+with CoordinatorClient("127.0.0.1:50051") as client:
+    print(client.generate("Once upon a time", max_new_tokens=32).text)
 """
 
 from __future__ import annotations
@@ -74,7 +74,8 @@ def build_request(
     req.speculation.draft_length = draft_length
     if pipeline not in _PIPELINES:
         raise ValueError(
-            f"pipeline must be True / 'bonus-match', 'post-verify', False / 'off' or None (got {pipeline!r})")
+            f"pipeline must be True / 'bonus-match', 'post-verify', False / 'off' or None (got {pipeline!r})"
+        )
     req.speculation.pipeline = _PIPELINES[pipeline]
     return req
 
@@ -110,16 +111,20 @@ class CoordinatorClient:
         both = (*(self._metadata or ()), *extra)
         return both or None
 
-    def generate(self, prompt: Prompt, *, metadata: Sequence[tuple[str, str]] = (),
-                 **kwargs: Any) -> coordinator_pb2.GenerateResponse:
+    def generate(
+        self, prompt: Prompt, *, metadata: Sequence[tuple[str, str]] = (), **kwargs: Any
+    ) -> coordinator_pb2.GenerateResponse:
         """metadata: extra call metadata, e.g. a W3C ``traceparent`` to join (or opt out of) a trace."""
-        return self._stub.Generate(build_request(prompt, **kwargs), timeout=self.timeout,
-                                   metadata=self._call_metadata(metadata))
+        return self._stub.Generate(
+            build_request(prompt, **kwargs), timeout=self.timeout, metadata=self._call_metadata(metadata)
+        )
 
-    def generate_stream(self, prompt: Prompt, *, metadata: Sequence[tuple[str, str]] = (),
-                        **kwargs: Any) -> Iterator[coordinator_pb2.GenerateStreamResponse]:
-        return self._stub.GenerateStream(build_request(prompt, **kwargs), timeout=self.timeout,
-                                         metadata=self._call_metadata(metadata))
+    def generate_stream(
+        self, prompt: Prompt, *, metadata: Sequence[tuple[str, str]] = (), **kwargs: Any
+    ) -> Iterator[coordinator_pb2.GenerateStreamResponse]:
+        return self._stub.GenerateStream(
+            build_request(prompt, **kwargs), timeout=self.timeout, metadata=self._call_metadata(metadata)
+        )
 
     def model_info(self) -> common_pb2.ModelInfo:
         return self._stub.GetModelInfo(common_pb2.GetModelInfoRequest(), timeout=self.timeout, metadata=self._metadata)
@@ -127,7 +132,7 @@ class CoordinatorClient:
     def close(self) -> None:
         self._channel.close()
 
-    def __enter__(self) -> "CoordinatorClient":
+    def __enter__(self) -> CoordinatorClient:
         return self
 
     def __exit__(self, *exc: object) -> None:

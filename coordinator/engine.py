@@ -13,15 +13,14 @@ import time
 import uuid
 from collections import deque
 from collections.abc import AsyncIterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from transformers import PreTrainedTokenizerBase
 
 from coordinator.detokenizer import IncrementalDetokenizer
 from coordinator.peers import DraftPeer, TargetPeer
-from specd import tracing as tr
-from specd.config import CoordinatorConfig
-from specd.errors import (
+from specd.core.adaptive import AdaptiveDraftLength, Estimate, LinearCost, ProbeBudget, observe_round
+from specd.core.errors import (
     DeadlineExceeded,
     FailedPrecondition,
     InvalidArgument,
@@ -31,13 +30,14 @@ from specd.errors import (
     SpecdError,
     Unavailable,
 )
-from specd.metrics import CoordinatorMetrics
-from specd.adaptive import AdaptiveDraftLength, Estimate, LinearCost, ProbeBudget, observe_round
-from specd.proposal import Proposal
-from specd.rounds import FinishReason, Generation, RoundStats, StopRule
-from specd.sampling import SamplingParams
+from specd.core.proposal import Proposal
+from specd.core.rounds import FinishReason, Generation, RoundStats, StopRule
+from specd.core.sampling import SamplingParams
+from specd.core.verification import VerifyOutcome
+from specd.serving import tracing as tr
+from specd.serving.config import CoordinatorConfig
+from specd.serving.metrics import CoordinatorMetrics
 from specd.v1 import common_pb2
-from specd.verification import VerifyOutcome
 
 log = logging.getLogger(__name__)
 
@@ -155,7 +155,7 @@ class RoundEngine:
         while self.target_info is None:
             try:
                 self.target_info = await self.target.model_info(timeout=5.0)
-            except Exception as exc:  # noqa: BLE001 - retried until the deadline
+            except Exception as exc:
                 if time.monotonic() > deadline:
                     raise Unavailable(f"target did not answer within {timeout_s:.0f} s: {exc}") from exc
                 await asyncio.sleep(0.2)
@@ -235,8 +235,9 @@ class RoundEngine:
                 f"the coordinator is serving its limit of {self.config.max_concurrent_requests} requests; retry later"
             )
 
-    async def generate(self, spec: GenerateSpec, *, deadline: float, arrival: float | None = None,
-                       span: tr.Span | None = None) -> AsyncIterator[Chunk]:
+    async def generate(
+        self, spec: GenerateSpec, *, deadline: float, arrival: float | None = None, span: tr.Span | None = None
+    ) -> AsyncIterator[Chunk]:
         """Run the request's rounds, yielding a Chunk per round; the last one has finish_reason and stats.
 
         span: the request's (Generate) span; each round gets a child span.
@@ -270,19 +271,32 @@ class RoundEngine:
                     proposal, ready = ready.window(0, budget), None
                     hit = len(proposal) > 0
                 elif budget > 0 and await self._draft_usable():
-                    proposal = await self._propose(sid, gen.committed, draft_s, draft_s.known, budget, spec.params,
-                                                   deadline, round_span)
+                    proposal = await self._propose(
+                        sid, gen.committed, draft_s, draft_s.known, budget, spec.params, deadline, round_span
+                    )
                 piped = spec.pipeline != "off" and 0 < len(proposal) == budget
                 post_verify = piped and spec.pipeline == "post-verify"
-                verify = asyncio.ensure_future(self._verify(sid, gen, target_s, proposal, spec.params, deadline,
-                                                            round_span, defer_bonus=post_verify))
+                verify = asyncio.ensure_future(
+                    self._verify(
+                        sid, gen, target_s, proposal, spec.params, deadline, round_span, defer_bonus=post_verify
+                    )
+                )
                 if piped:
                     # Assume every draft token is accepted and draft the next round now.
                     # bonus-match: K+1 tokens, the first a guess of the target's bonus token;
                     # post-verify: K tokens, the first verified next round at the bonus position.
-                    ahead = asyncio.ensure_future(self._propose(
-                        sid, gen.committed + proposal.token_ids, draft_s, gen.committed_length + len(proposal),
-                        wanted + (0 if post_verify else 1), spec.params, deadline, round_span))
+                    ahead = asyncio.ensure_future(
+                        self._propose(
+                            sid,
+                            gen.committed + proposal.token_ids,
+                            draft_s,
+                            gen.committed_length + len(proposal),
+                            wanted + (0 if post_verify else 1),
+                            spec.params,
+                            deadline,
+                            round_span,
+                        )
+                    )
                 try:
                     outcome = await verify
                 finally:
@@ -291,8 +305,13 @@ class RoundEngine:
                     ahead = None
                 if len(proposal):
                     draft_s.known = gen.committed_length + outcome.accepted
-                if (pre is not None and len(pre) >= 2 and outcome.is_bonus and outcome.accepted == len(proposal)
-                        and pre.token_ids[0] == outcome.token_id):
+                if (
+                    pre is not None
+                    and len(pre) >= 2
+                    and outcome.is_bonus
+                    and outcome.accepted == len(proposal)
+                    and pre.token_ids[0] == outcome.token_id
+                ):
                     ready = pre.window(1)  # drafted for exactly the prefix this round commits
                     draft_s.known += 1
                 elif outcome.deferred and pre is not None and len(pre) >= 1:
@@ -301,8 +320,12 @@ class RoundEngine:
                 if adaptive is not None:
                     self._learn(adaptive, proposal, outcome)
                 gen.stats.pipeline_hits += int(hit)
-                new = gen.commit(proposal.token_ids, outcome.accepted, None if outcome.deferred else outcome.token_id,
-                                 fallback=budget > 0 and not proposal)
+                new = gen.commit(
+                    proposal.token_ids,
+                    outcome.accepted,
+                    None if outcome.deferred else outcome.token_id,
+                    fallback=budget > 0 and not proposal,
+                )
                 keep = detok.push(new)
                 if keep is not None:
                     gen.finish(FinishReason.STOP_STRING, keep=len(gen.generated) - len(new) + keep)
@@ -314,8 +337,17 @@ class RoundEngine:
                 totals.wall_ms += timing.wall_ms
                 totals.draft_ms += timing.draft_ms
                 totals.verify_ms += timing.verify_ms
-                self._observe_round(round_span, gen.stats.rounds - 1, budget, proposal, outcome, len(new), timing,
-                                    target_only=budget > 0 and not proposal, pipeline_hit=hit)
+                self._observe_round(
+                    round_span,
+                    gen.stats.rounds - 1,
+                    budget,
+                    proposal,
+                    outcome,
+                    len(new),
+                    timing,
+                    target_only=budget > 0 and not proposal,
+                    pipeline_hit=hit,
+                )
                 round_span = tr.INVALID_SPAN
                 if gen.done:
                     break
@@ -366,12 +398,22 @@ class RoundEngine:
 
     def _learn(self, adaptive: AdaptiveDraftLength, proposal: Proposal, outcome: VerifyOutcome) -> None:
         """Feed a round to the session's controller and to the service-wide priors."""
-        for acceptance, cost in ((adaptive.acceptance, adaptive.cost_ratio), (self._acceptance_prior, self._cost_prior)):
+        for acceptance, cost in (
+            (adaptive.acceptance, adaptive.cost_ratio),
+            (self._acceptance_prior, self._cost_prior),
+        ):
             observe_round(acceptance, cost, len(proposal), outcome.accepted, proposal.compute_ms, outcome.compute_ms)
 
     async def _propose(
-        self, sid: str, committed: list[int], ds: _PeerSession, start: int, k: int, params: SamplingParams,
-        deadline: float, round_span: tr.Span = tr.INVALID_SPAN,
+        self,
+        sid: str,
+        committed: list[int],
+        ds: _PeerSession,
+        start: int,
+        k: int,
+        params: SamplingParams,
+        deadline: float,
+        round_span: tr.Span = tr.INVALID_SPAN,
     ) -> Proposal:
         """K draft tokens after `committed` (the draft agrees on its first `start`), or none if the draft fails."""
         assert self.draft is not None
@@ -395,8 +437,16 @@ class RoundEngine:
             return Proposal([])
 
     async def _verify(
-        self, sid: str, gen: Generation, ts: _PeerSession, proposal: Proposal, params: SamplingParams, deadline: float,
-        round_span: tr.Span = tr.INVALID_SPAN, *, defer_bonus: bool = False,
+        self,
+        sid: str,
+        gen: Generation,
+        ts: _PeerSession,
+        proposal: Proposal,
+        params: SamplingParams,
+        deadline: float,
+        round_span: tr.Span = tr.INVALID_SPAN,
+        *,
+        defer_bonus: bool = False,
     ) -> VerifyOutcome:
         """The target's verdict; re-opens lost sessions, retries a broken stream within the budget."""
         trace = self.tracing.inject(round_span)
@@ -404,7 +454,9 @@ class RoundEngine:
         backoff = 0.05
         while True:
             now = time.monotonic()
-            budget_end = deadline if failing_since is None else min(deadline, failing_since + self.config.target_timeout_s)
+            budget_end = (
+                deadline if failing_since is None else min(deadline, failing_since + self.config.target_timeout_s)
+            )
             if now >= budget_end:
                 raise Unavailable(f"the target could not verify before the deadline ({self.target.stream.last_error})")
             timeout = min(budget_end - now, self.config.target_timeout_s)
@@ -412,8 +464,9 @@ class RoundEngine:
                 if not ts.opened:
                     await self.target.open(sid, gen.committed, params, timeout, trace=trace)
                     ts.opened = True
-                return await self.target.verify(sid, gen.committed_length, proposal, timeout, trace=trace,
-                                                defer_bonus=defer_bonus)
+                return await self.target.verify(
+                    sid, gen.committed_length, proposal, timeout, trace=trace, defer_bonus=defer_bonus
+                )
             except (SessionNotFound, SessionOutOfSync):
                 ts.opened = False
             except (Unavailable, DeadlineExceeded) as exc:
@@ -427,21 +480,48 @@ class RoundEngine:
             except InvalidArgument as exc:
                 raise FailedPrecondition(f"the target refused a round: {exc}") from exc
 
-    def _observe_round(self, round_span: tr.Span, index: int, k: int, proposal: Proposal, outcome: VerifyOutcome,
-                       tokens: int, timing: RoundTiming, *, target_only: bool, pipeline_hit: bool = False) -> None:
+    def _observe_round(
+        self,
+        round_span: tr.Span,
+        index: int,
+        k: int,
+        proposal: Proposal,
+        outcome: VerifyOutcome,
+        tokens: int,
+        timing: RoundTiming,
+        *,
+        target_only: bool,
+        pipeline_hit: bool = False,
+    ) -> None:
         """A committed round's numbers: set once on its span (then ended) and counted in the metrics."""
         if round_span.is_recording():
-            round_span.set_attributes(tr.round_attributes(
-                draft_length=k, draft_tokens=len(proposal), accepted=outcome.accepted, is_bonus=outcome.is_bonus,
-                deferred=outcome.deferred, tokens=tokens, target_only=target_only, draft_ms=timing.draft_ms,
-                verify_ms=timing.verify_ms,
-                overhead_ms=timing.overhead_ms, wall_ms=timing.wall_ms, pipeline_hit=pipeline_hit,
-            ))
+            round_span.set_attributes(
+                tr.round_attributes(
+                    draft_length=k,
+                    draft_tokens=len(proposal),
+                    accepted=outcome.accepted,
+                    is_bonus=outcome.is_bonus,
+                    deferred=outcome.deferred,
+                    tokens=tokens,
+                    target_only=target_only,
+                    draft_ms=timing.draft_ms,
+                    verify_ms=timing.verify_ms,
+                    overhead_ms=timing.overhead_ms,
+                    wall_ms=timing.wall_ms,
+                    pipeline_hit=pipeline_hit,
+                )
+            )
         round_span.end()
         if self.metrics is not None:
             self.metrics.observe_round(
-                index=index, draft_tokens=len(proposal), accepted=outcome.accepted, target_only=target_only,
-                tokens=tokens, draft_ms=timing.draft_ms, verify_ms=timing.verify_ms, overhead_ms=timing.overhead_ms,
+                index=index,
+                draft_tokens=len(proposal),
+                accepted=outcome.accepted,
+                target_only=target_only,
+                tokens=tokens,
+                draft_ms=timing.draft_ms,
+                verify_ms=timing.verify_ms,
+                overhead_ms=timing.overhead_ms,
                 wall_ms=timing.wall_ms,
             )
 

@@ -16,15 +16,15 @@ from typing import Any, Generic, Protocol, TypeVar
 
 import grpc
 
-from specd.errors import DeadlineExceeded, Unavailable
-from specd.grpc_errors import exception_from_session_error
-from specd.phases import PhaseLog
-from specd.proposal import Proposal
-from specd.sampling import SamplingParams
-from specd.serving import CHANNEL_OPTIONS
+from specd.core.errors import DeadlineExceeded, Unavailable
+from specd.core.phases import PhaseLog
+from specd.core.proposal import Proposal
+from specd.core.sampling import SamplingParams
+from specd.core.verification import VerifyOutcome
+from specd.serving.grpc_errors import exception_from_session_error
+from specd.serving.server import CHANNEL_OPTIONS
+from specd.serving.wire import params_to_proto, proposal_from_proto, sparse_to_proto
 from specd.v1 import common_pb2, draft_pb2, draft_pb2_grpc, target_pb2, target_pb2_grpc
-from specd.verification import VerifyOutcome
-from specd.wire import params_to_proto, proposal_from_proto, sparse_to_proto
 
 log = logging.getLogger(__name__)
 
@@ -173,15 +173,28 @@ class TargetPeer:
             raise exception_from_session_error(resp.error)
         return resp
 
-    async def open(self, sid: str, tokens: Sequence[int], params: SamplingParams, timeout: float,
-                   trace: dict[str, str] | None = None) -> None:
+    async def open(
+        self,
+        sid: str,
+        tokens: Sequence[int],
+        params: SamplingParams,
+        timeout: float,
+        trace: dict[str, str] | None = None,
+    ) -> None:
         req = target_pb2.TargetRequest(session_id=sid, committed_length=len(tokens), trace_context=trace or {})
         req.open.token_ids.extend(tokens)
         req.open.sampling.CopyFrom(params_to_proto(params))
         await self._call(req, timeout)
 
-    async def verify(self, sid: str, committed_length: int, proposal: Proposal, timeout: float,
-                     trace: dict[str, str] | None = None, defer_bonus: bool = False) -> VerifyOutcome:
+    async def verify(
+        self,
+        sid: str,
+        committed_length: int,
+        proposal: Proposal,
+        timeout: float,
+        trace: dict[str, str] | None = None,
+        defer_bonus: bool = False,
+    ) -> VerifyOutcome:
         req = target_pb2.TargetRequest(session_id=sid, committed_length=committed_length, trace_context=trace or {})
         req.verify.start = committed_length  # the target rolls back any verdict we did not see
         req.verify.draft_token_ids.extend(proposal.token_ids)
@@ -226,15 +239,29 @@ class DraftPeer:
             raise exception_from_session_error(resp.error)
         return resp
 
-    async def open(self, sid: str, tokens: Sequence[int], params: SamplingParams, timeout: float,
-                   trace: dict[str, str] | None = None) -> None:
+    async def open(
+        self,
+        sid: str,
+        tokens: Sequence[int],
+        params: SamplingParams,
+        timeout: float,
+        trace: dict[str, str] | None = None,
+    ) -> None:
         req = draft_pb2.DraftRequest(session_id=sid, committed_length=len(tokens), trace_context=trace or {})
         req.open.token_ids.extend(tokens)
         req.open.sampling.CopyFrom(params_to_proto(params))
         await self._call(req, timeout)
 
-    async def propose(self, sid: str, committed: Sequence[int], start: int, num_tokens: int, vocab_size: int,
-                      timeout: float, trace: dict[str, str] | None = None) -> Proposal:
+    async def propose(
+        self,
+        sid: str,
+        committed: Sequence[int],
+        start: int,
+        num_tokens: int,
+        vocab_size: int,
+        timeout: float,
+        trace: dict[str, str] | None = None,
+    ) -> Proposal:
         req = draft_pb2.DraftRequest(session_id=sid, committed_length=len(committed), trace_context=trace or {})
         req.propose.start = start
         req.propose.token_ids.extend(committed[start:])
@@ -251,8 +278,9 @@ class DraftPeer:
         await self._call(req, timeout)
 
 
-def open_channel(address: str, credentials: grpc.ChannelCredentials | None = None,
-                 server_name: str = "") -> grpc.aio.Channel:
+def open_channel(
+    address: str, credentials: grpc.ChannelCredentials | None = None, server_name: str = ""
+) -> grpc.aio.Channel:
     """A channel to a peer; TLS when credentials are given (server_name overrides the checked name)."""
     if credentials is None:
         return grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)

@@ -11,11 +11,11 @@ import secrets
 from transformers import PreTrainedTokenizerBase
 
 from coordinator.engine import GenerateSpec
-from specd.config import CoordinatorConfig
-from specd.errors import InvalidArgument
-from specd.sampling import SamplingParams
+from specd.core.errors import InvalidArgument
+from specd.core.sampling import SamplingParams
+from specd.serving.config import CoordinatorConfig
+from specd.serving.wire import params_from_proto
 from specd.v1 import common_pb2, coordinator_pb2
-from specd.wire import params_from_proto
 
 CHAT_ROLES = frozenset({"system", "user", "assistant"})
 _MODES = {
@@ -32,8 +32,9 @@ _PIPELINES = {
 }
 
 
-def prompt_ids(req: coordinator_pb2.GenerateRequest, tokenizer: PreTrainedTokenizerBase,
-               config: CoordinatorConfig, vocab_size: int) -> list[int]:
+def prompt_ids(
+    req: coordinator_pb2.GenerateRequest, tokenizer: PreTrainedTokenizerBase, config: CoordinatorConfig, vocab_size: int
+) -> list[int]:
     kind = req.WhichOneof("prompt")
     if kind is None:
         raise InvalidArgument("the request has no prompt; set one of text, token_ids or chat")
@@ -47,7 +48,9 @@ def prompt_ids(req: coordinator_pb2.GenerateRequest, tokenizer: PreTrainedTokeni
         ids = list(req.token_ids.ids)
         bad = [t for t in ids if t >= vocab_size]
         if bad:
-            raise InvalidArgument(f"token id {bad[0]} is outside the vocabulary [0, {vocab_size}); send IDs from the model's tokenizer")
+            raise InvalidArgument(
+                f"token id {bad[0]} is outside the vocabulary [0, {vocab_size}); send IDs from the model's tokenizer"
+            )
     else:
         messages = []
         for i, m in enumerate(req.chat.messages):

@@ -7,18 +7,19 @@ from transformers import AutoTokenizer
 from coordinator.engine import RoundEngine
 from coordinator.peers import DraftPeer, TargetPeer, open_channel
 from coordinator.servicer import CoordinatorServicer
-from specd import catalog
-from specd.config import DEMO, CoordinatorConfig
-from specd.security import BearerTokenInterceptor, channel_credentials, read_token
-from specd.metrics import CoordinatorMetrics
-from specd.serving import ServiceHandle, build_server
-from specd.tracing import TRACING_OFF, Tracing
+from specd.core import catalog
+from specd.core.catalog import DEMO
+from specd.serving.config import CoordinatorConfig
+from specd.serving.metrics import CoordinatorMetrics
+from specd.serving.security import BearerTokenInterceptor, channel_credentials, read_token
+from specd.serving.server import ServiceHandle, build_server
+from specd.serving.tracing import TRACING_OFF, Tracing
 from specd.v1 import coordinator_pb2, coordinator_pb2_grpc
 
 SERVICE_NAME = coordinator_pb2.DESCRIPTOR.services_by_name["Coordinator"].full_name
 
 
-def load_tokenizer(config: CoordinatorConfig):  # noqa: ANN201 - a transformers tokenizer
+def load_tokenizer(config: CoordinatorConfig):
     folder = catalog.target_folder(DEMO, config.cache_path) if config.tokenizer == DEMO else config.tokenizer
     return AutoTokenizer.from_pretrained(folder, local_files_only=True)
 

@@ -10,8 +10,8 @@ import grpc
 
 from coordinator.engine import Chunk, RequestStats, RoundEngine
 from coordinator.requests import spec_from_request
-from specd import tracing as tr
-from specd.rounds import FinishReason
+from specd.core.rounds import FinishReason
+from specd.serving import tracing as tr
 from specd.v1 import common_pb2, coordinator_pb2, coordinator_pb2_grpc
 
 _FINISH = {
@@ -46,8 +46,12 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
     def __init__(self, engine: RoundEngine) -> None:
         self.engine = engine
 
-    def _chunks(self, request: coordinator_pb2.GenerateRequest, context: grpc.aio.ServicerContext,
-                span: tr.Span = tr.INVALID_SPAN) -> AsyncIterator[Chunk]:
+    def _chunks(
+        self,
+        request: coordinator_pb2.GenerateRequest,
+        context: grpc.aio.ServicerContext,
+        span: tr.Span = tr.INVALID_SPAN,
+    ) -> AsyncIterator[Chunk]:
         arrival = time.monotonic()
         engine = self.engine
         spec = spec_from_request(
@@ -59,13 +63,16 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
             eos_token_ids=engine.eos_token_ids,
         )
         remaining = context.time_remaining()
-        budget = engine.config.request_timeout_s if remaining is None else min(remaining, engine.config.request_timeout_s)
+        budget = (
+            engine.config.request_timeout_s if remaining is None else min(remaining, engine.config.request_timeout_s)
+        )
         if span.is_recording():
             span.set_attributes(tr.request_attributes(spec))
         return engine.generate(spec, deadline=arrival + budget, arrival=arrival, span=span)
 
-    async def _observed(self, method: str, request: coordinator_pb2.GenerateRequest,
-                        context: grpc.aio.ServicerContext) -> AsyncIterator[Chunk]:
+    async def _observed(
+        self, method: str, request: coordinator_pb2.GenerateRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[Chunk]:
         """The request's chunks inside its Generate span; request metrics when it ends."""
         engine = self.engine
         arrival = time.monotonic()
@@ -77,7 +84,9 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
                         if span.is_recording():
                             span.set_attributes(tr.stats_attributes(chunk.stats, chunk.finish_reason.value))
                         if engine.metrics is not None:
-                            engine.metrics.observe_request(chunk.stats, chunk.finish_reason.value, time.monotonic() - arrival)
+                            engine.metrics.observe_request(
+                                chunk.stats, chunk.finish_reason.value, time.monotonic() - arrival
+                            )
                     yield chunk
         except BaseException as exc:
             tr.record_error(span, exc)

@@ -7,14 +7,15 @@ from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
-from specd import catalog
-from specd.config import NGRAM, DraftConfig
-from specd.drafting import Drafter, ModelDrafter, NgramDrafter
-from specd.metrics import DraftMetrics
-from specd.serving import ServiceHandle, build_server
-from specd.tracing import Tracing
-from specd.v1 import common_pb2, draft_pb2, draft_pb2_grpc
 from draft_service.servicer import DraftServicer
+from specd.core import catalog
+from specd.core.catalog import NGRAM
+from specd.core.drafting import Drafter, ModelDrafter, NgramDrafter
+from specd.serving.config import DraftConfig
+from specd.serving.metrics import DraftMetrics
+from specd.serving.server import ServiceHandle, build_server
+from specd.serving.tracing import Tracing
+from specd.v1 import common_pb2, draft_pb2, draft_pb2_grpc
 
 log = logging.getLogger(__name__)
 
@@ -31,7 +32,9 @@ def build_drafter(config: DraftConfig) -> tuple[Drafter, common_pb2.ModelInfo]:
         identity = catalog.token_space(catalog.target_folder(config.target_model, config.cache_path))
         info = common_pb2.ModelInfo(name="ngram", kind="ngram", **identity)
         drafter = NgramDrafter(
-            int(identity["vocab_size"]), max_sessions=config.max_sessions, idle_timeout_s=config.idle_timeout_s,
+            int(identity["vocab_size"]),
+            max_sessions=config.max_sessions,
+            idle_timeout_s=config.idle_timeout_s,
             cap_at_match=config.ngram_cap_at_match,
         )
         return drafter, info
@@ -54,15 +57,27 @@ def build_drafter(config: DraftConfig) -> tuple[Drafter, common_pb2.ModelInfo]:
 
 
 def create_server(
-    config: DraftConfig, *, drafter: Drafter | None = None, info: common_pb2.ModelInfo | None = None,
-    tracing: Tracing | None = None, metrics: DraftMetrics | None = None,
+    config: DraftConfig,
+    *,
+    drafter: Drafter | None = None,
+    info: common_pb2.ModelInfo | None = None,
+    tracing: Tracing | None = None,
+    metrics: DraftMetrics | None = None,
 ) -> ServiceHandle:
     """The draft service, bound (port 0 picks one) but not started."""
     if drafter is None or info is None:
         drafter, info = build_drafter(config)
     executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="specd-draft-model")
-    servicer = DraftServicer(drafter, executor, info, config.max_draft_tokens, tracing=tracing, metrics=metrics,
-                             max_batch=config.max_batch, batch_wait_s=config.batch_wait_ms / 1e3)
+    servicer = DraftServicer(
+        drafter,
+        executor,
+        info,
+        config.max_draft_tokens,
+        tracing=tracing,
+        metrics=metrics,
+        max_batch=config.max_batch,
+        batch_wait_s=config.batch_wait_ms / 1e3,
+    )
     server, port, health = build_server(
         config, lambda s: draft_pb2_grpc.add_DraftServicer_to_server(servicer, s), [SERVICE_NAME]
     )

@@ -9,30 +9,46 @@ from typing import Any
 
 import grpc
 
-from specd import tracing as tr
-from specd.drafting import Drafter, ProposeRequest
-from specd.errors import InvalidArgument
-from specd.grpc_errors import session_error
-from specd.metrics import DraftMetrics
-from specd.proposal import Proposal
-from specd.round_servicing import BatchedRoundServicer, Handled
+from specd.core.drafting import Drafter, ProposeRequest
+from specd.core.errors import InvalidArgument
+from specd.core.proposal import Proposal
+from specd.serving import tracing as tr
+from specd.serving.grpc_errors import session_error
+from specd.serving.metrics import DraftMetrics
+from specd.serving.round_servicing import BatchedRoundServicer, Handled
+from specd.serving.wire import params_from_proto, proposal_to_proto
 from specd.v1 import common_pb2, draft_pb2, draft_pb2_grpc
-from specd.wire import params_from_proto, proposal_to_proto
 
 log = logging.getLogger(__name__)
 
 
-class DraftServicer(BatchedRoundServicer[draft_pb2.DraftRequest, draft_pb2.DraftResponse],
-                    draft_pb2_grpc.DraftServicer):
+class DraftServicer(
+    BatchedRoundServicer[draft_pb2.DraftRequest, draft_pb2.DraftResponse], draft_pb2_grpc.DraftServicer
+):
     step_op = "propose"
     span_names = {"open": tr.SPAN_DRAFT_OPEN, "propose": tr.SPAN_DRAFT_PROPOSE, "close": tr.SPAN_DRAFT_CLOSE}
     phase_span_prefix = tr.SPAN_DRAFT_PHASE_PREFIX
 
-    def __init__(self, drafter: Drafter, executor: Executor, info: common_pb2.ModelInfo, max_draft_tokens: int,
-                 *, tracing: tr.Tracing | None = None, metrics: DraftMetrics | None = None,
-                 max_batch: int = 32, batch_wait_s: float = 0.0) -> None:
-        super().__init__(executor, tracing=tracing, metrics=metrics, max_batch=max_batch, batch_wait_s=batch_wait_s,
-                         active_sessions=drafter.active_sessions)
+    def __init__(
+        self,
+        drafter: Drafter,
+        executor: Executor,
+        info: common_pb2.ModelInfo,
+        max_draft_tokens: int,
+        *,
+        tracing: tr.Tracing | None = None,
+        metrics: DraftMetrics | None = None,
+        max_batch: int = 32,
+        batch_wait_s: float = 0.0,
+    ) -> None:
+        super().__init__(
+            executor,
+            tracing=tracing,
+            metrics=metrics,
+            max_batch=max_batch,
+            batch_wait_s=batch_wait_s,
+            active_sessions=drafter.active_sessions,
+        )
         self.drafter = drafter
         self.info = info
         self.max_draft_tokens = max_draft_tokens
@@ -52,11 +68,16 @@ class DraftServicer(BatchedRoundServicer[draft_pb2.DraftRequest, draft_pb2.Draft
         for i, req in enumerate(requests):
             p = req.propose
             if not 1 <= p.num_tokens <= self.max_draft_tokens:
-                out[i] = (self._error(req, InvalidArgument(
-                    f"num_tokens must be in 1..{self.max_draft_tokens} (got {p.num_tokens})")), None)
+                out[i] = (
+                    self._error(
+                        req, InvalidArgument(f"num_tokens must be in 1..{self.max_draft_tokens} (got {p.num_tokens})")
+                    ),
+                    None,
+                )
                 continue
-            work.append((i, ProposeRequest(req.session_id, req.committed_length, p.start, list(p.token_ids),
-                                           p.num_tokens)))
+            work.append(
+                (i, ProposeRequest(req.session_id, req.committed_length, p.start, list(p.token_ids), p.num_tokens))
+            )
         results = self.drafter.propose_batch([w for _, w in work]) if work else []
         for (i, _), result in zip(work, results):
             resp = self._response(requests[i])
@@ -89,13 +110,18 @@ class DraftServicer(BatchedRoundServicer[draft_pb2.DraftRequest, draft_pb2.Draft
             resp.error.CopyFrom(session_error(exc))
         return resp
 
-    def observe_step(self, req: draft_pb2.DraftRequest, resp: draft_pb2.DraftResponse,
-                     batch_size: int) -> dict[str, Any]:
+    def observe_step(
+        self, req: draft_pb2.DraftRequest, resp: draft_pb2.DraftResponse, batch_size: int
+    ) -> dict[str, Any]:
         tokens, compute_ms = len(resp.proposal.token_ids), resp.proposal.compute_ms
         if self.metrics is not None:
             self.metrics.observe_propose(tokens, compute_ms, batch_size)
-        return {tr.ATTR_NUM_TOKENS: req.propose.num_tokens, tr.ATTR_DRAFT_TOKENS: tokens,
-                tr.ATTR_COMPUTE_MS: compute_ms, tr.ATTR_BATCH_SIZE: batch_size}
+        return {
+            tr.ATTR_NUM_TOKENS: req.propose.num_tokens,
+            tr.ATTR_DRAFT_TOKENS: tokens,
+            tr.ATTR_COMPUTE_MS: compute_ms,
+            tr.ATTR_BATCH_SIZE: batch_size,
+        }
 
     async def Rounds(
         self, request_iterator: AsyncIterator[draft_pb2.DraftRequest], context: grpc.aio.ServicerContext

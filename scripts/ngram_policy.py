@@ -19,14 +19,15 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from specd.bench import load_prompts, select_prompts, shipped_prompt_file, tokenize_prompt  # noqa: E402
-from specd.drafting import lookup_continuation  # noqa: E402
+from specd.core.drafting import lookup_continuation
+from specd.tools.bench import load_prompts, select_prompts, shipped_prompt_file, tokenize_prompt
 
 Lookup = Callable[[list[int]], list[int]]
 
 
-def greedy_answers(target: str, prompt_file: str, n: int, max_new_tokens: int, threads: int
-                   ) -> list[tuple[list[int], list[int]]]:
+def greedy_answers(
+    target: str, prompt_file: str, n: int, max_new_tokens: int, threads: int
+) -> list[tuple[list[int], list[int]]]:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -38,9 +39,10 @@ def greedy_answers(target: str, prompt_file: str, n: int, max_new_tokens: int, t
     for p in select_prompts(load_prompts(path), n):
         ids = tokenize_prompt(tok, p)
         with torch.no_grad():  # prompt lookup only speeds this up; greedy tokens are the target's
-            gen = model.generate(torch.tensor([ids]), max_new_tokens=max_new_tokens, do_sample=False,
-                                 prompt_lookup_num_tokens=4)
-        out.append((ids, gen[0, len(ids):].tolist()))
+            gen = model.generate(
+                torch.tensor([ids]), max_new_tokens=max_new_tokens, do_sample=False, prompt_lookup_num_tokens=4
+            )
+        out.append((ids, gen[0, len(ids) :].tolist()))
     return out
 
 
@@ -48,15 +50,16 @@ def latest_match(tokens: list[int], k: int, max_ngram: int) -> list[int]:
     """The old policy, for comparison: continue the latest earlier match instead of the earliest."""
     n_tokens = len(tokens)
     for n in range(min(max_ngram, n_tokens - 1), 0, -1):
-        suffix = tokens[n_tokens - n:]
+        suffix = tokens[n_tokens - n :]
         for begin in range(n_tokens - n - 1, -1, -1):
-            if tokens[begin:begin + n] == suffix:
-                return tokens[begin + n:begin + n + k]
+            if tokens[begin : begin + n] == suffix:
+                return tokens[begin + n : begin + n + k]
     return []
 
 
-def replay(data: list[tuple[list[int], list[int]]], lookup: Lookup, base_ms: float, per_token_ms: float
-           ) -> tuple[float, float]:
+def replay(
+    data: list[tuple[list[int], list[int]]], lookup: Lookup, base_ms: float, per_token_ms: float
+) -> tuple[float, float]:
     """(tokens per round, tokens/s) of a policy over every answer."""
     tokens = rounds = 0
     cost_ms = 0.0
@@ -65,10 +68,12 @@ def replay(data: list[tuple[list[int], list[int]]], lookup: Lookup, base_ms: flo
         while i < len(answer):
             proposal = lookup(context)
             accepted = 0
-            while accepted < len(proposal) and i + accepted < len(answer) and answer[i + accepted] == proposal[accepted]:
+            while (
+                accepted < len(proposal) and i + accepted < len(answer) and answer[i + accepted] == proposal[accepted]
+            ):
                 accepted += 1
             n = min(accepted + 1, len(answer) - i)
-            context += answer[i:i + n]
+            context += answer[i : i + n]
             i += n
             tokens += n
             rounds += 1

@@ -20,12 +20,12 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from coordinator.client import build_request  # noqa: E402
-from coordinator.server import create_server  # noqa: E402
-from specd.config import CoordinatorConfig  # noqa: E402
-from specd.models import build_tiny_pair  # noqa: E402
-from specd.v1 import coordinator_pb2_grpc  # noqa: E402
-from tests.cluster import QuietService  # noqa: E402
+from coordinator.client import build_request
+from coordinator.server import create_server
+from specd.core.models import build_tiny_pair
+from specd.serving.config import CoordinatorConfig
+from specd.v1 import coordinator_pb2_grpc
+from tests.cluster import QuietService
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -38,8 +38,9 @@ async def measure(target: str, draft: str, requests: int, tokens: int, k: int, t
 
     peers = [
         QuietService("target", ["target", "--model", target, "--port", "0", "--torch-threads", str(target_threads)]),
-        QuietService("draft", ["draft", "--model", draft, "--target-model", target, "--port", "0",
-                               "--torch-threads", "1"]),
+        QuietService(
+            "draft", ["draft", "--model", draft, "--target-model", target, "--port", "0", "--torch-threads", "1"]
+        ),
     ]
     for p in peers:
         p.start()
@@ -51,9 +52,16 @@ async def measure(target: str, draft: str, requests: int, tokens: int, k: int, t
         async with grpc.aio.insecure_channel(f"127.0.0.1:{handle.port}") as channel:
             stub = coordinator_pb2_grpc.CoordinatorStub(channel)
             for i in range(requests):
-                await stub.Generate(build_request(f"request {i}: the quick brown fox", max_new_tokens=tokens,
-                                                  temperature=0.0, ignore_eos=True, speculation="fixed",
-                                                  draft_length=k))
+                await stub.Generate(
+                    build_request(
+                        f"request {i}: the quick brown fox",
+                        max_new_tokens=tokens,
+                        temperature=0.0,
+                        ignore_eos=True,
+                        speculation="fixed",
+                        draft_length=k,
+                    )
+                )
         timings = list(engine.round_timings)
         await handle.stop(1.0)
     finally:

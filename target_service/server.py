@@ -10,13 +10,13 @@ from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
-from specd import catalog
-from specd.config import TargetConfig
-from specd.metrics import TargetMetrics
-from specd.serving import ServiceHandle, build_server
-from specd.tracing import Tracing
+from specd.core import catalog
+from specd.core.verification import Verifier
+from specd.serving.config import TargetConfig
+from specd.serving.metrics import TargetMetrics
+from specd.serving.server import ServiceHandle, build_server
+from specd.serving.tracing import Tracing
 from specd.v1 import common_pb2, target_pb2, target_pb2_grpc
-from specd.verification import Verifier
 from target_service.servicer import TargetServicer
 
 log = logging.getLogger(__name__)
@@ -32,29 +32,48 @@ def build_verifier(config: TargetConfig) -> tuple[Verifier, common_pb2.ModelInfo
         from target_service.workers import build_tp_runner
 
         loaded, runner = build_tp_runner(
-            folder, tp=config.tp, executor=config.executor, device=config.device,
-            torch_threads=config.torch_threads, ray_address=config.ray_address,
-            ready_timeout_s=config.worker_ready_timeout_s, exit_on_failure=config.exit_on_worker_failure,
+            folder,
+            tp=config.tp,
+            executor=config.executor,
+            device=config.device,
+            torch_threads=config.torch_threads,
+            ray_address=config.ray_address,
+            ready_timeout_s=config.worker_ready_timeout_s,
+            exit_on_failure=config.exit_on_worker_failure,
         )
     else:
         loaded, runner = catalog.load_for_serving(folder, config.device)
     verifier = Verifier(
-        runner, max_sessions=config.max_sessions, idle_timeout_s=config.idle_timeout_s, max_kv_bytes=config.max_kv_bytes,
+        runner,
+        max_sessions=config.max_sessions,
+        idle_timeout_s=config.idle_timeout_s,
+        max_kv_bytes=config.max_kv_bytes,
         max_batch=config.max_batch,
     )
     return verifier, common_pb2.ModelInfo(**catalog.model_identity(loaded, runner))
 
 
 def create_server(
-    config: TargetConfig, *, verifier: Verifier | None = None, info: common_pb2.ModelInfo | None = None,
-    tracing: Tracing | None = None, metrics: TargetMetrics | None = None,
+    config: TargetConfig,
+    *,
+    verifier: Verifier | None = None,
+    info: common_pb2.ModelInfo | None = None,
+    tracing: Tracing | None = None,
+    metrics: TargetMetrics | None = None,
 ) -> ServiceHandle:
     """The target service, bound (port 0 picks one) but not started."""
     if verifier is None or info is None:
         verifier, info = build_verifier(config)
     executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="specd-target-model")
-    servicer = TargetServicer(verifier, executor, info, tracing=tracing, metrics=metrics, max_batch=config.max_batch,
-                              batch_wait_s=config.batch_wait_ms / 1e3)
+    servicer = TargetServicer(
+        verifier,
+        executor,
+        info,
+        tracing=tracing,
+        metrics=metrics,
+        max_batch=config.max_batch,
+        batch_wait_s=config.batch_wait_ms / 1e3,
+    )
     server, port, health = build_server(
         config, lambda s: target_pb2_grpc.add_TargetServicer_to_server(servicer, s), [SERVICE_NAME]
     )

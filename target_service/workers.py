@@ -56,21 +56,21 @@ from typing import Any, Protocol
 import torch
 import torch.distributed as dist
 
-from specd import tensor_parallel
-from specd.errors import FailedPrecondition, SpecdError, Unavailable
-from specd.models import LoadedModel, load_pretrained
-from specd.runner import CausalLMRunner, KVSession
+from specd.core import tensor_parallel
+from specd.core.errors import FailedPrecondition, SpecdError, Unavailable
+from specd.core.models import LoadedModel, load_pretrained
+from specd.core.runner import CausalLMRunner, KVSession
 
 log = logging.getLogger(__name__)
 
 __all__ = [
-    "WorkerSpec",
-    "WorkerGroup",
-    "TensorParallelRunner",
+    "EXIT_WORKER_FAILURE",
     "MpExecutor",
     "RayExecutor",
+    "TensorParallelRunner",
+    "WorkerGroup",
+    "WorkerSpec",
     "build_tp_runner",
-    "EXIT_WORKER_FAILURE",
 ]
 
 EXIT_WORKER_FAILURE = 3  # process exit code with --exit-on-worker-failure
@@ -155,8 +155,14 @@ def run_follower(spec: WorkerSpec, rank: int, rdv: Rendezvous, executor: str = "
             torch.cuda.set_device(torch.device(device))
         model = load_shard(spec, rank, device).model
         sharded, replicated = tensor_parallel.weight_bytes(model)
-        info = {"rank": rank, "pid": os.getpid(), "host": socket.gethostname(), "device": device,
-                "sharded_bytes": sharded, "replicated_bytes": replicated}
+        info = {
+            "rank": rank,
+            "pid": os.getpid(),
+            "host": socket.gethostname(),
+            "device": device,
+            "sharded_bytes": sharded,
+            "replicated_bytes": replicated,
+        }
         store.set(f"ready/{rank}", json.dumps(info))
     except BaseException as exc:
         store.set(f"error/{rank}", f"{type(exc).__name__}: {exc}")
@@ -174,8 +180,10 @@ def run_follower(spec: WorkerSpec, rank: int, rdv: Rendezvous, executor: str = "
                 s = _follow(runner, sessions, rank, sid, start, tokens)
                 runner.logits(s, num_last)  # the same forward as rank 0; logits discarded
             elif op[0] == "forward_batch":  # the same batched forward as rank 0: same sessions, same order
-                batch = [(_follow(runner, sessions, rank, sid, start, tokens), num_last)
-                         for sid, start, tokens, num_last in op[1]]
+                batch = [
+                    (_follow(runner, sessions, rank, sid, start, tokens), num_last)
+                    for sid, start, tokens, num_last in op[1]
+                ]
                 runner.logits_batch([s for s, _ in batch], [k for _, k in batch])
             elif op[0] == "release":
                 for sid in op[1]:
@@ -188,8 +196,9 @@ def run_follower(spec: WorkerSpec, rank: int, rdv: Rendezvous, executor: str = "
         _destroy_groups()
 
 
-def _follow(runner: CausalLMRunner, sessions: dict[int, KVSession], rank: int, sid: int, start: int,
-            tokens: list[int]) -> KVSession:
+def _follow(
+    runner: CausalLMRunner, sessions: dict[int, KVSession], rank: int, sid: int, start: int, tokens: list[int]
+) -> KVSession:
     """A follower's session brought to rank 0's: tokens[start:] replaced, cache cropped to start."""
     s = sessions.get(sid) or sessions.setdefault(sid, KVSession(tokens=[]))
     if s.cached < start:  # rank 0 believes we cached more than we did
@@ -255,9 +264,7 @@ class MpExecutor:
         ctx = multiprocessing.get_context("spawn")
         procs = []
         for rank in range(1, spec.tp):
-            p = ctx.Process(
-                target=run_follower, args=(spec, rank, rdv, "mp"), name=f"specd-tp-rank{rank}", daemon=True
-            )
+            p = ctx.Process(target=run_follower, args=(spec, rank, rdv, "mp"), name=f"specd-tp-rank{rank}", daemon=True)
             p.start()
             procs.append((rank, p))
         self._procs = procs
@@ -559,7 +566,12 @@ class WorkerGroup:
             "0.0.0.0", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=spec.ready_timeout_s)
         )
         rdv = Rendezvous(self.executor.advertise_host(), store.port, generation)
-        log.info("starting %d tensor-parallel workers (%s executor, generation %d)", spec.tp - 1, self.executor.name, generation)
+        log.info(
+            "starting %d tensor-parallel workers (%s executor, generation %d)",
+            spec.tp - 1,
+            self.executor.name,
+            generation,
+        )
         self.executor.launch(spec, rdv)
         deadline = time.monotonic() + spec.ready_timeout_s
         if while_loading is not None:
@@ -570,13 +582,20 @@ class WorkerGroup:
         self.generation = generation
         self._monitor_stop = threading.Event()
         threading.Thread(
-            target=self._monitor, args=(generation, self._monitor_stop), name=f"specd-tp-monitor-{generation}", daemon=True
+            target=self._monitor,
+            args=(generation, self._monitor_stop),
+            name=f"specd-tp-monitor-{generation}",
+            daemon=True,
         ).start()
         self.state = self.READY
         for w in workers:
             log.info(
                 "tp worker rank %d ready: pid %d on %s (%s), %d bytes of sharded weights",
-                w["rank"], w["pid"], w["host"], w["device"], w["sharded_bytes"],
+                w["rank"],
+                w["pid"],
+                w["host"],
+                w["device"],
+                w["sharded_bytes"],
             )
 
     def _wait_ready(self, store: dist.TCPStore, deadline: float) -> list[dict[str, Any]]:
@@ -627,7 +646,7 @@ class WorkerGroup:
         if self.on_health is not None:
             try:
                 self.on_health(serving)
-            except Exception:  # noqa: BLE001 - health reporting must not stop the supervisor
+            except Exception:
                 log.exception("health callback failed")
 
     def _supervise(self) -> None:
@@ -639,7 +658,9 @@ class WorkerGroup:
             with self._lock:  # waits for the model thread's failing call to return
                 self._teardown()
             if self.exit_on_failure:
-                log.critical("tensor-parallel worker failed (%s); exiting for a restart (--exit-on-worker-failure)", self._reason)
+                log.critical(
+                    "tensor-parallel worker failed (%s); exiting for a restart (--exit-on-worker-failure)", self._reason
+                )
                 if self.on_fatal is not None:
                     self.on_fatal(self._reason)
                 else:
@@ -745,11 +766,16 @@ def build_tp_runner(
     """Rank 0's shard and runner, with followers 1..tp-1 started and ready."""
     tensor_parallel.check_model_folder(str(folder), tp)  # refuse before starting anything
     spec = WorkerSpec(
-        folder=str(folder), tp=tp, device=device, torch_threads=torch_threads,
-        collective_timeout_s=collective_timeout_s, ready_timeout_s=ready_timeout_s,
+        folder=str(folder),
+        tp=tp,
+        device=device,
+        torch_threads=torch_threads,
+        collective_timeout_s=collective_timeout_s,
+        ready_timeout_s=ready_timeout_s,
     )
     group = WorkerGroup(
-        spec, make_executor(executor, ray_address=ray_address, gpu=device.startswith("cuda")),
+        spec,
+        make_executor(executor, ray_address=ray_address, gpu=device.startswith("cuda")),
         exit_on_failure=exit_on_failure,
     )
     box: list[LoadedModel] = []

@@ -33,8 +33,8 @@ def _name(cn: str) -> x509.Name:
     return x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, cn)])
 
 
-def _cert(subject: str, key, issuer: str, issuer_key, *, ca: bool, usage=None) -> x509.Certificate:  # noqa: ANN001
-    now = dt.datetime.now(dt.timezone.utc)
+def _cert(subject: str, key, issuer: str, issuer_key, *, ca: bool, usage=None) -> x509.Certificate:
+    now = dt.datetime.now(dt.UTC)
     builder = (
         x509.CertificateBuilder()
         .subject_name(_name(subject))
@@ -53,14 +53,16 @@ def _cert(subject: str, key, issuer: str, issuer_key, *, ca: bool, usage=None) -
     return builder.sign(issuer_key, hashes.SHA256())
 
 
-def _write(folder: Path, name: str, cert: x509.Certificate, key=None) -> tuple[Path, Path | None]:  # noqa: ANN001
+def _write(folder: Path, name: str, cert: x509.Certificate, key=None) -> tuple[Path, Path | None]:
     cert_path = folder / f"{name}.crt"
     cert_path.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
     key_path = None
     if key is not None:
         key_path = folder / f"{name}.key"
         key_path.write_bytes(
-            key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption())
+            key.private_bytes(
+                serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
+            )
         )
     return cert_path, key_path
 
@@ -73,8 +75,9 @@ def make_pki(folder: Path) -> Pki:
     server_key, client_key, other_client_key = _key(), _key(), _key()
     server = _cert("localhost", server_key, "specd-test-ca", ca_key, ca=False, usage=ExtendedKeyUsageOID.SERVER_AUTH)
     client = _cert("coordinator", client_key, "specd-test-ca", ca_key, ca=False, usage=ExtendedKeyUsageOID.CLIENT_AUTH)
-    stranger = _cert("intruder", other_client_key, "stranger-ca", other_key, ca=False,
-                     usage=ExtendedKeyUsageOID.CLIENT_AUTH)
+    stranger = _cert(
+        "intruder", other_client_key, "stranger-ca", other_key, ca=False, usage=ExtendedKeyUsageOID.CLIENT_AUTH
+    )
     ca_path, _ = _write(folder, "ca", ca)
     other_path, _ = _write(folder, "other-ca", other)
     s_cert, s_key = _write(folder, "server", server, server_key)

@@ -1,7 +1,7 @@
 """Test harness: the three services as separate `specd serve` processes on 127.0.0.1.
 
 Every process is started and stopped by the tests, with bounded waits. The
-machinery lives in specd.localcluster (shared with `specd bench`); this
+machinery lives in specd.tools.localcluster (shared with `specd bench`); this
 module keeps the tests' defaults: one torch thread per service and a
 coordinator that gives up on a slow draft quickly and retries it soon.
 """
@@ -16,7 +16,7 @@ import grpc
 from prometheus_client.parser import text_string_to_metric_families
 
 from coordinator.client import CoordinatorClient
-from specd.localcluster import READY_TIMEOUT_S, LocalCluster, QuietService, _with_port
+from specd.tools.localcluster import READY_TIMEOUT_S, LocalCluster, QuietService, _with_port
 
 __all__ = ["READY_TIMEOUT_S", "Cluster", "QuietService", "_with_port"]
 
@@ -24,9 +24,16 @@ __all__ = ["READY_TIMEOUT_S", "Cluster", "QuietService", "_with_port"]
 class Cluster(LocalCluster):
     """target + optional draft + coordinator, each its own process."""
 
-    def __init__(self, target_model: Path | str, draft_model: Path | str | None, *, cache_dir: Path,
-                 coordinator_args: list[str] | None = None, target_args: list[str] | None = None,
-                 draft_args: list[str] | None = None) -> None:
+    def __init__(
+        self,
+        target_model: Path | str,
+        draft_model: Path | str | None,
+        *,
+        cache_dir: Path,
+        coordinator_args: list[str] | None = None,
+        target_args: list[str] | None = None,
+        draft_args: list[str] | None = None,
+    ) -> None:
         super().__init__(
             target_model,
             draft_model,
@@ -39,7 +46,7 @@ class Cluster(LocalCluster):
             ready_timeout_s=READY_TIMEOUT_S,
         )
 
-    def start(self) -> "Cluster":
+    def start(self) -> Cluster:
         super().start()
         return self
 
@@ -49,7 +56,7 @@ class Cluster(LocalCluster):
     def channel(self) -> grpc.Channel:
         return grpc.insecure_channel(self.address)
 
-    def __enter__(self) -> "Cluster":
+    def __enter__(self) -> Cluster:
         return self.start()
 
 
@@ -58,7 +65,7 @@ class Cluster(LocalCluster):
 _METRICS_LINE = re.compile(r"^specd-(\w+) metrics on (\S+):(\d+)\s*$")
 
 
-def metrics_address(service) -> str:  # noqa: ANN001 - a tests.cluster.QuietService
+def metrics_address(service) -> str:
     for line in service.lines:
         if m := _METRICS_LINE.match(line):
             return f"{m.group(2)}:{m.group(3)}"

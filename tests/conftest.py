@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from specd.models import build_tiny_gpt2, build_tiny_pair, demo_target_path
+from specd.core.models import build_tiny_gpt2, build_tiny_pair, demo_target_path
 
 # ---- models -------------------------------------------------------------------
 

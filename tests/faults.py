@@ -12,12 +12,11 @@ from pathlib import Path
 import torch
 
 from draft_service.server import create_server
-from specd import catalog
-from specd.config import DraftConfig
-from specd.drafting import ModelDrafter, ProposeRequest
-from specd.proposal import Proposal
-from specd.runner import CausalLMRunner
-from specd.sampling import SamplingParams
+from specd.core import catalog
+from specd.core.drafting import ModelDrafter, ProposeRequest
+from specd.core.proposal import Proposal
+from specd.core.sampling import SamplingParams
+from specd.serving.config import DraftConfig
 from specd.v1 import common_pb2
 
 
@@ -51,11 +50,13 @@ class LyingDrafter:
         for r in requests:
             try:
                 out.append(self.propose(r.session_id, r.committed_length, r.start, r.tail, r.num_tokens))
-            except Exception as exc:  # noqa: BLE001 - this request's error, as a real drafter reports it
+            except Exception as exc:
                 out.append(exc)
         return out
 
-    def propose(self, session_id: str, committed_length: int, start: int, tail: Sequence[int], num_tokens: int) -> Proposal:
+    def propose(
+        self, session_id: str, committed_length: int, start: int, tail: Sequence[int], num_tokens: int
+    ) -> Proposal:
         real = self.inner.propose(session_id, committed_length, start, tail, num_tokens)
         self.calls += 1
         lie = self.calls % 5
@@ -79,7 +80,9 @@ class SlowDrafter(LyingDrafter):
 
     delay_s: float = 4.0
 
-    def propose(self, session_id: str, committed_length: int, start: int, tail: Sequence[int], num_tokens: int) -> Proposal:
+    def propose(
+        self, session_id: str, committed_length: int, start: int, tail: Sequence[int], num_tokens: int
+    ) -> Proposal:
         self.calls += 1
         if self.calls % 2:
             time.sleep(self.delay_s)
@@ -109,7 +112,7 @@ class InProcessDraftServer:
         await self._stop.wait()
         await handle.stop(0.5)
 
-    def __enter__(self) -> "InProcessDraftServer":
+    def __enter__(self) -> InProcessDraftServer:
         self._thread.start()
         assert self._ready.wait(60), "in-process draft server did not start"
         return self

@@ -5,12 +5,12 @@ from __future__ import annotations
 from functools import lru_cache
 from pathlib import Path
 
-from specd.drafting import ModelDrafter
-from specd.models import LoadedModel, load_pretrained
-from specd.rounds import GenerationResult, speculative_generate
-from specd.runner import CausalLMRunner
-from specd.sampling import SamplingParams
-from specd.verification import Verifier
+from specd.core.drafting import ModelDrafter
+from specd.core.models import LoadedModel, load_pretrained
+from specd.core.rounds import GenerationResult, speculative_generate
+from specd.core.runner import CausalLMRunner
+from specd.core.sampling import SamplingParams
+from specd.core.verification import Verifier
 
 
 @lru_cache(maxsize=4)
@@ -32,7 +32,10 @@ def reference(
     verifier = Verifier(CausalLMRunner(loaded(str(target)).model))
     drafter = ModelDrafter(CausalLMRunner(loaded(str(draft)).model)) if draft is not None else None
     return speculative_generate(
-        prompt, verifier, drafter, params,
+        prompt,
+        verifier,
+        drafter,
+        params,
         draft_length=draft_length if drafter else 0,
         max_new_tokens=max_new_tokens,
         stop_token_ids=stop_token_ids,

@@ -6,7 +6,7 @@ import random
 
 import pytest
 
-from specd.adaptive import AdaptiveDraftLength, Estimate, LinearCost, best_draft_length, expected_speedup
+from specd.core.adaptive import AdaptiveDraftLength, Estimate, LinearCost, best_draft_length, expected_speedup
 
 
 def test_speedup_formula_matches_known_values() -> None:
@@ -78,8 +78,13 @@ def test_k_shrinks_as_the_batch_share_grows() -> None:
 
 def test_a_new_session_follows_the_live_service_estimate_until_its_own_evidence_grows() -> None:
     service_a, service_c = Estimate(0.5, 2.0), Estimate(0.1, 2.0)
-    ctl = AdaptiveDraftLength(k_max=8, acceptance=Estimate(0.5), cost_ratio=Estimate(0.1),
-                              service_acceptance=service_a, service_cost_ratio=service_c)
+    ctl = AdaptiveDraftLength(
+        k_max=8,
+        acceptance=Estimate(0.5),
+        cost_ratio=Estimate(0.1),
+        service_acceptance=service_a,
+        service_cost_ratio=service_c,
+    )
     assert ctl.next_k() >= 1  # nothing known yet: the optimistic guess drafts
     for _ in range(8):  # the other sessions keep rejecting: the shared estimate falls ...
         service_a.update(0.0)
@@ -93,8 +98,16 @@ def test_a_new_session_follows_the_live_service_estimate_until_its_own_evidence_
 
 def test_a_bad_draft_is_switched_off_for_concurrent_sessions_within_a_few_rounds() -> None:
     service_a, service_c = Estimate(0.5, 2.0), Estimate(0.2, 2.0)
-    sessions = [AdaptiveDraftLength(k_max=4, acceptance=Estimate(0.5), cost_ratio=Estimate(0.2),
-                                    service_acceptance=service_a, service_cost_ratio=service_c) for _ in range(8)]
+    sessions = [
+        AdaptiveDraftLength(
+            k_max=4,
+            acceptance=Estimate(0.5),
+            cost_ratio=Estimate(0.2),
+            service_acceptance=service_a,
+            service_cost_ratio=service_c,
+        )
+        for _ in range(8)
+    ]
     drafted_rounds = 0
     for _ in range(3):  # three batch steps of 8 sessions that all reject every draft token
         for ctl in sessions:
@@ -109,11 +122,13 @@ def test_a_bad_draft_is_switched_off_for_concurrent_sessions_within_a_few_rounds
 
 
 def test_sessions_sharing_a_probe_budget_take_turns_and_back_off() -> None:
-    from specd.adaptive import ProbeBudget
+    from specd.core.adaptive import ProbeBudget
 
     shared = ProbeBudget(16, max_every=64)
-    bad = [AdaptiveDraftLength(k_max=4, acceptance=Estimate(0.0, 32), cost_ratio=Estimate(0.2, 32), probes=shared)
-           for _ in range(8)]
+    bad = [
+        AdaptiveDraftLength(k_max=4, acceptance=Estimate(0.0, 32), cost_ratio=Estimate(0.2, 32), probes=shared)
+        for _ in range(8)
+    ]
     steps = [sum(ctl.next_k() for ctl in bad) for _ in range(64)]  # 64 batch steps of 8 sessions: 512 rounds
     # probes after 16, 32 (48), 64 (112), then every 64 rounds of all sessions: not one per 16 rounds of each
     assert sum(steps) == 3 + (512 - 112) // 64

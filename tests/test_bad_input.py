@@ -16,7 +16,7 @@ VOCAB = 259  # the tiny tokenizer's size (models.build_tiny_pair)
 CONTEXT = 512
 
 
-def req(**fields) -> coordinator_pb2.GenerateRequest:  # noqa: ANN003
+def req(**fields) -> coordinator_pb2.GenerateRequest:
     r = coordinator_pb2.GenerateRequest(max_new_tokens=2)
     sampling = fields.pop("sampling", {})
     speculation = fields.pop("speculation", {})
@@ -80,13 +80,13 @@ MALFORMED = [
 
 
 @pytest.fixture()
-def stub(tiny_cluster: Cluster):  # noqa: ANN201
+def stub(tiny_cluster: Cluster):
     with tiny_cluster.channel() as channel:
         yield coordinator_pb2_grpc.CoordinatorStub(channel)
 
 
 @pytest.mark.parametrize("request_, needle", MALFORMED, ids=[n for _, n in MALFORMED])
-def test_malformed_request_gets_invalid_argument(stub, request_, needle: str) -> None:  # noqa: ANN001
+def test_malformed_request_gets_invalid_argument(stub, request_, needle: str) -> None:
     for call in (stub.Generate, lambda r, timeout: list(stub.GenerateStream(r, timeout=timeout))):
         with pytest.raises(grpc.RpcError) as err:
             call(request_, timeout=30)
@@ -102,46 +102,66 @@ requests = st.fixed_dictionaries(
     optional={
         "text": st.text(max_size=30),
         "token_ids": st.lists(st.integers(0, 2**32 - 1) | st.integers(0, VOCAB - 1), max_size=8),
-        "chat": st.lists(st.tuples(st.sampled_from(["user", "system", "assistant", "bot", ""]), st.text(max_size=10)),
-                         max_size=3),
+        "chat": st.lists(
+            st.tuples(st.sampled_from(["user", "system", "assistant", "bot", ""]), st.text(max_size=10)), max_size=3
+        ),
         "max_new_tokens": st.integers(0, 6) | st.integers(0, 2**32 - 1),
         "stop": st.lists(st.text(max_size=4), max_size=3),
         "stop_token_ids": st.lists(st.integers(0, 2**32 - 1), max_size=2),
         "ignore_eos": st.booleans(),
-        "sampling": st.fixed_dictionaries({}, optional={
-            "temperature": floats, "top_p": floats, "min_p": floats,
-            "top_k": st.integers(0, 2**32 - 1), "seed": st.integers(0, 2**64 - 1)}),
-        "speculation": st.fixed_dictionaries({}, optional={
-            "mode": st.integers(0, 5), "draft_length": st.integers(0, 40)}),
+        "sampling": st.fixed_dictionaries(
+            {},
+            optional={
+                "temperature": floats,
+                "top_p": floats,
+                "min_p": floats,
+                "top_k": st.integers(0, 2**32 - 1),
+                "seed": st.integers(0, 2**64 - 1),
+            },
+        ),
+        "speculation": st.fixed_dictionaries(
+            {}, optional={"mode": st.integers(0, 5), "draft_length": st.integers(0, 40)}
+        ),
     },
 )
 
 
-@settings(max_examples=500, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture,
-                                                                  HealthCheck.too_slow])
+@settings(
+    max_examples=500, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow]
+)
 @given(fields=requests)
-def test_fuzzed_requests_never_crash(stub, fields) -> None:  # noqa: ANN001
+def test_fuzzed_requests_never_crash(stub, fields) -> None:
     if "text" in fields and ("token_ids" in fields or "chat" in fields):
         fields.pop("token_ids", None)
         fields.pop("chat", None)
     if fields.get("max_new_tokens", 0) > 6:
-        fields["max_new_tokens"] = fields["max_new_tokens"] % 7 if fields["max_new_tokens"] < 10**6 else fields[
-            "max_new_tokens"]
+        fields["max_new_tokens"] = (
+            fields["max_new_tokens"] % 7 if fields["max_new_tokens"] < 10**6 else fields["max_new_tokens"]
+        )
     try:
         reply = stub.Generate(req(**fields), timeout=60)
         assert len(reply.token_ids) <= max(fields.get("max_new_tokens", 0), 128)
     except grpc.RpcError as err:
         assert err.code() in (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.RESOURCE_EXHAUSTED), (
-            err.code(), err.details(), fields)
+            err.code(),
+            err.details(),
+            fields,
+        )
         assert err.details() and "internal" not in err.details().lower()
 
 
 @pytest.mark.parametrize("mode, asked, expected", [(AUTO, 12, 12), (AUTO, 0, 4), (FIXED, 6, 6), (FIXED, 0, 4)])
 def test_draft_length_is_fixed_k_or_autos_largest_k(mode: int, asked: int, expected: int) -> None:
     from coordinator.requests import spec_from_request
-    from specd.config import CoordinatorConfig
+    from specd.serving.config import CoordinatorConfig
 
     r = req(token_ids=[1, 2, 3], speculation={"mode": mode, "draft_length": asked})
-    spec = spec_from_request(r, None, CoordinatorConfig(), vocab_size=VOCAB, max_context=100,  # type: ignore[arg-type]
-                             eos_token_ids=frozenset())
+    spec = spec_from_request(
+        r,
+        None,
+        CoordinatorConfig(),
+        vocab_size=VOCAB,
+        max_context=100,  # type: ignore[arg-type]
+        eos_token_ids=frozenset(),
+    )
     assert spec.draft_length == expected  # 0: the server's --draft-length (4)

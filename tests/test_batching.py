@@ -10,16 +10,16 @@ from pathlib import Path
 import pytest
 import torch
 
-from specd.batching import MicroBatcher
-from specd.drafting import ModelDrafter, NgramDrafter, ProposeRequest
-from specd.errors import SessionNotFound
-from specd.models import load_pretrained
-from specd.proposal import Proposal
-from specd.rounds import speculative_generate, speculative_generate_batch
-from specd.runner import CausalLMRunner
-from specd.sampling import SamplingParams
-from specd.sessions import KVBudget
-from specd.verification import Verifier, VerifyOutcome, VerifyRequest
+from specd.core.drafting import ModelDrafter, NgramDrafter, ProposeRequest
+from specd.core.errors import SessionNotFound
+from specd.core.models import load_pretrained
+from specd.core.proposal import Proposal
+from specd.core.rounds import speculative_generate, speculative_generate_batch
+from specd.core.runner import CausalLMRunner
+from specd.core.sampling import SamplingParams
+from specd.core.sessions import KVBudget
+from specd.core.verification import Verifier, VerifyOutcome, VerifyRequest
+from specd.serving.batching import MicroBatcher
 
 pytestmark = pytest.mark.usefixtures("torch_single_thread")
 
@@ -27,46 +27,58 @@ PROMPTS = ["hello world", "def f(x):\n    return", "abcabcabc", "The end.", "x",
 
 
 @pytest.fixture(scope="module")
-def tiny(tiny_pair: tuple[Path, Path]):  # noqa: ANN201
+def tiny(tiny_pair: tuple[Path, Path]):
     target, draft = tiny_pair
     t, d = load_pretrained(target), load_pretrained(draft)
     return t, d
 
 
-def _batched_generate(prompts: list[list[int]], verifier: Verifier, drafter: ModelDrafter | NgramDrafter | None,
-                      params: list[SamplingParams], ks: list[int], max_new_tokens: int) -> list[list[int]]:
-    results = speculative_generate_batch(prompts, verifier, drafter, params, draft_lengths=ks,
-                                         max_new_tokens=max_new_tokens)
+def _batched_generate(
+    prompts: list[list[int]],
+    verifier: Verifier,
+    drafter: ModelDrafter | NgramDrafter | None,
+    params: list[SamplingParams],
+    ks: list[int],
+    max_new_tokens: int,
+) -> list[list[int]]:
+    results = speculative_generate_batch(
+        prompts, verifier, drafter, params, draft_lengths=ks, max_new_tokens=max_new_tokens
+    )
     return [r.token_ids for r in results]
 
 
 @pytest.mark.parametrize("temperature", [0.0, 0.9])
-def test_batched_rounds_equal_one_session_at_a_time(tiny, temperature: float) -> None:  # noqa: ANN001
+def test_batched_rounds_equal_one_session_at_a_time(tiny, temperature: float) -> None:
     t, d = tiny
     verifier, drafter = Verifier(CausalLMRunner(t.model)), ModelDrafter(CausalLMRunner(d.model), wire_top_k=4)
     prompts = [t.tokenizer(p).input_ids for p in PROMPTS]
-    params = [SamplingParams(temperature=temperature, top_p=0.95 if i % 2 else 1.0, seed=100 + i)
-              for i in range(len(prompts))]
+    params = [
+        SamplingParams(temperature=temperature, top_p=0.95 if i % 2 else 1.0, seed=100 + i) for i in range(len(prompts))
+    ]
     ks = [1, 2, 3, 4, 5, 8]  # different K per session: the batch pads drafts and q
-    want = [speculative_generate(p, verifier, drafter, sp, draft_length=k, max_new_tokens=24).token_ids
-            for p, sp, k in zip(prompts, params, ks)]
+    want = [
+        speculative_generate(p, verifier, drafter, sp, draft_length=k, max_new_tokens=24).token_ids
+        for p, sp, k in zip(prompts, params, ks)
+    ]
     got = _batched_generate(prompts, verifier, drafter, params, ks, 24)
     assert got == want
 
 
-def test_batched_target_only_and_ngram_equal_unbatched(tiny) -> None:  # noqa: ANN001
+def test_batched_target_only_and_ngram_equal_unbatched(tiny) -> None:
     t, _ = tiny
     verifier = Verifier(CausalLMRunner(t.model))
     prompts = [t.tokenizer(p).input_ids for p in PROMPTS]
     params = [SamplingParams(temperature=0.0, seed=i) for i in range(len(prompts))]
-    want = [speculative_generate(p, verifier, None, sp, draft_length=0, max_new_tokens=20).token_ids
-            for p, sp in zip(prompts, params)]
+    want = [
+        speculative_generate(p, verifier, None, sp, draft_length=0, max_new_tokens=20).token_ids
+        for p, sp in zip(prompts, params)
+    ]
     assert _batched_generate(prompts, verifier, None, params, [0] * len(prompts), 20) == want
     ngram = NgramDrafter(verifier.vocab_size)
     assert _batched_generate(prompts, verifier, ngram, params, [4] * len(prompts), 20) == want
 
 
-def test_one_bad_request_leaves_the_batch_alone(tiny) -> None:  # noqa: ANN001
+def test_one_bad_request_leaves_the_batch_alone(tiny) -> None:
     t, d = tiny
     verifier, drafter = Verifier(CausalLMRunner(t.model)), ModelDrafter(CausalLMRunner(d.model))
     greedy = SamplingParams(temperature=0.0, seed=0)
@@ -74,16 +86,23 @@ def test_one_bad_request_leaves_the_batch_alone(tiny) -> None:  # noqa: ANN001
     for sid, p in (("a", a), ("b", b)):
         verifier.open(sid, p, greedy)
         drafter.open(sid, p, greedy)
-    props = drafter.propose_batch([ProposeRequest("a", len(a), len(a), [], 3), ProposeRequest("nope", 3, 3, [], 3),
-                                   ProposeRequest("b", len(b), len(b), [], 2)])
+    props = drafter.propose_batch(
+        [
+            ProposeRequest("a", len(a), len(a), [], 3),
+            ProposeRequest("nope", 3, 3, [], 3),
+            ProposeRequest("b", len(b), len(b), [], 2),
+        ]
+    )
     assert isinstance(props[1], SessionNotFound)
     assert [len(props[0]), len(props[2])] == [3, 2]
     assert props[0].phases.batch_size == 2 and props[0].phases.total_ms("forward") > 0
-    outs = verifier.verify_batch([
-        VerifyRequest("a", len(a), props[0]),
-        VerifyRequest("b", len(b) + 5, props[2]),  # wrong committed length: out of sync, alone
-        VerifyRequest("a", len(a), props[0]),  # the same session twice in one batch
-    ])
+    outs = verifier.verify_batch(
+        [
+            VerifyRequest("a", len(a), props[0]),
+            VerifyRequest("b", len(b) + 5, props[2]),  # wrong committed length: out of sync, alone
+            VerifyRequest("a", len(a), props[0]),  # the same session twice in one batch
+        ]
+    )
     assert isinstance(outs[0], VerifyOutcome) and outs[0].phases.batch_size == 1
     assert not isinstance(outs[1], VerifyOutcome) and not isinstance(outs[2], VerifyOutcome)
     names = [p.name for p in outs[0].phases.phases]
@@ -139,7 +158,7 @@ def test_micro_batcher_fails_every_request_of_a_failed_batch() -> None:
         assert batcher.submit(2).exception(5) is not None  # and it keeps taking requests
 
 
-def test_verify_batch_is_one_forward(tiny, monkeypatch: pytest.MonkeyPatch) -> None:  # noqa: ANN001
+def test_verify_batch_is_one_forward(tiny, monkeypatch: pytest.MonkeyPatch) -> None:
     t, _ = tiny
     runner = CausalLMRunner(t.model)
     verifier = Verifier(runner)
@@ -162,7 +181,7 @@ def test_verify_batch_is_one_forward(tiny, monkeypatch: pytest.MonkeyPatch) -> N
     assert torch.tensor([o.phases.batch_size for o in outs]).eq(len(PROMPTS)).all()
 
 
-def test_servicer_batch_walk_keeps_session_order_and_turns_failures_into_in_band_errors(tiny) -> None:  # noqa: ANN001
+def test_servicer_batch_walk_keeps_session_order_and_turns_failures_into_in_band_errors(tiny) -> None:
     from specd.v1 import common_pb2, session_pb2, target_pb2
     from target_service.servicer import TargetServicer
 
@@ -189,8 +208,9 @@ def test_servicer_batch_walk_keeps_session_order_and_turns_failures_into_in_band
         out = servicer.handle_batch([open_("a"), open_("b"), verify("a"), verify("b"), close])
         assert [r.WhichOneof("result") for r in out] == ["ack", "ack", "verdict", "verdict", "ack"]
         assert out[2].verdict.batch_size == 2 and out[2].verdict.batch_tokens == 2 * len(prompt)
+
         # a bug below the batch walk becomes an in-band INTERNAL error, not a broken stream
-        def broken(requests):  # noqa: ANN001, ANN202
+        def broken(requests):
             raise RuntimeError("boom")
 
         verifier.verify_batch = broken  # type: ignore[method-assign]
@@ -198,7 +218,7 @@ def test_servicer_batch_walk_keeps_session_order_and_turns_failures_into_in_band
         assert out[0].error.code == session_pb2.SessionError.CODE_INTERNAL and "boom" not in out[0].error.message
 
 
-def test_a_deferred_bonus_splits_one_round_into_two_with_the_same_tokens(tiny) -> None:  # noqa: ANN001
+def test_a_deferred_bonus_splits_one_round_into_two_with_the_same_tokens(tiny) -> None:
     """Post-verify: round x with the bonus deferred, then round y == one round over x + y (same coins, same
     verdict); with no y, the next round draws exactly the bonus the deferred round did not."""
     t, _ = tiny
@@ -219,17 +239,25 @@ def test_a_deferred_bonus_splits_one_round_into_two_with_the_same_tokens(tiny) -
             deferred_seen += 1
             assert (first.accepted, first.committed_length, first.token_id) == (3, n + 3, -1)
             second = split.verify("s", n + 3, y, start=n + 3)
-            both = Proposal(x.token_ids + y.token_ids,
-                            None if x.q_ids is None else torch.cat([x.q_ids, y.q_ids]),
-                            None if x.q_probs is None else torch.cat([x.q_probs, y.q_probs]))
+            both = Proposal(
+                x.token_ids + y.token_ids,
+                None if x.q_ids is None else torch.cat([x.q_ids, y.q_ids]),
+                None if x.q_probs is None else torch.cat([x.q_probs, y.q_probs]),
+            )
             whole = single.verify("s", n, both, start=n)
             assert (3 + second.accepted, second.token_id, second.committed_length) == (
-                whole.accepted, whole.token_id, whole.committed_length)
+                whole.accepted,
+                whole.token_id,
+                whole.committed_length,
+            )
             # and with nothing drafted after it, the next round draws the very bonus that was deferred
             split.verify("s", n, x, start=n, defer_bonus=True)  # the same round again (rolled back by start)
             bonus = split.verify("s", n + 3, Proposal([]), start=n + 3)
             plain = single.verify("s", n, x, start=n)
-            assert plain.is_bonus and (bonus.token_id, bonus.committed_length) == (plain.token_id, plain.committed_length)
+            assert plain.is_bonus and (bonus.token_id, bonus.committed_length) == (
+                plain.token_id,
+                plain.committed_length,
+            )
         else:  # a rejection inside x: nothing is deferred and the verdict is the plain one
             assert first.token_id == single.verify("s", n, x, start=n).token_id and not first.deferred
         for v in (split, single):

@@ -15,8 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from specd import bench
-from specd.bench import (
+from specd.tools import bench
+from specd.tools.bench import (
     BASELINE,
     Mode,
     RequestResult,
@@ -32,7 +32,7 @@ from specd.bench import (
     summarize,
     theoretical_speedup,
 )
-from specd.localcluster import process_tree_peak_rss
+from specd.tools.localcluster import process_tree_peak_rss
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -41,8 +41,17 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def test_default_modes_expand_over_draft_lengths() -> None:
     modes = {m.name: m for m in parse_modes(bench.DEFAULT_MODES, [2, 4])}
-    assert list(modes) == ["target-only", "fixed-2", "fixed-4", "pipelined-2", "pipelined-4", "auto", "hf-2", "hf-4",
-                           "hf-default"]
+    assert list(modes) == [
+        "target-only",
+        "fixed-2",
+        "fixed-4",
+        "pipelined-2",
+        "pipelined-4",
+        "auto",
+        "hf-2",
+        "hf-4",
+        "hf-default",
+    ]
     assert modes["target-only"].baseline and modes["target-only"].request == {"speculation": "off"}
     assert modes["fixed-4"].request == {"speculation": "fixed", "draft_length": 4, "pipeline": False}
     assert modes["fixed-4"].draft_length == 4
@@ -63,7 +72,10 @@ def test_auto_may_choose_up_to_the_largest_fixed_k_of_the_run() -> None:
 
 def test_prompt_lookup_peer_runs_the_target_alone() -> None:
     modes = parse_modes("target-only,hf-lookup", [2, 4])
-    assert [(m.name, m.runner, m.draft_length) for m in modes[1:]] == [("hf-lookup-2", "hf", 2), ("hf-lookup-4", "hf", 4)]
+    assert [(m.name, m.runner, m.draft_length) for m in modes[1:]] == [
+        ("hf-lookup-2", "hf", 2),
+        ("hf-lookup-4", "hf", 4),
+    ]
     assert modes[1].request == {"assistant": False, "prompt_lookup_num_tokens": 2}
 
 
@@ -155,17 +167,33 @@ def test_percentile_matches_numpy_linear() -> None:
     assert math.isnan(percentile([], 50))
 
 
-def _result(pid: str, rounds: list[int], *, stats: dict | None = None, drafted: list[int] | None = None) -> RequestResult:
-    r = RequestResult(pid, token_ids=list(range(sum(rounds))), round_tokens=rounds, stats=stats, drafted=drafted,
-                      ttft_s=0.01, itl_s=[0.002] * (sum(rounds) - rounds[0]))
+def _result(
+    pid: str, rounds: list[int], *, stats: dict | None = None, drafted: list[int] | None = None
+) -> RequestResult:
+    r = RequestResult(
+        pid,
+        token_ids=list(range(sum(rounds))),
+        round_tokens=rounds,
+        stats=stats,
+        drafted=drafted,
+        ttft_s=0.01,
+        itl_s=[0.002] * (sum(rounds) - rounds[0]),
+    )
     return r
 
 
 def test_summarize_fixed_k_from_stream_and_stats() -> None:
     # max_new_tokens 8, K 2: draft budgets 2, 2, 2, 0 (the last token needs no draft) -> rounds commit 3, 1, 3, 1
     stats = {"rounds": 4, "drafts": 3, "draft_tokens": 6, "accepted_tokens": 4, "target_only_rounds": 0}
-    rec = summarize(Mode("fixed-2", "service", {}, 2), 0.0, 1, [_result("p", [3, 1, 3, 1], stats=stats)], 2.0,
-                    max_new_tokens=8, cost={"c": 0.5, "target_ms": 10.0, "target_verify_ms": {"2": 12.0}})
+    rec = summarize(
+        Mode("fixed-2", "service", {}, 2),
+        0.0,
+        1,
+        [_result("p", [3, 1, 3, 1], stats=stats)],
+        2.0,
+        max_new_tokens=8,
+        cost={"c": 0.5, "target_ms": 10.0, "target_verify_ms": {"2": 12.0}},
+    )
     assert rec["tokens_per_s"] == 4.0
     assert rec["acceptance_rate"] == pytest.approx(4 / 6) and rec["acceptance_length"] == pytest.approx(1 + 4 / 3)
     assert rec["accepted_per_position"] == [2, 2] and rec["acceptance_per_position"] == pytest.approx([2 / 3, 2 / 3])
@@ -184,14 +212,15 @@ def test_interleave_slices_cover_the_prompts_and_keep_clients_busy() -> None:
 
 
 def test_ngram_cost_is_timed_per_proposed_token(tiny_pair: tuple[Path, Path]) -> None:
-    from specd.models import load_pretrained
+    from specd.core.models import load_pretrained
 
     target, _ = tiny_pair
     prompt = [5, 6, 7, 8, 9, 10, 11] * 12 + [5, 6]  # the lookup finds 7, 8, 9, 10 after "5 6"
     ngram_ms = bench.measure_ngram_ms(prompt, samples=5)
     assert 0 < ngram_ms < 50
-    cost = bench.measure_cost(load_pretrained(target).model, None, prompt, target_threads=1, draft_threads=1,
-                              samples=5, draft_lengths=[2])
+    cost = bench.measure_cost(
+        load_pretrained(target).model, None, prompt, target_threads=1, draft_threads=1, samples=5, draft_lengths=[2]
+    )
     assert cost["draft_ms"] > 0 and cost["c"] == pytest.approx(cost["draft_ms"] / cost["target_ms"])
     assert set(cost["target_verify_ms"]) == {"2"}
 
@@ -199,8 +228,9 @@ def test_ngram_cost_is_timed_per_proposed_token(tiny_pair: tuple[Path, Path]) ->
 def test_summarize_falls_back_to_acceptance_length_when_rounds_do_not_add_up() -> None:
     # auto: K unknown per round; a is solved from the acceptance length at the mean draft length
     stats = {"rounds": 2, "drafts": 2, "draft_tokens": 6, "accepted_tokens": 2, "target_only_rounds": 0}
-    rec = summarize(Mode("auto", "service", {}), 0.0, 1, [_result("p", [2, 2], stats=stats)], 1.0, max_new_tokens=4,
-                    cost=None)
+    rec = summarize(
+        Mode("auto", "service", {}), 0.0, 1, [_result("p", [2, 2], stats=stats)], 1.0, max_new_tokens=4, cost=None
+    )
     assert rec["alpha_method"] == "length" and rec["mean_draft_length"] == 3.0
     assert expected_tokens_per_round(rec["alpha"], 3.0) == pytest.approx(2.0)
 
@@ -213,21 +243,39 @@ def test_mixed_speedup_weighs_rounds_that_did_not_draft() -> None:
 
 
 def test_summarize_peer_counts_draft_forwards() -> None:
-    rec = summarize(Mode("hf-2", "hf", {"num_assistant_tokens": 2}, 2), 0.0, 1,
-                    [_result("p", [3, 1, 1], drafted=[2, 2, 1])], 1.0, max_new_tokens=5, cost=None)
+    rec = summarize(
+        Mode("hf-2", "hf", {"num_assistant_tokens": 2}, 2),
+        0.0,
+        1,
+        [_result("p", [3, 1, 1], drafted=[2, 2, 1])],
+        1.0,
+        max_new_tokens=5,
+        cost=None,
+    )
     assert (rec["drafts"], rec["draft_tokens"], rec["accepted_tokens"]) == (3, 5, 2)
     assert rec["theoretical_speedup"] is None  # no measured c
 
 
 def test_finish_records_speedup_and_greedy_check() -> None:
     def rec(mode: str, runner: str, tps: float) -> dict:
-        return {"mode": mode, "runner": runner, "temperature": 0.0, "concurrency": 1, "tokens_per_s": tps,
-                "theoretical_speedup": 2.0 if mode != BASELINE else None, "speedup": None, "efficiency": None,
-                "theoretical_speedup_measured_verify": 3.0 if mode != BASELINE else None}
+        return {
+            "mode": mode,
+            "runner": runner,
+            "temperature": 0.0,
+            "concurrency": 1,
+            "tokens_per_s": tps,
+            "theoretical_speedup": 2.0 if mode != BASELINE else None,
+            "speedup": None,
+            "efficiency": None,
+            "theoretical_speedup_measured_verify": 3.0 if mode != BASELINE else None,
+        }
 
     records = [rec(BASELINE, "service", 10.0), rec("fixed-2", "service", 15.0), rec("hf-2", "hf", 12.0)]
-    outputs = {("", BASELINE, 0.0, 1): {"a": [1, 2, 3]}, ("", "fixed-2", 0.0, 1): {"a": [1, 2, 4]},
-               ("", "hf-2", 0.0, 1): {"a": [1, 2, 3]}}
+    outputs = {
+        ("", BASELINE, 0.0, 1): {"a": [1, 2, 3]},
+        ("", "fixed-2", 0.0, 1): {"a": [1, 2, 4]},
+        ("", "hf-2", 0.0, 1): {"a": [1, 2, 3]},
+    }
     summary = finish_records(records, outputs)
     assert records[1]["speedup"] == 1.5 and records[1]["efficiency"] == 0.75
     assert records[1]["efficiency_measured_verify"] == 0.5  # 1.5 / S(K) of 3.0 at the measured verify cost
@@ -238,12 +286,25 @@ def test_finish_records_speedup_and_greedy_check() -> None:
 
 def test_batched_and_unbatched_setups_each_have_their_baseline_and_a_gain() -> None:
     def rec(services: str, mode: str, c: int, tps: float) -> dict:
-        return {"services": services, "mode": mode, "runner": "service", "temperature": 0.0, "concurrency": c,
-                "tokens_per_s": tps, "theoretical_speedup": None, "speedup": None, "efficiency": None}
+        return {
+            "services": services,
+            "mode": mode,
+            "runner": "service",
+            "temperature": 0.0,
+            "concurrency": c,
+            "tokens_per_s": tps,
+            "theoretical_speedup": None,
+            "speedup": None,
+            "efficiency": None,
+        }
 
-    records = [rec("batched", BASELINE, 8, 40.0), rec("batched", "auto", 8, 44.0),
-               rec("unbatched", BASELINE, 8, 10.0), rec("unbatched", "auto", 8, 11.0),
-               rec("batched", BASELINE, 1, 10.0)]
+    records = [
+        rec("batched", BASELINE, 8, 40.0),
+        rec("batched", "auto", 8, 44.0),
+        rec("unbatched", BASELINE, 8, 10.0),
+        rec("unbatched", "auto", 8, 11.0),
+        rec("batched", BASELINE, 1, 10.0),
+    ]
     outputs = {(r["services"], r["mode"], 0.0, r["concurrency"]): {"a": [1, 2]} for r in records}
     summary = finish_records(records, outputs)
     assert records[1]["speedup"] == pytest.approx(1.1) and records[3]["speedup"] == pytest.approx(1.1)
@@ -261,17 +322,46 @@ def test_peak_rss_of_this_process() -> None:
 # ---- smoke run ----------------------------------------------------------------------
 
 
-def test_bench_smoke_on_the_tiny_pair(tiny_cluster, tiny_pair: tuple[Path, Path], tmp_path: Path) -> None:  # noqa: ANN001
-    from specd.cli import main
+def test_bench_smoke_on_the_tiny_pair(tiny_cluster, tiny_pair: tuple[Path, Path], tmp_path: Path) -> None:
+    from specd.tools.cli import main
 
     target, draft = tiny_pair
     out = tmp_path / "bench.json"
-    rc = main([
-        "bench", "--address", tiny_cluster.address, "--target", str(target), "--draft", str(draft),
-        "--modes", "target-only,fixed,pipelined-3,auto,hf,hf-lookup", "--draft-lengths", "2", "--prompts", "3", "--max-new-tokens", "8",
-        "--temperatures", "0,0.7", "--concurrency", "1,2", "--target-threads", "1", "--draft-threads", "1",
-        "--cost-samples", "3", "--interleave", "3", "--json", str(out), "--no-progress", "--strict",
-    ])
+    rc = main(
+        [
+            "bench",
+            "--address",
+            tiny_cluster.address,
+            "--target",
+            str(target),
+            "--draft",
+            str(draft),
+            "--modes",
+            "target-only,fixed,pipelined-3,auto,hf,hf-lookup",
+            "--draft-lengths",
+            "2",
+            "--prompts",
+            "3",
+            "--max-new-tokens",
+            "8",
+            "--temperatures",
+            "0,0.7",
+            "--concurrency",
+            "1,2",
+            "--target-threads",
+            "1",
+            "--draft-threads",
+            "1",
+            "--cost-samples",
+            "3",
+            "--interleave",
+            "3",
+            "--json",
+            str(out),
+            "--no-progress",
+            "--strict",
+        ]
+    )
     assert rc == 0
     report = json.loads(out.read_text())
     records = report["records"]
@@ -280,9 +370,23 @@ def test_bench_smoke_on_the_tiny_pair(tiny_cluster, tiny_pair: tuple[Path, Path]
     # modes took turns over 3 one-prompt slices at 1 client; 2 clients keep one slice (3 // 2 = 1)
     assert {(r["concurrency"], r["interleave_slices"]) for r in records} == {(1, 3), (2, 1)}
     for r in records:
-        for key in ("mode", "tokens_per_s", "speedup", "acceptance_rate", "acceptance_length", "acceptance_per_position",
-                    "cost_ratio", "theoretical_speedup", "efficiency", "ttft_ms_p50", "itl_ms_p50", "itl_ms_p99",
-                    "greedy_identical", "temperature", "concurrency"):
+        for key in (
+            "mode",
+            "tokens_per_s",
+            "speedup",
+            "acceptance_rate",
+            "acceptance_length",
+            "acceptance_per_position",
+            "cost_ratio",
+            "theoretical_speedup",
+            "efficiency",
+            "ttft_ms_p50",
+            "itl_ms_p50",
+            "itl_ms_p99",
+            "greedy_identical",
+            "temperature",
+            "concurrency",
+        ):
             assert key in r, key
         assert r["errors"] == 0 and r["completion_tokens"] == 3 * 8  # past EOS: equal work in every mode
     base = [r for r in records if r["mode"] == BASELINE]
@@ -308,17 +412,45 @@ def test_bench_smoke_on_the_tiny_pair(tiny_cluster, tiny_pair: tuple[Path, Path]
 
 def test_bench_batching_both_and_tracing_overhead(tiny_pair: tuple[Path, Path], tmp_path: Path) -> None:
     """Its own services, twice (batched, --max-batch 1), tracing to an in-process OTLP receiver."""
-    from specd.cli import main
+    from specd.tools.cli import main
 
     target, draft = tiny_pair
     out = tmp_path / "bench.json"
-    rc = main([
-        "bench", "--target", str(target), "--draft", str(draft), "--cache-dir", str(tmp_path / "cache"),
-        "--modes", "target-only,fixed", "--draft-lengths", "2", "--prompts", "3", "--max-new-tokens", "6",
-        "--temperatures", "0", "--concurrency", "1,3", "--target-threads", "1", "--no-inprocess",
-        "--batching", "both", "--tracing-overhead", "--tracing-repeats", "1",
-        "--json", str(out), "--no-progress", "--strict",
-    ])
+    rc = main(
+        [
+            "bench",
+            "--target",
+            str(target),
+            "--draft",
+            str(draft),
+            "--cache-dir",
+            str(tmp_path / "cache"),
+            "--modes",
+            "target-only,fixed",
+            "--draft-lengths",
+            "2",
+            "--prompts",
+            "3",
+            "--max-new-tokens",
+            "6",
+            "--temperatures",
+            "0",
+            "--concurrency",
+            "1,3",
+            "--target-threads",
+            "1",
+            "--no-inprocess",
+            "--batching",
+            "both",
+            "--tracing-overhead",
+            "--tracing-repeats",
+            "1",
+            "--json",
+            str(out),
+            "--no-progress",
+            "--strict",
+        ]
+    )
     assert rc == 0
     report = json.loads(out.read_text())
     records, meta = report["records"], report["meta"]
@@ -337,7 +469,7 @@ def test_bench_batching_both_and_tracing_overhead(tiny_pair: tuple[Path, Path], 
     assert "Batching: tokens/s" in md and "Tracing overhead" in md
 
 
-def test_cluster_reports_peak_rss(tiny_cluster) -> None:  # noqa: ANN001
+def test_cluster_reports_peak_rss(tiny_cluster) -> None:
     peaks = tiny_cluster.peak_rss_bytes()
     assert set(peaks) == {"target", "draft", "coordinator"}
     assert all(v is not None and v > 10 * 2**20 for v in peaks.values())

@@ -7,15 +7,15 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from coordinator.detokenizer import IncrementalDetokenizer
-from specd.models import build_tiny_tokenizer
+from specd.core.models import build_tiny_tokenizer
 
 
 @pytest.fixture(scope="module")
-def tok():  # noqa: ANN201 - byte-level: every UTF-8 byte is its own token, so characters split
+def tok():
     return build_tiny_tokenizer()
 
 
-def stream(tok, prompt: str, text: str, stops=(), step: int = 1) -> tuple[str, list[str], int | None]:  # noqa: ANN001
+def stream(tok, prompt: str, text: str, stops=(), step: int = 1) -> tuple[str, list[str], int | None]:
     ids = tok(text, add_special_tokens=False).input_ids
     d = IncrementalDetokenizer(tok, tok(prompt, add_special_tokens=False).input_ids, stops)
     pieces = []
@@ -32,38 +32,38 @@ def stream(tok, prompt: str, text: str, stops=(), step: int = 1) -> tuple[str, l
 
 @settings(max_examples=150, deadline=None)
 @given(text=st.text(min_size=1, max_size=40).filter(lambda t: "<|" not in t), step=st.integers(1, 4))
-def test_streamed_text_equals_whole_text(tok, text: str, step: int) -> None:  # noqa: ANN001
+def test_streamed_text_equals_whole_text(tok, text: str, step: int) -> None:
     whole, pieces, _ = stream(tok, "prefix ", text, step=step)
     assert whole == text
     assert all("\ufffd" not in p for p in pieces) or "\ufffd" in text
 
 
-def test_multibyte_characters_are_held_until_complete(tok) -> None:  # noqa: ANN001
+def test_multibyte_characters_are_held_until_complete(tok) -> None:
     _, pieces, _ = stream(tok, "", "héllo 世界 🎉")
     assert "".join(pieces) == "héllo 世界 🎉"
     assert all("\ufffd" not in p for p in pieces)
     assert "" in pieces  # some tokens completed no character yet
 
 
-def test_stop_string_is_cut_and_never_streamed(tok) -> None:  # noqa: ANN001
+def test_stop_string_is_cut_and_never_streamed(tok) -> None:
     whole, pieces, kept = stream(tok, "", "The answer is 42.\n\nQuestion: next", stops=["\n\nQuestion"])
     assert whole == "The answer is 42."
     assert kept is not None and kept == len(tok("The answer is 42.\n\nQuestion").input_ids)
     assert not any("Question" in p for p in pieces)
 
 
-def test_earliest_of_several_stop_strings_wins(tok) -> None:  # noqa: ANN001
+def test_earliest_of_several_stop_strings_wins(tok) -> None:
     whole, _, _ = stream(tok, "", "abc STOP def END", stops=["END", "STOP"], step=3)
     assert whole == "abc "
 
 
-def test_text_that_only_might_become_a_stop_string_is_released_at_the_end(tok) -> None:  # noqa: ANN001
+def test_text_that_only_might_become_a_stop_string_is_released_at_the_end(tok) -> None:
     whole, pieces, kept = stream(tok, "", "done. ST", stops=["STOP"])
     assert kept is None and whole == "done. ST"
     assert not pieces[-2].endswith("ST")  # held back while it could still be "STOP"
 
 
-def test_demo_tokenizer_merged_tokens(demo_target_dir) -> None:  # noqa: ANN001
+def test_demo_tokenizer_merged_tokens(demo_target_dir) -> None:
     from transformers import AutoTokenizer
 
     demo = AutoTokenizer.from_pretrained(demo_target_dir)

@@ -10,12 +10,20 @@ import json
 from pathlib import Path
 
 import pytest
-from transformers import AutoConfig
 import torch
+from transformers import AutoConfig
 
-from specd import cli
-from specd.catalog import demo_draft_path, load_draft_for_serving
-from specd.distill import (
+from specd.core.catalog import demo_draft_path, load_draft_for_serving
+from specd.core.drafting import ModelDrafter, ReducedLMHead
+from specd.core.errors import FailedPrecondition, InvalidArgument
+from specd.core.models import load_pretrained
+from specd.core.proposal import Proposal
+from specd.core.rounds import speculative_generate
+from specd.core.runner import CausalLMRunner
+from specd.core.sampling import SamplingParams
+from specd.core.verification import Verifier
+from specd.tools import cli
+from specd.tools.distill import (
     COMPACT_META,
     DistillConfig,
     assemble,
@@ -25,14 +33,6 @@ from specd.distill import (
     render_prompt,
     run_distill,
 )
-from specd.drafting import ModelDrafter, ReducedLMHead
-from specd.errors import FailedPrecondition, InvalidArgument
-from specd.models import load_pretrained
-from specd.proposal import Proposal
-from specd.rounds import speculative_generate
-from specd.runner import CausalLMRunner
-from specd.sampling import SamplingParams
-from specd.verification import Verifier
 
 pytestmark = pytest.mark.usefixtures("torch_single_thread")
 
@@ -52,11 +52,48 @@ def distilled(tiny_pair: tuple[Path, Path], tmp_path_factory: pytest.TempPathFac
     (root / "text.txt").write_text(TEXT)
     out = root / "draft"
     argv = [
-        "distill", "--target", str(target), "--out", str(out), "--layers", "1", "--vocab", str(VOCAB),
-        "--source", "generations", "--source", str(root / "text.txt"), "--prompts", str(root / "prompts.json"),
-        "--num-prompts", "36", "--gen-tokens", "48", "--gen-batch", "12", "--corpus-tokens", "4000",
-        "--seq-len", "128", "--batch-size", "8", "--steps", "150", "--lr", "3e-3", "--warmup", "10",
-        "--eval-every", "50", "--checkpoint-every", "50", "--val-fraction", "0.1", "--threads", "1", "--no-progress",
+        "distill",
+        "--target",
+        str(target),
+        "--out",
+        str(out),
+        "--layers",
+        "1",
+        "--vocab",
+        str(VOCAB),
+        "--source",
+        "generations",
+        "--source",
+        str(root / "text.txt"),
+        "--prompts",
+        str(root / "prompts.json"),
+        "--num-prompts",
+        "36",
+        "--gen-tokens",
+        "48",
+        "--gen-batch",
+        "12",
+        "--corpus-tokens",
+        "4000",
+        "--seq-len",
+        "128",
+        "--batch-size",
+        "8",
+        "--steps",
+        "150",
+        "--lr",
+        "3e-3",
+        "--warmup",
+        "10",
+        "--eval-every",
+        "50",
+        "--checkpoint-every",
+        "50",
+        "--val-fraction",
+        "0.1",
+        "--threads",
+        "1",
+        "--no-progress",
     ]
     torch.manual_seed(0)
     assert cli.main(argv) == 0
@@ -94,7 +131,9 @@ def test_loss_falls_and_acceptance_rises(distilled: tuple[Path, dict], tiny_pair
     assert token_map is not None and len(token_map) == VOCAB
     untrained = build_draft(load_pretrained(target).model, 1, "target", 0)
     install_reduced_head(untrained, out)
-    a_trained, exact_trained = _acceptance(target, ModelDrafter(CausalLMRunner(trained.model), token_map=token_map), HELDOUT)
+    a_trained, exact_trained = _acceptance(
+        target, ModelDrafter(CausalLMRunner(trained.model), token_map=token_map), HELDOUT
+    )
     a_untrained, exact_untrained = _acceptance(
         target, ModelDrafter(CausalLMRunner(untrained.eval()), token_map=token_map), HELDOUT
     )
@@ -103,8 +142,9 @@ def test_loss_falls_and_acceptance_rises(distilled: tuple[Path, dict], tiny_pair
     assert a_trained > 1.5 * a_untrained and a_trained > a_untrained + 0.02, (a_trained, a_untrained)
 
 
-def test_compact_form_assembles_to_the_same_draft(distilled: tuple[Path, dict], tiny_pair: tuple[Path, Path],
-                                                  tmp_path: Path) -> None:
+def test_compact_form_assembles_to_the_same_draft(
+    distilled: tuple[Path, dict], tiny_pair: tuple[Path, Path], tmp_path: Path
+) -> None:
     out, _ = distilled
     target, _ = tiny_pair
     compact = out / "compact"
@@ -134,15 +174,28 @@ def test_compact_form_assembles_to_the_same_draft(distilled: tuple[Path, dict], 
         assemble(other, target, tmp_path / "mismatch")
     # No shipped weights: the demo draft falls back to an untrained cut of the target.
     cut = demo_draft_path(tmp_path / "cache", str(target), assets=tmp_path / "nothing")
-    assert AutoConfig.from_pretrained(cut).num_hidden_layers == min(4, AutoConfig.from_pretrained(target).num_hidden_layers)
+    assert AutoConfig.from_pretrained(cut).num_hidden_layers == min(
+        4, AutoConfig.from_pretrained(target).num_hidden_layers
+    )
 
 
 def test_resume_continues_from_the_checkpoint(tiny_pair: tuple[Path, Path], tmp_path: Path) -> None:
     target, _ = tiny_pair
     (tmp_path / "text.txt").write_text(TEXT)
-    cfg = DistillConfig(target=target, out=tmp_path / "d", layers=1, vocab=0, sources=[str(tmp_path / "text.txt")],
-                        corpus_tokens=2000, seq_len=64, batch_size=4, steps=10, eval_every=5, checkpoint_every=5,
-                        progress=False)
+    cfg = DistillConfig(
+        target=target,
+        out=tmp_path / "d",
+        layers=1,
+        vocab=0,
+        sources=[str(tmp_path / "text.txt")],
+        corpus_tokens=2000,
+        seq_len=64,
+        batch_size=4,
+        steps=10,
+        eval_every=5,
+        checkpoint_every=5,
+        progress=False,
+    )
     first = run_distill(cfg)
     assert first["steps"] == 10
     with pytest.raises(FailedPrecondition, match="--resume"):
@@ -177,7 +230,9 @@ def test_reduced_head_drafter_samples_only_its_tokens(distilled: tuple[Path, dic
 
 
 def test_builtin_prompts_avoid_the_demo_heldout_set() -> None:
-    heldout = json.loads((Path(__file__).resolve().parents[1] / "specd/assets/demo-draft/heldout-prompts.json").read_text())
+    heldout = json.loads(
+        (Path(__file__).resolve().parents[1] / "specd/assets/demo-draft/heldout-prompts.json").read_text()
+    )
     prompts = builtin_prompts(2000, seed=0)
     assert len(prompts) == len(set(prompts)) == 2000
     assert len(heldout["prompts"]) >= 30 and not set(heldout["prompts"]) & set(prompts)
@@ -203,22 +258,24 @@ def test_ngram_drafter_through_the_services(tiny_pair: tuple[Path, Path], tmp_pa
         for text in prompts:
             ids = list(loaded.tokenizer(text, add_special_tokens=False).input_ids)
             ref = speculative_generate(ids, verifier, None, GREEDY, draft_length=0, max_new_tokens=24)
-            got = client.generate(ids, max_new_tokens=24, temperature=0.0, ignore_eos=True, speculation="fixed",
-                                  draft_length=4)
+            got = client.generate(
+                ids, max_new_tokens=24, temperature=0.0, ignore_eos=True, speculation="fixed", draft_length=4
+            )
             assert list(got.token_ids) == ref.token_ids and len(ref.token_ids) == 24
             assert got.stats.draft_tokens > 0
 
 
 def test_ngram_drafts_that_are_accepted_keep_the_drafter_in_step(tiny_pair: tuple[Path, Path]) -> None:
     """Rounds after accepted n-gram drafts: the drafter's sequence holds its drafts (no SessionOutOfSync)."""
-    from specd.drafting import NgramDrafter
+    from specd.core.drafting import NgramDrafter
 
     target, _ = tiny_pair
     loaded = load_pretrained(target)
     verifier = Verifier(CausalLMRunner(loaded.model))
     prompt = list(loaded.tokenizer("the cat the cat the cat", add_special_tokens=False).input_ids)
     ref = speculative_generate(prompt, verifier, None, GREEDY, draft_length=0, max_new_tokens=60)
-    got = speculative_generate(prompt, verifier, NgramDrafter(verifier.vocab_size), GREEDY, draft_length=4,
-                               max_new_tokens=60)
+    got = speculative_generate(
+        prompt, verifier, NgramDrafter(verifier.vocab_size), GREEDY, draft_length=4, max_new_tokens=60
+    )
     assert got.token_ids == ref.token_ids
     assert got.stats.accepted_tokens >= 3  # some drafts were accepted, and later rounds still lined up

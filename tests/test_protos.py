@@ -4,7 +4,7 @@ from pathlib import Path
 
 import pytest
 
-from specd import protogen
+from specd.tools import protogen
 
 pytest.importorskip("grpc_tools")
 

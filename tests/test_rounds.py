@@ -8,34 +8,39 @@ import pytest
 import torch
 from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
 
-from specd.drafting import ModelDrafter, NgramDrafter, lookup_continuation
-from specd.errors import InvalidArgument, SessionOutOfSync
-from specd.models import load_pretrained
-from specd.proposal import Proposal
-from specd.rounds import FinishReason, Generation, StopRule, speculative_generate, speculative_generate_batch
-from specd.runner import CausalLMRunner
-from specd.sampling import SamplingParams
-from specd.verification import Verifier
+from specd.core.drafting import ModelDrafter, NgramDrafter, lookup_continuation
+from specd.core.errors import InvalidArgument, SessionOutOfSync
+from specd.core.models import load_pretrained
+from specd.core.proposal import Proposal
+from specd.core.rounds import FinishReason, Generation, StopRule, speculative_generate, speculative_generate_batch
+from specd.core.runner import CausalLMRunner
+from specd.core.sampling import SamplingParams
+from specd.core.verification import Verifier
 
 GREEDY = SamplingParams(temperature=0.0)
 
 
 @pytest.fixture(scope="module")
-def tiny(tiny_pair: tuple[Path, Path]):  # noqa: ANN201
+def tiny(tiny_pair: tuple[Path, Path]):
     target, draft = tiny_pair
     t, d = load_pretrained(target), load_pretrained(draft)
-    return t, Verifier(CausalLMRunner(t.model)), ModelDrafter(CausalLMRunner(d.model)), ModelDrafter(CausalLMRunner(t.model))
+    return (
+        t,
+        Verifier(CausalLMRunner(t.model)),
+        ModelDrafter(CausalLMRunner(d.model)),
+        ModelDrafter(CausalLMRunner(t.model)),
+    )
 
 
-def _plain_greedy(model, prompt: list[int], n: int) -> list[int]:  # noqa: ANN001
+def _plain_greedy(model, prompt: list[int], n: int) -> list[int]:
     """Target-only greedy decoding with Hugging Face's own generate (an independent oracle)."""
     config = GenerationConfig(max_new_tokens=n, do_sample=False, pad_token_id=0)
     out = model.generate(torch.tensor([prompt]), generation_config=config)
-    return out[0, len(prompt):].tolist()  # may stop early at end-of-sequence
+    return out[0, len(prompt) :].tolist()  # may stop early at end-of-sequence
 
 
 @pytest.mark.parametrize("k", [1, 4, 8])
-def test_tiny_greedy_parity(tiny, k: int) -> None:  # noqa: ANN001
+def test_tiny_greedy_parity(tiny, k: int) -> None:
     loaded, verifier, drafter, self_drafter = tiny
     for text in ["hello world", "def f(x):", "abcabcabc", "The end."]:
         prompt = loaded.tokenizer(text).input_ids
@@ -49,22 +54,28 @@ def test_tiny_greedy_parity(tiny, k: int) -> None:  # noqa: ANN001
         assert got.stats.accepted_tokens == got.stats.draft_tokens
 
 
-def test_same_seed_same_output_and_stats_add_up(tiny) -> None:  # noqa: ANN001
+def test_same_seed_same_output_and_stats_add_up(tiny) -> None:
     loaded, verifier, drafter, _ = tiny
     prompt = loaded.tokenizer("sampling").input_ids
     params = SamplingParams(temperature=0.9, top_p=0.95, seed=7)
     a = speculative_generate(prompt, verifier, drafter, params, draft_length=4, max_new_tokens=30)
     b = speculative_generate(prompt, verifier, drafter, params, draft_length=4, max_new_tokens=30)
     assert a.token_ids == b.token_ids
-    other = speculative_generate(prompt, verifier, drafter, SamplingParams(temperature=0.9, top_p=0.95, seed=8),
-                                 draft_length=4, max_new_tokens=30)
+    other = speculative_generate(
+        prompt,
+        verifier,
+        drafter,
+        SamplingParams(temperature=0.9, top_p=0.95, seed=8),
+        draft_length=4,
+        max_new_tokens=30,
+    )
     assert other.token_ids != a.token_ids
     s = a.stats
     assert len(a.token_ids) == 30 and s.accepted_tokens + s.rounds == 30  # each round commits accepted + 1
     assert sum(s.accepted_per_position) == s.accepted_tokens
 
 
-def test_ngram_drafter_is_exact(tiny) -> None:  # noqa: ANN001
+def test_ngram_drafter_is_exact(tiny) -> None:
     loaded, verifier, _, _ = tiny
     ngram = NgramDrafter(verifier.vocab_size)
     prompt = loaded.tokenizer("abc abc abc abc abc abc").input_ids
@@ -94,13 +105,19 @@ def test_lookup_capped_at_the_agreeing_context() -> None:
     assert lookup_continuation([4, 4], 3, 3, 1, cap_at_match=True) == [4]  # a match always proposes >= 1
 
 
-def test_capped_ngram_drafter_is_exact(tiny) -> None:  # noqa: ANN001
+def test_capped_ngram_drafter_is_exact(tiny) -> None:
     loaded, verifier, _, _ = tiny
     prompt = loaded.tokenizer("def f(x):\n    return x + 1\n\ndef f(x):\n    return").input_ids
     ref = speculative_generate(prompt, verifier, None, GREEDY, draft_length=0, max_new_tokens=24).token_ids
     for cap in (True, False):
-        got = speculative_generate(prompt, verifier, NgramDrafter(verifier.vocab_size, cap_at_match=cap), GREEDY,
-                                   draft_length=8, max_new_tokens=24)
+        got = speculative_generate(
+            prompt,
+            verifier,
+            NgramDrafter(verifier.vocab_size, cap_at_match=cap),
+            GREEDY,
+            draft_length=8,
+            max_new_tokens=24,
+        )
         assert got.token_ids == ref
         assert got.stats.draft_tokens > 0  # the drafter did propose: parity is not target-only's by default
 
@@ -119,25 +136,42 @@ def test_generation_stops_and_budget() -> None:
     assert gen.finish_reason == FinishReason.CONTEXT_FULL and gen.committed_length == 4
 
 
-def test_bad_input_raises_typed_errors(tiny) -> None:  # noqa: ANN001
+def test_bad_input_raises_typed_errors(tiny) -> None:
     loaded, verifier, drafter, _ = tiny
     prompt = loaded.tokenizer("x").input_ids
     cases = [
         (lambda: speculative_generate([], verifier, None, GREEDY, draft_length=0, max_new_tokens=4), "empty"),
-        (lambda: speculative_generate([10**6], verifier, None, GREEDY, draft_length=0, max_new_tokens=4),
-         "vocabulary"),
-        (lambda: speculative_generate(prompt, verifier, drafter, GREEDY, draft_length=0, max_new_tokens=4),
-         "draft length"),
-        (lambda: speculative_generate(prompt, verifier, None, SamplingParams(top_p=0.0), draft_length=0,
-                                      max_new_tokens=4), "top_p"),
-        (lambda: speculative_generate(prompt, verifier, None, SamplingParams(top_p=1.5), draft_length=0,
-                                      max_new_tokens=4), "top_p"),
-        (lambda: speculative_generate(prompt, verifier, None, SamplingParams(temperature=-0.5), draft_length=0,
-                                      max_new_tokens=4), "temperature"),
-        (lambda: speculative_generate(prompt, verifier, None, GREEDY, draft_length=0, max_new_tokens=0),
-         "max_new_tokens"),
-        (lambda: speculative_generate(prompt * 600, verifier, None, GREEDY, draft_length=0, max_new_tokens=4),
-         "context"),
+        (lambda: speculative_generate([10**6], verifier, None, GREEDY, draft_length=0, max_new_tokens=4), "vocabulary"),
+        (
+            lambda: speculative_generate(prompt, verifier, drafter, GREEDY, draft_length=0, max_new_tokens=4),
+            "draft length",
+        ),
+        (
+            lambda: speculative_generate(
+                prompt, verifier, None, SamplingParams(top_p=0.0), draft_length=0, max_new_tokens=4
+            ),
+            "top_p",
+        ),
+        (
+            lambda: speculative_generate(
+                prompt, verifier, None, SamplingParams(top_p=1.5), draft_length=0, max_new_tokens=4
+            ),
+            "top_p",
+        ),
+        (
+            lambda: speculative_generate(
+                prompt, verifier, None, SamplingParams(temperature=-0.5), draft_length=0, max_new_tokens=4
+            ),
+            "temperature",
+        ),
+        (
+            lambda: speculative_generate(prompt, verifier, None, GREEDY, draft_length=0, max_new_tokens=0),
+            "max_new_tokens",
+        ),
+        (
+            lambda: speculative_generate(prompt * 600, verifier, None, GREEDY, draft_length=0, max_new_tokens=4),
+            "context",
+        ),
     ]
     for call, needle in cases:
         with pytest.raises(InvalidArgument, match=needle):
@@ -154,7 +188,7 @@ def test_bad_input_raises_typed_errors(tiny) -> None:  # noqa: ANN001
     verifier.close("v")
 
 
-def test_verifier_rolls_back_an_unseen_verdict(tiny) -> None:  # noqa: ANN001
+def test_verifier_rolls_back_an_unseen_verdict(tiny) -> None:
     """A retried round (the coordinator missed the answer) gives the same verdict."""
     loaded, verifier, _, _ = tiny
     prompt = loaded.tokenizer("retry me").input_ids
@@ -192,7 +226,7 @@ DEMO_PROMPTS = [
 
 
 @pytest.fixture(scope="module")
-def demo_pair(demo_target_dir: Path):  # noqa: ANN201
+def demo_pair(demo_target_dir: Path):
     # One torch thread: on 2 shared cores, two threads next to other processes run many times slower.
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
@@ -200,35 +234,48 @@ def demo_pair(demo_target_dir: Path):  # noqa: ANN201
     torch.set_num_threads(threads)
 
 
-def _demo_pair(demo_target_dir: Path):  # noqa: ANN202
+def _demo_pair(demo_target_dir: Path):
     loaded = load_pretrained(demo_target_dir)
     # A tiny random draft sharing the demo vocabulary: almost nothing is accepted, so
     # every round exercises rejection and recovery.
-    cfg = LlamaConfig(vocab_size=loaded.model.config.vocab_size, hidden_size=32, intermediate_size=64,
-                      num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1,
-                      max_position_embeddings=2048)
+    cfg = LlamaConfig(
+        vocab_size=loaded.model.config.vocab_size,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        max_position_embeddings=2048,
+    )
     torch.manual_seed(0)
     tiny_draft = LlamaForCausalLM(cfg).eval()
     verifier = Verifier(CausalLMRunner(loaded.model))
     references = {}
     for text in DEMO_PROMPTS:  # target-only greedy, computed once for every K
         prompt = loaded.tokenizer(text).input_ids
-        references[text] = speculative_generate(prompt, verifier, None, GREEDY, draft_length=0,
-                                                max_new_tokens=10).token_ids
-    return loaded, verifier, references, ModelDrafter(CausalLMRunner(tiny_draft)), \
-        ModelDrafter(CausalLMRunner(loaded.model))
+        references[text] = speculative_generate(
+            prompt, verifier, None, GREEDY, draft_length=0, max_new_tokens=10
+        ).token_ids
+    return (
+        loaded,
+        verifier,
+        references,
+        ModelDrafter(CausalLMRunner(tiny_draft)),
+        ModelDrafter(CausalLMRunner(loaded.model)),
+    )
 
 
 @pytest.mark.demo
 @pytest.mark.timeout(900)
 @pytest.mark.parametrize("k", [1, 4, 8])
-def test_demo_greedy_parity(demo_pair, k: int) -> None:  # noqa: ANN001
+def test_demo_greedy_parity(demo_pair, k: int) -> None:
     """All prompts in lock-step through batched rounds (as the services run them under load)
     equal target-only decoding one prompt at a time, one token per forward."""
     loaded, verifier, references, tiny_draft, self_draft = demo_pair
     prompts = [loaded.tokenizer(text).input_ids for text in DEMO_PROMPTS]
     for drafter in (tiny_draft, self_draft):
-        got = speculative_generate_batch(prompts, verifier, drafter, [GREEDY] * len(prompts),
-                                         draft_lengths=[k] * len(prompts), max_new_tokens=10)
+        got = speculative_generate_batch(
+            prompts, verifier, drafter, [GREEDY] * len(prompts), draft_lengths=[k] * len(prompts), max_new_tokens=10
+        )
         for text, g in zip(DEMO_PROMPTS, got):
             assert g.token_ids == references[text], (text, k, drafter is self_draft)

@@ -9,9 +9,9 @@ import pytest
 import torch
 from torch import Tensor
 
-from specd.errors import InvalidArgument
-from specd.models import load_pretrained
-from specd.runner import CausalLMRunner, KVSession
+from specd.core.errors import InvalidArgument
+from specd.core.models import load_pretrained
+from specd.core.runner import CausalLMRunner, KVSession
 
 pytestmark = pytest.mark.usefixtures("torch_single_thread")
 

@@ -12,9 +12,9 @@ import pytest
 import torch
 from torch import Tensor
 
-from specd.errors import InvalidArgument
-from specd.models import load_pretrained
-from specd.runner import CausalLMRunner, KVSession
+from specd.core.errors import InvalidArgument
+from specd.core.models import load_pretrained
+from specd.core.runner import CausalLMRunner, KVSession
 
 pytestmark = pytest.mark.usefixtures("torch_single_thread")
 
@@ -243,8 +243,9 @@ class _FakeGroup:
         self.sent.append(command)
 
 
-def test_tensor_parallel_runner_sends_one_batch_command(tiny_pair: tuple[Path, Path],
-                                                       llama_runner: CausalLMRunner) -> None:
+def test_tensor_parallel_runner_sends_one_batch_command(
+    tiny_pair: tuple[Path, Path], llama_runner: CausalLMRunner
+) -> None:
     from target_service.workers import TensorParallelRunner
 
     group = _FakeGroup()

@@ -1,4 +1,4 @@
-"""Table-driven tests of specd.sampling: crafted logits/probs, exact expectations."""
+"""Table-driven tests of specd.core.sampling: crafted logits/probs, exact expectations."""
 
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ import pytest
 import torch
 from scipy import stats
 
-from specd.errors import InvalidArgument
-from specd.sampling import (
+from specd.core.errors import InvalidArgument
+from specd.core.sampling import (
     Role,
     SamplingParams,
     SparseProposal,
@@ -245,7 +245,9 @@ def test_sparse_proposal_table(probs, k, bits, ids, wire):
     assert got_ids.dtype == I64 and got_wire.dtype == F32
     assert got_ids[0].tolist() == ids
     # exact for the hand-rounded cases; within one grid step for bits=16
-    torch.testing.assert_close(got_wire[0], torch.tensor(wire, dtype=F32), atol=2.0**-bits if bits >= 16 else 2e-7, rtol=0)
+    torch.testing.assert_close(
+        got_wire[0], torch.tensor(wire, dtype=F32), atol=2.0**-bits if bits >= 16 else 2e-7, rtol=0
+    )
 
 
 def test_sparse_proposal_values_lie_on_the_grid_and_sum_to_one():
@@ -276,7 +278,9 @@ def test_sparse_proposal_zero_slot_is_never_sampled():
     assert 3 not in set(tok.tolist())
 
 
-@pytest.mark.parametrize("k, bits, field", [(0, 16, "wire_top_k"), (-3, 16, "wire_top_k"), (4, 0, "wire_bits"), (4, 25, "wire_bits")])
+@pytest.mark.parametrize(
+    "k, bits, field", [(0, 16, "wire_top_k"), (-3, 16, "wire_top_k"), (4, 0, "wire_bits"), (4, 25, "wire_bits")]
+)
 def test_sparse_proposal_bad_args(k, bits, field):
     with pytest.raises(InvalidArgument, match=field):
         sparse_proposal(torch.tensor([P4], dtype=F32), k, bits)
@@ -572,7 +576,9 @@ def test_rejection_sample_zero_residual_guard_samples_from_p():
     p_row = [0.25, 0.25, 0.25, 0.0]
     B = 400
     p = torch.tensor([[p_row, [0, 0, 0, 1.0]]], dtype=F32).expand(B, 2, 4)
-    prop = SparseProposal(_t([[[0, 1, 2]]]).expand(B, 1, 3), torch.tensor([[[0.25, 0.25, 0.25]]], dtype=F32).expand(B, 1, 3))
+    prop = SparseProposal(
+        _t([[[0, 1, 2]]]).expand(B, 1, 3), torch.tensor([[[0.25, 0.25, 0.25]]], dtype=F32).expand(B, 1, 3)
+    )
     seeds, start = torch.arange(B, dtype=I64), torch.zeros(B, dtype=I64)
     drafts = (seeds % 3)[:, None]
     v = rejection_sample(p, drafts, prop, seeds, start)
@@ -618,10 +624,19 @@ def _ok_inputs():
         (dict(num_draft=_t([3, 0])), "num_draft"),
         (dict(num_draft=_t([1])), "num_draft"),
         (dict(draft_token_ids=_t([[3, 1], [2, 3]])), "support"),  # 3 not in row 0's proposal
-        (dict(proposal=SparseProposal(_t([[[0, 9], [1, 2]], [[2, 3], [3, 0]]]), torch.full((2, 2, 2), 0.5))), "proposal token ids"),
+        (
+            dict(proposal=SparseProposal(_t([[[0, 9], [1, 2]], [[2, 3], [3, 0]]]), torch.full((2, 2, 2), 0.5))),
+            "proposal token ids",
+        ),
         (dict(proposal=SparseProposal(_t([[[0, 1]], [[2, 3]]]), torch.full((2, 1, 2), 0.5))), "proposal"),
-        (dict(proposal=SparseProposal(_t([[[0, 1], [1, 2]], [[2, 3], [3, 0]]]), torch.full((2, 2, 2), -0.5))), "proposal probabilities"),
-        (dict(proposal=SparseProposal(_t([[[0, 1], [1, 2]], [[2, 3], [3, 0]]]), torch.zeros(2, 2, 2))), "positive mass"),
+        (
+            dict(proposal=SparseProposal(_t([[[0, 1], [1, 2]], [[2, 3], [3, 0]]]), torch.full((2, 2, 2), -0.5))),
+            "proposal probabilities",
+        ),
+        (
+            dict(proposal=SparseProposal(_t([[[0, 1], [1, 2]], [[2, 3], [3, 0]]]), torch.zeros(2, 2, 2))),
+            "positive mass",
+        ),
         (dict(target_probs=torch.full((2, 3), 0.25)), "target_probs"),
     ],
 )
@@ -664,14 +679,23 @@ def test_rejection_sample_rows_are_independent_of_the_batch():
     v = rejection_sample(p, drafts, prop, seeds, start, nd)
     perm = torch.randperm(B)
     vp = rejection_sample(
-        p[perm], drafts[perm], SparseProposal(prop.token_ids[perm], prop.probs[perm]), seeds[perm], start[perm], nd[perm]
+        p[perm],
+        drafts[perm],
+        SparseProposal(prop.token_ids[perm], prop.probs[perm]),
+        seeds[perm],
+        start[perm],
+        nd[perm],
     )
     assert torch.equal(vp.num_accepted, v.num_accepted[perm])
     assert torch.equal(vp.next_token, v.next_token[perm])
     assert torch.equal(vp.is_bonus, v.is_bonus[perm])
     b = 5
     v1 = rejection_sample(
-        p[b : b + 1], drafts[b : b + 1], SparseProposal(prop.token_ids[b : b + 1], prop.probs[b : b + 1]),
-        seeds[b : b + 1], start[b : b + 1], nd[b : b + 1],
+        p[b : b + 1],
+        drafts[b : b + 1],
+        SparseProposal(prop.token_ids[b : b + 1], prop.probs[b : b + 1]),
+        seeds[b : b + 1],
+        start[b : b + 1],
+        nd[b : b + 1],
     )
     assert (int(v1.num_accepted), int(v1.next_token)) == (int(v.num_accepted[b]), int(v.next_token[b]))

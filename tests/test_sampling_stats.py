@@ -11,15 +11,15 @@ outcomes are deterministic.
 from __future__ import annotations
 
 import itertools
-from typing import Callable
+from collections.abc import Callable
 
 import numpy as np
 import pytest
 import torch
 from scipy import stats
 
-from specd.errors import InvalidArgument
-from specd.sampling import (
+from specd.core.errors import InvalidArgument
+from specd.core.sampling import (
     Role,
     SamplingParams,
     SparseProposal,
@@ -234,8 +234,13 @@ def _probs(table: torch.Tensor, seq: torch.Tensor, length: torch.Tensor, params:
 
 
 def generate3(
-    K: int, params: SamplingParams, seeds: torch.Tensor, wire_top_k: int = V3, wire_bits: int = 16,
-    draft_params: SamplingParams | None = None, drafter: Drafter = draft_token,
+    K: int,
+    params: SamplingParams,
+    seeds: torch.Tensor,
+    wire_top_k: int = V3,
+    wire_bits: int = 16,
+    draft_params: SamplingParams | None = None,
+    drafter: Drafter = draft_token,
     verifier: Callable = rejection_sample,
 ) -> torch.Tensor:
     """Speculative decoding of 3 tokens from an empty prompt; rows in lockstep. Returns [B, 3]."""

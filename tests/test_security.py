@@ -28,18 +28,34 @@ def secure_cluster(tiny_pair: tuple[Path, Path], pki: Pki, tmp_path_factory: pyt
     token_file.write_text(TOKEN + "\n")
     internal = ["--tls-cert", str(pki.server_cert), "--tls-key", str(pki.server_key), "--tls-client-ca", str(pki.ca)]
     coordinator = [
-        "--tls-cert", str(pki.server_cert), "--tls-key", str(pki.server_key),
-        "--peer-tls-ca", str(pki.ca), "--peer-tls-cert", str(pki.client_cert), "--peer-tls-key", str(pki.client_key),
-        "--api-token-file", str(token_file),
+        "--tls-cert",
+        str(pki.server_cert),
+        "--tls-key",
+        str(pki.server_key),
+        "--peer-tls-ca",
+        str(pki.ca),
+        "--peer-tls-cert",
+        str(pki.client_cert),
+        "--peer-tls-key",
+        str(pki.client_key),
+        "--api-token-file",
+        str(token_file),
     ]
-    with Cluster(target, draft, cache_dir=tmp_path_factory.mktemp("cache"), target_args=internal,
-                 draft_args=internal, coordinator_args=coordinator) as c:
+    with Cluster(
+        target,
+        draft,
+        cache_dir=tmp_path_factory.mktemp("cache"),
+        target_args=internal,
+        draft_args=internal,
+        coordinator_args=coordinator,
+    ) as c:
         yield c
 
 
-def _generate(client: CoordinatorClient):  # noqa: ANN202
-    return client.generate("hello", max_new_tokens=8, temperature=0, ignore_eos=True, speculation="fixed",
-                           draft_length=3)
+def _generate(client: CoordinatorClient):
+    return client.generate(
+        "hello", max_new_tokens=8, temperature=0, ignore_eos=True, speculation="fixed", draft_length=3
+    )
 
 
 def test_right_ca_and_token_work_with_mutual_tls_to_peers(secure_cluster: Cluster, pki: Pki) -> None:

@@ -13,7 +13,7 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoReflectionDescriptorDatabase
 
-from specd.sampling import SamplingParams
+from specd.core.sampling import SamplingParams
 from specd.v1 import common_pb2
 from tests.cluster import Cluster
 from tests.references import loaded, reference
@@ -45,12 +45,16 @@ def test_greedy_generate_and_stream_equal_target_only(cluster: Cluster, tiny_pai
         for k, text in zip([1, 4, 8, 4, 2, 6, 3, 5], PROMPTS):
             ids = prompt_ids(target, text)
             ref = reference(target, None, ids, SamplingParams(temperature=0), max_new_tokens=24)
-            unary = client.generate(ids, max_new_tokens=24, temperature=0, ignore_eos=True,
-                                    speculation="fixed", draft_length=k)
+            unary = client.generate(
+                ids, max_new_tokens=24, temperature=0, ignore_eos=True, speculation="fixed", draft_length=k
+            )
             assert list(unary.token_ids) == ref.token_ids, text
             assert unary.stats.draft_tokens > 0 and unary.stats.completion_tokens == 24
-            streamed = list(client.generate_stream(ids, max_new_tokens=24, temperature=0, ignore_eos=True,
-                                                   speculation="fixed", draft_length=k))
+            streamed = list(
+                client.generate_stream(
+                    ids, max_new_tokens=24, temperature=0, ignore_eos=True, speculation="fixed", draft_length=k
+                )
+            )
             assert [t for m in streamed for t in m.token_ids] == ref.token_ids
             assert streamed[-1].finish_reason == common_pb2.FINISH_REASON_LENGTH
             assert len(streamed) == streamed[-1].stats.rounds  # one message per committed round
@@ -64,12 +68,30 @@ def test_seeded_sampling_equals_in_process_loop(cluster: Cluster, tiny_pair: tup
             ids = prompt_ids(target, PROMPTS[seed])
             params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed + 11)
             ref = reference(target, draft, ids, params, max_new_tokens=20, draft_length=4)
-            got = client.generate(ids, max_new_tokens=20, temperature=temperature, top_k=top_k, top_p=top_p,
-                                  seed=seed + 11, ignore_eos=True, speculation="fixed", draft_length=4)
+            got = client.generate(
+                ids,
+                max_new_tokens=20,
+                temperature=temperature,
+                top_k=top_k,
+                top_p=top_p,
+                seed=seed + 11,
+                ignore_eos=True,
+                speculation="fixed",
+                draft_length=4,
+            )
             assert list(got.token_ids) == ref.token_ids
             assert got.stats.accepted_tokens == ref.stats.accepted_tokens
-            again = client.generate(ids, max_new_tokens=20, temperature=temperature, top_k=top_k, top_p=top_p,
-                                    seed=seed + 11, ignore_eos=True, speculation="fixed", draft_length=4)
+            again = client.generate(
+                ids,
+                max_new_tokens=20,
+                temperature=temperature,
+                top_k=top_k,
+                top_p=top_p,
+                seed=seed + 11,
+                ignore_eos=True,
+                speculation="fixed",
+                draft_length=4,
+            )
             assert list(again.token_ids) == ref.token_ids
 
 
@@ -84,11 +106,20 @@ def test_sixteen_concurrent_streams_do_not_cross_talk(cluster: Cluster, tiny_pai
         expected = reference(target, draft, ids, params, max_new_tokens=16, draft_length=k).token_ids
         cases.append((ids, temperature, 100 + i, k, expected))
 
-    def run(case):  # noqa: ANN001, ANN202
+    def run(case):
         ids, temperature, seed, k, _ = case
         with cluster.client() as client:
-            msgs = list(client.generate_stream(ids, max_new_tokens=16, temperature=temperature, seed=seed,
-                                               ignore_eos=True, speculation="fixed", draft_length=k))
+            msgs = list(
+                client.generate_stream(
+                    ids,
+                    max_new_tokens=16,
+                    temperature=temperature,
+                    seed=seed,
+                    ignore_eos=True,
+                    speculation="fixed",
+                    draft_length=k,
+                )
+            )
         return [t for m in msgs for t in m.token_ids]
 
     with ThreadPoolExecutor(16) as pool:
@@ -134,8 +165,9 @@ def test_draft_killed_mid_request_and_target_restarted(tiny_pair: tuple[Path, Pa
         assert c.draft is not None
         # Kill the draft while a request streams: the request finishes, exactly, target-only.
         got: list[int] = []
-        stream = client.generate_stream(ids, max_new_tokens=120, temperature=0, ignore_eos=True,
-                                        speculation="fixed", draft_length=4)
+        stream = client.generate_stream(
+            ids, max_new_tokens=120, temperature=0, ignore_eos=True, speculation="fixed", draft_length=4
+        )
         for i, msg in enumerate(stream):
             got.extend(msg.token_ids)
             if i == 2:
@@ -146,8 +178,9 @@ def test_draft_killed_mid_request_and_target_restarted(tiny_pair: tuple[Path, Pa
         c.draft.restart(c.env)
         deadline = time.monotonic() + 60
         while True:
-            resp = client.generate(ids, max_new_tokens=30, temperature=0, ignore_eos=True,
-                                   speculation="fixed", draft_length=4)
+            resp = client.generate(
+                ids, max_new_tokens=30, temperature=0, ignore_eos=True, speculation="fixed", draft_length=4
+            )
             assert list(resp.token_ids) == ref[:30]
             if resp.stats.target_only_rounds == 0 or time.monotonic() > deadline:
                 break
@@ -156,8 +189,9 @@ def test_draft_killed_mid_request_and_target_restarted(tiny_pair: tuple[Path, Pa
         # Restart the target between requests: the next request heals its sessions.
         c.target.kill()
         c.target.restart(c.env)
-        resp = client.generate(ids, max_new_tokens=30, temperature=0, ignore_eos=True,
-                               speculation="fixed", draft_length=4)
+        resp = client.generate(
+            ids, max_new_tokens=30, temperature=0, ignore_eos=True, speculation="fixed", draft_length=4
+        )
         assert list(resp.token_ids) == ref[:30], c.logs()
 
 
@@ -200,13 +234,32 @@ def test_pipelining_and_auto_give_the_same_tokens(tiny_pair: tuple[Path, Path], 
             for temperature in (0.0, 0.8):
                 params = SamplingParams(temperature=temperature, seed=seed)
                 ref = reference(target, target, ids, params, max_new_tokens=24, draft_length=3)
-                got = client.generate(ids, max_new_tokens=24, temperature=temperature, seed=seed, ignore_eos=True,
-                                      speculation="fixed", draft_length=3, pipeline=True)
+                got = client.generate(
+                    ids,
+                    max_new_tokens=24,
+                    temperature=temperature,
+                    seed=seed,
+                    ignore_eos=True,
+                    speculation="fixed",
+                    draft_length=3,
+                    pipeline=True,
+                )
                 assert list(got.token_ids) == ref.token_ids
                 hits += got.stats.pipeline_hits
             greedy = reference(target, None, ids, SamplingParams(temperature=0), max_new_tokens=24)
-            post = [client.generate(ids, max_new_tokens=24, temperature=t, seed=seed, ignore_eos=True,
-                                    speculation="fixed", draft_length=3, pipeline="post-verify") for t in (0.0, 0.8, 0.8)]
+            post = [
+                client.generate(
+                    ids,
+                    max_new_tokens=24,
+                    temperature=t,
+                    seed=seed,
+                    ignore_eos=True,
+                    speculation="fixed",
+                    draft_length=3,
+                    pipeline="post-verify",
+                )
+                for t in (0.0, 0.8, 0.8)
+            ]
             assert list(post[0].token_ids) == greedy.token_ids
             assert list(post[1].token_ids) == list(post[2].token_ids) and len(post[1].token_ids) == 24
             post_hits += post[0].stats.pipeline_hits

@@ -23,14 +23,14 @@ import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from transformers import AutoModelForCausalLM, LlamaConfig
 
-from specd import tensor_parallel
-from specd.errors import InvalidArgument, Unavailable
-from specd.models import load_pretrained
-from specd.proposal import Proposal
-from specd.runner import CausalLMRunner
-from specd.sampling import SamplingParams
+from specd.core import tensor_parallel
+from specd.core.errors import InvalidArgument, Unavailable
+from specd.core.models import load_pretrained
+from specd.core.proposal import Proposal
+from specd.core.runner import CausalLMRunner
+from specd.core.sampling import SamplingParams
+from specd.core.verification import Verifier
 from specd.v1 import common_pb2, session_pb2, target_pb2, target_pb2_grpc
-from specd.verification import Verifier
 from target_service.servicer import TargetServicer
 from target_service.workers import TensorParallelRunner, build_tp_runner
 from tests.cluster import READY_TIMEOUT_S, Cluster, QuietService, metrics_address, scrape, total
@@ -48,7 +48,7 @@ def _ids(target: Path, text: str) -> list[int]:
     return list(loaded(str(target)).tokenizer(text, add_special_tokens=False).input_ids)
 
 
-def _wait(predicate, timeout_s: float, what: str) -> None:  # noqa: ANN001
+def _wait(predicate, timeout_s: float, what: str) -> None:
     deadline = time.monotonic() + timeout_s
     while not predicate():
         if time.monotonic() > deadline:
@@ -60,8 +60,13 @@ def _wait(predicate, timeout_s: float, what: str) -> None:  # noqa: ANN001
 
 
 SMOLLM2_LIKE = dict(  # the demo target's shape (SmolLM2-135M), built on the meta device
-    vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
-    num_attention_heads=9, num_key_value_heads=3, tie_word_embeddings=True,
+    vocab_size=49152,
+    hidden_size=576,
+    intermediate_size=1536,
+    num_hidden_layers=30,
+    num_attention_heads=9,
+    num_key_value_heads=3,
+    tie_word_embeddings=True,
 )
 
 
@@ -96,7 +101,9 @@ def test_each_rank_holds_one_nth_of_the_sharded_weights(tiny_pair: tuple[Path, P
     for rank in range(tp):
         sharded, replicated = tensor_parallel.weight_bytes(tensor_parallel.shard_model(skeleton(), rank, tp))
         per_rank.append(sharded)
-        print(f"{shape} tp={tp} rank {rank}: {sharded} B sharded ({sharded / full:.4f} of {full} B), {replicated} B replicated")
+        print(
+            f"{shape} tp={tp} rank {rank}: {sharded} B sharded ({sharded / full:.4f} of {full} B), {replicated} B replicated"
+        )
     for sharded in per_rank:
         # 1/N exactly, plus at most the zero rows padding the vocabulary to a multiple of N
         assert full / tp <= sharded <= full / tp * 1.01
@@ -133,7 +140,7 @@ def test_tp2_logits_match_tp1_after_prefill_verify_and_rollback(
     a, b = tp_runner.new_session(prompt), tp1_runner.new_session(prompt)
     steps = []
 
-    def both(fn, *args) -> None:  # noqa: ANN001
+    def both(fn, *args) -> None:
         fn(tp_runner, a, *args)
         fn(tp1_runner, b, *args)
 
@@ -205,7 +212,9 @@ def test_live_ranks_report_one_nth_of_the_sharded_weights(
 
 def _verify_request(sid: str, committed: int, drafts: list[int]) -> target_pb2.TargetRequest:
     return target_pb2.TargetRequest(
-        request_id=2, session_id=sid, committed_length=committed,
+        request_id=2,
+        session_id=sid,
+        committed_length=committed,
         verify=target_pb2.Verify(start=committed, draft_token_ids=drafts),
     )
 
@@ -243,7 +252,9 @@ def test_killed_worker_gives_unavailable_then_the_group_recovers(
     assert want.verify("s", len(prompt), Proposal([1, 2])).token_id == before.token_id
     expected = want.verify("s", n, Proposal([3]), start=n)
     assert (after.accepted, after.token_id, after.committed_length) == (
-        expected.accepted, expected.token_id, expected.committed_length
+        expected.accepted,
+        expected.token_id,
+        expected.committed_length,
     )
     verifier.close("s")
     want.close("s")
@@ -269,7 +280,7 @@ def test_exit_on_worker_failure_hands_over_instead_of_restarting(tp_runner: Tens
 
 
 def test_specd_up_passes_tp_flags_to_the_target() -> None:
-    from specd.cli import _tp_args, build_parser
+    from specd.tools.cli import _tp_args, build_parser
 
     args = build_parser().parse_args(["up", "--tp", "3", "--executor", "ray", "--ray-address", "head:6379"])
     assert _tp_args(args) == ["--tp", "3", "--executor", "ray", "--ray-address", "head:6379"]
@@ -329,7 +340,7 @@ def tp_cluster(request: pytest.FixtureRequest, services: Cluster) -> Iterator[Cl
     """The services with the target running its tp ranks on `request.param`."""
     address, env = request.getfixturevalue("local_ray") if request.param == "ray" else ("", {})
     args = _tp_args(request.param, address)
-    if services.target.args[-len(args):] != args:
+    if services.target.args[-len(args) :] != args:
         # Restart the target alone on its port with the other executor; the coordinator
         # reconnects and its sessions heal, as after any target restart.
         old = services.target
@@ -375,10 +386,23 @@ def test_tp2_services_give_tp1_tokens_greedy_and_seeded(tp_cluster: Cluster, tin
         ids = _ids(target, PROMPTS[seed])
         params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed + 11)
         want = reference(target, draft, ids, params, max_new_tokens=20, draft_length=4)
-        calls.append((ids, dict(max_new_tokens=20, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed + 11,
-                                speculation="fixed", draft_length=4), want))
+        calls.append(
+            (
+                ids,
+                dict(
+                    max_new_tokens=20,
+                    temperature=temperature,
+                    top_k=top_k,
+                    top_p=top_p,
+                    seed=seed + 11,
+                    speculation="fixed",
+                    draft_length=4,
+                ),
+                want,
+            )
+        )
 
-    def run(call):  # noqa: ANN001, ANN202
+    def run(call):
         ids, kwargs, _ = call
         with tp_cluster.client() as client:
             return client.generate(ids, ignore_eos=True, **kwargs)
@@ -409,7 +433,9 @@ def test_killing_a_worker_fails_rounds_fast_then_the_service_recovers(
         prompt = [72, 105, 33]
         requests = [
             target_pb2.TargetRequest(
-                request_id=1, session_id="killed", committed_length=len(prompt),
+                request_id=1,
+                session_id="killed",
+                committed_length=len(prompt),
                 open=target_pb2.TargetOpen(token_ids=prompt, sampling=common_pb2.SamplingParams(temperature=0, seed=1)),
             ),
             _verify_request("killed", len(prompt), [1, 2]),
@@ -423,5 +449,7 @@ def test_killing_a_worker_fails_rounds_fast_then_the_service_recovers(
     ids = _ids(target, PROMPTS[0])
     want = reference(target, None, ids, SamplingParams(temperature=0), max_new_tokens=16)
     with tp_cluster.client() as client:
-        got = client.generate(ids, max_new_tokens=16, temperature=0, ignore_eos=True, speculation="fixed", draft_length=4)
+        got = client.generate(
+            ids, max_new_tokens=16, temperature=0, ignore_eos=True, speculation="fixed", draft_length=4
+        )
     assert list(got.token_ids) == want.token_ids

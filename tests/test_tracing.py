@@ -24,11 +24,11 @@ from opentelemetry.sdk.trace.sampling import ParentBased, TraceIdRatioBased
 from opentelemetry.trace import INVALID_SPAN, SpanKind
 
 from coordinator.client import build_request
-from specd import tracing as tr
-from specd.config import CoordinatorConfig, DraftConfig
+from specd.serving import tracing as tr
+from specd.serving.config import CoordinatorConfig, DraftConfig
+from specd.tools.otlp_receiver import OtlpReceiver, ReceivedSpan
 from specd.v1 import coordinator_pb2, coordinator_pb2_grpc
 from tests.cluster import READY_TIMEOUT_S, Cluster, QuietService, metrics_address, scrape, total
-from specd.otlp_receiver import OtlpReceiver, ReceivedSpan
 
 # ---- in-process: settings, context, sampling, a dead collector -----------------------
 
@@ -39,24 +39,36 @@ def test_tracing_is_off_without_an_endpoint() -> None:
     assert t.start_generate("Generate", [("traceparent", "00-" + "1" * 32 + "-" + "2" * 16 + "-01")]) is INVALID_SPAN
     assert t.start_round(INVALID_SPAN, 0, 5) is INVALID_SPAN
     assert t.inject(INVALID_SPAN) == {}
-    assert t.start_remote_child(tr.SPAN_DRAFT_PROPOSE, {"traceparent": "00-" + "1" * 32 + "-" + "2" * 16 + "-01"}, {}) is None
+    assert (
+        t.start_remote_child(tr.SPAN_DRAFT_PROPOSE, {"traceparent": "00-" + "1" * 32 + "-" + "2" * 16 + "-01"}, {})
+        is None
+    )
     t.shutdown()  # nothing to do
 
 
 def test_settings_follow_flags_then_standard_variables() -> None:
     env = {"OTEL_EXPORTER_OTLP_ENDPOINT": "http://collector:4317"}
     s = tr.resolve_settings("draft", DraftConfig(), env)
-    assert (s.service_name, s.endpoint, s.protocol, s.from_flag) == ("specd-draft", "http://collector:4317", "grpc", False)
+    assert (s.service_name, s.endpoint, s.protocol, s.from_flag) == (
+        "specd-draft",
+        "http://collector:4317",
+        "grpc",
+        False,
+    )
     s = tr.resolve_settings("draft", DraftConfig(), {**env, "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT": "http://traces:4317"})
     assert s.endpoint == "http://traces:4317"
     s = tr.resolve_settings("draft", DraftConfig(otlp_endpoint="jaeger:4317", trace_sample_ratio=0.25), env)
     assert (s.endpoint, s.from_flag, s.sample_ratio) == ("http://jaeger:4317", True, 0.25)  # no scheme: plaintext
-    s = tr.resolve_settings("target", DraftConfig(otlp_endpoint="http://jaeger:4318", otlp_protocol="http/protobuf"), {})
+    s = tr.resolve_settings(
+        "target", DraftConfig(otlp_endpoint="http://jaeger:4318", otlp_protocol="http/protobuf"), {}
+    )
     assert (s.service_name, s.endpoint, s.protocol) == ("specd-target", "http://jaeger:4318/v1/traces", "http/protobuf")
     s = tr.resolve_settings("coordinator", CoordinatorConfig(), {**env, "OTEL_EXPORTER_OTLP_PROTOCOL": "http/protobuf"})
     assert s.protocol == "http/protobuf" and s.service_name == "specd-coordinator"
     for protocol in ("grpc", "http/protobuf"):  # both exporters build (nothing is sent until spans end)
-        t = tr.setup_tracing("coordinator", CoordinatorConfig(otlp_endpoint="127.0.0.1:9", otlp_protocol=protocol), env={})
+        t = tr.setup_tracing(
+            "coordinator", CoordinatorConfig(otlp_endpoint="127.0.0.1:9", otlp_protocol=protocol), env={}
+        )
         assert t.enabled
         resource = t.provider.resource.attributes
         assert resource["service.name"] == "specd-coordinator" and resource["service.version"]
@@ -133,6 +145,7 @@ def test_dead_collector_neither_blocks_spans_nor_shutdown(monkeypatch: pytest.Mo
 
 # ---- end to end: three services, a real OTLP receiver -----------------------------------
 
+
 def cluster_with(target: Path, cache: Path, *, endpoint: str | None) -> Cluster:
     """target, a draft of the same model (so tokens get accepted: bonus and recovered both occur), coordinator."""
     flags = ["--metrics-port", "0"] + (["--otlp-endpoint", endpoint] if endpoint else [])
@@ -188,8 +201,14 @@ def trace_of(spans: list[ReceivedSpan], call: Call) -> list[ReceivedSpan]:
     return [s for s in spans if roots and s.trace_id == roots[0].trace_id]
 
 
-MESSAGE_SPANS = {tr.SPAN_DRAFT_OPEN, tr.SPAN_DRAFT_PROPOSE, tr.SPAN_DRAFT_CLOSE,
-                 tr.SPAN_TARGET_OPEN, tr.SPAN_TARGET_VERIFY, tr.SPAN_TARGET_CLOSE}
+MESSAGE_SPANS = {
+    tr.SPAN_DRAFT_OPEN,
+    tr.SPAN_DRAFT_PROPOSE,
+    tr.SPAN_DRAFT_CLOSE,
+    tr.SPAN_TARGET_OPEN,
+    tr.SPAN_TARGET_VERIFY,
+    tr.SPAN_TARGET_CLOSE,
+}
 
 
 def complete(trace: list[ReceivedSpan], call: Call) -> bool:
@@ -257,14 +276,16 @@ def test_each_generate_is_one_trace_with_a_span_per_round(traced: Cluster, recei
             assert verify[0].attributes[tr.ATTR_ACCEPTED] == r.attributes[tr.ATTR_ROUND_ACCEPTED]
             assert verify[0].attributes[tr.ATTR_TOKEN_KIND] == r.attributes[tr.ATTR_ROUND_TOKEN_KIND]
             assert [p.name for p in sorted(phases[verify[0].span_id], key=lambda p: p.start_ns)] == [
-                tr.SPAN_TARGET_PHASE_PREFIX + name for name in ("sync", "forward", "sampling", "rollback")]
+                tr.SPAN_TARGET_PHASE_PREFIX + name for name in ("sync", "forward", "sampling", "rollback")
+            ]
             proposes = [c for c in children[r.span_id] if c.name == tr.SPAN_DRAFT_PROPOSE]
             assert len(proposes) == (1 if r.attributes[tr.ATTR_ROUND_DRAFT_TOKENS] else 0), names
             for p in proposes:
                 assert p.attributes[tr.ATTR_DRAFT_TOKENS] == r.attributes[tr.ATTR_ROUND_DRAFT_TOKENS]
                 assert {c.name for c in phases[p.span_id]} == {
-                    tr.SPAN_DRAFT_PHASE_PREFIX + name for name in ("sync", "forward", "sampling")}
-        assert sum(tr.SPAN_TARGET_OPEN == c.name for cs in children.values() for c in cs) == 1
+                    tr.SPAN_DRAFT_PHASE_PREFIX + name for name in ("sync", "forward", "sampling")
+                }
+        assert sum(c.name == tr.SPAN_TARGET_OPEN for cs in children.values() for c in cs) == 1
         assert rounds[0].attributes[tr.ATTR_ROUND_PIPELINE_HIT] is False
 
 
@@ -355,7 +376,7 @@ def test_unreachable_collector_adds_no_latency(traced: Cluster, receiver: OtlpRe
     assert traced.coordinator is not None and traced.draft is not None
     args = list(traced.coordinator.args)
     i = args.index("--otlp-endpoint")
-    off = QuietService("coordinator-off", args[:i] + args[i + 2:])
+    off = QuietService("coordinator-off", args[:i] + args[i + 2 :])
     off.start(traced.env)
     try:
         off.wait_ready(READY_TIMEOUT_S)
@@ -365,8 +386,10 @@ def test_unreachable_collector_adds_no_latency(traced: Cluster, receiver: OtlpRe
             blackhole.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
             blackhole.bind((receiver.host, receiver.port))
             blackhole.listen(64)  # never accepted: exports hang until their timeout
-            workload = [dict(max_new_tokens=24, temperature=0, speculation="fixed", draft_length=4, seed=5000 + i)
-                        for i in range(4)]
+            workload = [
+                dict(max_new_tokens=24, temperature=0, speculation="fixed", draft_length=4, seed=5000 + i)
+                for i in range(4)
+            ]
 
             def timed(address: str) -> float:
                 start = time.perf_counter()

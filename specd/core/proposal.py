@@ -1,0 +1,81 @@
+"""What a drafter hands to the verifier: K draft tokens and, optionally, sparse q."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from specd.core.errors import InvalidArgument
+from specd.core.phases import PhaseLog
+
+
+@dataclass(frozen=True)
+class Proposal:
+    """K draft tokens after a committed prefix.
+
+    q_ids / q_probs give, per draft position, the sparse distribution the token
+    was sampled from (probability of q_ids[i, j] is q_probs[i, j] / q_probs[i].sum());
+    None means one-hot at each draft token (n-gram drafts, greedy drafts).
+    """
+
+    token_ids: list[int]
+    q_ids: torch.Tensor | None = None  # [K, W] int64
+    q_probs: torch.Tensor | None = None  # [K, W] float32 (the wire values)
+    compute_ms: float = 0.0
+    phases: PhaseLog = field(default_factory=PhaseLog, compare=False, repr=False)  # where the time went
+
+    def __len__(self) -> int:
+        return len(self.token_ids)
+
+    def window(self, start: int, stop: int | None = None, *, compute_ms: float = 0.0) -> Proposal:
+        """Draft tokens [start:stop] with their q rows (e.g. a pre-draft minus its first token)."""
+        q_ids = None if self.q_ids is None else self.q_ids[start:stop]
+        q_probs = None if self.q_probs is None else self.q_probs[start:stop]
+        return Proposal(self.token_ids[start:stop], q_ids, q_probs, compute_ms)
+
+    @staticmethod
+    def from_wire(
+        token_ids: Sequence[int], q: Sequence[tuple[Sequence[int], Sequence[float]]], vocab_size: int
+    ) -> Proposal:
+        """Build (and validate) a proposal from per-position (ids, probs) pairs."""
+        tokens = [int(t) for t in token_ids]
+        for t in tokens:
+            if not 0 <= t < vocab_size:
+                raise InvalidArgument(f"draft token id {t} is outside the vocabulary [0, {vocab_size})")
+        if not q:
+            return Proposal(tokens)
+        if len(q) != len(tokens):
+            raise InvalidArgument(
+                f"q has {len(q)} positions for {len(tokens)} draft tokens; send one per token or none"
+            )
+        width = max(len(ids) for ids, _ in q)
+        q_ids = torch.zeros(len(tokens), max(width, 1), dtype=torch.int64)
+        q_probs = torch.zeros(len(tokens), max(width, 1), dtype=torch.float32)
+        for i, (ids, probs) in enumerate(q):
+            if len(ids) != len(probs) or not ids:
+                raise InvalidArgument(f"q at draft position {i}: need equal, non-zero numbers of token_ids and probs")
+            row_ids = torch.tensor(list(ids), dtype=torch.int64)
+            row_probs = torch.tensor(list(probs), dtype=torch.float32)
+            if bool((row_ids >= vocab_size).any()):
+                raise InvalidArgument(
+                    f"q at draft position {i} names a token id outside the vocabulary [0, {vocab_size})"
+                )
+            if not bool(torch.isfinite(row_probs).all()) or bool((row_probs < 0).any()) or float(row_probs.sum()) <= 0:
+                raise InvalidArgument(f"q at draft position {i}: probabilities must be finite, >= 0 and not all 0")
+            if not bool((row_ids == tokens[i]).logical_and(row_probs > 0).any()):
+                raise InvalidArgument(f"draft token {tokens[i]} at position {i} has probability 0 in its own q")
+            q_ids[i, : len(ids)] = row_ids
+            q_probs[i, : len(ids)] = row_probs
+        return Proposal(tokens, q_ids, q_probs)
+
+    def to_wire(self) -> list[tuple[list[int], list[float]]]:
+        """Per-position (ids, probs), dropping zero-probability padding slots."""
+        if self.q_ids is None or self.q_probs is None:
+            return []
+        out = []
+        for ids, probs in zip(self.q_ids.tolist(), self.q_probs.tolist()):
+            kept = [(i, p) for i, p in zip(ids, probs) if p > 0]
+            out.append(([i for i, _ in kept], [p for _, p in kept]))
+        return out

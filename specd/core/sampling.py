@@ -1,0 +1,459 @@
+"""Sampling and the speculative rejection sampler: pure, batched tensor functions.
+
+Words (vLLM's, used everywhere in specd):
+
+- **draft tokens**: the K tokens x_0..x_{K-1} the draft proposes after the
+  committed prefix, x_i drawn from the draft's proposal distribution q_i.
+- **accepted**: draft token x_i is kept iff u < min(1, p_i(x_i) / q_i(x_i)),
+  where p_i is the target's processed distribution at that position and u
+  a uniform coin. Verification stops at the first rejection.
+- **recovered** token: at the first rejection j the target draws a token
+  from the residual normalise(max(0, p_j - q_j)) over the full vocabulary.
+- **bonus** token: when all drafts are accepted the target draws one more
+  token from p_K, the position after the last draft.
+
+Every verify round therefore emits ``num_accepted + 1`` tokens, and the
+emitted sequence has exactly the distribution of sampling from p alone
+(Leviathan et al. 2023, Chen et al. 2023), provided that:
+
+- q is exactly what the draft sampled from: the draft truncates its
+  distribution to the wire top-k, renormalises, rounds to the wire
+  precision, renormalises again and samples from *those* numbers
+  (:func:`sparse_proposal`, :func:`draft_token`);
+- both sides normalise the wire numbers the same way (float64);
+- coins are independent uniforms: each is a hash of (seed, position, role)
+  (:func:`coins`), so the output depends on the request seed only, never
+  on call order, batching, pipelining or retries.
+
+Greedy (temperature 0) needs no special case: p is one-hot at the argmax,
+so a draft token is accepted iff it is the argmax, and the residual is
+one-hot at the argmax.
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+import numbers
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from specd.core.errors import InvalidArgument
+
+__all__ = [
+    "Role",
+    "SamplingParams",
+    "SparseProposal",
+    "Verdict",
+    "coins",
+    "draft_token",
+    "processed_probs",
+    "rejection_sample",
+    "sample_from_probs",
+    "sample_sparse",
+    "sparse_proposal",
+]
+
+# Below this residual mass, p == q up to rounding: sample from p instead.
+ZERO_RESIDUAL = 1e-12
+
+
+def _require(ok: bool, message: str) -> None:
+    if not ok:
+        raise InvalidArgument(message)
+
+
+# --------------------------------------------------------------------------
+# Parameters
+# --------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """A request's sampling settings (the target and the draft both apply them)."""
+
+    temperature: float = 1.0  # 0 => greedy
+    top_k: int = 0  # 0 => off
+    top_p: float = 1.0  # in (0, 1]
+    min_p: float = 0.0  # in [0, 1)
+    seed: int = 0  # every coin derives from (seed, position, role)
+
+    def validate(self) -> SamplingParams:
+        """Return self, or raise InvalidArgument naming the field to fix."""
+        t = self.temperature
+        _require(
+            isinstance(t, numbers.Real) and not math.isnan(t) and t >= 0 and not math.isinf(t),
+            f"temperature must be a finite number >= 0 (0 means greedy), got {t!r}",
+        )
+        _require(
+            isinstance(self.top_k, numbers.Integral) and not isinstance(self.top_k, bool) and self.top_k >= 0,
+            f"top_k must be an integer >= 0 (0 means off), got {self.top_k!r}",
+        )
+        _require(
+            isinstance(self.top_p, numbers.Real) and 0.0 < self.top_p <= 1.0,
+            f"top_p must be in (0, 1] (1 means off), got {self.top_p!r}",
+        )
+        _require(
+            isinstance(self.min_p, numbers.Real) and 0.0 <= self.min_p < 1.0,
+            f"min_p must be in [0, 1) (0 means off), got {self.min_p!r}",
+        )
+        _require(
+            isinstance(self.seed, numbers.Integral) and not isinstance(self.seed, bool) and 0 <= self.seed < 2**63,
+            f"seed must be an integer in [0, 2**63), got {self.seed!r}",
+        )
+        return self
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.temperature == 0
+
+
+# --------------------------------------------------------------------------
+# Coins
+# --------------------------------------------------------------------------
+
+
+class Role(enum.IntEnum):
+    """Which coin: each role is an independent stream of uniforms."""
+
+    DRAFT = 1  # draft samples its proposal token
+    ACCEPT = 2  # target's accept/reject coin
+    RECOVER = 3  # target samples the recovered token from the residual
+    BONUS = 4  # target samples the bonus token from p
+
+
+_GOLDEN = np.uint64(0x9E3779B97F4A7C15)  # splitmix64 increment (odd)
+_MUL1 = np.uint64(0xBF58476D1CE4E5B9)
+_MUL2 = np.uint64(0x94D049BB133111EB)
+
+
+def _mix64(z: np.ndarray) -> np.ndarray:
+    # splitmix64 finaliser: a bijection of uint64 with good avalanche.
+    z = (z ^ (z >> np.uint64(30))) * _MUL1
+    z = (z ^ (z >> np.uint64(27))) * _MUL2
+    return z ^ (z >> np.uint64(31))
+
+
+def coins(seeds: Tensor, positions: Tensor, role: Role) -> Tensor:
+    """Uniforms in [0, 1) that depend only on (seed, position, role).
+
+    seeds:     [B] int64 request seeds
+    positions: [B, N] int64 absolute token positions in the sequence
+    returns:   [B, N] float64, multiples of 2**-53, on positions' device
+
+    Counter-based (no generator state): h = mix(mix(mix(seed + G) ^ (pos + 2G))
+    ^ role * 3G) in wrapping uint64 arithmetic; each step is injective in its
+    new input, so distinct positions (or roles) of one seed never collide.
+    """
+    assert seeds.dim() == 1, f"seeds must be [B], got {tuple(seeds.shape)}"
+    assert positions.dim() == 2 and positions.shape[0] == seeds.shape[0], (
+        f"positions must be [B, N] with B={seeds.shape[0]}, got {tuple(positions.shape)}"
+    )
+    assert not seeds.is_floating_point() and not positions.is_floating_point()
+    role = Role(role)
+    # numpy uint64 arithmetic wraps modulo 2**64 by definition; torch has no portable wrapping uint64.
+    s = seeds.detach().to("cpu", torch.int64).numpy().view(np.uint64)[:, None]  # [B, 1]
+    p = positions.detach().to("cpu", torch.int64).numpy().view(np.uint64)  # [B, N]
+    with np.errstate(over="ignore"):
+        h = _mix64(s + _GOLDEN)
+        h = _mix64(h ^ (p + _GOLDEN * np.uint64(2)))
+        h = _mix64(h ^ (np.uint64(int(role)) * _GOLDEN * np.uint64(3)))
+    u = (h >> np.uint64(11)).astype(np.float64) * (1.0 / (1 << 53))  # top 53 bits -> [0, 1)
+    return torch.from_numpy(u).to(positions.device)
+
+
+# --------------------------------------------------------------------------
+# Processed distribution p
+# --------------------------------------------------------------------------
+
+
+def processed_probs(logits: Tensor, params: Sequence[SamplingParams]) -> Tensor:
+    """The request's processed distribution: what the bonus token is drawn from.
+
+    logits:  [B, N, V] any float dtype; row b uses params[b]
+    returns: [B, N, V] float32, each [b, n] row sums to 1
+
+    Order: temperature -> softmax (float32) -> top-k -> top-p -> min-p ->
+    renormalise. top-p keeps the smallest set of most likely tokens whose
+    mass (after top-k) is >= top_p, always the top token; min-p keeps
+    p >= min_p * max p. Ties in rank go to the lower token id.
+    Temperature 0: one-hot at argmax of the float32 logits (lowest id on ties).
+    """
+    assert logits.dim() == 3, f"logits must be [B, N, V], got {tuple(logits.shape)}"
+    assert logits.is_floating_point(), f"logits must be floating point, got {logits.dtype}"
+    B, N, V = logits.shape
+    _require(len(params) == B, f"need one SamplingParams per row: {len(params)} for {B} rows")
+    _require(V > 0, "vocabulary size must be > 0")
+    for sp in set(params):
+        sp.validate()
+    dev = logits.device
+    x = logits.to(torch.float32)  # [B, N, V]
+
+    temp = torch.tensor([sp.temperature for sp in params], dtype=torch.float32, device=dev)  # [B]
+    greedy = temp == 0  # [B]
+    # x / T in float32 (greedy rows are replaced below; divide them by 1).
+    probs = torch.softmax(x / torch.where(greedy, 1.0, temp)[:, None, None], dim=-1)  # [B, N, V]
+
+    # Rows without filters keep the plain softmax; the others always take the
+    # filter path. A row's numbers therefore never depend on its batch-mates.
+    filtered = [0 < sp.top_k < V or sp.top_p < 1.0 or sp.min_p > 0.0 for sp in params]
+    if any(filtered):
+        top_k = torch.tensor([sp.top_k if 0 < sp.top_k < V else V for sp in params], device=dev)  # [B]
+        top_p = torch.tensor([sp.top_p for sp in params], dtype=torch.float64, device=dev)  # [B]
+        min_p = torch.tensor([sp.min_p for sp in params], dtype=torch.float32, device=dev)  # [B]
+        # Rank tokens, most likely first; stable => ties keep the lower id first.
+        s, order = torch.sort(probs, dim=-1, descending=True, stable=True)  # [B, N, V] each
+        rank = torch.arange(V, device=dev)  # [V]
+        # top-k: keep ranks < k.
+        keep = (rank[None, None, :] < top_k[:, None, None]).expand(B, N, V).clone()  # [B, N, V]
+        s = s * keep
+        s = s / s.sum(-1, keepdim=True)  # renormalised after top-k (float32)
+        # top-p: keep rank r iff the mass strictly before r is < top_p (float64 cumsum).
+        s64 = s.to(torch.float64)
+        before = torch.cumsum(s64, dim=-1) - s64  # [B, N, V] exclusive cumsum
+        keep &= (before < top_p[:, None, None]) | (top_p[:, None, None] >= 1.0)
+        # min-p: keep p >= min_p * max p (s[..., 0] is the max).
+        keep &= s >= min_p[:, None, None] * s[..., :1]
+        mask = torch.zeros_like(keep).scatter_(-1, order, keep)  # back to token order
+        kept = probs * mask
+        kept = kept / kept.sum(-1, keepdim=True)
+        probs = torch.where(torch.tensor(filtered, device=dev)[:, None, None], kept, probs)
+
+    if bool(greedy.any()):
+        one_hot = torch.zeros_like(probs).scatter_(-1, x.argmax(-1, keepdim=True), 1.0)  # [B, N, V]
+        probs = torch.where(greedy[:, None, None], one_hot, probs)
+    return probs
+
+
+# --------------------------------------------------------------------------
+# Drawing tokens
+# --------------------------------------------------------------------------
+
+
+def sample_from_probs(probs: Tensor, u: Tensor) -> Tensor:
+    """Inverse-CDF sampling in float64.
+
+    probs:   [..., V] non-negative weights, not necessarily normalised
+    u:       [...] float64 uniforms in [0, 1)
+    returns: [...] int64, the first index whose cumulative sum > u * total
+
+    A zero-weight token is never chosen (its cumsum equals its predecessor's).
+    """
+    assert probs.dim() >= 1 and u.shape == probs.shape[:-1], (
+        f"u must be probs.shape[:-1]={tuple(probs.shape[:-1])}, got {tuple(u.shape)}"
+    )
+    assert probs.shape[-1] > 0, "cannot sample from an empty distribution"
+    cdf = torch.cumsum(probs.to(torch.float64), dim=-1)  # [..., V]
+    total = cdf[..., -1]  # [...]
+    assert bool((total > 0).all()), "every row must have positive total probability"
+    target = (u.to(torch.float64) * total).unsqueeze(-1)  # [..., 1]
+    idx = torch.searchsorted(cdf.contiguous(), target.contiguous(), right=True).squeeze(-1)  # [...]
+    # u*total can round up to total: fall back to the last token with weight > 0.
+    V = probs.shape[-1]
+    last_pos = (V - 1) - (probs > 0).flip(-1).to(torch.int8).argmax(-1)  # [...]
+    return torch.minimum(idx, last_pos).to(torch.int64)
+
+
+@dataclass(frozen=True)
+class SparseProposal:
+    """The draft's proposal for its K positions, as sent on the wire."""
+
+    token_ids: Tensor  # [B, K, W] int64 (unused slots: id 0 with prob 0)
+    probs: Tensor  # [B, K, W] float32 wire values; q = probs / probs.sum(-1) in float64
+
+
+def sparse_proposal(probs: Tensor, wire_top_k: int, wire_bits: int = 16) -> tuple[Tensor, Tensor]:
+    """The sparse proposal q the draft both sends and samples from.
+
+    probs:   [B, V] float32, the draft's processed distribution
+    returns: (ids [B, W] int64, wire_probs [B, W] float32), W = min(wire_top_k, V),
+             slots most likely first (ties: lower id first)
+
+    t = top-W of probs, renormalised (float64); r = round(t * 2**bits) / 2**bits
+    (half to even), the top slot at least 2**-bits so the row never vanishes;
+    wire = float32(r / sum r). A slot rounded to 0 has probability 0 (its id is
+    kept but it is never sampled). The float32 wire numbers *are* q.
+    """
+    _require(isinstance(wire_top_k, int) and wire_top_k >= 1, f"wire_top_k must be an integer >= 1, got {wire_top_k!r}")
+    _require(
+        isinstance(wire_bits, int) and 1 <= wire_bits <= 24,
+        f"wire_bits must be an integer in [1, 24], got {wire_bits!r}",
+    )
+    assert probs.dim() == 2 and probs.shape[-1] > 0, f"probs must be [B, V], got {tuple(probs.shape)}"
+    assert probs.is_floating_point(), f"probs must be floating point, got {probs.dtype}"
+    W = min(wire_top_k, probs.shape[-1])
+    vals, ids = torch.sort(probs, dim=-1, descending=True, stable=True)  # [B, V] each
+    vals, ids = vals[:, :W].to(torch.float64), ids[:, :W]  # [B, W]
+    total = vals.sum(-1, keepdim=True)  # [B, 1]
+    assert bool((total > 0).all()), "draft probabilities must have positive mass in their top-k"
+    t = vals / total  # truncated, renormalised
+    scale = float(2**wire_bits)
+    r = torch.round(t * scale) / scale  # on the wire grid
+    r[:, 0] = torch.clamp(r[:, 0], min=1.0 / scale)  # keep the most likely token
+    wire = (r / r.sum(-1, keepdim=True)).to(torch.float32)  # [B, W]
+    return ids.to(torch.int64), wire
+
+
+def sample_sparse(ids: Tensor, wire_probs: Tensor, u: Tensor) -> Tensor:
+    """Draw from a sparse distribution.
+
+    ids:        [B, W] int64 token ids
+    wire_probs: [B, W] float32 weights (normalised in float64 here)
+    u:          [B] float64 uniforms
+    returns:    [B] int64 token ids (inverse CDF over the W slots in order)
+    """
+    assert ids.shape == wire_probs.shape and ids.dim() == 2, (
+        f"ids and wire_probs must both be [B, W], got {tuple(ids.shape)} and {tuple(wire_probs.shape)}"
+    )
+    assert u.shape == ids.shape[:1], f"u must be [B]={tuple(ids.shape[:1])}, got {tuple(u.shape)}"
+    q = wire_probs.to(torch.float64)
+    q = q / q.sum(-1, keepdim=True)  # [B, W] the proposal, exactly as the target computes it
+    slot = sample_from_probs(q, u)  # [B]
+    return ids.gather(-1, slot[:, None]).squeeze(-1)
+
+
+def draft_token(
+    probs: Tensor, wire_top_k: int, wire_bits: int, seeds: Tensor, positions: Tensor
+) -> tuple[Tensor, Tensor, Tensor]:
+    """The drafter's step for one position: sample from exactly what is sent.
+
+    probs:     [B, V] float32 the draft's processed distribution
+    seeds:     [B] int64
+    positions: [B] int64 absolute position of the token being drafted
+    returns:   (token [B] int64, ids [B, W] int64, wire_probs [B, W] float32)
+    """
+    assert probs.dim() == 2 and seeds.shape == positions.shape == probs.shape[:1]
+    ids, wire = sparse_proposal(probs, wire_top_k, wire_bits)
+    u = coins(seeds, positions[:, None], Role.DRAFT)[:, 0]  # [B]
+    return sample_sparse(ids, wire, u), ids, wire
+
+
+# --------------------------------------------------------------------------
+# Rejection sampler
+# --------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """The target's decision for one round, per row."""
+
+    num_accepted: Tensor  # [B] int64 in [0, num_draft[b]]
+    next_token: Tensor  # [B] int64: recovered token at the first rejection, else the bonus token
+    is_bonus: Tensor  # [B] bool: all drafts accepted, next_token drawn from p_{num_draft}
+
+
+def rejection_sample(
+    target_probs: Tensor,
+    draft_token_ids: Tensor,
+    proposal: SparseProposal | None,
+    seeds: Tensor,
+    start_positions: Tensor,
+    num_draft: Tensor | None = None,
+) -> Verdict:
+    """Verify draft tokens against the target's p (see the module docstring).
+
+    target_probs:    [B, K+1, V] float32 processed p at each draft position and one more
+    draft_token_ids: [B, K] int64
+    proposal:        sparse q per position ([B, K, W]); None => q one-hot at the draft token
+    seeds:           [B] int64 request seeds
+    start_positions: [B] int64 absolute position of draft token 0 (draft i at start+i)
+    num_draft:       [B] int64 real drafts per row (default K); slots >= num_draft[b] are
+                     padding: never accepted, q = 0 there, so stopping at i = num_draft[b]
+                     draws the bonus from p_i.
+    """
+    # ---- validate ----
+    _require(target_probs.dim() == 3, f"target_probs must be [B, K+1, V], got {tuple(target_probs.shape)}")
+    B, K1, V = target_probs.shape
+    K = K1 - 1
+    _require(K >= 0 and V > 0, f"target_probs must have K+1 >= 1 positions and V >= 1, got {tuple(target_probs.shape)}")
+    _require(
+        draft_token_ids.shape == (B, K),
+        f"draft_token_ids must be [B, K]=[{B}, {K}] to match target_probs, got {tuple(draft_token_ids.shape)}",
+    )
+    _require(seeds.shape == (B,), f"seeds must be [B]=[{B}], got {tuple(seeds.shape)}")
+    _require(start_positions.shape == (B,), f"start_positions must be [B]=[{B}], got {tuple(start_positions.shape)}")
+    assert target_probs.is_floating_point(), f"target_probs must be floating point, got {target_probs.dtype}"
+    assert not draft_token_ids.is_floating_point() and not seeds.is_floating_point()
+    assert not start_positions.is_floating_point()
+    dev = target_probs.device
+    if num_draft is None:
+        num_draft = torch.full((B,), K, dtype=torch.int64, device=dev)
+    _require(num_draft.shape == (B,), f"num_draft must be [B]=[{B}], got {tuple(num_draft.shape)}")
+    num_draft = num_draft.to(device=dev, dtype=torch.int64)
+    _require(bool(((num_draft >= 0) & (num_draft <= K)).all()), f"num_draft must be in [0, K={K}]")
+    draft_token_ids = draft_token_ids.to(device=dev, dtype=torch.int64)
+    pos_k = torch.arange(K, device=dev)  # [K]
+    real = pos_k[None, :] < num_draft[:, None]  # [B, K] real (non-padding) drafts
+    bad = real & ((draft_token_ids < 0) | (draft_token_ids >= V))
+    if bool(bad.any()):
+        raise InvalidArgument(f"draft token ids must be in [0, V={V}): {_first_bad(bad, draft_token_ids)}")
+    x = torch.where(real, draft_token_ids, 0)  # [B, K] padding -> a safe id
+
+    p = target_probs  # [B, K+1, V]
+    p_x = p[:, :K].gather(-1, x[..., None]).squeeze(-1).to(torch.float64)  # [B, K] p_i(x_i)
+
+    # ---- q_i(x_i) and the dense q at each position ----
+    if proposal is None:
+        q_x = real.to(torch.float64)  # [B, K] one-hot q: q_i(x_i) = 1
+        q_ids = x[..., None]  # [B, K, 1]
+        q = q_x[..., None]  # [B, K, 1]
+    else:
+        q_ids, q_raw = proposal.token_ids, proposal.probs
+        _require(
+            q_ids.dim() == 3 and q_ids.shape[:2] == (B, K) and q_raw.shape == q_ids.shape,
+            f"proposal token_ids and probs must both be [B, K, W] with B={B}, K={K}, "
+            f"got {tuple(q_ids.shape)} and {tuple(q_raw.shape)}",
+        )
+        q_ids = q_ids.to(device=dev, dtype=torch.int64)
+        q_raw = q_raw.to(device=dev, dtype=torch.float64)
+        _require(bool(((q_ids >= 0) & (q_ids < V)).all()), f"proposal token ids must be in [0, V={V})")
+        _require(bool(((q_raw >= 0) & q_raw.isfinite()).all()), "proposal probabilities must be finite and >= 0")
+        q_sum = q_raw.sum(-1, keepdim=True)  # [B, K, 1]
+        _require(
+            not bool((real & (q_sum[..., 0] <= 0)).any()),
+            "each real draft position needs a proposal with positive mass",
+        )
+        # q = wire / sum(wire) in float64 (the draft sampled from exactly this); padding -> 0.
+        q = torch.where(real[..., None], q_raw / torch.where(q_sum > 0, q_sum, 1.0), 0.0)  # [B, K, W]
+        q_x = (q * (q_ids == x[..., None])).sum(-1)  # [B, K] duplicates add up
+        bad = real & (q_x <= 0)
+        if bool(bad.any()):
+            raise InvalidArgument(
+                f"a draft token must be in its own proposal's support (q > 0): {_first_bad(bad, draft_token_ids)}"
+            )
+
+    # ---- accept: u < min(1, p(x) / q(x)) ----
+    u_acc = coins(seeds, start_positions[:, None] + pos_k[None, :].to(start_positions.device), Role.ACCEPT)
+    ratio = p_x / torch.where(real, q_x, 1.0)  # [B, K]
+    accepted = real & (u_acc.to(dev) < torch.clamp(ratio, max=1.0))  # [B, K]
+    num_accepted = accepted.to(torch.int64).cumprod(-1).sum(-1)  # [B] leading run of accepts
+    is_bonus = num_accepted == num_draft  # [B]
+    j = num_accepted  # [B] position of the emitted token
+
+    # ---- recovered / bonus: sample normalise(max(0, p_j - q_j)); q_j = 0 for the bonus ----
+    p_j = p.gather(1, j[:, None, None].expand(B, 1, V)).squeeze(1).to(torch.float64)  # [B, V]
+    q_dense = torch.zeros_like(p_j)  # [B, V]
+    if K > 0:
+        jq = torch.clamp(j, max=K - 1)[:, None, None]  # [B, 1, 1] (bonus rows: any, masked below)
+        W = q_ids.shape[-1]
+        ids_j = q_ids.gather(1, jq.expand(B, 1, W)).squeeze(1)  # [B, W]
+        q_j = q.gather(1, jq.expand(B, 1, W)).squeeze(1) * (~is_bonus)[:, None]  # [B, W]
+        q_dense.scatter_add_(-1, ids_j, q_j)
+    residual = torch.clamp(p_j - q_dense, min=0.0)  # [B, V]
+    # Guard: p == q up to rounding leaves no residual mass: sample from p.
+    residual = torch.where(residual.sum(-1, keepdim=True) > ZERO_RESIDUAL, residual, p_j)
+
+    pos_j = (start_positions.to(dev) + j)[:, None]  # [B, 1]
+    u_rec = coins(seeds, pos_j, Role.RECOVER)[:, 0].to(dev)
+    u_bon = coins(seeds, pos_j, Role.BONUS)[:, 0].to(dev)
+    next_token = sample_from_probs(residual, torch.where(is_bonus, u_bon, u_rec))  # [B]
+    return Verdict(num_accepted=num_accepted, next_token=next_token, is_bonus=is_bonus)
+
+
+def _first_bad(bad: Tensor, ids: Tensor) -> str:
+    b, i = (int(v) for v in bad.nonzero()[0])
+    return f"row {b}, draft {i} has token id {int(ids[b, i])}"

@@ -1,0 +1,117 @@
+"""The one mapper from domain exceptions to gRPC status codes.
+
+Unary handlers get it through `ErrorMappingInterceptor`; stream handlers that
+report per-session errors in-band use `session_error_code`. Internal errors
+are logged with their traceback and the caller only sees a generic message.
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import grpc
+
+from specd.core import errors
+from specd.v1 import session_pb2
+
+log = logging.getLogger(__name__)
+
+_STATUS: dict[type[errors.SpecdError], grpc.StatusCode] = {
+    errors.InvalidArgument: grpc.StatusCode.INVALID_ARGUMENT,
+    errors.SessionNotFound: grpc.StatusCode.NOT_FOUND,
+    errors.SessionOutOfSync: grpc.StatusCode.ABORTED,
+    errors.ResourceExhausted: grpc.StatusCode.RESOURCE_EXHAUSTED,
+    errors.Unavailable: grpc.StatusCode.UNAVAILABLE,
+    errors.DeadlineExceeded: grpc.StatusCode.DEADLINE_EXCEEDED,
+    errors.FailedPrecondition: grpc.StatusCode.FAILED_PRECONDITION,
+}
+
+_SESSION_CODE: dict[type[errors.SpecdError], int] = {
+    errors.InvalidArgument: session_pb2.SessionError.CODE_INVALID_ARGUMENT,
+    errors.SessionNotFound: session_pb2.SessionError.CODE_SESSION_NOT_FOUND,
+    errors.SessionOutOfSync: session_pb2.SessionError.CODE_OUT_OF_SYNC,
+    errors.ResourceExhausted: session_pb2.SessionError.CODE_RESOURCE_EXHAUSTED,
+    errors.Unavailable: session_pb2.SessionError.CODE_UNAVAILABLE,
+}
+
+_FROM_SESSION_CODE: dict[int, type[errors.SpecdError]] = {v: k for k, v in _SESSION_CODE.items()}
+
+INTERNAL_MESSAGE = "internal error; the server logged the details"
+
+
+def status_for(exc: BaseException) -> tuple[grpc.StatusCode, str]:
+    """Status code and client-safe message for an exception."""
+    for kind in type(exc).__mro__:
+        if kind in _STATUS:
+            return _STATUS[kind], str(exc)
+    log.exception("internal error", exc_info=exc)
+    return grpc.StatusCode.INTERNAL, INTERNAL_MESSAGE
+
+
+def session_error(exc: BaseException) -> session_pb2.SessionError:
+    """The in-band SessionError for an exception raised while serving a session."""
+    for kind in type(exc).__mro__:
+        if kind in _SESSION_CODE:
+            return session_pb2.SessionError(code=_SESSION_CODE[kind], message=str(exc))  # type: ignore[arg-type]
+    log.exception("internal error in a session", exc_info=exc)
+    return session_pb2.SessionError(code=session_pb2.SessionError.CODE_INTERNAL, message=INTERNAL_MESSAGE)
+
+
+def exception_from_session_error(err: session_pb2.SessionError) -> errors.SpecdError:
+    """The domain exception a peer's in-band SessionError stands for."""
+    kind = _FROM_SESSION_CODE.get(err.code, errors.Unavailable)
+    return kind(err.message or "peer reported an error")
+
+
+class ErrorMappingInterceptor(grpc.aio.ServerInterceptor):
+    """Turns domain exceptions raised by handlers into status codes (unary and streaming)."""
+
+    async def intercept_service(
+        self,
+        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
+        handler_call_details: grpc.HandlerCallDetails,
+    ) -> grpc.RpcMethodHandler:
+        handler = await continuation(handler_call_details)
+        if handler is None:
+            return handler
+        if handler.unary_unary is not None and inspect.iscoroutinefunction(handler.unary_unary):
+            inner_uu = handler.unary_unary
+
+            async def unary_unary(request: Any, context: grpc.aio.ServicerContext) -> Any:
+                try:
+                    return await inner_uu(request, context)
+                except errors.SpecdError as exc:
+                    code, message = status_for(exc)
+                    await context.abort(code, message)
+                except (grpc.aio.AbortError, grpc.RpcError):
+                    raise
+                except Exception as exc:  # noqa: BLE001 - mapped to INTERNAL, logged
+                    code, message = status_for(exc)
+                    await context.abort(code, message)
+
+            return grpc.unary_unary_rpc_method_handler(
+                unary_unary, handler.request_deserializer, handler.response_serializer
+            )
+        if handler.unary_stream is not None and inspect.isasyncgenfunction(handler.unary_stream):
+            inner_us = handler.unary_stream
+
+            async def unary_stream(request: Any, context: grpc.aio.ServicerContext) -> Any:
+                try:
+                    async for item in inner_us(request, context):
+                        yield item
+                except errors.SpecdError as exc:
+                    code, message = status_for(exc)
+                    await context.abort(code, message)
+                except (grpc.aio.AbortError, grpc.RpcError):
+                    raise
+                except Exception as exc:  # noqa: BLE001
+                    code, message = status_for(exc)
+                    await context.abort(code, message)
+
+            return grpc.unary_stream_rpc_method_handler(
+                unary_stream, handler.request_deserializer, handler.response_serializer
+            )
+        return handler

@@ -1,0 +1,1 @@
+"""The application shell: CLI, local cluster and `specd up`, bench, distill."""

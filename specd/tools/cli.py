@@ -1,0 +1,264 @@
+"""The `specd` command: up | serve | generate | bench | prepare."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import sys
+from collections.abc import Sequence
+
+from specd.core import catalog
+from specd.core.errors import InvalidArgument, SpecdError
+from specd.serving import config as cfg
+
+
+def _serve(args: argparse.Namespace) -> int:
+    service = args.service
+    kind = {"draft": cfg.DraftConfig, "target": cfg.TargetConfig, "coordinator": cfg.CoordinatorConfig}[service]
+    config = cfg.from_args(kind, args)
+    logging.basicConfig(
+        level=config.log_level, format=f"%(asctime)s specd-{service} %(levelname)s %(name)s: %(message)s"
+    )
+    from specd.serving.metrics import metrics_for, serve_metrics
+    from specd.serving.server import serve_until_signal
+    from specd.serving.tracing import setup_tracing
+
+    async def main() -> None:
+        tracing = setup_tracing(service, config)  # a no-op unless an OTLP endpoint is configured
+        metrics = metrics_for(service) if config.metrics_port >= 0 else None
+        if service == "draft":
+            from draft_service.server import create_server as create_draft
+
+            handle = create_draft(config, tracing=tracing, metrics=metrics)  # type: ignore[arg-type]
+        elif service == "target":
+            from target_service.server import create_server as create_target
+
+            handle = create_target(config, tracing=tracing, metrics=metrics)  # type: ignore[arg-type]
+        else:
+            from coordinator.server import create_server as create_coordinator
+
+            handle, _ = await create_coordinator(config, tracing=tracing, metrics=metrics)  # type: ignore[arg-type]
+        metrics_server = None
+        if metrics is not None:
+            metrics_server, metrics_port = serve_metrics(metrics.registry, config.host, config.metrics_port)
+            print(f"specd-{service} metrics on {config.host}:{metrics_port}", flush=True)
+        await handle.server.start()
+        try:
+            await serve_until_signal(
+                handle, config.grace_s, f"specd-{service} listening on {config.host}:{handle.port}"
+            )
+        finally:
+            if metrics_server is not None:
+                metrics_server.shutdown()
+            tracing.shutdown(timeout_s=3.0)  # bounded: a dead collector must not hold up exit
+
+    asyncio.run(main())
+    return 0
+
+
+def _up(args: argparse.Namespace) -> int:
+    from specd.tools.launcher import run_up
+
+    return run_up(
+        target=args.target,
+        draft=args.draft,
+        host=args.host,
+        port=args.port,
+        cache_dir=args.cache_dir,
+        draft_length=args.draft_length,
+        target_threads=args.target_threads,
+        draft_threads=args.draft_threads,
+        target_args=_tp_args(args),
+    )
+
+
+def _tp_args(args: argparse.Namespace) -> list[str]:
+    """`specd serve target` flags for the tensor-parallel settings of `specd up`."""
+    if args.tp < 1:
+        raise InvalidArgument(f"--tp must be >= 1 (got {args.tp})")
+    out = ["--tp", str(args.tp), "--executor", args.executor]
+    if args.ray_address:
+        out += ["--ray-address", args.ray_address]
+    return out
+
+
+def _generate(args: argparse.Namespace) -> int:
+    from google.protobuf.json_format import MessageToDict
+
+    from coordinator.client import CoordinatorClient
+
+    kwargs = dict(
+        max_new_tokens=args.max_new_tokens,
+        temperature=args.temperature,
+        top_k=args.top_k,
+        top_p=args.top_p,
+        min_p=args.min_p,
+        seed=args.seed,
+        stop=args.stop or (),
+        speculation="off" if args.no_speculation else ("fixed" if args.draft_length else None),
+        draft_length=args.draft_length or 0,
+        pipeline=args.pipeline,
+        ignore_eos=args.ignore_eos,
+    )
+    prompt: object = [{"role": "user", "content": args.prompt}] if args.chat else args.prompt
+    token = None
+    if args.token_file:
+        from specd.serving.security import read_token
+
+        token = read_token(args.token_file)
+    with CoordinatorClient(args.address, timeout=args.timeout, tls_ca=args.tls_ca or None, token=token) as client:
+        if args.stream and not args.json:
+            for msg in client.generate_stream(prompt, **kwargs):  # type: ignore[arg-type]
+                sys.stdout.write(msg.text)
+                sys.stdout.flush()
+            sys.stdout.write("\n")
+            return 0
+        response = client.generate(prompt, **kwargs)  # type: ignore[arg-type]
+    if args.json:
+        stats = MessageToDict(
+            response.stats, preserving_proto_field_name=True, always_print_fields_with_no_presence=True
+        )
+        stats["seed"] = int(stats.get("seed", 0))  # uint64 comes out of protobuf's JSON as a string
+        finish = (
+            response.DESCRIPTOR.fields_by_name["finish_reason"].enum_type.values_by_number[response.finish_reason].name
+        )
+        out = {
+            "text": response.text,
+            "token_ids": list(response.token_ids),
+            "finish_reason": finish.removeprefix("FINISH_REASON_").lower(),
+            "stats": stats,
+        }
+        print(json.dumps(out, ensure_ascii=False))
+    else:
+        print(response.text)
+    return 0
+
+
+def _prepare(args: argparse.Namespace) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    cache = cfg.default_cache_dir() if not args.cache_dir else __import__("pathlib").Path(args.cache_dir)
+    print(f"demo target: {catalog.target_folder(catalog.DEMO, cache)}")
+    print(f"demo draft:  {catalog.demo_draft_path(cache)}")
+    return 0
+
+
+def _distill(args: argparse.Namespace) -> int:
+    from specd.tools import distill
+
+    parser = argparse.ArgumentParser(
+        prog="specd distill", description="Train a draft model for a target (KL to its distributions)."
+    )
+    distill.add_arguments(parser)
+    return distill.main_distill(parser.parse_args(args.distill_args))
+
+
+def _bench(args: argparse.Namespace) -> int:
+    from specd.tools.bench import run
+
+    return run(args)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="specd", description="Distributed speculative decoding.")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    up = sub.add_parser("up", help="start draft, target and coordinator locally (demo pair by default)")
+    up.add_argument("--target", default=catalog.DEMO, help="target model folder or 'demo' (default: demo)")
+    up.add_argument(
+        "--draft", default=catalog.DEMO, help="draft model folder, 'demo', 'ngram' or 'none' (default: demo)"
+    )
+    up.add_argument("--host", default="127.0.0.1", help="coordinator address (default: 127.0.0.1)")
+    up.add_argument("--port", type=int, default=50051, help="coordinator port (default: 50051)")
+    up.add_argument("--cache-dir", default="", help="model cache (default: SPECD_CACHE_DIR or ~/.cache/specd)")
+    up.add_argument("--draft-length", type=int, default=4, help="draft tokens per round (default: 4)")
+    up.add_argument("--target-threads", type=int, default=2, help="torch threads of the target (default: 2)")
+    up.add_argument("--draft-threads", type=int, default=1, help="torch threads of the draft (default: 1)")
+    up.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks of the target (default: 1)")
+    up.add_argument(
+        "--executor",
+        choices=["mp", "ray"],
+        default="mp",
+        help="how the target's tp ranks run: local processes or Ray actors (default: mp)",
+    )
+    up.add_argument("--ray-address", default="", help="Ray cluster for --executor ray (default: start a local Ray)")
+    up.set_defaults(func=_up)
+
+    serve = sub.add_parser("serve", help="run one service (what a container runs)")
+    serve_sub = serve.add_subparsers(dest="service", required=True)
+    for name, kind in (
+        ("draft", cfg.DraftConfig),
+        ("target", cfg.TargetConfig),
+        ("coordinator", cfg.CoordinatorConfig),
+    ):
+        p = serve_sub.add_parser(name, help=f"the {name} service")
+        cfg.add_arguments(p, kind)
+        p.set_defaults(func=_serve)
+
+    gen = sub.add_parser("generate", help="call Generate on a running coordinator")
+    gen.add_argument("prompt", help="prompt text")
+    gen.add_argument("--address", default="127.0.0.1:50051", help="coordinator HOST:PORT (default: 127.0.0.1:50051)")
+    gen.add_argument("--max-new-tokens", type=int, default=64)
+    gen.add_argument("--temperature", type=float, default=None, help="0 = greedy (default: 1.0)")
+    gen.add_argument("--top-k", type=int, default=0)
+    gen.add_argument("--top-p", type=float, default=None)
+    gen.add_argument("--min-p", type=float, default=0.0)
+    gen.add_argument("--seed", type=int, default=None)
+    gen.add_argument("--stop", action="append", help="stop string (repeatable)")
+    gen.add_argument("--draft-length", type=int, default=None, help="fixed draft length K (default: server's choice)")
+    gen.add_argument("--no-speculation", action="store_true", help="target-only decoding")
+    gen.add_argument(
+        "--pipeline",
+        choices=["off", "bonus-match", "post-verify"],
+        default=None,
+        help="draft the next round while this one is verified (default: server's choice)",
+    )
+    gen.add_argument("--ignore-eos", action="store_true", help="keep going past end-of-sequence")
+    gen.add_argument("--chat", action="store_true", help="send the prompt as a user chat message")
+    gen.add_argument("--stream", action="store_true", help="print text as it is generated")
+    gen.add_argument("--json", action="store_true", help="print one JSON object with text, token_ids, stats")
+    gen.add_argument("--timeout", type=float, default=300.0, help="seconds (default: 300)")
+    gen.add_argument("--tls-ca", default="", help="CA bundle (PEM) to verify the coordinator (turns TLS on)")
+    gen.add_argument("--token-file", default="", help="file holding the API token")
+    gen.set_defaults(func=_generate)
+
+    from specd.tools.bench import add_arguments as add_bench_arguments  # stdlib imports only
+
+    bench = sub.add_parser(
+        "bench",
+        help="benchmark decoding modes side by side (target-only baseline, fixed K, "
+        "auto, the transformers peer): JSON, markdown, PNG",
+    )
+    add_bench_arguments(bench)
+    bench.set_defaults(func=_bench)
+
+    prep = sub.add_parser("prepare", help="build the demo models into the cache (setup does this once)")
+    prep.add_argument("--cache-dir", default="")
+    prep.set_defaults(func=_prepare)
+
+    # `specd distill` parses its own flags (specd.tools.distill.add_arguments), so
+    # that other commands do not import torch just to build this parser.
+    dist = sub.add_parser("distill", help="train a draft model for a target (see docs/distill.md)", add_help=False)
+    dist.set_defaults(func=_distill, distill_args=[])  # main() hands it the rest of the command line
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args, rest = parser.parse_known_args(argv)
+    if rest and args.command != "distill":
+        parser.error(f"unrecognized arguments: {' '.join(rest)}")
+    if args.command == "distill":
+        args.distill_args = rest
+    try:
+        return int(args.func(args) or 0)
+    except SpecdError as exc:
+        print(f"specd: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

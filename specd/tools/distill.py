@@ -66,24 +66,25 @@ from torch import Tensor, nn
 from tqdm.auto import tqdm
 from transformers import AutoConfig, AutoModelForCausalLM, LogitsProcessor, LogitsProcessorList, PreTrainedModel
 
+from specd.core.draft_checkpoint import (
+    REDUCED_HEAD_FILE,
+    install_reduced_head,
+    target_fingerprint,
+    write_compact,
+    write_reduced_head,
+)
 from specd.core.errors import FailedPrecondition, InvalidArgument
 
 log = logging.getLogger(__name__)
 
 __all__ = [
-    "REDUCED_HEAD_FILE",
     "DistillConfig",
-    "assemble",
     "builtin_prompts",
     "evaluate",
     "export_compact",
-    "install_reduced_head",
     "run_distill",
 ]
 
-REDUCED_HEAD_FILE = "reduced-head.safetensors"  # token_map [N] (and head rows [N, H] if trained)
-COMPACT_WEIGHTS = "draft-weights.safetensors"
-COMPACT_META = "draft.json"
 CHECKPOINT = "checkpoint.pt"
 SOURCES = ("generations", "continuations", "stdlib", "shakespeare", "fortunes")
 _DATA_VERSION = 1
@@ -1167,13 +1168,6 @@ def agreement(
 # =============================================================================
 
 
-def _target_fingerprint(tokenizer) -> dict[str, object]:
-    from specd.core.models import vocab_fingerprint
-
-    size, digest = vocab_fingerprint(tokenizer)
-    return {"tokenizer_size": size, "vocab_hash": digest}
-
-
 def save_draft_folder(
     trainer: _DraftTrainer,
     token_map: Tensor | None,
@@ -1182,8 +1176,6 @@ def save_draft_folder(
     meta: dict[str, object],
 ) -> None:
     """OUT: an HF folder (weights float32) + reduced-head.safetensors + compact/ (what to ship)."""
-    from safetensors.torch import save_file
-
     draft = trainer.draft
     out.mkdir(parents=True, exist_ok=True)
     tmp = out / ".model.tmp"
@@ -1194,140 +1186,20 @@ def save_draft_folder(
     tmp.rmdir()
     head_file = out / REDUCED_HEAD_FILE
     if token_map is not None:
-        tensors = {"token_map": token_map.to(torch.int64).contiguous()}
-        if trainer.head.requires_grad:
-            tensors["weight"] = trainer.head.detach().float().contiguous()
-        save_file(tensors, str(head_file))
+        write_reduced_head(out, token_map, trainer.head if trainer.head.requires_grad else None)
     elif head_file.exists():
         head_file.unlink()
     export_compact(trainer, token_map, out / "compact", meta)
 
 
 def export_compact(trainer: _DraftTrainer, token_map: Tensor | None, dest: Path, meta: dict[str, object]) -> int:
-    """Write only what cannot be rebuilt from the target: trained weights (float16), token map, config.
-
-    Returns the bytes written.
-    """
-    from safetensors.torch import save_file
-
+    """Write only what cannot be rebuilt from the target (the compact form); returns the bytes written."""
     draft = trainer.draft
     borrowed = _borrowed(draft)
-    tensors = {
-        n: p.detach().to(torch.float16).contiguous()
-        for n, p in draft.state_dict().items()
-        if n not in borrowed and p.is_floating_point()
-    }
-    if token_map is not None:
-        tensors["specd.token_map"] = token_map.to(torch.int32).contiguous()
-    if trainer.head.requires_grad:
-        tensors["specd.head"] = trainer.head.detach().to(torch.float16).contiguous()
-    dest.mkdir(parents=True, exist_ok=True)
-    save_file(tensors, str(dest / COMPACT_WEIGHTS))
-    info = dict(meta)
-    info["config"] = draft.config.to_dict()
-    info["borrowed"] = sorted(borrowed)
-    (dest / COMPACT_META).write_text(json.dumps(info, indent=1, sort_keys=True) + "\n")
-    return sum(f.stat().st_size for f in dest.iterdir() if f.is_file())
-
-
-def assemble(compact: Path, target_folder: Path, dest: Path) -> Path:
-    """Rebuild a loadable draft folder from its compact form and the target it was trained for.
-
-    Checks that the target has the tokenizer the draft was trained with.
-    Writes atomically (a half-built folder is never left at `dest`).
-    """
-    from safetensors.torch import load_file, save_file
-
-    from specd.core.models import _atomic_folder, load_pretrained
-
-    compact, target_folder, dest = Path(compact), Path(target_folder), Path(dest)
-    meta_file, weights_file = compact / COMPACT_META, compact / COMPACT_WEIGHTS
-    if not meta_file.is_file() or not weights_file.is_file():
-        raise FailedPrecondition(
-            f"{compact} does not hold a compact draft ({COMPACT_META} and {COMPACT_WEIGHTS}); "
-            "train one with `specd distill` or reinstall specd"
-        )
-    meta = json.loads(meta_file.read_text())
-    weights_hash = hashlib.sha256(weights_file.read_bytes()).hexdigest()
-    marker = {
-        "kind": "assembled-draft",
-        "weights_sha256": weights_hash,
-        "target": str(target_folder.resolve()),
-        "recipe": 1,
-    }
-    from specd.core.models import _read_marker
-
-    if _read_marker(dest) == marker:
-        return dest
-    log.info("assembling the draft %s from %s and the target %s (once)", dest, compact, target_folder)
-    target = load_pretrained(target_folder)
-    found = _target_fingerprint(target.tokenizer)
-    wanted = {k: meta.get(k) for k in ("tokenizer_size", "vocab_hash")}
-    if found != wanted:
-        raise FailedPrecondition(
-            f"the draft in {compact} was trained for a target with tokenizer {wanted}, but {target_folder} has "
-            f"{found}; train a draft for this target with `specd distill`"
-        )
-    config = AutoConfig.for_model(**meta["config"])
-    draft = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    tensors = load_file(str(weights_file))
-    token_map = tensors.pop("specd.token_map", None)
-    head = tensors.pop("specd.head", None)
-    state = {n: v.to(torch.float32) for n, v in tensors.items()}
-    source = target.model.state_dict()
-    for name in meta["borrowed"]:
-        state[name] = source[name].to(torch.float32)
-    missing, unexpected = draft.load_state_dict(state, strict=False)
-    missing = [m for m in missing if not _is_tied_alias(draft, m, state)]
-    if missing or unexpected:
-        raise FailedPrecondition(
-            f"the compact draft does not fit its config: missing {missing}, unexpected {unexpected}"
-        )
-    with _atomic_folder(dest, marker) as tmp:
-        draft.save_pretrained(tmp)
-        target.tokenizer.save_pretrained(tmp)
-        if token_map is not None:
-            head_tensors = {"token_map": token_map.to(torch.int64).contiguous()}
-            if head is not None:
-                head_tensors["weight"] = head.to(torch.float32).contiguous()
-            save_file(head_tensors, str(tmp / REDUCED_HEAD_FILE))
-    return dest
-
-
-def _is_tied_alias(model: PreTrainedModel, name: str, state: dict) -> bool:
-    """A missing key that is the tied twin of a loaded one (lm_head.weight of a tied model)."""
-    out = model.get_output_embeddings()
-    inp = model.get_input_embeddings()
-    return (
-        out is not None
-        and inp is not None
-        and out.weight is inp.weight
-        and name.endswith("weight")
-        and any(k.endswith("embed_tokens.weight") or k.endswith("wte.weight") for k in state)
-    )
-
-
-def install_reduced_head(model: PreTrainedModel, folder: Path) -> Tensor | None:
-    """If `folder` has a reduced head, swap the model's LM head for it; return its token map [N] (else None)."""
-    from safetensors.torch import load_file
-
-    from specd.core.drafting import ReducedLMHead, check_token_map
-
-    path = Path(folder) / REDUCED_HEAD_FILE
-    if not path.is_file():
-        return None
-    tensors = load_file(str(path))
-    full = model.get_output_embeddings()
-    vocab = int(getattr(full, "out_features", None) or full.weight.shape[0])
-    token_map = check_token_map(tensors["token_map"], vocab)
-    weight = tensors.get("weight")
-    if weight is None:
-        weight = full.weight.detach()[token_map.to(full.weight.device)]
-    head = ReducedLMHead(weight.to(full.weight.dtype), token_map, vocab).to(full.weight.device)
-    model.set_output_embeddings(head)
-    if hasattr(model.config, "tie_word_embeddings"):
-        model.config.tie_word_embeddings = False  # the head is its own module now
-    return token_map
+    weights = {n: p for n, p in draft.state_dict().items() if n not in borrowed and p.is_floating_point()}
+    head = trainer.head if trainer.head.requires_grad else None
+    info = {**meta, "config": draft.config.to_dict(), "borrowed": sorted(borrowed)}
+    return write_compact(dest, weights, token_map, head, info)
 
 
 # =============================================================================
@@ -1518,7 +1390,7 @@ def _run_distill(cfg: DistillConfig) -> dict[str, object]:
         "train_seconds": trained_s,
         "wall_seconds": time.time() - started,
     }
-    meta = {"specd_distill": 1, **_target_fingerprint(tokenizer), "steps": step, "final": history[-1]}
+    meta = {"specd_distill": 1, **target_fingerprint(tokenizer), "steps": step, "final": history[-1]}
     save_draft_folder(trainer, token_map, tokenizer, out, meta)
     (out / "distill-summary.json").write_text(json.dumps(summary, indent=1) + "\n")
     log.info("draft written to %s (compact form in %s)", out, out / "compact")

@@ -5,10 +5,12 @@ Servicers and the coordinator call these; the core never imports *_pb2.
 
 from __future__ import annotations
 
+from specd.core.drafting import ProposeRequest
 from specd.core.phases import PhaseLog
 from specd.core.proposal import Proposal
 from specd.core.sampling import SamplingParams
-from specd.v1 import common_pb2, draft_pb2
+from specd.core.verification import VerifyOutcome, VerifyRequest
+from specd.v1 import common_pb2, draft_pb2, target_pb2
 
 
 def params_from_proto(msg: common_pb2.SamplingParams, *, seed: int | None = None) -> SamplingParams:
@@ -52,6 +54,38 @@ def proposal_from_proto(msg: draft_pb2.DraftProposal, vocab_size: int) -> Propos
         msg.compute_ms,
         phases=PhaseLog(batch_size=max(1, msg.batch_size)),
     )
+
+
+# ---- the draft and target services' stream messages (their servicers) ------------------------
+
+
+def propose_request_from_proto(req: draft_pb2.DraftRequest) -> ProposeRequest:
+    p = req.propose
+    return ProposeRequest(req.session_id, req.committed_length, p.start, list(p.token_ids), p.num_tokens)
+
+
+def verify_request_from_proto(req: target_pb2.TargetRequest, vocab_size: int) -> VerifyRequest:
+    """The core's verify request (InvalidArgument on out-of-range IDs or bad probabilities)."""
+    v = req.verify
+    proposal = Proposal.from_wire(
+        list(v.draft_token_ids), [(list(d.token_ids), list(d.probs)) for d in v.q], vocab_size
+    )
+    return VerifyRequest(req.session_id, req.committed_length, proposal, v.start, list(v.token_ids), v.defer_bonus)
+
+
+def verdict_to_proto(outcome: VerifyOutcome, resp: target_pb2.TargetResponse) -> None:
+    """Fill a TargetResponse with a verdict (and the committed length after it)."""
+    resp.committed_length = outcome.committed_length
+    v = resp.verdict
+    v.accepted = outcome.accepted
+    if outcome.deferred:
+        v.kind = target_pb2.TOKEN_KIND_DEFERRED
+    else:
+        v.token_id = outcome.token_id
+        v.kind = target_pb2.TOKEN_KIND_BONUS if outcome.is_bonus else target_pb2.TOKEN_KIND_RECOVERED
+    v.compute_ms = outcome.compute_ms
+    v.batch_size = outcome.phases.batch_size
+    v.batch_tokens = outcome.phases.batch_tokens
 
 
 def sparse_to_proto(proposal: Proposal) -> list[common_pb2.SparseDistribution]:

@@ -84,7 +84,7 @@ def draft_folder(spec: str, target_spec: str, cache_dir: Path) -> Path:
 
 def load_for_serving(folder: Path, device: str) -> tuple[LoadedModel, CausalLMRunner]:
     loaded = load_pretrained(folder)
-    loaded.model.to(device)
+    torch.nn.Module.to(loaded.model, device)  # PreTrainedModel.to's wrapper confuses type checkers
     return loaded, CausalLMRunner(loaded.model)
 
 
@@ -92,7 +92,7 @@ def load_draft_for_serving(folder: Path, device: str) -> tuple[LoadedModel, Caus
     """A draft model folder, with its reduced-vocabulary head if it has one: (model, runner, token_map or None)."""
     loaded = load_pretrained(folder)
     token_map = install_reduced_head(loaded.model, folder)
-    loaded.model.to(device)
+    torch.nn.Module.to(loaded.model, device)
     return loaded, CausalLMRunner(loaded.model), token_map
 
 

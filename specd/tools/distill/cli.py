@@ -117,10 +117,10 @@ def main_distill(args: argparse.Namespace) -> int:
                 "steps": summary["steps"],
                 "initial": summary["initial"],
                 "final": final,
-                "wall_seconds": round(float(summary["wall_seconds"]), 1),
+                "wall_seconds": round(float(summary["wall_seconds"]), 1),  # type: ignore[arg-type]  # a float
             }
         )
-    )  # type: ignore[arg-type]
+    )
     return 0
 
 

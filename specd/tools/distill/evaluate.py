@@ -11,7 +11,7 @@ import torch
 from tqdm.auto import tqdm
 
 from specd.core.draft_checkpoint import install_reduced_head
-from specd.core.drafting import ModelDrafter, NgramDrafter
+from specd.core.drafting import Drafter, ModelDrafter, NgramDrafter
 from specd.core.models import load_pretrained
 from specd.core.rounds import speculative_generate
 from specd.core.runner import CausalLMRunner
@@ -61,6 +61,7 @@ def evaluate(
     verifier = Verifier(t_runner)
     eos = sorted(eos_ids(target.model, target.tokenizer))
     c = draft_ms = None
+    drafter: Drafter
     if str(draft) == "ngram":
         drafter = NgramDrafter(t_runner.vocab_size)
     else:

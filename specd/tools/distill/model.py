@@ -36,7 +36,7 @@ def draft_config(target_config, layers: int):
 def borrowed_names(draft: PreTrainedModel) -> set[str]:
     """Parameter names taken from the target and kept frozen: input embeddings and the output head."""
     params = {id(p): n for n, p in draft.named_parameters(remove_duplicate=False)}
-    names = set()
+    names: set[str] = set()
     for module in (draft.get_input_embeddings(), draft.get_output_embeddings()):
         if module is not None and id(module.weight) in params:
             names.update(n for n, p in draft.named_parameters(remove_duplicate=False) if p is module.weight)

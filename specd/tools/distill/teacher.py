@@ -89,7 +89,7 @@ def generation_records(
     if temperature > 0:
         kwargs.update(temperature=temperature, top_k=0, top_p=1.0)
         torch.manual_seed(seed)
-    out = model.generate(
+    out = model.generate(  # type: ignore[operator]  # transformers types generate() through nn.Module.__getattr__
         input_ids=input_ids.to(device),
         attention_mask=mask.to(device),
         max_new_tokens=max_new_tokens,
@@ -101,7 +101,7 @@ def generation_records(
     new = out[:, width:].cpu()  # [B, G]
     ids = torch.stack(capture.ids, dim=1)  # [B, G, k]
     lps = torch.stack(capture.logprobs, dim=1)
-    records = []
+    records: list[dict[str, Tensor | int]] = []
     for b, p in enumerate(prompts):
         g = new[b].tolist()
         n = len(g)
@@ -131,7 +131,7 @@ def corpus_records(
     batch: int = 8,
 ) -> list[dict[str, Tensor | int]]:
     """One teacher forward pass per chunk: top-k at every position."""
-    records = []
+    records: list[dict[str, Tensor | int]] = []
     for i in range(0, len(chunks), batch):
         group = chunks[i : i + batch]
         width = max(len(c) for c in group)
@@ -260,7 +260,7 @@ def _build_generations(
                 seed=cfg.seed * 100_003 + i,
             )
             atomic_save(records, shards[i])
-            made = sum(int(r["ids"].shape[0]) for r in records)  # type: ignore[union-attr]
+            made = sum(len(ids) for r in records if isinstance(ids := r["ids"], Tensor))  # teacher rows
             bar.set_postfix_str(f"{made / (time.perf_counter() - t0):.0f} tok/s")
             bar.update()
     return [s for s in shards if s.is_file()]

@@ -82,7 +82,7 @@ def _run_distill(cfg: DistillConfig) -> dict[str, object]:
 
     log.info("loading target %s", cfg.target)
     target = load_pretrained(cfg.target)
-    target.model.to(device)
+    torch.nn.Module.to(target.model, device)  # PreTrainedModel.to's wrapper confuses type checkers
     tokenizer = target.tokenizer
     vocab_size = int(target.model.get_output_embeddings().weight.shape[0])
 

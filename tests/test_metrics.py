@@ -113,6 +113,18 @@ def test_each_service_has_its_own_registry_and_endpoint() -> None:
         assert port > 0
         text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
         assert 'specd:request_failure_total{code="CANCELLED",error="cancelled"} 1.0' in text
+        # Prometheus 2.x asks for OpenMetrics without an escaping scheme; the names must keep their colons
+        # (prometheus_client would answer with escaping=underscores: specd_request_failure_total).
+        prometheus2 = (
+            "application/openmetrics-text;version=1.0.0,application/openmetrics-text;version=0.0.1;q=0.75,"
+            "text/plain;version=0.0.4;q=0.5,*/*;q=0.1"
+        )
+        request = urllib.request.Request(f"http://127.0.0.1:{port}/metrics", headers={"Accept": prometheus2})
+        with urllib.request.urlopen(request, timeout=10) as response:
+            assert response.headers["Content-Type"].startswith("text/plain; version=0.0.4")
+            text = response.read().decode()
+        names = {s.name for family in text_string_to_metric_families(text) for s in family.samples}
+        assert "specd:request_failure_total" in names and not any(n.startswith("specd_") for n in names)
     finally:
         server.shutdown()
 

@@ -172,7 +172,7 @@ def scraped(
         try:
             wait(prometheus.ready, 60, "prometheus to be ready")
             wait(
-                lambda: len([t for t in prometheus.query("up == 1")]) == len(jobs),
+                lambda: len(prometheus.query("up == 1")) == len(jobs),
                 60,
                 "prometheus to scrape all three services",
             )

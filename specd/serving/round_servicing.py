@@ -74,7 +74,7 @@ class BatchedRoundServicer(abc.ABC, Generic[Req, Resp, Work, Result]):
             self.handle_batch, executor, max_batch=max_batch, max_wait_s=batch_wait_s, expected=engine.active_sessions
         )
         if metrics is not None:
-            metrics.watch_sessions(engine.active_sessions)
+            metrics.watch_sessions(engine.active_sessions, getattr(engine, "kv_bytes", None))  # NgramDrafter has none
 
     # ---- what a subclass provides --------------------------------------------------
 

@@ -12,7 +12,7 @@ import asyncio
 import time
 import uuid
 from collections import deque
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 from contextlib import aclosing
 from dataclasses import dataclass
 
@@ -164,7 +164,7 @@ class RoundEngine:
 
     async def generate(
         self, spec: GenerateSpec, *, deadline: float, arrival: float | None = None, span: tr.Span | None = None
-    ) -> AsyncIterator[Chunk]:
+    ) -> AsyncGenerator[Chunk, None]:
         """Run the request's rounds, yielding a Chunk per round; the last one has finish_reason and stats.
 
         span: the request's (Generate) span; each round gets a child span.

@@ -314,7 +314,7 @@ def open_channel(
     """A channel to a peer; TLS when credentials are given (server_name overrides the checked name)."""
     if credentials is None:
         return grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
-    options = list(CHANNEL_OPTIONS)
+    options: list[tuple[str, Any]] = list(CHANNEL_OPTIONS)
     if server_name:
         options.append(("grpc.ssl_target_name_override", server_name))
     return grpc.aio.secure_channel(address, credentials, options=options)

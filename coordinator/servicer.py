@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator
 from contextlib import aclosing
 
 import grpc
@@ -24,7 +24,7 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
         request: coordinator_pb2.GenerateRequest,
         context: grpc.aio.ServicerContext,
         span: tr.Span = tr.INVALID_SPAN,
-    ) -> AsyncIterator[Chunk]:
+    ) -> AsyncGenerator[Chunk, None]:
         arrival = time.monotonic()
         engine = self.engine
         spec = spec_from_request(

@@ -206,6 +206,15 @@ def test_a_failed_draft_pauses_speculation_for_every_request() -> None:
     assert asyncio.run(loop.draft_usable()) is False
 
 
+def test_a_draft_refusing_one_request_leaves_the_others_speculating() -> None:
+    draft, watch = FakeDraft(Script(fail=fail(2, InvalidArgument("this request's prompt"))), lie=set()), Watch()
+    r, records, loop = run(spec(20), FakeTarget(), draft, settings=LoopSettings(draft_retry_s=60.0), watch=watch)
+    assert r.generation.generated == expected(20)
+    assert {rec.target_only for rec in records[1:-1]} == {TargetOnly.DRAFT_REFUSED}
+    assert draft.calls == 2 and ("draft refused the request; target-only", "InvalidArgument") in watch.events
+    assert asyncio.run(loop.draft_usable()) is True  # nobody else paused
+
+
 def test_why_a_round_ran_target_only() -> None:
     down = FakeDraft()
     down.up = False

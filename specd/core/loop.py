@@ -28,7 +28,7 @@ from collections.abc import AsyncGenerator, Callable, Sequence
 from dataclasses import dataclass
 
 from specd.core.adaptive import ServiceEstimates
-from specd.core.errors import SpecdError
+from specd.core.errors import REQUEST_ERRORS, SpecdError
 from specd.core.generation import FinishReason, Generation, StopRule
 from specd.core.pipeline import Off, PipelineRound, make_pipeline
 from specd.core.port_sessions import DraftSession, TargetSession
@@ -158,6 +158,7 @@ class RequestRun:
         self._target = TargetSession(loop.target, session_id, spec.params, loop.settings.target_timeout_s)
         self._draft = DraftSession(loop.draft, session_id, spec.params) if loop.draft is not None else None
         self._ready: tuple[Proposal, PipelineHit] | None = None  # a pre-draft for the committed prefix
+        self._draft_refused = False  # the draft refused this request alone: target-only rounds for it
 
     @property
     def finish_reason(self) -> FinishReason | None:
@@ -271,10 +272,19 @@ class RequestRun:
         """k draft tokens after committed + extension, or none and why: speculation pauses, output stays exact."""
         if self._draft is None:
             return Proposal([]), TargetOnly.NO_DRAFT
+        if self._draft_refused:
+            return Proposal([]), TargetOnly.DRAFT_REFUSED
         timeout = min(self._loop.settings.draft_timeout_s, max(0.0, self._deadline - time.monotonic()))
         try:
             proposal = await self._draft.propose(committed, extension, k, timeout=timeout, carrier=carrier)
-        except SpecdError as exc:  # slow, gone, lying or full
+        except REQUEST_ERRORS as exc:  # this request's own problem: it alone goes target-only, nobody pauses
+            self._draft_refused = True
+            log.warning(
+                "draft refused session %s (%s: %s); target-only for it", self.session_id, type(exc).__name__, exc
+            )
+            self._observer.round_event("draft refused the request; target-only", exc)
+            return Proposal([]), TargetOnly.DRAFT_REFUSED
+        except SpecdError as exc:  # slow, gone, lying or full: speculation pauses for every request
             self._loop.draft_failed(exc)
             self._observer.round_event("draft failed; target-only round", exc)
             return Proposal([]), TargetOnly.DRAFT_FAILED

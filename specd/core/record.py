@@ -34,6 +34,7 @@ class TargetOnly(enum.Enum):
     NO_DRAFT = "no_draft"  # no draft is configured
     DRAFT_UNAVAILABLE = "draft_unavailable"  # the draft is down, incompatible, or paused after a failure
     DRAFT_FAILED = "draft_failed"  # this round's propose failed (slow, gone, lying, full)
+    DRAFT_REFUSED = "draft_refused"  # the draft refused this request alone (its own InvalidArgument / Internal)
     DRAFT_EMPTY = "draft_empty"  # the draft had nothing to propose (e.g. no n-gram match)
 
     @property

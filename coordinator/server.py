@@ -6,6 +6,7 @@ from transformers import AutoTokenizer
 
 from coordinator.engine import RoundEngine
 from coordinator.peers import DraftPeer, TargetPeer, open_channel
+from coordinator.requests import public_message_limit
 from coordinator.servicer import CoordinatorServicer
 from specd.core import catalog
 from specd.core.catalog import DEMO
@@ -55,6 +56,7 @@ async def create_server(
         lambda s: coordinator_pb2_grpc.add_CoordinatorServicer_to_server(servicer, s),
         [SERVICE_NAME],
         interceptors=interceptors,
+        max_message_bytes=public_message_limit(config, engine.max_context),
     )
 
     async def close() -> None:

@@ -10,13 +10,12 @@ from typing import Any
 import grpc
 
 from specd.core.errors import InvalidArgument
-from specd.core.proposal import Proposal
 from specd.core.verification import Verifier, VerifyOutcome, VerifyRequest
 from specd.serving import tracing as tr
 from specd.serving.grpc_errors import session_error
 from specd.serving.metrics import TargetMetrics
 from specd.serving.round_servicing import BatchedRoundServicer, Handled
-from specd.serving.wire import params_from_proto
+from specd.serving.wire import params_from_proto, proposal_from_verify, token_ids_from_wire
 from specd.v1 import common_pb2, target_pb2, target_pb2_grpc
 
 log = logging.getLogger(__name__)
@@ -65,22 +64,19 @@ class TargetServicer(
         work: list[tuple[int, VerifyRequest]] = []
         for i, req in enumerate(requests):
             v = req.verify
-            try:
-                proposal = Proposal.from_wire(
-                    list(v.draft_token_ids),
-                    [(list(d.token_ids), list(d.probs)) for d in v.q],
+            try:  # sizes are checked before anything is copied (wire.proposal_from_verify)
+                proposal = proposal_from_verify(
+                    v,
                     self.verifier.vocab_size,
+                    max_draft_tokens=self.verifier.max_draft_tokens,
+                    max_q_width=self.verifier.max_q_width,
                 )
+                tail = token_ids_from_wire(v.token_ids, self.verifier.runner.max_context, "verify.token_ids")
             except Exception as exc:  # noqa: BLE001 - this message's error, in-band
                 out[i] = (self._error(req, exc), None)
                 continue
             work.append(
-                (
-                    i,
-                    VerifyRequest(
-                        req.session_id, req.committed_length, proposal, v.start, list(v.token_ids), v.defer_bonus
-                    ),
-                )
+                (i, VerifyRequest(req.session_id, req.committed_length, proposal, v.start, tail, v.defer_bonus))
             )
         results = self.verifier.verify_batch([w for _, w in work]) if work else []
         for (i, _), result in zip(work, results):
@@ -114,7 +110,8 @@ class TargetServicer(
                     raise InvalidArgument("open: committed_length must equal the number of token_ids")
                 if not req.open.sampling.HasField("seed"):
                     raise InvalidArgument("open: sampling.seed must be set (the coordinator picks one)")
-                self.verifier.open(req.session_id, list(req.open.token_ids), params_from_proto(req.open.sampling))
+                ids = token_ids_from_wire(req.open.token_ids, self.verifier.runner.max_context, "open.token_ids")
+                self.verifier.open(req.session_id, ids, params_from_proto(req.open.sampling))
                 resp.ack.SetInParent()
             elif op == "close":
                 self.verifier.close(req.session_id)

@@ -18,7 +18,7 @@ from specd.core import sampling
 from specd.core.drafting import sync_prefix
 from specd.core.errors import InvalidArgument
 from specd.core.phases import PhaseLog
-from specd.core.proposal import Proposal
+from specd.core.proposal import DEFAULT_MAX_DRAFT_TOKENS, DEFAULT_MAX_Q_WIDTH, Proposal
 from specd.core.runner import CausalLMRunner, KVSession
 from specd.core.sampling import SamplingParams, SparseProposal
 from specd.core.sessions import KVBudget, SessionTable
@@ -67,11 +67,19 @@ class Verifier:
         idle_timeout_s: float = 600.0,
         max_kv_bytes: int = 0,
         max_batch: int = 32,
+        max_draft_tokens: int = DEFAULT_MAX_DRAFT_TOKENS,
+        max_q_width: int = DEFAULT_MAX_Q_WIDTH,
     ) -> None:
         if max_batch < 1:
             raise InvalidArgument(f"max_batch must be >= 1 (got {max_batch})")
+        if max_draft_tokens < 1 or max_q_width < 1:
+            raise InvalidArgument("max_draft_tokens and max_q_width must be >= 1")
         self.runner = runner
         self.max_batch = max_batch
+        # K and q entries per row a verify may carry: the batch pads q to at most
+        # max_batch x max_draft_tokens x max_q_width entries (proposal.Proposal.from_wire).
+        self.max_draft_tokens = max_draft_tokens
+        self.max_q_width = max_q_width
         self._kv_budget = KVBudget(max_kv_bytes, lambda: runner.kv_bytes_per_token)
         self.vocab_size = runner.vocab_size
         self._sessions: SessionTable[_TargetSession] = SessionTable(
@@ -160,6 +168,12 @@ class Verifier:
         start = len(s.kv.tokens) if req.start is None else req.start
         self.runner.set_tokens(s.kv, sync_prefix(s.kv.tokens, req.committed_length, start, req.tail))
         k = len(req.proposal)
+        if k > self.max_draft_tokens:
+            raise InvalidArgument(f"{k} draft tokens; this service verifies at most {self.max_draft_tokens}")
+        if req.proposal.q_ids is not None and int(req.proposal.q_ids.shape[-1]) > self.max_q_width:
+            raise InvalidArgument(
+                f"q rows of {int(req.proposal.q_ids.shape[-1])} entries; the limit is {self.max_q_width}"
+            )
         if req.committed_length + k + 1 > self.runner.max_context:
             raise InvalidArgument(
                 f"{k} draft tokens after {req.committed_length} committed exceed the context of "

@@ -9,10 +9,16 @@ from pathlib import Path
 
 import grpc
 
+from specd.core.errors import InvalidArgument
+
 log = logging.getLogger(__name__)
 
-# Health and reflection stay open: Kubernetes probes and grpcurl `list` carry no token.
-UNAUTHENTICATED_SERVICES = ("grpc.health.v1.Health/", "grpc.reflection.")
+# Only the health Check stays open: Kubernetes gRPC probes carry no token. Health Watch
+# (a stream that lives as long as the caller likes) and reflection need the token
+# (grpcurl sends it to both with -H 'authorization: Bearer ...').
+UNAUTHENTICATED_METHODS = frozenset({"/grpc.health.v1.Health/Check"})
+# A shorter token can be guessed; `openssl rand -hex 32` gives 64 characters.
+MIN_TOKEN_CHARS = 16
 
 
 def _read(path: str) -> bytes:
@@ -39,8 +45,11 @@ def channel_credentials(ca: str, cert: str = "", key: str = "") -> grpc.ChannelC
 
 def read_token(path: str) -> str:
     token = Path(path).read_text().strip()
-    if not token:
-        raise ValueError(f"the API token file {path} is empty")
+    if len(token) < MIN_TOKEN_CHARS:
+        raise InvalidArgument(
+            f"the API token in {path} has {len(token)} characters; use at least {MIN_TOKEN_CHARS} "
+            "(e.g. `openssl rand -hex 32`)"
+        )
     return token
 
 
@@ -55,8 +64,7 @@ class BearerTokenInterceptor(grpc.aio.ServerInterceptor):
         continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
         details: grpc.HandlerCallDetails,
     ) -> grpc.RpcMethodHandler:
-        method = details.method.lstrip("/")
-        if method.startswith(UNAUTHENTICATED_SERVICES):
+        if details.method in UNAUTHENTICATED_METHODS:
             return await continuation(details)
         sent = b""
         for key, value in details.invocation_metadata or ():
@@ -68,21 +76,15 @@ class BearerTokenInterceptor(grpc.aio.ServerInterceptor):
 
 
 def _refusal(handler: grpc.RpcMethodHandler | None, message: str) -> grpc.RpcMethodHandler:
-    """A handler of the same shape as the real one that aborts with UNAUTHENTICATED."""
+    """A handler that aborts with UNAUTHENTICATED without reading the request.
 
-    async def abort_unary(request: object, context: grpc.aio.ServicerContext) -> None:
-        await context.abort(grpc.StatusCode.UNAUTHENTICATED, message)
+    Whatever the method's shape, it is served as a stream-stream handler that never
+    takes a message from its iterator: the request (up to the message limit) is never
+    deserialized, so a flood of refused calls with huge messages holds no memory.
+    """
 
-    async def abort_stream(request: object, context: grpc.aio.ServicerContext):
+    async def abort(request_iterator: object, context: grpc.aio.ServicerContext):
         await context.abort(grpc.StatusCode.UNAUTHENTICATED, message)
         yield  # pragma: no cover - makes this an async generator
 
-    if handler is not None and handler.unary_stream is not None:
-        return grpc.unary_stream_rpc_method_handler(
-            abort_stream, handler.request_deserializer, handler.response_serializer
-        )
-    if handler is not None:
-        return grpc.unary_unary_rpc_method_handler(
-            abort_unary, handler.request_deserializer, handler.response_serializer
-        )
-    return grpc.unary_unary_rpc_method_handler(abort_unary)
+    return grpc.stream_stream_rpc_method_handler(abort)

@@ -134,6 +134,7 @@ class RoundEngine:
         self.target_info: common_pb2.ModelInfo | None = None
         self._draft_health = _DraftHealth()
         self._active = 0
+        self._active_tokens = 0  # prompt + max_new_tokens of the requests being served (--max-active-tokens)
         self._background: set[asyncio.Task[None]] = set()
         self.round_timings: deque[RoundTiming] = deque(maxlen=100_000)
         # Service-wide acceptance and cost estimates, read live by every session's adaptive K.
@@ -231,10 +232,17 @@ class RoundEngine:
 
     # ---- one request -----------------------------------------------------------
 
-    def admit(self) -> None:
+    def admit(self, tokens: int = 0) -> None:
+        """Room for one more request of `tokens` (prompt + max_new_tokens), or ResourceExhausted."""
         if self._active >= self.config.max_concurrent_requests:
             raise ResourceExhausted(
                 f"the coordinator is serving its limit of {self.config.max_concurrent_requests} requests; retry later"
+            )
+        limit = self.config.max_active_tokens
+        if limit and self._active_tokens + tokens > limit:
+            raise ResourceExhausted(
+                f"the coordinator holds {self._active_tokens} of its {limit} tokens of requests in flight and this "
+                f"one needs {tokens}; retry later"
             )
 
     async def generate(
@@ -244,8 +252,10 @@ class RoundEngine:
 
         span: the request's (Generate) span; each round gets a child span.
         """
-        self.admit()
+        tokens = len(spec.prompt_ids) + spec.max_new_tokens
+        self.admit(tokens)
         self._active += 1
+        self._active_tokens += tokens
         arrival = time.monotonic() if arrival is None else arrival
         sid = uuid.uuid4().hex
         gen = Generation(spec.prompt_ids, StopRule(spec.max_new_tokens, self.max_context, spec.stop_token_ids))
@@ -254,7 +264,7 @@ class RoundEngine:
         first_token_at: float | None = None
         totals = RoundTiming(0.0, 0.0, 0.0)
         if span is not None and span.is_recording():
-            span.set_attribute(tr.ATTR_SESSION_ID, sid)
+            span.set_attribute(tr.ATTR_SESSION_ID, tr.hashed_session_id(sid))
         round_span = tr.INVALID_SPAN
         adaptive = self._adaptive(spec) if spec.speculation == "auto" else None
         ahead: asyncio.Future[Proposal] | None = None  # pre-draft of the next round (pipelining)
@@ -373,6 +383,7 @@ class RoundEngine:
             raise
         finally:
             self._active -= 1
+            self._active_tokens -= tokens
             self._close_later(sid, target_s.opened, draft_s.opened)
             round_span.end()  # a round cut short by an error or cancellation
 

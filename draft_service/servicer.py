@@ -56,6 +56,10 @@ class DraftServicer(
             metrics.watch_sessions(drafter.active_sessions)
 
     @staticmethod
+    def _empty_request() -> draft_pb2.DraftRequest:
+        return draft_pb2.DraftRequest()
+
+    @staticmethod
     def _response(req: draft_pb2.DraftRequest) -> draft_pb2.DraftResponse:
         return draft_pb2.DraftResponse(
             request_id=req.request_id, session_id=req.session_id, committed_length=req.committed_length

@@ -53,6 +53,10 @@ class TargetServicer(
             metrics.watch_sessions(verifier.active_sessions)
 
     @staticmethod
+    def _empty_request() -> target_pb2.TargetRequest:
+        return target_pb2.TargetRequest()
+
+    @staticmethod
     def _response(req: target_pb2.TargetRequest) -> target_pb2.TargetResponse:
         return target_pb2.TargetResponse(
             request_id=req.request_id, session_id=req.session_id, committed_length=req.committed_length

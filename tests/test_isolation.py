@@ -351,3 +351,17 @@ def test_hostile_internal_verifies_fail_alone_beside_eight_ordinary_ones(models)
         assert got.committed_length == want.committed_length
     for hostile in out[4:7]:
         assert hostile.error.code == session_pb2.SessionError.CODE_INVALID_ARGUMENT, hostile
+
+
+def test_errors_about_peers_reach_clients_as_generic_messages() -> None:
+    import grpc
+
+    from specd.core import errors
+    from specd.serving.grpc_errors import status_for
+
+    code, message = status_for(errors.Unavailable("target stream broke: UNAVAILABLE: ipv4:10.0.0.5:50053 refused"))
+    assert code == grpc.StatusCode.UNAVAILABLE and "10.0.0.5" not in message and "retry" in message
+    code, message = status_for(errors.DeadlineExceeded("target did not answer within 2.00 s"))
+    assert code == grpc.StatusCode.DEADLINE_EXCEEDED and "2.00" not in message
+    code, message = status_for(errors.ResourceExhausted("the coordinator is serving its limit of 4 requests"))
+    assert message == "the coordinator is serving its limit of 4 requests"  # meant for the caller: kept

@@ -25,6 +25,7 @@ from tests.cluster import Cluster
 TOKEN = "a-token-of-enough-characters"
 CONTEXT = 512  # the tiny models'
 MiB = 1 << 20
+ACTIVE_TOKENS = 450  # --max-active-tokens of the module's coordinator
 
 
 def _rss_bytes(pid: int) -> int:
@@ -39,7 +40,10 @@ def cluster(tiny_pair: tuple[Path, Path], tmp_path_factory: pytest.TempPathFacto
     target, draft = tiny_pair
     token_file = tmp_path_factory.mktemp("token") / "token"
     token_file.write_text(TOKEN)
-    args = ["--api-token-file", str(token_file), "--max-concurrent-requests", "2", "--max-concurrent-rpcs", "300"]
+    args = [
+        *("--api-token-file", str(token_file), "--max-concurrent-requests", "2", "--max-concurrent-rpcs", "300"),
+        *("--max-active-tokens", str(ACTIVE_TOKENS)),
+    ]
     with Cluster(target, draft, cache_dir=tmp_path_factory.mktemp("cache"), coordinator_args=args) as c:
         yield c
 
@@ -158,6 +162,15 @@ def test_admission_comes_before_the_per_item_checks(cluster: Cluster) -> None:
     assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, err.value.details()
 
 
+def test_admission_counts_prompt_and_new_tokens(cluster: Cluster) -> None:
+    with _client(cluster) as client:
+        with pytest.raises(grpc.RpcError) as err:
+            client.generate("hello", max_new_tokens=ACTIVE_TOKENS - 4, temperature=0)  # 5 + 446 > 450
+        assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "tokens" in err.value.details()
+        reply = client.generate("hello", max_new_tokens=ACTIVE_TOKENS - 5, temperature=0, stop_token_ids=[])
+        assert reply.stats.completion_tokens >= 1
+
+
 def test_concurrent_rpcs_are_capped(tiny_pair: tuple[Path, Path], tmp_path: Path) -> None:
     token_file = tmp_path / "token"
     token_file.write_text(TOKEN)
@@ -206,3 +219,42 @@ def test_float_settings_must_be_finite() -> None:
         CoordinatorConfig(draft_retry_s=float("nan")).validate()
     with pytest.raises(InvalidArgument, match="finite"):
         CoordinatorConfig(grace_s=float("inf")).validate()
+
+
+# ---- sessions belong to their stream -------------------------------------------------------------
+
+
+def test_a_session_belongs_to_the_stream_that_opened_it(cluster: Cluster) -> None:
+    from queue import Queue
+
+    from specd.v1 import session_pb2, target_pb2, target_pb2_grpc
+
+    def opening(sid: str) -> target_pb2.TargetRequest:
+        req = target_pb2.TargetRequest(request_id=1, session_id=sid, committed_length=3)
+        req.open.token_ids.extend([104, 105, 33])
+        req.open.sampling.seed = 1
+        req.open.sampling.temperature = 0.0
+        return req
+
+    def verify(sid: str, request_id: int) -> target_pb2.TargetRequest:
+        req = target_pb2.TargetRequest(request_id=request_id, session_id=sid, committed_length=3)
+        req.verify.start = 3
+        return req
+
+    with grpc.insecure_channel(cluster.target.address) as channel:
+        stub = target_pb2_grpc.TargetStub(channel)
+        outbox: Queue = Queue()
+        owner = stub.Rounds(iter(outbox.get, None), timeout=60)
+        outbox.put(opening("shared-name"))
+        assert next(owner).WhichOneof("result") == "ack"
+        # Another stream cannot reach it, even by its exact ID.
+        other = list(stub.Rounds(iter([verify("shared-name", 1)]), timeout=30))
+        assert other[0].error.code == session_pb2.SessionError.CODE_SESSION_NOT_FOUND
+        assert other[0].session_id == "shared-name"  # answers speak the caller's IDs
+        # ... and its own session of that name is another session.
+        own = list(stub.Rounds(iter([opening("shared-name"), verify("shared-name", 2)]), timeout=30))
+        assert [r.WhichOneof("result") for r in own] == ["ack", "verdict"]
+        outbox.put(verify("shared-name", 3))
+        reply = next(owner)
+        assert reply.WhichOneof("result") == "verdict" and reply.session_id == "shared-name"
+        outbox.put(None)

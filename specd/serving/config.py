@@ -48,6 +48,11 @@ class ServiceBase:
     tls_cert: str = _opt("", "server certificate chain (PEM); with --tls-key turns TLS on")
     tls_key: str = _opt("", "server private key (PEM)")
     tls_client_ca: str = _opt("", "CA bundle (PEM) that client certificates must chain to (mutual TLS)")
+    tls_client_names: str = _opt(
+        "",
+        "comma-separated names (subject CN or DNS SAN) a client certificate must carry, e.g. the coordinator's; "
+        "empty: any certificate from --tls-client-ca",
+    )
     max_concurrent_rpcs: int = _opt(1024, "calls served at once, all kinds; more get RESOURCE_EXHAUSTED at once")
     max_streams_per_connection: int = _opt(128, "streams one client connection may hold open at once")
 
@@ -70,6 +75,8 @@ class ServiceBase:
             raise InvalidArgument(f"--trace-sample-ratio must be in [0, 1] (got {self.trace_sample_ratio})")
         if bool(self.tls_cert) != bool(self.tls_key):
             raise InvalidArgument("TLS needs both --tls-cert and --tls-key")
+        if self.tls_client_names and not self.tls_client_ca:
+            raise InvalidArgument("--tls-client-names needs --tls-client-ca (mutual TLS)")
         if self.tls_client_ca and not self.tls_cert:
             raise InvalidArgument("--tls-client-ca (mutual TLS) needs --tls-cert and --tls-key")
         for name in ("tls_cert", "tls_key", "tls_client_ca"):
@@ -80,6 +87,10 @@ class ServiceBase:
     @property
     def tls_enabled(self) -> bool:
         return bool(self.tls_cert)
+
+    @property
+    def client_names(self) -> list[str]:
+        return [n.strip() for n in self.tls_client_names.split(",") if n.strip()]
 
 
 @dataclass(frozen=True)
@@ -175,6 +186,11 @@ class CoordinatorConfig(ServiceBase):
     default_max_new_tokens: int = _opt(128, "max_new_tokens when a request sets none")
     max_new_tokens_limit: int = _opt(4096, "largest max_new_tokens a request may ask for")
     max_concurrent_requests: int = _opt(64, "requests served at once; more get RESOURCE_EXHAUSTED")
+    max_active_tokens: int = _opt(
+        0,
+        "prompt + max_new_tokens of all requests served at once; more get RESOURCE_EXHAUSTED "
+        "(0: no limit; size it to the target's --max-kv-bytes / KV bytes per token)",
+    )
     max_stop_strings: int = _opt(16, "stop strings a request may give")
     max_stop_token_ids: int = _opt(64, "stop token IDs a request may give")
     max_chat_messages: int = _opt(512, "chat messages a request may give")
@@ -212,6 +228,8 @@ class CoordinatorConfig(ServiceBase):
         for name in ("max_concurrent_requests", "max_stop_strings", "max_stop_token_ids", "max_chat_messages"):
             if getattr(self, name) < 1:
                 raise InvalidArgument(f"--{name.replace('_', '-')} must be >= 1")
+        if self.max_active_tokens < 0:
+            raise InvalidArgument("--max-active-tokens must be >= 0 (0: no limit)")
         if self.max_prompt_chars < 0:
             raise InvalidArgument("--max-prompt-chars must be >= 0 (0: from the model's context)")
         for name in ("draft_timeout_s", "target_timeout_s", "request_timeout_s", "draft_retry_s"):

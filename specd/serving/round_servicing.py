@@ -23,7 +23,7 @@ from specd.core.phases import PhaseLog
 from specd.serving import tracing as tr
 from specd.serving.batching import MicroBatcher
 from specd.serving.grpc_errors import session_error
-from specd.serving.streams import serve_round_stream
+from specd.serving.streams import StreamSessions, client_session_id, serve_round_stream
 from specd.v1 import session_pb2
 
 Req = TypeVar("Req")
@@ -57,6 +57,11 @@ class BatchedRoundServicer(abc.ABC, Generic[Req, Resp]):
         )
 
     # ---- what a subclass provides --------------------------------------------------
+
+    @staticmethod
+    @abc.abstractmethod
+    def _empty_request() -> Any:
+        """An empty request message of this service (the stream closes its sessions with it)."""
 
     @staticmethod
     @abc.abstractmethod
@@ -129,7 +134,10 @@ class BatchedRoundServicer(abc.ABC, Generic[Req, Resp]):
         return self.tracing.start_remote_child(
             self.span_names.get(op, self.span_names[self.step_op]),
             req.trace_context,
-            {tr.ATTR_SESSION_ID: req.session_id, tr.ATTR_COMMITTED_LENGTH: req.committed_length},
+            {
+                tr.ATTR_SESSION_ID: tr.hashed_session_id(client_session_id(req.session_id)),
+                tr.ATTR_COMMITTED_LENGTH: req.committed_length,
+            },
         )
 
     def _finish(self, req: Any, resp: Any, span: tr.Span | None, phases: PhaseLog | None) -> None:
@@ -163,5 +171,9 @@ class BatchedRoundServicer(abc.ABC, Generic[Req, Resp]):
     async def serve(self, request_iterator: AsyncIterator[Req], context: Any) -> AsyncIterator[Resp]:
         # Headers first, so the coordinator knows the stream is up before any round.
         await context.send_initial_metadata(())
-        async for response in serve_round_stream(request_iterator, self.batcher.submit):
+        # Sessions belong to this stream (their own namespace), and close with it.
+        scope = StreamSessions()
+        async for response in serve_round_stream(
+            request_iterator, self.batcher.submit, sessions=scope, make_request=self._empty_request
+        ):
             yield response

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import hmac
+import inspect
 import logging
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
+from typing import Any
 from pathlib import Path
 
 import grpc
@@ -88,3 +90,72 @@ def _refusal(handler: grpc.RpcMethodHandler | None, message: str) -> grpc.RpcMet
         yield  # pragma: no cover - makes this an async generator
 
     return grpc.stream_stream_rpc_method_handler(abort)
+
+
+class ClientNameInterceptor(grpc.aio.ServerInterceptor):
+    """Mutual TLS by name: only a client certificate that names one of `names` gets in.
+
+    A certificate "names" a name in its subject common name or a DNS subject
+    alternative name. Without this, any certificate the client CA signed (another
+    service's, a test's) would do. Others get PERMISSION_DENIED before their
+    handler runs or reads a message.
+    """
+
+    def __init__(self, names: Sequence[str]) -> None:
+        if not names:
+            raise InvalidArgument("ClientNameInterceptor needs at least one allowed name")
+        self._names = frozenset(n.encode() for n in names)
+
+    def allowed(self, context: grpc.aio.ServicerContext) -> bool:
+        auth = context.auth_context() or {}
+        presented = {*auth.get("x509_common_name", ()), *auth.get("x509_subject_alternative_name", ())}
+        return bool(self._names & presented)
+
+    async def intercept_service(
+        self,
+        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
+        details: grpc.HandlerCallDetails,
+    ) -> grpc.RpcMethodHandler:
+        handler = await continuation(details)
+        if handler is None:
+            return handler
+        return _guarded(handler, self.allowed)
+
+
+_DENIED = "this client certificate's name is not allowed here; only the coordinator's is"
+
+
+def _guarded(
+    handler: grpc.RpcMethodHandler, allowed: Callable[[grpc.aio.ServicerContext], bool]
+) -> grpc.RpcMethodHandler:
+    """The same handler, refusing callers that `allowed` rejects (any shape, generator or not)."""
+
+    def wrap(inner: Callable[..., Any]) -> Callable[..., Any]:
+        if inspect.isasyncgenfunction(inner):
+
+            async def gen(request: Any, context: grpc.aio.ServicerContext) -> Any:
+                if not allowed(context):
+                    await context.abort(grpc.StatusCode.PERMISSION_DENIED, _DENIED)
+                async for item in inner(request, context):
+                    yield item
+
+            return gen
+
+        async def call(request: Any, context: grpc.aio.ServicerContext) -> Any:
+            if not allowed(context):
+                await context.abort(grpc.StatusCode.PERMISSION_DENIED, _DENIED)
+            result = inner(request, context)
+            return await result if inspect.isawaitable(result) else result
+
+        return call
+
+    kinds = (
+        (handler.unary_unary, grpc.unary_unary_rpc_method_handler),
+        (handler.unary_stream, grpc.unary_stream_rpc_method_handler),
+        (handler.stream_unary, grpc.stream_unary_rpc_method_handler),
+        (handler.stream_stream, grpc.stream_stream_rpc_method_handler),
+    )
+    for inner, make in kinds:
+        if inner is not None:
+            return make(wrap(inner), handler.request_deserializer, handler.response_serializer)
+    return handler

@@ -16,7 +16,7 @@ from grpc_reflection.v1alpha import reflection
 
 from specd.serving.config import ServiceBase
 from specd.serving.grpc_errors import ErrorMappingInterceptor
-from specd.serving.security import server_credentials
+from specd.serving.security import ClientNameInterceptor, server_credentials
 
 log = logging.getLogger(__name__)
 
@@ -127,6 +127,8 @@ def build_server(
     at once (more get RESOURCE_EXHAUSTED at once) and config.max_streams_per_connection
     streams on one connection.
     """
+    if config.client_names:  # mutual TLS by name: only these client certificates get in
+        interceptors = [ClientNameInterceptor(config.client_names), *interceptors]
     server = grpc.aio.server(
         interceptors=[ErrorMappingInterceptor(), *interceptors],
         options=server_options(max_message_bytes, config.max_streams_per_connection),

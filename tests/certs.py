@@ -105,13 +105,13 @@ def make_pki(folder: Path) -> Pki:
     return Pki(ca_path, s_cert, s_key, c_cert, c_key, other_path, o_cert, o_key, i_cert, i_key, ca_key_path)
 
 
-def reissue(pki: Pki, folder: Path) -> tuple[Path, Path, Path, Path]:
+def reissue(pki: Pki, folder: Path, client_name: str = "coordinator") -> tuple[Path, Path, Path, Path]:
     """New server and client key pairs and certificates from the same CA: (server cert, key, client cert, key)."""
     folder.mkdir(parents=True, exist_ok=True)
     ca_key = serialization.load_pem_private_key(pki.ca_key.read_bytes(), password=None)
     server_key, client_key = _key(), _key()
     server = _cert("localhost", server_key, "specd-test-ca", ca_key, ca=False, usage=ExtendedKeyUsageOID.SERVER_AUTH)
-    client = _cert("coordinator", client_key, "specd-test-ca", ca_key, ca=False, usage=ExtendedKeyUsageOID.CLIENT_AUTH)
+    client = _cert(client_name, client_key, "specd-test-ca", ca_key, ca=False, usage=ExtendedKeyUsageOID.CLIENT_AUTH)
     s_cert, s_key = _write(folder, "server", server, server_key)
     c_cert, c_key = _write(folder, "client", client, client_key)
     assert s_key and c_key

@@ -202,6 +202,9 @@ class CoordinatorConfig(ServiceBase):
     request_timeout_s: float = _opt(300.0, "deadline for requests that carry none")
     draft_retry_s: float = _opt(2.0, "after a draft failure, speculate again after this long")
     api_token_file: str = _opt("", "file holding the bearer token clients must send (empty: no token)")
+    api_token_grace_s: float = _opt(
+        300.0, "after the token file changes, the previous token stays valid this long (clients switch over)"
+    )
     allow_plaintext_token: bool = _opt(
         False,
         "accept the API token without TLS on a non-loopback address (only behind a proxy or mesh that encrypts)",
@@ -228,6 +231,8 @@ class CoordinatorConfig(ServiceBase):
         for name in ("max_concurrent_requests", "max_stop_strings", "max_stop_token_ids", "max_chat_messages"):
             if getattr(self, name) < 1:
                 raise InvalidArgument(f"--{name.replace('_', '-')} must be >= 1")
+        if self.api_token_grace_s < 0:
+            raise InvalidArgument("--api-token-grace-s must be >= 0")
         if self.max_active_tokens < 0:
             raise InvalidArgument("--max-active-tokens must be >= 0 (0: no limit)")
         if self.max_prompt_chars < 0:

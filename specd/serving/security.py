@@ -6,12 +6,13 @@ import hmac
 import inspect
 import logging
 from collections.abc import Awaitable, Callable, Sequence
-from typing import Any
 from pathlib import Path
+from typing import Any
 
 import grpc
 
 from specd.core.errors import InvalidArgument
+from specd.serving.reloading import read_key_pair
 
 log = logging.getLogger(__name__)
 
@@ -38,11 +39,8 @@ def server_credentials(cert: str, key: str, client_ca: str = "") -> grpc.ServerC
 
 def channel_credentials(ca: str, cert: str = "", key: str = "") -> grpc.ChannelCredentials:
     """TLS for a client, verifying the server against `ca`; with cert/key, mutual TLS."""
-    return grpc.ssl_channel_credentials(
-        root_certificates=_read(ca),
-        private_key=_read(key) if key else None,
-        certificate_chain=_read(cert) if cert else None,
-    )
+    chain, private_key = read_key_pair(cert, key) if cert else (None, None)
+    return grpc.ssl_channel_credentials(root_certificates=_read(ca), private_key=private_key, certificate_chain=chain)
 
 
 def read_token(path: str) -> str:
@@ -56,10 +54,14 @@ def read_token(path: str) -> str:
 
 
 class BearerTokenInterceptor(grpc.aio.ServerInterceptor):
-    """Refuses calls without `authorization: Bearer <token>` (constant-time compare)."""
+    """Refuses calls without `authorization: Bearer <token>` (constant-time compare).
 
-    def __init__(self, token: str) -> None:
-        self._expected = f"Bearer {token}".encode()
+    token: the token, or a callable giving the tokens valid now (reloading.TokenFile.valid:
+    the current one and, for a grace period after a rotation, the previous one).
+    """
+
+    def __init__(self, token: str | Callable[[], Sequence[str]]) -> None:
+        self._tokens: Callable[[], Sequence[str]] = token if callable(token) else (lambda: (token,))
 
     async def intercept_service(
         self,
@@ -72,7 +74,10 @@ class BearerTokenInterceptor(grpc.aio.ServerInterceptor):
         for key, value in details.invocation_metadata or ():
             if key == "authorization":
                 sent = value.encode() if isinstance(value, str) else value
-        if hmac.compare_digest(sent, self._expected):
+        ok = False
+        for token in self._tokens():  # every one compared, in constant time each
+            ok |= hmac.compare_digest(sent, f"Bearer {token}".encode())
+        if ok:
             return await continuation(details)
         return _refusal(await continuation(details), "missing or wrong API token: send 'authorization: Bearer <token>'")
 

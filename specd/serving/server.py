@@ -16,7 +16,8 @@ from grpc_reflection.v1alpha import reflection
 
 from specd.serving.config import ServiceBase
 from specd.serving.grpc_errors import ErrorMappingInterceptor
-from specd.serving.security import ClientNameInterceptor, server_credentials
+from specd.serving.reloading import ReloadingServerCredentials
+from specd.serving.security import ClientNameInterceptor
 
 log = logging.getLogger(__name__)
 
@@ -143,9 +144,9 @@ def build_server(
     )
     address = f"{config.host}:{config.port}"
     if config.tls_enabled:  # TLS only: a plaintext client fails the handshake
-        port = server.add_secure_port(
-            address, server_credentials(config.tls_cert, config.tls_key, config.tls_client_ca)
-        )
+        # Re-read when the files change (cert-manager renewals): see specd.serving.reloading.
+        creds = ReloadingServerCredentials(config.tls_cert, config.tls_key, config.tls_client_ca)
+        port = server.add_secure_port(address, creds.credentials())
     else:
         port = server.add_insecure_port(address)
     if port == 0:

@@ -50,7 +50,7 @@ class TargetServicer(
         self.verifier = verifier
         self.info = info
         if metrics is not None:
-            metrics.watch_sessions(verifier.active_sessions)
+            metrics.watch_sessions(verifier.active_sessions, verifier.kv_bytes)
 
     @staticmethod
     def _empty_request() -> target_pb2.TargetRequest:

@@ -12,6 +12,7 @@ peer that reported them unhealthy.
 
 from __future__ import annotations
 
+import asyncio
 import inspect
 import logging
 from collections.abc import Awaitable, Callable
@@ -54,6 +55,16 @@ _GENERIC: dict[type[errors.SpecdError], str] = {
     errors.Unavailable: "the model service is unavailable right now; retry later (the server logged the details)",
     errors.DeadlineExceeded: "the request did not finish before its deadline (the server logged the details)",
 }
+
+
+def status_code(exc: BaseException) -> grpc.StatusCode:
+    """The status code a caller sees for `exc` (CANCELLED for a cancellation); logs nothing (for metrics)."""
+    if isinstance(exc, (asyncio.CancelledError, GeneratorExit)):
+        return grpc.StatusCode.CANCELLED
+    for kind in type(exc).__mro__:
+        if kind in _STATUS:
+            return _STATUS[kind]
+    return grpc.StatusCode.INTERNAL
 
 
 def status_for(exc: BaseException) -> tuple[grpc.StatusCode, str]:

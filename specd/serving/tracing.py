@@ -151,9 +151,9 @@ _W3C = TraceContextTextMapPropagator()  # stateless
 
 
 def hashed_session_id(session_id: str) -> str:
-    """What spans record for a session: 16 hex digits of its SHA-256. The same on every
+    """What spans record for a session: 32 hex digits of its SHA-256 (shaped like the ID). The same on every
     service, so the coordinator's and the peers' spans of one session still match."""
-    return hashlib.sha256(session_id.encode()).hexdigest()[:16]
+    return hashlib.sha256(session_id.encode()).hexdigest()[:32]
 
 
 def _endpoint_from_env(env: Mapping[str, str]) -> str:

@@ -106,6 +106,7 @@ class RoundEngine:
         self.target_info: common_pb2.ModelInfo | None = None
         self._active = 0
         self.round_records: deque[RoundRecord] = deque(maxlen=100_000)  # the latest rounds, for measurement
+        self._active_tokens = 0  # prompt + max_new_tokens of the requests being served (--max-active-tokens)
         self.tracing: tr.Tracing = tr.TRACING_OFF  # the service sets these before it serves
         self.metrics: CoordinatorMetrics | None = None
 
@@ -156,10 +157,17 @@ class RoundEngine:
 
     # ---- one request -----------------------------------------------------------
 
-    def admit(self) -> None:
+    def admit(self, tokens: int = 0) -> None:
+        """Room for one more request of `tokens` (prompt + max_new_tokens), or ResourceExhausted."""
         if self._active >= self.config.max_concurrent_requests:
             raise ResourceExhausted(
                 f"the coordinator is serving its limit of {self.config.max_concurrent_requests} requests; retry later"
+            )
+        limit = self.config.max_active_tokens
+        if limit and self._active_tokens + tokens > limit:
+            raise ResourceExhausted(
+                f"the coordinator holds {self._active_tokens} of its {limit} tokens of requests in flight and this "
+                f"one needs {tokens}; retry later"
             )
 
     async def generate(
@@ -169,13 +177,15 @@ class RoundEngine:
 
         span: the request's (Generate) span; each round gets a child span.
         """
-        self.admit()
+        tokens = len(spec.prompt_ids) + spec.max_new_tokens
+        self.admit(tokens)
         self._active += 1
+        self._active_tokens += tokens
         try:
             arrival = time.monotonic() if arrival is None else arrival
             sid = uuid.uuid4().hex
             if span is not None and span.is_recording():
-                span.set_attribute(tr.ATTR_SESSION_ID, sid)
+                span.set_attribute(tr.ATTR_SESSION_ID, tr.hashed_session_id(sid))
             detok = IncrementalDetokenizer(self.tokenizer, spec.prompt_ids, spec.stop_strings)
             run = self.loop.run(
                 spec,
@@ -205,3 +215,4 @@ class RoundEngine:
                     yield Chunk(list(record.committed), detok.take(final=True), run.finish_reason, stats)
         finally:
             self._active -= 1
+            self._active_tokens -= tokens

@@ -1,12 +1,17 @@
 """GenerateRequest -> GenerateSpec: the public edge's validation and translation.
 
-Every rejection is an InvalidArgument whose message says what to fix.
+Every rejection is an InvalidArgument whose message says what to fix. Order
+matters for a public port: first the sizes, from lengths alone (`check_sizes`:
+no per-item work on a field before its count is known to be within its cap),
+then admission (the caller's `admit`, so that an overloaded coordinator refuses
+before it tokenizes), then the per-item checks and tokenization.
 """
 
 from __future__ import annotations
 
 import math
 import secrets
+from collections.abc import Callable
 
 from transformers import PreTrainedTokenizerBase
 
@@ -32,17 +37,57 @@ _PIPELINES = {
 }
 
 
+# Characters per token of context that a prompt may have when --max-prompt-chars is 0 (auto).
+CHARS_PER_TOKEN = 32
+
+
+def prompt_chars_limit(config: CoordinatorConfig, max_context: int) -> int:
+    """The longest prompt text (or chat content) accepted: --max-prompt-chars, or 32 x the context."""
+    return config.max_prompt_chars or CHARS_PER_TOKEN * max_context
+
+
+def public_message_limit(config: CoordinatorConfig, max_context: int) -> int:
+    """The public port's receive limit: the largest prompt the model can take (4 UTF-8 bytes per
+    character, 5 bytes per token ID), plus 1 MiB for everything else. A larger message is refused
+    by gRPC before it is read (RESOURCE_EXHAUSTED)."""
+    return (1 << 20) + 4 * prompt_chars_limit(config, max_context) + 8 * max_context
+
+
+def check_sizes(req: coordinator_pb2.GenerateRequest, config: CoordinatorConfig, max_context: int) -> None:
+    """Every size cap of a request, from lengths alone: cheap enough to run before admission."""
+    chars = prompt_chars_limit(config, max_context)
+    kind = req.WhichOneof("prompt")
+    if kind == "text" and len(req.text) > chars:
+        raise InvalidArgument(f"the prompt has {len(req.text)} characters; the limit is {chars}")
+    if kind == "token_ids" and len(req.token_ids.ids) >= max_context:
+        raise InvalidArgument(
+            f"the prompt has {len(req.token_ids.ids)} tokens; the model's context is {max_context}, so shorten the prompt"
+        )
+    if kind == "chat":
+        if len(req.chat.messages) > config.max_chat_messages:
+            raise InvalidArgument(
+                f"chat has {len(req.chat.messages)} messages; the limit is {config.max_chat_messages}"
+            )
+        if sum(len(m.content) + len(m.role) for m in req.chat.messages) > chars:
+            raise InvalidArgument(f"the chat messages exceed {chars} characters")
+    if len(req.stop) > config.max_stop_strings:
+        raise InvalidArgument(f"{len(req.stop)} stop strings given; the limit is {config.max_stop_strings}")
+    if len(req.stop_token_ids) > config.max_stop_token_ids:
+        raise InvalidArgument(
+            f"{len(req.stop_token_ids)} stop token ids given; the limit is {config.max_stop_token_ids}"
+        )
+
+
 def prompt_ids(
     req: coordinator_pb2.GenerateRequest, tokenizer: PreTrainedTokenizerBase, config: CoordinatorConfig, vocab_size: int
 ) -> list[int]:
+    """The prompt as token IDs (after check_sizes)."""
     kind = req.WhichOneof("prompt")
     if kind is None:
         raise InvalidArgument("the request has no prompt; set one of text, token_ids or chat")
     if kind == "text":
         if not req.text:
             raise InvalidArgument("the prompt text is empty; send some text")
-        if len(req.text) > config.max_prompt_chars:
-            raise InvalidArgument(f"the prompt has {len(req.text)} characters; the limit is {config.max_prompt_chars}")
         ids = list(tokenizer(req.text, add_special_tokens=False).input_ids)
     elif kind == "token_ids":
         ids = list(req.token_ids.ids)
@@ -59,8 +104,6 @@ def prompt_ids(
             messages.append({"role": m.role, "content": m.content})
         if not messages:
             raise InvalidArgument("chat has no messages; send at least one")
-        if sum(len(m["content"]) for m in messages) > config.max_prompt_chars:
-            raise InvalidArgument(f"the chat messages exceed {config.max_prompt_chars} characters")
         if not tokenizer.chat_template:
             raise InvalidArgument("the model has no chat template; send text or token_ids instead")
         rendered = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
@@ -89,7 +132,13 @@ def spec_from_request(
     vocab_size: int,
     max_context: int,
     eos_token_ids: frozenset[int],
+    admit: Callable[[], None] | None = None,
 ) -> GenerateSpec:
+    """The validated request. admit: the admission check, run after the size caps and before
+    the per-item work (tokenization, scans), so that an overloaded coordinator refuses cheaply."""
+    check_sizes(req, config, max_context)
+    if admit is not None:
+        admit()
     ids = prompt_ids(req, tokenizer, config, vocab_size)
     if len(ids) >= max_context:
         raise InvalidArgument(
@@ -107,8 +156,6 @@ def spec_from_request(
         )
     else:
         max_new = req.max_new_tokens
-    if len(req.stop) > config.max_stop_strings:
-        raise InvalidArgument(f"{len(req.stop)} stop strings given; the limit is {config.max_stop_strings}")
     if any(not s for s in req.stop):
         raise InvalidArgument("stop strings must not be empty")
     if any(len(s) > 256 for s in req.stop):

@@ -2,15 +2,18 @@
 
 from __future__ import annotations
 
+import grpc
 from transformers import AutoTokenizer
 
 from coordinator.engine import RoundEngine
 from coordinator.peers import GrpcDraft, GrpcTarget, open_channel
+from coordinator.requests import public_message_limit
 from coordinator.servicer import CoordinatorServicer
 from specd.core import catalog
 from specd.core.catalog import DEMO
 from specd.serving.config import CoordinatorConfig
 from specd.serving.metrics import CoordinatorMetrics
+from specd.serving.reloading import ReloadingChannel, TokenFile
 from specd.serving.security import BearerTokenInterceptor, channel_credentials, read_token
 from specd.serving.server import ServiceHandle, build_server
 from specd.serving.tracing import TRACING_OFF, Tracing
@@ -32,29 +35,42 @@ async def create_server(
     metrics: CoordinatorMetrics | None = None,
 ) -> tuple[ServiceHandle, RoundEngine]:
     """The coordinator, connected to its peers, bound (port 0 picks one) but not started."""
-    creds = (
-        channel_credentials(config.peer_tls_ca, config.peer_tls_cert, config.peer_tls_key)
-        if config.peer_tls_ca
-        else None
-    )
-    channels = [open_channel(config.target, creds, config.peer_tls_server_name)]
+
+    def channel(address: str) -> grpc.aio.Channel | ReloadingChannel:
+        if not config.peer_tls_ca:
+            return open_channel(address)
+        # A new channel with the new client certificate whenever its files change.
+        return ReloadingChannel(
+            lambda: open_channel(
+                address,
+                channel_credentials(config.peer_tls_ca, config.peer_tls_cert, config.peer_tls_key),
+                config.peer_tls_server_name,
+            ),
+            [config.peer_tls_ca, config.peer_tls_cert, config.peer_tls_key],
+        )
+
+    channels = [channel(config.target)]
     draft = None
     if config.draft_address is not None:
-        channels.append(open_channel(config.draft_address, creds, config.peer_tls_server_name))
-        draft = GrpcDraft(channels[1])
-    engine = RoundEngine(config, load_tokenizer(config), GrpcTarget(channels[0]), draft)
+        channels.append(channel(config.draft_address))
+        draft = GrpcDraft(channels[1])  # type: ignore[arg-type]
+    engine = RoundEngine(config, load_tokenizer(config), GrpcTarget(channels[0]), draft)  # type: ignore[arg-type]
     engine.tracing = tracing or TRACING_OFF
     engine.metrics = metrics
     if metrics is not None:
         metrics.watch_requests(lambda: engine.active_requests)
     await engine.start(timeout_s=connect_timeout_s)
     servicer = CoordinatorServicer(engine)
-    interceptors = [BearerTokenInterceptor(read_token(config.api_token_file))] if config.api_token_file else []
+    interceptors = []
+    if config.api_token_file:  # re-read when the file changes; the previous token stays valid for a grace period
+        tokens = TokenFile(config.api_token_file, read_token, grace_s=config.api_token_grace_s)
+        interceptors.append(BearerTokenInterceptor(tokens.valid))
     server, port, health = build_server(
         config,
         lambda s: coordinator_pb2_grpc.add_CoordinatorServicer_to_server(servicer, s),
         [SERVICE_NAME],
         interceptors=interceptors,
+        max_message_bytes=public_message_limit(config, engine.max_context),
     )
 
     async def close() -> None:

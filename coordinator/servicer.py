@@ -35,6 +35,7 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
             vocab_size=engine.vocab_size,
             max_context=engine.max_context,
             eos_token_ids=engine.eos_token_ids,
+            admit=engine.admit,  # after the size caps, before tokenizing
         )
         remaining = context.time_remaining()
         budget = (

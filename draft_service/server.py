@@ -13,7 +13,7 @@ from specd.core.catalog import NGRAM
 from specd.core.drafting import Drafter, ModelDrafter, NgramDrafter
 from specd.serving.config import DraftConfig
 from specd.serving.metrics import DraftMetrics
-from specd.serving.server import ServiceHandle, build_server
+from specd.serving.server import MAX_MESSAGE_BYTES, ServiceHandle, build_server, message_limit_for_context
 from specd.serving.tracing import Tracing
 from specd.v1 import common_pb2, draft_pb2, draft_pb2_grpc
 
@@ -78,7 +78,12 @@ def create_server(
         max_batch=config.max_batch,
         batch_wait_s=config.batch_wait_ms / 1e3,
     )
+    runner = getattr(drafter, "runner", None)  # a model drafter: its context bounds every message
+    limit = message_limit_for_context(runner.max_context) if runner is not None else MAX_MESSAGE_BYTES
     server, port, health = build_server(
-        config, lambda s: draft_pb2_grpc.add_DraftServicer_to_server(servicer, s), [SERVICE_NAME]
+        config,
+        lambda s: draft_pb2_grpc.add_DraftServicer_to_server(servicer, s),
+        [SERVICE_NAME],
+        max_message_bytes=limit,
     )
     return ServiceHandle(server, port, health, [SERVICE_NAME], on_stop=executor.shutdown)

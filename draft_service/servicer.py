@@ -23,6 +23,7 @@ class DraftServicer(
 ):
     step_op = "propose"
     span_prefix = tr.SPAN_DRAFT_PHASE_PREFIX
+    request_type = draft_pb2.DraftRequest
     response_type = draft_pb2.DraftResponse
     engine: Drafter
 

@@ -14,7 +14,7 @@ from specd.core import catalog
 from specd.core.verification import Verifier
 from specd.serving.config import TargetConfig
 from specd.serving.metrics import TargetMetrics
-from specd.serving.server import ServiceHandle, build_server
+from specd.serving.server import ServiceHandle, build_server, message_limit_for_context
 from specd.serving.tracing import Tracing
 from specd.v1 import common_pb2, target_pb2, target_pb2_grpc
 from target_service.servicer import TargetServicer
@@ -49,6 +49,8 @@ def build_verifier(config: TargetConfig) -> tuple[Verifier, common_pb2.ModelInfo
         idle_timeout_s=config.idle_timeout_s,
         max_kv_bytes=config.max_kv_bytes,
         max_batch=config.max_batch,
+        max_draft_tokens=config.max_draft_tokens,
+        max_q_width=config.max_q_width,
     )
     return verifier, common_pb2.ModelInfo(**catalog.model_identity(loaded, runner))
 
@@ -74,8 +76,13 @@ def create_server(
         max_batch=config.max_batch,
         batch_wait_s=config.batch_wait_ms / 1e3,
     )
+    # A whole context of token IDs, or a verify's largest q (about 9 bytes an entry), fits.
+    q_bytes = 10 * verifier.max_draft_tokens * verifier.max_q_width
     server, port, health = build_server(
-        config, lambda s: target_pb2_grpc.add_TargetServicer_to_server(servicer, s), [SERVICE_NAME]
+        config,
+        lambda s: target_pb2_grpc.add_TargetServicer_to_server(servicer, s),
+        [SERVICE_NAME],
+        max_message_bytes=message_limit_for_context(verifier.runner.max_context) + q_bytes,
     )
     handle = ServiceHandle(server, port, health, [SERVICE_NAME], on_stop=executor.shutdown)
     return _follow_worker_group(handle, verifier)

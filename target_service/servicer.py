@@ -10,7 +10,7 @@ from specd.core.phases import PhaseLog
 from specd.core.verification import Verifier, VerifyOutcome, VerifyRequest
 from specd.serving import tracing as tr
 from specd.serving.round_servicing import BatchedRoundServicer
-from specd.serving.wire import params_from_proto, verdict_to_proto, verify_request_from_proto
+from specd.serving.wire import params_from_proto, token_ids_from_wire, verdict_to_proto, verify_request_from_proto
 from specd.v1 import target_pb2, target_pb2_grpc
 
 
@@ -20,11 +20,19 @@ class TargetServicer(
 ):
     step_op = "verify"
     span_prefix = tr.SPAN_TARGET_PHASE_PREFIX
+    request_type = target_pb2.TargetRequest
     response_type = target_pb2.TargetResponse
     engine: Verifier  # TargetServicer(verifier, executor, info, *, tracing, metrics, max_batch, batch_wait_s)
 
     def step_request(self, req: target_pb2.TargetRequest) -> VerifyRequest:
-        return verify_request_from_proto(req, self.engine.vocab_size)
+        v = self.engine
+        return verify_request_from_proto(
+            req,
+            v.vocab_size,
+            max_draft_tokens=v.max_draft_tokens,
+            max_q_width=v.max_q_width,
+            max_context=v.runner.max_context,
+        )
 
     def run_step_batch(self, work: Sequence[VerifyRequest]) -> list[VerifyOutcome | Exception]:
         return self.engine.verify_batch(work)
@@ -36,7 +44,8 @@ class TargetServicer(
     def open_session(self, req: target_pb2.TargetRequest) -> None:
         if not req.open.sampling.HasField("seed"):
             raise InvalidArgument("open: sampling.seed must be set (the coordinator picks one)")
-        self.engine.open(req.session_id, list(req.open.token_ids), params_from_proto(req.open.sampling))
+        ids = token_ids_from_wire(req.open.token_ids, self.engine.runner.max_context, "open.token_ids")
+        self.engine.open(req.session_id, ids, params_from_proto(req.open.sampling))
 
     def observe_step(
         self, req: target_pb2.TargetRequest, resp: target_pb2.TargetResponse, batch_size: int

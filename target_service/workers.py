@@ -249,6 +249,34 @@ class Executor(Protocol):
     def close(self) -> None: ...
 
 
+def _master_store(host: str, timeout_s: float) -> dist.TCPStore:
+    """The rendezvous store of a group generation, listening where its followers reach it.
+
+    A TCPStore given only a port listens on every interface. Followers that are
+    local processes (host 127.0.0.1) get a store on loopback alone: its socket is
+    bound here and handed over (master_listen_fd), so nothing off the machine can
+    join the group or read its keys. Followers on other nodes (Ray) need the pod's
+    address; there the NetworkPolicy of the Ray pods is the fence.
+    """
+    timeout = timedelta(seconds=timeout_s)
+    if host != "127.0.0.1":
+        return dist.TCPStore("0.0.0.0", 0, is_master=True, wait_for_workers=False, timeout=timeout)
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((host, 0))
+    sock.listen(128)
+    store = dist.TCPStore(
+        host,
+        sock.getsockname()[1],
+        is_master=True,
+        wait_for_workers=False,
+        timeout=timeout,
+        master_listen_fd=sock.fileno(),
+    )
+    sock.detach()  # the store owns the descriptor now, and closes it when it goes
+    return store
+
+
 class MpExecutor:
     """Followers as local processes (spawned: no fork of a process running torch and gRPC threads)."""
 
@@ -562,9 +590,7 @@ class WorkerGroup:
     def _form(self, while_loading: Callable[[], None] | None = None) -> None:
         spec = self.spec
         generation = self.generation + 1
-        store = dist.TCPStore(
-            "0.0.0.0", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=spec.ready_timeout_s)
-        )
+        store = _master_store(self.executor.advertise_host(), spec.ready_timeout_s)
         rdv = Rendezvous(self.executor.advertise_host(), store.port, generation)
         log.info(
             "starting %d tensor-parallel workers (%s executor, generation %d)",

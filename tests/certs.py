@@ -1,4 +1,10 @@
-"""Certificates made by the tests: a CA, server and client certificates, and a stranger CA."""
+"""Certificates made by the tests: a CA, server and client certificates, a stranger CA, an impostor.
+
+The impostor's client certificate comes from the right CA under another name
+(what any other workload holding a certificate from the cluster's CA has).
+`reissue` signs fresh server and client certificates with the same CA, as
+cert-manager does when it renews them.
+"""
 
 from __future__ import annotations
 
@@ -23,6 +29,9 @@ class Pki:
     other_ca: Path  # an unrelated CA: nothing it signed is trusted
     other_client_cert: Path
     other_client_key: Path
+    impostor_cert: Path  # right CA, CN "impostor": refused by name
+    impostor_key: Path
+    ca_key: Path
 
 
 def _key() -> ec.EllipticCurvePrivateKey:
@@ -83,5 +92,27 @@ def make_pki(folder: Path) -> Pki:
     s_cert, s_key = _write(folder, "server", server, server_key)
     c_cert, c_key = _write(folder, "client", client, client_key)
     o_cert, o_key = _write(folder, "intruder", stranger, other_client_key)
-    assert s_key and c_key and o_key
-    return Pki(ca_path, s_cert, s_key, c_cert, c_key, other_path, o_cert, o_key)
+    impostor_key = _key()
+    impostor = _cert("impostor", impostor_key, "specd-test-ca", ca_key, ca=False, usage=ExtendedKeyUsageOID.CLIENT_AUTH)
+    i_cert, i_key = _write(folder, "impostor", impostor, impostor_key)
+    ca_key_path = folder / "ca.key"
+    ca_key_path.write_bytes(
+        ca_key.private_bytes(
+            serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
+        )
+    )
+    assert s_key and c_key and o_key and i_key
+    return Pki(ca_path, s_cert, s_key, c_cert, c_key, other_path, o_cert, o_key, i_cert, i_key, ca_key_path)
+
+
+def reissue(pki: Pki, folder: Path, client_name: str = "coordinator") -> tuple[Path, Path, Path, Path]:
+    """New server and client key pairs and certificates from the same CA: (server cert, key, client cert, key)."""
+    folder.mkdir(parents=True, exist_ok=True)
+    ca_key = serialization.load_pem_private_key(pki.ca_key.read_bytes(), password=None)
+    server_key, client_key = _key(), _key()
+    server = _cert("localhost", server_key, "specd-test-ca", ca_key, ca=False, usage=ExtendedKeyUsageOID.SERVER_AUTH)
+    client = _cert(client_name, client_key, "specd-test-ca", ca_key, ca=False, usage=ExtendedKeyUsageOID.CLIENT_AUTH)
+    s_cert, s_key = _write(folder, "server", server, server_key)
+    c_cert, c_key = _write(folder, "client", client, client_key)
+    assert s_key and c_key
+    return s_cert, s_key, c_cert, c_key

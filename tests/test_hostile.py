@@ -148,7 +148,10 @@ def _hostile_verify(address: str, k: int, width: int) -> session_pb2.SessionErro
         q.token_ids.extend(range(width))
         q.probs.extend([1.0] * width)
     with grpc.insecure_channel(address, options=[("grpc.max_send_message_length", 64 << 20)]) as channel:
-        responses = list(target_pb2_grpc.TargetStub(channel).Rounds(iter([opening, req]), timeout=60))
+        try:
+            responses = list(target_pb2_grpc.TargetStub(channel).Rounds(iter([opening, req]), timeout=60))
+        except grpc.RpcError as err:  # over the target's message limit: refused unread, this stream only
+            return session_pb2.SessionError(code=session_pb2.SessionError.CODE_RESOURCE_EXHAUSTED, message=str(err))
     by_id = {r.request_id: r for r in responses}
     assert by_id[1].WhichOneof("result") == "ack", by_id[1]
     assert by_id[2].WhichOneof("result") == "error", by_id[2]
@@ -171,6 +174,7 @@ def test_hostile_requests_fail_alone_beside_eight_ordinary_ones(cluster: Cluster
                 [104, 105, poison, 33], max_new_tokens=4, temperature=0.7, speculation="fixed", draft_length=K
             ),
             "verify K=10000": lambda: _hostile_verify(cluster.target.address, 10_000, 0),
+            "verify width=100000": lambda: _hostile_verify(cluster.target.address, 1, 100_000),
             "verify width=1000000": lambda: _hostile_verify(cluster.target.address, 1, 1_000_000),
         }
         ordinary = [pool.submit(_ordinary, client, p, t, s) for p, t, s in ORDINARY]
@@ -190,6 +194,10 @@ def test_hostile_requests_fail_alone_beside_eight_ordinary_ones(cluster: Cluster
     err, _ = outcomes.pop("nan numbers")
     assert isinstance(err, grpc.RpcError) and err.code() == grpc.StatusCode.INTERNAL, err
     assert "logged" in err.details() and "finite" not in err.details()  # a generic message, details in the log
+    # 7 MB of q is over the target's message limit (sized to its context and q caps): gRPC
+    # refuses that stream unread. Within the limit, the size check answers in-band.
+    huge, _ = outcomes.pop("verify width=1000000")
+    assert huge.code == session_pb2.SessionError.CODE_RESOURCE_EXHAUSTED, huge
     for name, (error, _) in outcomes.items():
         assert error.code == session_pb2.SessionError.CODE_INVALID_ARGUMENT, (name, error)
 

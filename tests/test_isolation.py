@@ -11,6 +11,7 @@ run alone; the hostile rows get their own exception; nothing else changes.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from pathlib import Path
 
 import pytest
@@ -265,3 +266,102 @@ def test_a_requests_own_errors_are_never_read_as_retryable() -> None:
     # A bug (not a domain error) in a session: INTERNAL in-band, read back as Internal, not Unavailable.
     back = exception_from_session_error(session_error(AssertionError("oops")))
     assert isinstance(back, Internal) and "oops" not in str(back)
+
+
+# ---- internal limits: sizes are checked before anything is allocated ----------------------------
+
+
+class _Untouchable(Sequence):
+    """A sequence that only knows its length: any read means the check came too late."""
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i):  # type: ignore[no-untyped-def]
+        raise AssertionError("read before the size check")
+
+
+def test_a_proposal_over_the_limits_is_refused_from_its_lengths_alone() -> None:
+    with pytest.raises(InvalidArgument, match="at most 32"):
+        Proposal.from_wire(_Untouchable(10_000), _Untouchable(10_000), 259, max_draft_tokens=32)
+    with pytest.raises(InvalidArgument, match="limit is 259"):  # capped by the vocabulary too
+        Proposal.from_wire([1], [(_Untouchable(1_000_000), _Untouchable(1_000_000))], 259)
+    with pytest.raises(InvalidArgument, match="limit is 64"):
+        Proposal.from_wire([1], [(_Untouchable(100), _Untouchable(100))], 50_000, max_q_width=64)
+    with pytest.raises(InvalidArgument, match="positions"):
+        Proposal.from_wire([1, 2], [([1], [1.0])] * 3, 259)
+    ok = Proposal.from_wire([1, 2], [([1, 5], [0.5, 0.5]), ([2], [1.0])], 259, max_draft_tokens=2, max_q_width=2)
+    assert ok.q_ids is not None and tuple(ok.q_ids.shape) == (2, 2)
+
+
+def test_hostile_internal_verifies_fail_alone_beside_eight_ordinary_ones(models) -> None:
+    from concurrent.futures import ThreadPoolExecutor
+
+    from specd.serving.wire import params_to_proto
+    from specd.v1 import common_pb2, session_pb2, target_pb2
+    from target_service.servicer import TargetServicer
+
+    t, _, ids = models
+    runner = CausalLMRunner(t.model)
+    proposals = _proposals(ids)
+
+    def servicer() -> TargetServicer:
+        verifier = Verifier(runner, max_draft_tokens=16, max_q_width=64)
+        return TargetServicer(verifier, ThreadPoolExecutor(1), common_pb2.ModelInfo())
+
+    def opening(sid: str, prompt: list[int], sp: SamplingParams) -> target_pb2.TargetRequest:
+        req = target_pb2.TargetRequest(session_id=sid, committed_length=len(prompt))
+        req.open.token_ids.extend(prompt)
+        req.open.sampling.CopyFrom(params_to_proto(sp))
+        return req
+
+    def verify(sid: str, committed: int, pr: Proposal) -> target_pb2.TargetRequest:
+        req = target_pb2.TargetRequest(session_id=sid, committed_length=committed)
+        req.verify.start = committed
+        req.verify.draft_token_ids.extend(pr.token_ids)
+        for row_ids, row_probs in pr.to_wire():
+            req.verify.q.add(token_ids=row_ids, probs=row_probs)
+        return req
+
+    alone = []
+    for i, (p, sp, pr) in enumerate(zip(ids, ORDINARY, proposals)):
+        s = servicer()
+        s.handle_batch([opening(f"s{i}", p, sp)])
+        alone.append(s.handle_batch([verify(f"s{i}", len(p), pr)])[0])
+
+    s = servicer()
+    s.handle_batch([opening(f"s{i}", p, sp) for i, (p, sp) in enumerate(zip(ids, ORDINARY))])
+    s.handle_batch([opening(f"h{j}", ids[0], SamplingParams(temperature=0.7, seed=j)) for j in range(3)])
+    big_k = target_pb2.TargetRequest(session_id="h0", committed_length=len(ids[0]))
+    big_k.verify.start = len(ids[0])
+    big_k.verify.draft_token_ids.extend([1] * 10_000)
+    wide = verify("h1", len(ids[0]), Proposal([1]))
+    wide.verify.q.add(token_ids=list(range(1_000_000)), probs=[1.0] * 1_000_000)
+    long_tail = verify("h2", len(ids[0]), Proposal([1]))
+    long_tail.verify.token_ids.extend([1] * 100_000)
+    batch = [verify(f"s{i}", len(p), pr) for i, (p, pr) in enumerate(zip(ids, proposals))]
+    out = s.handle_batch(batch[:4] + [big_k, wide, long_tail] + batch[4:])
+
+    for got, want in zip(out[:4] + out[7:], alone):
+        assert got.WhichOneof("result") == "verdict", got
+        assert got.verdict.accepted == want.verdict.accepted and got.verdict.token_id == want.verdict.token_id
+        assert got.committed_length == want.committed_length
+    for hostile in out[4:7]:
+        assert hostile.error.code == session_pb2.SessionError.CODE_INVALID_ARGUMENT, hostile
+
+
+def test_errors_about_peers_reach_clients_as_generic_messages() -> None:
+    import grpc
+
+    from specd.core import errors
+    from specd.serving.grpc_errors import status_for
+
+    code, message = status_for(errors.Unavailable("target stream broke: UNAVAILABLE: ipv4:10.0.0.5:50053 refused"))
+    assert code == grpc.StatusCode.UNAVAILABLE and "10.0.0.5" not in message and "retry" in message
+    code, message = status_for(errors.DeadlineExceeded("target did not answer within 2.00 s"))
+    assert code == grpc.StatusCode.DEADLINE_EXCEEDED and "2.00" not in message
+    code, message = status_for(errors.ResourceExhausted("the coordinator is serving its limit of 4 requests"))
+    assert message == "the coordinator is serving its limit of 4 requests"  # meant for the caller: kept

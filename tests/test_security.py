@@ -9,7 +9,7 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from coordinator.client import CoordinatorClient
-from specd.v1 import common_pb2, target_pb2_grpc
+from specd.v1 import common_pb2, draft_pb2, draft_pb2_grpc, target_pb2, target_pb2_grpc
 from tests.certs import Pki, make_pki
 from tests.cluster import Cluster
 
@@ -26,7 +26,10 @@ def secure_cluster(tiny_pair: tuple[Path, Path], pki: Pki, tmp_path_factory: pyt
     target, draft = tiny_pair
     token_file = tmp_path_factory.mktemp("token") / "token"
     token_file.write_text(TOKEN + "\n")
-    internal = ["--tls-cert", str(pki.server_cert), "--tls-key", str(pki.server_key), "--tls-client-ca", str(pki.ca)]
+    internal = [
+        *("--tls-cert", str(pki.server_cert), "--tls-key", str(pki.server_key), "--tls-client-ca", str(pki.ca)),
+        *("--tls-client-names", "coordinator"),  # the CN of the coordinator's client certificate
+    ]
     coordinator = [
         "--tls-cert",
         str(pki.server_cert),
@@ -114,3 +117,31 @@ def test_internal_services_require_the_coordinators_client_certificate(secure_cl
         with pytest.raises(grpc.RpcError) as err:
             _target_info(address, creds)
         assert err.value.code() == grpc.StatusCode.UNAVAILABLE
+
+
+def test_a_client_certificate_from_the_same_ca_with_another_name_is_refused(secure_cluster: Cluster, pki: Pki) -> None:
+    ca = pki.ca.read_bytes()
+    impostor = grpc.ssl_channel_credentials(ca, pki.impostor_key.read_bytes(), pki.impostor_cert.read_bytes())
+    assert secure_cluster.draft is not None
+    services = [
+        (secure_cluster.target.address, target_pb2_grpc.TargetStub, target_pb2.TargetRequest),
+        (secure_cluster.draft.address, draft_pb2_grpc.DraftStub, draft_pb2.DraftRequest),
+    ]
+    for address, stub_class, request_class in services:
+        assert address is not None
+        with grpc.secure_channel(address, impostor) as channel:
+            stub = stub_class(channel)
+            calls = [
+                lambda stub=stub: stub.GetModelInfo(common_pb2.GetModelInfoRequest(), timeout=10),
+                lambda stub=stub, req=request_class: list(stub.Rounds(iter([req(session_id="s")]), timeout=10)),
+                lambda channel=channel: health_pb2_grpc.HealthStub(channel).Check(
+                    health_pb2.HealthCheckRequest(), timeout=10
+                ),
+            ]
+            for call in calls:
+                with pytest.raises(grpc.RpcError) as err:
+                    call()
+                assert err.value.code() == grpc.StatusCode.PERMISSION_DENIED, (address, err.value.details())
+    # The coordinator's own certificate still gets through to both (a request speculates).
+    with CoordinatorClient(secure_cluster.address, tls_ca=str(pki.ca), token=TOKEN, timeout=60) as client:
+        assert _generate(client).stats.draft_tokens > 0

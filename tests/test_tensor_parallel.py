@@ -210,6 +210,23 @@ def test_live_ranks_report_one_nth_of_the_sharded_weights(
         assert full / TP <= b <= full / TP * 1.01
 
 
+def _listening_addresses(port: int) -> set[str]:
+    """Local addresses (hex, as /proc/net/tcp* writes them) with a socket listening on `port`."""
+    out = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        for line in Path(table).read_text().splitlines()[1:]:
+            local, state = line.split()[1], line.split()[3]
+            if state == "0A" and local.endswith(f":{port:04X}"):
+                out.add(local.rsplit(":", 1)[0])
+    return out
+
+
+def test_the_rendezvous_store_of_local_workers_listens_on_loopback_only(tp_runner: TensorParallelRunner) -> None:
+    store = tp_runner.group._store
+    assert store is not None
+    assert _listening_addresses(store.port) == {"0100007F"}  # 127.0.0.1, nothing else
+
+
 def _verify_request(sid: str, committed: int, drafts: list[int]) -> target_pb2.TargetRequest:
     return target_pb2.TargetRequest(
         request_id=2,

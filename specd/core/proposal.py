@@ -10,6 +10,12 @@ import torch
 from specd.core.errors import InvalidArgument
 from specd.core.phases import PhaseLog
 
+# What a proposal from the wire may hold unless the service says otherwise: K draft
+# tokens, and entries per q row (also capped by the vocabulary). Together they bound
+# the dense q a message can make anyone allocate: 256 x 4096 x 12 bytes = 12 MiB.
+DEFAULT_MAX_DRAFT_TOKENS = 256
+DEFAULT_MAX_Q_WIDTH = 4096
+
 
 @dataclass(frozen=True)
 class Proposal:
@@ -37,28 +43,46 @@ class Proposal:
 
     @staticmethod
     def from_wire(
-        token_ids: Sequence[int], q: Sequence[tuple[Sequence[int], Sequence[float]]], vocab_size: int
+        token_ids: Sequence[int],
+        q: Sequence[tuple[Sequence[int], Sequence[float]]],
+        vocab_size: int,
+        *,
+        max_draft_tokens: int = DEFAULT_MAX_DRAFT_TOKENS,
+        max_q_width: int = DEFAULT_MAX_Q_WIDTH,
     ) -> Proposal:
-        """Build (and validate) a proposal from per-position (ids, probs) pairs."""
+        """Build (and validate) a proposal from per-position (ids, probs) pairs.
+
+        The sizes are checked first, from lengths alone, before anything is
+        copied or allocated: at most max_draft_tokens tokens, and at most
+        min(max_q_width, vocab_size) entries per q row, so the dense
+        [K, W] tensors built here (and the batch's padded copy) stay within
+        max_draft_tokens x max_q_width entries whatever a message says.
+        """
+        k = len(token_ids)
+        if k > max_draft_tokens:
+            raise InvalidArgument(f"{k} draft tokens; this service verifies at most {max_draft_tokens}")
+        if q and len(q) != k:
+            raise InvalidArgument(f"q has {len(q)} positions for {k} draft tokens; send one per token or none")
+        cap = min(max_q_width, vocab_size)
+        width = 0
+        for i, (ids, probs) in enumerate(q):
+            if len(ids) != len(probs) or not ids:
+                raise InvalidArgument(f"q at draft position {i}: need equal, non-zero numbers of token_ids and probs")
+            if len(ids) > cap:
+                raise InvalidArgument(f"q at draft position {i} has {len(ids)} entries; the limit is {cap}")
+            width = max(width, len(ids))
         tokens = [int(t) for t in token_ids]
         for t in tokens:
             if not 0 <= t < vocab_size:
                 raise InvalidArgument(f"draft token id {t} is outside the vocabulary [0, {vocab_size})")
         if not q:
             return Proposal(tokens)
-        if len(q) != len(tokens):
-            raise InvalidArgument(
-                f"q has {len(q)} positions for {len(tokens)} draft tokens; send one per token or none"
-            )
-        width = max(len(ids) for ids, _ in q)
-        q_ids = torch.zeros(len(tokens), max(width, 1), dtype=torch.int64)
-        q_probs = torch.zeros(len(tokens), max(width, 1), dtype=torch.float32)
+        q_ids = torch.zeros(k, width, dtype=torch.int64)
+        q_probs = torch.zeros(k, width, dtype=torch.float32)
         for i, (ids, probs) in enumerate(q):
-            if len(ids) != len(probs) or not ids:
-                raise InvalidArgument(f"q at draft position {i}: need equal, non-zero numbers of token_ids and probs")
             row_ids = torch.tensor(list(ids), dtype=torch.int64)
             row_probs = torch.tensor(list(probs), dtype=torch.float32)
-            if bool((row_ids >= vocab_size).any()):
+            if bool((row_ids >= vocab_size).any()) or bool((row_ids < 0).any()):
                 raise InvalidArgument(
                     f"q at draft position {i} names a token id outside the vocabulary [0, {vocab_size})"
                 )

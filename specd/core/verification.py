@@ -10,6 +10,7 @@ import dataclasses
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Unpack
 
 import torch
 
@@ -18,10 +19,10 @@ from specd.core import sampling
 from specd.core.drafting import sync_prefix
 from specd.core.errors import InvalidArgument
 from specd.core.phases import PhaseLog
-from specd.core.proposal import Proposal
-from specd.core.runner import KVSession
+from specd.core.proposal import DEFAULT_MAX_DRAFT_TOKENS, DEFAULT_MAX_Q_WIDTH, Proposal
+from specd.core.runner import CausalLMRunner, KVSession
 from specd.core.sampling import SamplingParams, SparseProposal
-from specd.core.sessions import PooledModel, Ready
+from specd.core.sessions import PooledModel, PoolLimits, Ready
 
 
 @dataclass(frozen=True)
@@ -59,6 +60,22 @@ class _TargetSession:
 class Verifier(PooledModel[_TargetSession]):
     """Sessions of the target model (Verifier(runner, max_sessions=..., ...): see PoolLimits) and the
     verification step over them."""
+
+    def __init__(
+        self,
+        runner: CausalLMRunner,
+        *,
+        max_draft_tokens: int = DEFAULT_MAX_DRAFT_TOKENS,
+        max_q_width: int = DEFAULT_MAX_Q_WIDTH,
+        **limits: Unpack[PoolLimits],
+    ) -> None:
+        if max_draft_tokens < 1 or max_q_width < 1:
+            raise InvalidArgument("max_draft_tokens and max_q_width must be >= 1")
+        super().__init__(runner, **limits)
+        # K and q entries per row a verify may carry: the batch pads q to at most
+        # max_batch x max_draft_tokens x max_q_width entries (proposal.Proposal.from_wire).
+        self.max_draft_tokens = max_draft_tokens
+        self.max_q_width = max_q_width
 
     def open(self, session_id: str, token_ids: Sequence[int], params: SamplingParams) -> None:
         params.validate()
@@ -113,6 +130,12 @@ class Verifier(PooledModel[_TargetSession]):
         start = len(s.kv.tokens) if req.start is None else req.start
         self.runner.set_tokens(s.kv, sync_prefix(s.kv.tokens, req.committed_length, start, req.tail))
         k = len(req.proposal)
+        if k > self.max_draft_tokens:
+            raise InvalidArgument(f"{k} draft tokens; this service verifies at most {self.max_draft_tokens}")
+        if req.proposal.q_ids is not None and int(req.proposal.q_ids.shape[-1]) > self.max_q_width:
+            raise InvalidArgument(
+                f"q rows of {int(req.proposal.q_ids.shape[-1])} entries; the limit is {self.max_q_width}"
+            )
         if req.committed_length + k + 1 > self.runner.max_context:
             raise InvalidArgument(
                 f"{k} draft tokens after {req.committed_length} committed exceed the context of "

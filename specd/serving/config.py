@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import ipaddress
+import math
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -46,6 +48,13 @@ class ServiceBase:
     tls_cert: str = _opt("", "server certificate chain (PEM); with --tls-key turns TLS on")
     tls_key: str = _opt("", "server private key (PEM)")
     tls_client_ca: str = _opt("", "CA bundle (PEM) that client certificates must chain to (mutual TLS)")
+    tls_client_names: str = _opt(
+        "",
+        "comma-separated names (subject CN or DNS SAN) a client certificate must carry, e.g. the coordinator's; "
+        "empty: any certificate from --tls-client-ca",
+    )
+    max_concurrent_rpcs: int = _opt(1024, "calls served at once, all kinds; more get RESOURCE_EXHAUSTED at once")
+    max_streams_per_connection: int = _opt(128, "streams one client connection may hold open at once")
 
     def validate(self) -> None:
         if not 0 <= self.port <= 65535:
@@ -56,10 +65,18 @@ class ServiceBase:
             raise InvalidArgument("--grace-s must be >= 0")
         if not -1 <= self.metrics_port <= 65535:
             raise InvalidArgument(f"--metrics-port must be -1 (off) or in 0..65535 (got {self.metrics_port})")
+        if self.max_concurrent_rpcs < 1 or self.max_streams_per_connection < 1:
+            raise InvalidArgument("--max-concurrent-rpcs and --max-streams-per-connection must be >= 1")
+        for f in dataclasses.fields(self):  # every float setting of every service
+            value = getattr(self, f.name)
+            if isinstance(value, float) and not math.isfinite(value):
+                raise InvalidArgument(f"--{f.name.replace('_', '-')} must be a finite number (got {value})")
         if not 0.0 <= self.trace_sample_ratio <= 1.0:
             raise InvalidArgument(f"--trace-sample-ratio must be in [0, 1] (got {self.trace_sample_ratio})")
         if bool(self.tls_cert) != bool(self.tls_key):
             raise InvalidArgument("TLS needs both --tls-cert and --tls-key")
+        if self.tls_client_names and not self.tls_client_ca:
+            raise InvalidArgument("--tls-client-names needs --tls-client-ca (mutual TLS)")
         if self.tls_client_ca and not self.tls_cert:
             raise InvalidArgument("--tls-client-ca (mutual TLS) needs --tls-cert and --tls-key")
         for name in ("tls_cert", "tls_key", "tls_client_ca"):
@@ -70,6 +87,10 @@ class ServiceBase:
     @property
     def tls_enabled(self) -> bool:
         return bool(self.tls_cert)
+
+    @property
+    def client_names(self) -> list[str]:
+        return [n.strip() for n in self.tls_client_names.split(",") if n.strip()]
 
 
 @dataclass(frozen=True)
@@ -133,9 +154,15 @@ class TargetConfig(ModelServiceBase):
     exit_on_worker_failure: bool = _opt(
         False, "exit (for Kubernetes to restart) instead of restarting the worker group"
     )
+    max_draft_tokens: int = _opt(32, "largest K a verify may carry (the coordinator's --max-draft-length must fit)")
+    max_q_width: int = _opt(
+        4096, "most q entries per draft position a verify may carry (the draft's wire top-k must fit)"
+    )
 
     def validate(self) -> None:
         super().validate()
+        if self.max_draft_tokens < 1 or self.max_q_width < 1:
+            raise InvalidArgument("--max-draft-tokens and --max-q-width must be >= 1")
         if self.tp < 1:
             raise InvalidArgument(f"--tp must be >= 1 (got {self.tp})")
         if self.worker_ready_timeout_s <= 0:
@@ -159,13 +186,29 @@ class CoordinatorConfig(ServiceBase):
     default_max_new_tokens: int = _opt(128, "max_new_tokens when a request sets none")
     max_new_tokens_limit: int = _opt(4096, "largest max_new_tokens a request may ask for")
     max_concurrent_requests: int = _opt(64, "requests served at once; more get RESOURCE_EXHAUSTED")
+    max_active_tokens: int = _opt(
+        0,
+        "prompt + max_new_tokens of all requests served at once; more get RESOURCE_EXHAUSTED "
+        "(0: no limit; size it to the target's --max-kv-bytes / KV bytes per token)",
+    )
     max_stop_strings: int = _opt(16, "stop strings a request may give")
-    max_prompt_chars: int = _opt(1_000_000, "longest prompt text accepted")
+    max_stop_token_ids: int = _opt(64, "stop token IDs a request may give")
+    max_chat_messages: int = _opt(512, "chat messages a request may give")
+    max_prompt_chars: int = _opt(
+        0, "longest prompt text (or chat content) accepted; 0: 32 characters per token of the model's context"
+    )
     draft_timeout_s: float = _opt(5.0, "a draft answer later than this falls back to target-only")
     target_timeout_s: float = _opt(30.0, "a target answer later than this fails the round")
     request_timeout_s: float = _opt(300.0, "deadline for requests that carry none")
     draft_retry_s: float = _opt(2.0, "after a draft failure, speculate again after this long")
     api_token_file: str = _opt("", "file holding the bearer token clients must send (empty: no token)")
+    api_token_grace_s: float = _opt(
+        300.0, "after the token file changes, the previous token stays valid this long (clients switch over)"
+    )
+    allow_plaintext_token: bool = _opt(
+        False,
+        "accept the API token without TLS on a non-loopback address (only behind a proxy or mesh that encrypts)",
+    )
     peer_tls_ca: str = _opt("", "CA bundle (PEM) to verify draft and target certificates (turns TLS on to peers)")
     peer_tls_cert: str = _opt("", "client certificate (PEM) for mutual TLS to draft and target")
     peer_tls_key: str = _opt("", "client private key (PEM) for mutual TLS to draft and target")
@@ -185,9 +228,15 @@ class CoordinatorConfig(ServiceBase):
             raise InvalidArgument("need 1 <= --draft-length <= --max-draft-length")
         if not 1 <= self.default_max_new_tokens <= self.max_new_tokens_limit:
             raise InvalidArgument("need 1 <= --default-max-new-tokens <= --max-new-tokens-limit")
-        for name in ("max_concurrent_requests", "max_stop_strings", "max_prompt_chars"):
+        for name in ("max_concurrent_requests", "max_stop_strings", "max_stop_token_ids", "max_chat_messages"):
             if getattr(self, name) < 1:
                 raise InvalidArgument(f"--{name.replace('_', '-')} must be >= 1")
+        if self.api_token_grace_s < 0:
+            raise InvalidArgument("--api-token-grace-s must be >= 0")
+        if self.max_active_tokens < 0:
+            raise InvalidArgument("--max-active-tokens must be >= 0 (0: no limit)")
+        if self.max_prompt_chars < 0:
+            raise InvalidArgument("--max-prompt-chars must be >= 0 (0: from the model's context)")
         for name in ("draft_timeout_s", "target_timeout_s", "request_timeout_s", "draft_retry_s"):
             if getattr(self, name) <= 0:
                 raise InvalidArgument(f"--{name.replace('_', '-')} must be > 0")
@@ -195,10 +244,27 @@ class CoordinatorConfig(ServiceBase):
             raise InvalidArgument("mutual TLS to peers needs both --peer-tls-cert and --peer-tls-key")
         if self.peer_tls_cert and not self.peer_tls_ca:
             raise InvalidArgument("--peer-tls-cert needs --peer-tls-ca (TLS to peers)")
+        if self.api_token_file and not self.tls_enabled and not self.allow_plaintext_token and not _loopback(self.host):
+            raise InvalidArgument(
+                f"--api-token-file without TLS on {self.host}: the token would cross the network in clear; "
+                "add --tls-cert/--tls-key, listen on 127.0.0.1, or pass --allow-plaintext-token behind an "
+                "encrypting proxy"
+            )
         for name in ("api_token_file", "peer_tls_ca", "peer_tls_cert", "peer_tls_key"):
             path = getattr(self, name)
             if path and not Path(path).is_file():
                 raise InvalidArgument(f"--{name.replace('_', '-')} {path!r} is not a readable file")
+
+
+def _loopback(host: str) -> bool:
+    """Whether a listen address is reachable only from this machine."""
+    host = host.strip("[]")
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
 
 
 def _parse_bool(raw: str) -> bool:

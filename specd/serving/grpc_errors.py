@@ -49,6 +49,12 @@ _SESSION_CODE: dict[type[errors.SpecdError], int] = {
 _FROM_SESSION_CODE: dict[int, type[errors.SpecdError]] = {v: k for k, v in _SESSION_CODE.items()}
 
 INTERNAL_MESSAGE = "internal error; the server logged the details"
+# Errors about the service's own peers (addresses, stream errors, exception reprs): the
+# details are logged; the client learns only what happened and what to do.
+_GENERIC: dict[type[errors.SpecdError], str] = {
+    errors.Unavailable: "the model service is unavailable right now; retry later (the server logged the details)",
+    errors.DeadlineExceeded: "the request did not finish before its deadline (the server logged the details)",
+}
 
 
 def status_code(exc: BaseException) -> grpc.StatusCode:
@@ -67,6 +73,9 @@ def status_for(exc: BaseException) -> tuple[grpc.StatusCode, str]:
         log.error("internal error: %s", exc)
         return grpc.StatusCode.INTERNAL, INTERNAL_MESSAGE
     for kind in type(exc).__mro__:
+        if kind in _GENERIC:
+            log.warning("%s: %s", _STATUS[kind].name, exc)
+            return _STATUS[kind], _GENERIC[kind]
         if kind in _STATUS:
             return _STATUS[kind], str(exc)
     log.exception("internal error", exc_info=exc)

@@ -28,7 +28,7 @@ from specd.core.phases import PhaseLog
 from specd.serving import tracing as tr
 from specd.serving.batching import MicroBatcher
 from specd.serving.grpc_errors import session_error
-from specd.serving.streams import serve_round_stream
+from specd.serving.streams import StreamSessions, client_session_id, serve_round_stream
 from specd.v1 import common_pb2, session_pb2
 
 Req = TypeVar("Req")
@@ -53,6 +53,7 @@ class BatchedRoundServicer(abc.ABC, Generic[Req, Resp, Work, Result]):
 
     step_op: str  # the batchable oneof case: "propose" | "verify"
     span_prefix: str  # "specd.draft." | "specd.target.": + the oneof case (open, step, close) or the phase name
+    request_type: Callable[..., Req]  # the stream's request message class
     response_type: Callable[..., Resp]  # the stream's response message class
 
     def __init__(
@@ -99,6 +100,10 @@ class BatchedRoundServicer(abc.ABC, Generic[Req, Resp, Work, Result]):
         """Count a successful step in the metrics; return its span attributes."""
 
     # ---- one message ------------------------------------------------------------------
+
+    def _empty_request(self) -> Req:
+        """An empty request message of this service (the stream closes its sessions with it)."""
+        return self.request_type()
 
     def _response(self, req: Any) -> Resp:
         """An empty response addressed to `req` (request id, session, committed length)."""
@@ -201,7 +206,10 @@ class BatchedRoundServicer(abc.ABC, Generic[Req, Resp, Work, Result]):
         return self.tracing.start_remote_child(
             self.span_prefix + (op if op in ("open", "close") else self.step_op),
             req.trace_context,
-            {tr.ATTR_SESSION_ID: req.session_id, tr.ATTR_COMMITTED_LENGTH: req.committed_length},
+            {
+                tr.ATTR_SESSION_ID: tr.hashed_session_id(client_session_id(req.session_id)),
+                tr.ATTR_COMMITTED_LENGTH: req.committed_length,
+            },
         )
 
     def _finish(self, req: Any, resp: Any, span: tr.Span | None, phases: PhaseLog | None) -> None:
@@ -235,7 +243,11 @@ class BatchedRoundServicer(abc.ABC, Generic[Req, Resp, Work, Result]):
     async def Rounds(self, request_iterator: AsyncIterator[Req], context: Any) -> AsyncIterator[Resp]:
         # Headers first, so the coordinator knows the stream is up before any round.
         await context.send_initial_metadata(())
-        async for response in serve_round_stream(request_iterator, self.batcher.submit):
+        # Sessions belong to this stream (their own namespace), and close with it.
+        scope = StreamSessions()
+        async for response in serve_round_stream(
+            request_iterator, self.batcher.submit, sessions=scope, make_request=self._empty_request
+        ):
             yield response
 
     async def GetModelInfo(self, request: common_pb2.GetModelInfoRequest, context: Any) -> common_pb2.ModelInfo:

@@ -16,23 +16,19 @@ from grpc_reflection.v1alpha import reflection
 
 from specd.serving.config import ServiceBase
 from specd.serving.grpc_errors import ErrorMappingInterceptor
-from specd.serving.security import server_credentials
+from specd.serving.reloading import ReloadingServerCredentials
+from specd.serving.security import ClientNameInterceptor
 
 log = logging.getLogger(__name__)
 
-# Generous limits: a prompt of 100k tokens is ~500 kB on the wire.
+# The default message limit; the coordinator sizes its public one to its prompt limits
+# (coordinator.requests.public_message_limit), draft and target to their context.
 MAX_MESSAGE_BYTES = 16 * 1024 * 1024
 KEEPALIVE_OPTIONS: list[tuple[str, int]] = [
     ("grpc.keepalive_time_ms", 20_000),
     ("grpc.keepalive_timeout_ms", 10_000),
     ("grpc.http2.min_ping_interval_without_data_ms", 10_000),
     ("grpc.keepalive_permit_without_calls", 1),
-]
-SERVER_OPTIONS: list[tuple[str, int]] = [
-    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
-    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
-    ("grpc.max_metadata_size", 16 * 1024),
-    *KEEPALIVE_OPTIONS,
 ]
 CHANNEL_OPTIONS: list[tuple[str, int]] = [
     ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
@@ -43,6 +39,54 @@ CHANNEL_OPTIONS: list[tuple[str, int]] = [
     ("grpc.max_reconnect_backoff_ms", 1000),
     *KEEPALIVE_OPTIONS,
 ]
+
+
+def server_options(max_message_bytes: int, max_streams_per_connection: int) -> list[tuple[str, int]]:
+    """Server channel arguments: message and metadata limits, streams per connection, keepalive."""
+    return [
+        ("grpc.max_receive_message_length", max_message_bytes),
+        ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+        ("grpc.max_metadata_size", 16 * 1024),
+        # HTTP/2 SETTINGS_MAX_CONCURRENT_STREAMS: one connection cannot open more at once.
+        ("grpc.max_concurrent_streams", max_streams_per_connection),
+        # No BDP probing: it grows every stream's receive window, so calls that are refused
+        # unread still had their messages buffered. 200 refused health calls with 1 MiB
+        # names grew the coordinator by 38.5 MiB with probing, 1.3 MiB without (one run
+        # each, tests/test_limits.py). The services' messages are small; nothing needs it.
+        ("grpc.http2.bdp_probe", 0),
+        *KEEPALIVE_OPTIONS,
+    ]
+
+
+SERVER_OPTIONS = server_options(MAX_MESSAGE_BYTES, 128)
+
+
+def message_limit_for_context(max_context: int) -> int:
+    """An internal service's receive limit: a whole context of token IDs (<= 5 bytes each) plus room.
+
+    The verify messages' q (K x W entries, about 9 bytes each) must fit too: see the target.
+    """
+    return 256 * 1024 + 8 * max_context
+
+
+class BoundedHealthServicer(health_aio.HealthServicer):
+    """gRPC health whose `Watch` serves only the names this server reports.
+
+    The stock servicer keeps a watcher, keyed by the requested name, for as long as
+    the stream lasts, for any name: many streams with huge names hold memory. Here an
+    unknown name gets SERVICE_UNKNOWN once and the stream ends (the names are fixed at
+    start, so it could never become known).
+    """
+
+    def __init__(self, known: Sequence[str]) -> None:
+        super().__init__()
+        self._known = frozenset(known)
+
+    async def Watch(self, request: health_pb2.HealthCheckRequest, context: grpc.aio.ServicerContext) -> None:
+        if request.service not in self._known:
+            await context.write(health_pb2.HealthCheckResponse(status=health_pb2.HealthCheckResponse.SERVICE_UNKNOWN))
+            return
+        await super().Watch(request, context)
 
 
 @dataclass
@@ -76,14 +120,23 @@ def build_server(
     service_names: Sequence[str],
     *,
     interceptors: Iterable[grpc.aio.ServerInterceptor] = (),
+    max_message_bytes: int = MAX_MESSAGE_BYTES,
 ) -> tuple[grpc.aio.Server, int, health_aio.HealthServicer]:
-    """A grpc.aio server with the services, health and reflection; bound, not started."""
+    """A grpc.aio server with the services, health and reflection; bound, not started.
+
+    Limits: messages up to max_message_bytes, at most config.max_concurrent_rpcs calls
+    at once (more get RESOURCE_EXHAUSTED at once) and config.max_streams_per_connection
+    streams on one connection.
+    """
+    if config.client_names:  # mutual TLS by name: only these client certificates get in
+        interceptors = [ClientNameInterceptor(config.client_names), *interceptors]
     server = grpc.aio.server(
         interceptors=[ErrorMappingInterceptor(), *interceptors],
-        options=SERVER_OPTIONS,
+        options=server_options(max_message_bytes, config.max_streams_per_connection),
+        maximum_concurrent_rpcs=config.max_concurrent_rpcs,
     )
     register(server)
-    health_servicer = health_aio.HealthServicer()
+    health_servicer = BoundedHealthServicer(["", *service_names])
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection(
         [*service_names, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME],
@@ -91,9 +144,9 @@ def build_server(
     )
     address = f"{config.host}:{config.port}"
     if config.tls_enabled:  # TLS only: a plaintext client fails the handshake
-        port = server.add_secure_port(
-            address, server_credentials(config.tls_cert, config.tls_key, config.tls_client_ca)
-        )
+        # Re-read when the files change (cert-manager renewals): see specd.serving.reloading.
+        creds = ReloadingServerCredentials(config.tls_cert, config.tls_key, config.tls_client_ca)
+        port = server.add_secure_port(address, creds.credentials())
     else:
         port = server.add_insecure_port(address)
     if port == 0:

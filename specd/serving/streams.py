@@ -1,14 +1,68 @@
-"""Server side of a round stream: requests in order, handled off the event loop."""
+"""Server side of a round stream: requests in order, handled off the event loop.
+
+A session belongs to the stream that opened it: each stream's session IDs live
+in their own namespace of the service's session table (`StreamSessions`), so
+another stream (another coordinator, or anyone holding a client certificate)
+can neither read nor advance nor close them, and when the stream ends its
+sessions are closed at once. A coordinator that reconnects re-opens its
+sessions from the committed tokens (a service that does not know a session
+says so; sessions heal).
+"""
 
 from __future__ import annotations
 
 import asyncio
+import uuid
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import Future
-from typing import TypeVar
+from typing import Any, TypeVar
 
 Req = TypeVar("Req")
 Resp = TypeVar("Resp")
+
+
+SCOPE_SEPARATOR = "/"
+
+
+def client_session_id(scoped: str) -> str:
+    """The session ID its stream's client knows, from the service-side (scoped) one."""
+    return scoped.rpartition(SCOPE_SEPARATOR)[2]
+
+
+class StreamSessions:
+    """The session namespace of one stream, and the sessions it holds open.
+
+    Requests and responses are the Draft/Target stream messages (a `session_id`
+    field, an `op` oneof with `open` and `close`).
+    """
+
+    def __init__(self) -> None:
+        self.prefix = uuid.uuid4().hex + SCOPE_SEPARATOR
+        self.open: set[str] = set()  # scoped IDs this stream opened and has not closed
+
+    def inbound(self, req: Any) -> Any:
+        req.session_id = self.prefix + req.session_id
+        op = req.WhichOneof("op")
+        if op == "open":
+            self.open.add(req.session_id)
+        elif op == "close":
+            self.open.discard(req.session_id)
+        return req
+
+    def outbound(self, resp: Any) -> Any:
+        resp.session_id = resp.session_id.removeprefix(self.prefix)
+        return resp
+
+    def closes(self, make: Callable[[], Any]) -> list[Any]:
+        """Close messages (built by `make()`, an empty request) for every session still open."""
+        out = []
+        for sid in sorted(self.open):
+            req = make()
+            req.session_id = sid
+            req.close.SetInParent()
+            out.append(req)
+        self.open.clear()
+        return out
 
 
 async def serve_round_stream(
@@ -16,12 +70,16 @@ async def serve_round_stream(
     submit: Callable[[Req], Future[Resp]],
     *,
     max_pending: int = 256,
+    sessions: StreamSessions | None = None,
+    make_request: Callable[[], Req] | None = None,
 ) -> AsyncIterator[Resp]:
     """Hand each request to `submit` (the model thread's batcher), yield responses in order.
 
     At most max_pending requests wait at once; beyond that the stream stops
     reading, so gRPC flow control pushes back on the sender (no unbounded queue).
     Written as an async generator (the OpenTelemetry aio instrumentor needs it).
+    sessions (with make_request, an empty request): the stream's own session
+    namespace; its open sessions are closed when the stream ends, however it ends.
     """
     loop = asyncio.get_running_loop()
     pending: asyncio.Queue[asyncio.Future[Resp] | None] = asyncio.Queue(max_pending)
@@ -29,6 +87,8 @@ async def serve_round_stream(
     async def read() -> None:
         try:
             async for request in requests:
+                if sessions is not None:
+                    request = sessions.inbound(request)
                 await pending.put(asyncio.wrap_future(submit(request), loop=loop))
         finally:
             await pending.put(None)
@@ -36,7 +96,11 @@ async def serve_round_stream(
     reader = asyncio.create_task(read())
     try:
         while (future := await pending.get()) is not None:
-            yield await future
+            response = await future
+            yield sessions.outbound(response) if sessions is not None else response
         await reader  # re-raise a broken stream's error, if any
     finally:
         reader.cancel()
+        if sessions is not None and make_request is not None:
+            for close in sessions.closes(make_request):
+                submit(close)  # frees their KV now; nobody waits for the answers

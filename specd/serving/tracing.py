@@ -28,6 +28,7 @@ queue: a slow or unreachable collector drops spans, never requests.
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import logging
 import os
 import threading
@@ -80,7 +81,7 @@ ATTR_RPC_SYSTEM = "rpc.system"
 ATTR_RPC_SERVICE = "rpc.service"
 ATTR_RPC_METHOD = "rpc.method"
 
-ATTR_SESSION_ID = "specd.session_id"
+ATTR_SESSION_ID = "specd.session_id"  # hashed (hashed_session_id): a span reader cannot name a live session
 ATTR_COMMITTED_LENGTH = "specd.committed_length"  # tokens committed before this round / message
 ATTR_ERROR_TYPE = "error.type"  # semconv: the exception class that failed the operation
 ATTR_CANCELLED = "specd.cancelled"
@@ -151,6 +152,12 @@ TOKEN_KIND_RECOVERED = "recovered"
 TOKEN_KIND_DEFERRED = "deferred"  # post-verify pipelining: all accepted, the bonus left to the next round
 
 _W3C = TraceContextTextMapPropagator()  # stateless
+
+
+def hashed_session_id(session_id: str) -> str:
+    """What spans record for a session: 32 hex digits of its SHA-256 (shaped like the ID). The same on every
+    service, so the coordinator's and the peers' spans of one session still match."""
+    return hashlib.sha256(session_id.encode()).hexdigest()[:32]
 
 
 def _endpoint_from_env(env: Mapping[str, str]) -> str:

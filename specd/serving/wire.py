@@ -9,9 +9,10 @@ from collections.abc import Mapping, Sequence
 from typing import TypeVar
 
 from specd.core.drafting import ProposeRequest
+from specd.core.errors import InvalidArgument
 from specd.core.generation import FinishReason
 from specd.core.phases import PhaseLog
-from specd.core.proposal import Proposal
+from specd.core.proposal import DEFAULT_MAX_DRAFT_TOKENS, DEFAULT_MAX_Q_WIDTH, Proposal
 from specd.core.record import RequestStats
 from specd.core.sampling import SamplingParams
 from specd.core.verification import VerifyOutcome, VerifyRequest
@@ -48,10 +49,28 @@ def proposal_to_proto(proposal: Proposal) -> draft_pb2.DraftProposal:
     return msg
 
 
-def proposal_from_proto(msg: draft_pb2.DraftProposal, vocab_size: int) -> Proposal:
-    """Validated proposal (InvalidArgument on out-of-range IDs or bad probabilities)."""
-    q = [(list(d.token_ids), list(d.probs)) for d in msg.q]
-    proposal = Proposal.from_wire(list(msg.token_ids), q, vocab_size)
+def token_ids_from_wire(ids: Sequence[int], limit: int, what: str) -> list[int]:
+    """A repeated token-id field as a list, refused before the copy if it is longer than `limit`."""
+    if len(ids) > limit:
+        raise InvalidArgument(f"{what} has {len(ids)} token ids; the limit is {limit}")
+    return list(ids)
+
+
+def proposal_from_proto(
+    msg: draft_pb2.DraftProposal,
+    vocab_size: int,
+    *,
+    max_draft_tokens: int = DEFAULT_MAX_DRAFT_TOKENS,
+    max_q_width: int = DEFAULT_MAX_Q_WIDTH,
+) -> Proposal:
+    """Validated proposal (InvalidArgument on out-of-range IDs, bad probabilities or sizes over the limits)."""
+    proposal = Proposal.from_wire(
+        msg.token_ids,
+        _q_rows(msg.q, len(msg.token_ids)),
+        vocab_size,
+        max_draft_tokens=max_draft_tokens,
+        max_q_width=max_q_width,
+    )
     return Proposal(
         proposal.token_ids,
         proposal.q_ids,
@@ -59,6 +78,26 @@ def proposal_from_proto(msg: draft_pb2.DraftProposal, vocab_size: int) -> Propos
         msg.compute_ms,
         phases=PhaseLog(batch_size=max(1, msg.batch_size)),
     )
+
+
+def proposal_from_verify(
+    msg: target_pb2.Verify, vocab_size: int, *, max_draft_tokens: int, max_q_width: int
+) -> Proposal:
+    """The proposal of a Verify message, sizes checked before anything is copied (see Proposal.from_wire)."""
+    return Proposal.from_wire(
+        msg.draft_token_ids,
+        _q_rows(msg.q, len(msg.draft_token_ids)),
+        vocab_size,
+        max_draft_tokens=max_draft_tokens,
+        max_q_width=max_q_width,
+    )
+
+
+def _q_rows(q: Sequence[common_pb2.SparseDistribution], k: int) -> list[tuple[Sequence[int], Sequence[float]]]:
+    """(ids, probs) views of the q rows, no copy; refused first if there are more rows than tokens."""
+    if len(q) > k:
+        raise InvalidArgument(f"q has {len(q)} positions for {k} draft tokens; send one per token or none")
+    return [(d.token_ids, d.probs) for d in q]
 
 
 # ---- the draft and target services' stream messages (their servicers) ------------------------
@@ -69,13 +108,14 @@ def propose_request_from_proto(req: draft_pb2.DraftRequest) -> ProposeRequest:
     return ProposeRequest(req.session_id, req.committed_length, p.start, list(p.token_ids), p.num_tokens)
 
 
-def verify_request_from_proto(req: target_pb2.TargetRequest, vocab_size: int) -> VerifyRequest:
-    """The core's verify request (InvalidArgument on out-of-range IDs or bad probabilities)."""
+def verify_request_from_proto(
+    req: target_pb2.TargetRequest, vocab_size: int, *, max_draft_tokens: int, max_q_width: int, max_context: int
+) -> VerifyRequest:
+    """The core's verify request; sizes are checked before anything is copied (InvalidArgument)."""
     v = req.verify
-    proposal = Proposal.from_wire(
-        list(v.draft_token_ids), [(list(d.token_ids), list(d.probs)) for d in v.q], vocab_size
-    )
-    return VerifyRequest(req.session_id, req.committed_length, proposal, v.start, list(v.token_ids), v.defer_bonus)
+    proposal = proposal_from_verify(v, vocab_size, max_draft_tokens=max_draft_tokens, max_q_width=max_q_width)
+    tail = token_ids_from_wire(v.token_ids, max_context, "verify.token_ids")
+    return VerifyRequest(req.session_id, req.committed_length, proposal, v.start, tail, v.defer_bonus)
 
 
 def verdict_to_proto(outcome: VerifyOutcome, resp: target_pb2.TargetResponse) -> None:

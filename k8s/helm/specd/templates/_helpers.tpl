@@ -133,7 +133,13 @@ SPECD_TRACE_SAMPLE_RATIO: {{ include "specd.envValue" $root.Values.telemetry.tra
 - --tls-cert=/etc/specd/tls/tls.crt
 - --tls-key=/etc/specd/tls/tls.key
 - --tls-client-ca=/etc/specd/client-ca/ca.crt
+- --tls-client-names={{ include "specd.coordinatorClientName" . }}
 {{- end }}
+{{- end -}}
+
+{{/* The name draft and target require in a client certificate: the coordinator's (its CN). */}}
+{{- define "specd.coordinatorClientName" -}}
+{{- .Values.tls.clientName | default (include "specd.componentName" (list . "coordinator")) -}}
 {{- end -}}
 
 {{/* Probes: native gRPC health checks without TLS; with TLS a TCP check (kubelet's gRPC probe cannot do TLS). Call with (list $ port failureThreshold). */}}
@@ -336,4 +342,29 @@ securityContext:
 {{- $_ := set $res "limits" $limits -}}
 {{- end -}}
 {{- toYaml $res -}}
+{{- end -}}
+
+{{/* A Kubernetes memory quantity ("4Gi", "512M", "1000") in bytes. */}}
+{{- define "specd.bytes" -}}
+{{- $q := toString . -}}
+{{- $num := regexFind "^[0-9.]+" $q | float64 -}}
+{{- $unit := regexReplaceAll "^[0-9.]+" $q "" -}}
+{{- $mult := dict "" 1 "k" 1000 "M" 1000000 "G" 1000000000 "T" 1000000000000 "Ki" 1024 "Mi" 1048576 "Gi" 1073741824 "Ti" 1099511627776 -}}
+{{- if not (hasKey $mult $unit) -}}
+{{- fail (printf "cannot read the memory quantity %q (use Ki, Mi, Gi, Ti, k, M, G or T)" $q) -}}
+{{- end -}}
+{{- mulf $num (index $mult $unit) | int64 -}}
+{{- end -}}
+
+{{/* A model service's settings, with max_kv_bytes derived from its pod memory limit when it runs
+on CPU and sets none (the KV cache then lives in pod memory). Call with (list $ .Values.target). */}}
+{{- define "specd.modelSettings" -}}
+{{- $root := index . 0 -}}
+{{- $component := index . 1 -}}
+{{- $settings := deepCopy ($component.settings | default dict) -}}
+{{- $limit := dig "limits" "memory" "" ($component.resources | default dict) -}}
+{{- if and (eq $root.Values.device "cpu") (not (hasKey $settings "max_kv_bytes")) $limit (gt (float64 $component.kvMemoryFraction) 0.0) -}}
+{{- $_ := set $settings "max_kv_bytes" (mulf (include "specd.bytes" $limit | float64) $component.kvMemoryFraction | int64) -}}
+{{- end -}}
+{{- toYaml $settings -}}
 {{- end -}}

@@ -16,7 +16,7 @@ from specd.serving import tracing as tr
 from specd.serving.grpc_errors import session_error
 from specd.serving.metrics import DraftMetrics
 from specd.serving.round_servicing import BatchedRoundServicer, Handled
-from specd.serving.wire import params_from_proto, proposal_to_proto
+from specd.serving.wire import params_from_proto, proposal_to_proto, q_wire_bytes
 from specd.v1 import common_pb2, draft_pb2, draft_pb2_grpc
 
 log = logging.getLogger(__name__)
@@ -83,6 +83,8 @@ class DraftServicer(
             resp = self._response(requests[i])
             if isinstance(result, Proposal):
                 resp.proposal.CopyFrom(proposal_to_proto(result))
+                if self.metrics is not None and resp.proposal.q:
+                    self.metrics.observe_q(q_wire_bytes(resp.proposal), result.q_ms)
                 out[i] = (resp, result.phases)
             else:
                 out[i] = (self._error(requests[i], result), None)

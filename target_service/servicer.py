@@ -16,7 +16,7 @@ from specd.serving import tracing as tr
 from specd.serving.grpc_errors import session_error
 from specd.serving.metrics import TargetMetrics
 from specd.serving.round_servicing import BatchedRoundServicer, Handled
-from specd.serving.wire import params_from_proto
+from specd.serving.wire import params_from_proto, sparse_from_proto
 from specd.v1 import common_pb2, target_pb2, target_pb2_grpc
 
 log = logging.getLogger(__name__)
@@ -68,7 +68,7 @@ class TargetServicer(
             try:
                 proposal = Proposal.from_wire(
                     list(v.draft_token_ids),
-                    [(list(d.token_ids), list(d.probs)) for d in v.q],
+                    sparse_from_proto(v.q, self.verifier.vocab_size),
                     self.verifier.vocab_size,
                 )
             except Exception as exc:  # noqa: BLE001 - this message's error, in-band

@@ -10,10 +10,10 @@ with a perfect draft (q = p) a position accepts with probability equal to the
 mass kept, >= 1 - epsilon unless the budget binds.
 
 Why integer weights on a fine grid (docs/results/sparse-q.md has the numbers):
-at T = 1 the demo target spreads its mass over thousands of tokens, most of
-them below 2**-17, which a 2**-16 grid rounds to 0; 2**-20 keeps them.
+at T = 1 the demo target spreads its mass over thousands of tokens, many of
+them below 2**-17, which a 2**-16 grid rounds to 0; 2**-18 keeps most of them.
 Weights are small integers, so on the wire they travel as varints, with the
-token IDs sorted and sent as gaps (see :func:`to_compact`): ~2.3 bytes per
+token IDs sorted and sent as gaps (see :func:`to_compact`): ~2.2 bytes per
 kept token instead of ~6.7 for (uint32 id, float32 prob) pairs.
 
 A fixed top-k (the old ``--wire-top-k``) is the special case epsilon = 0,
@@ -42,8 +42,10 @@ class QSettings:
     """How a model draft truncates and rounds its q (DraftConfig: --q-epsilon, --q-max-tokens, --wire-bits)."""
 
     epsilon: float = 1e-3  # keep the fewest tokens whose mass reaches 1 - epsilon (0: every token, up to the budget)
-    max_tokens: int = 1536  # budget: tokens sent per draft position, at most
-    bits: int = 20  # weights are integers on a 2**-bits grid
+    # Defaults chosen by scripts/sparse_q_sweep.py (docs/results/sparse-q.md): the
+    # widest budget whose wire bytes stay under 4 KiB per draft token at p99.
+    max_tokens: int = 1792  # budget: tokens sent per draft position, at most
+    bits: int = 18  # weights are integers on a 2**-bits grid
 
     def validate(self) -> QSettings:
         if not (isinstance(self.epsilon, float | int) and 0.0 <= self.epsilon < 1.0):
@@ -55,7 +57,7 @@ class QSettings:
         return self
 
     @classmethod
-    def top_k(cls, k: int, bits: int = 20) -> QSettings:
+    def top_k(cls, k: int, bits: int = 18) -> QSettings:
         """A fixed top-k (the old --wire-top-k): no mass criterion, k tokens (those with q > 0)."""
         return cls(epsilon=0.0, max_tokens=k, bits=bits)
 

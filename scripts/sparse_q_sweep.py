@@ -16,6 +16,7 @@ what the draft would send, and per position we record
 - wire bytes of that position's q, as the draft service encodes it;
 - the time to build q and sample from it for one row (as a draft step for one
   session does);
+- for comparison, the time of the old drafter step (a full sort, top-8);
 - the acceptance a *uniform tail bucket* would add (the rest of the mass spread
   evenly over the unlisted tokens; not implemented, measured to decide).
 
@@ -41,7 +42,7 @@ import torch
 from specd.core import catalog, sparse_q
 from specd.core.proposal import Proposal
 from specd.core.runner import CausalLMRunner
-from specd.core.sampling import Role, SamplingParams, coins, processed_probs, sample_from_probs
+from specd.core.sampling import Role, SamplingParams, coins, draft_token, processed_probs, sample_from_probs
 from specd.core.sparse_q import QSettings
 from specd.serving.config import default_cache_dir
 from specd.serving.wire import proposal_to_proto, q_wire_bytes
@@ -143,6 +144,16 @@ def measure(d: Distributions, draft: str, settings: QSettings, time_rows: int) -
     }
 
 
+def legacy_build_ms(q: torch.Tensor, time_rows: int) -> float:
+    """Per row, the old drafter step (specd.core.sampling.draft_token, a full sort, top-8): median ms."""
+    times = []
+    for n in torch.randperm(q.shape[0], generator=torch.Generator().manual_seed(0))[:time_rows].tolist():
+        t0 = time.perf_counter()
+        draft_token(q[n : n + 1], 8, 16, torch.tensor([0]), torch.tensor([n]))
+        times.append((time.perf_counter() - t0) * 1e3)
+    return statistics.median(times)
+
+
 def _floats(s: str) -> list[float]:
     return [float(x) for x in s.split(",") if x]
 
@@ -195,6 +206,9 @@ def main() -> None:
         t0 = time.perf_counter()
         d = distributions(target, drafts, prompts, params, args.seeds, args.tokens)
         print(f"T={temperature} top_p={top_p}: {d.p.shape[0]} positions ({time.perf_counter() - t0:.0f} s)", flush=True)
+        legacy = legacy_build_ms(d.q[next(iter(drafts))], args.time_rows)
+        print(f"  old drafter step (sampling.draft_token, top-8, full sort): {legacy:.2f} ms per row", flush=True)
+        records.append({"temperature": temperature, "top_p": top_p, "legacy_top8_build_ms_p50": legacy})
         for name in drafts:
             for s in settings:
                 r = {"temperature": temperature, "top_p": top_p, **measure(d, name, s, args.time_rows)}
@@ -219,6 +233,7 @@ def markdown(records: list[dict]) -> str:
         "| draft | T | top-p | epsilon | budget | bits | acceptance | rate K=4 | rate K=4 + tail | "
         "tokens p50 | bytes p50 | bytes p99 | build ms p50 |\n" + "|---" * 13 + "|\n"
     )
+    records = [r for r in records if "draft" in r]
     rows = [
         f"| {r['draft']} | {r['temperature']} | {r['top_p']} | {r['epsilon']:g} | {r['max_tokens']} | {r['bits']} | "
         f"{r['acceptance']:.4f} | {r['acceptance_rate_k4']:.4f} | {r['acceptance_rate_k4_with_tail']:.4f} | "

@@ -193,8 +193,9 @@ class ModelDrafter:
     def propose_batch(self, requests: Sequence[ProposeRequest]) -> list[Proposal | Exception]:
         """Draft for many sessions at once: step i runs one forward over every session still drafting.
 
-        Per-request checks fail only that request; a failing forward fails the
-        sessions in it (each rolled back to its committed prefix). The tokens
+        Per-request checks, and a row that cannot be sampled (non-finite
+        numbers), fail only that request; a failing forward fails the sessions
+        in it. A failed session is rolled back to its committed prefix. The tokens
         do not depend on the batch: greedy is an argmax, sampling uses the
         (seed, position) coins.
         """
@@ -224,13 +225,18 @@ class ModelDrafter:
             [len(s.kv) + n for _, s, n in ready], self.max_batch, [len(s.kv) - s.kv.cached for _, s, _ in ready]
         ):
             part = [ready[g] for g in group]
+            failed: dict[int, Exception] = {}  # a row that cannot be sampled drops out alone
             try:
                 for step in range(max(n for _, _, n in part)):
-                    self._draft_step([(i, s) for i, s, n in part if n > step], drafted, logs)
+                    active = [(i, s) for i, s, n in part if n > step and i not in failed]
+                    if active:
+                        failed.update(self._draft_step(active, drafted, logs))
             except Exception as exc:  # noqa: BLE001 - the shared forward failed: every session in it fails
-                for i, s, _ in part:
+                failed = {i: exc for i, _, _ in part}
+            for i, s, _ in part:
+                if i in failed:
                     self.runner.truncate(s.kv, requests[i].committed_length)
-                    results[i] = exc
+                    results[i] = failed[i]
             for i, _, _ in part:
                 logs[i].batch_size = len(part)
         for i, _, _ in ready:
@@ -240,37 +246,45 @@ class ModelDrafter:
 
     def _draft_step(
         self, active: list[tuple[int, _ModelDraftSession]], drafted: dict[int, _Draft], logs: list[PhaseLog]
-    ) -> None:
-        """One token for each active session: a batched forward, then batched q and sampling."""
+    ) -> dict[int, Exception]:
+        """One token for each active session: a batched forward, then batched q and sampling.
+
+        Returns {request index: error} for the rows that could not be sampled
+        (non-finite numbers); they get no token, the others are unaffected.
+        """
         t0 = time.time_ns()
         rows = self.runner.logits_batch([s.kv for _, s in active], [1] * len(active))  # A x [1, V]
         logits = torch.cat(rows)  # [A, V]
         if self.token_map is not None:
             logits = logits[:, self.token_map]  # [A, N]: the reduced head's own rows
         t1 = time.time_ns()
-        probs = sampling.processed_probs(logits[:, None, :], [s.params for _, s in active])[:, 0]  # [A, V or N]
-        tokens = [0] * len(active)
+        probs = sampling.processed_probs(logits[:, None, :], [s.params for _, s in active])  # [A, 1, V or N]
+        unusable = sampling.unusable_rows(logits[:, None, :], probs)
+        probs = probs[:, 0]  # [A, V or N]
+        failed: dict[int, Exception] = {active[a][0]: exc for a, exc in unusable.items()}
+        tokens: dict[int, int] = {}  # row -> token
         sampled: dict[QSettings, list[int]] = {}  # rows by q settings: each group shares one build
         for a, (_, s) in enumerate(active):
+            if a in unusable:
+                continue
             if s.params.is_greedy:
                 tokens[a] = self._target_id(probs[a].argmax())  # q one-hot: nothing to send
             else:
                 sampled.setdefault(s.q, []).append(a)
         tq = time.perf_counter_ns()
         for settings, group in sampled.items():
-            seeds = torch.tensor([active[a][1].params.seed for a in group], dtype=torch.int64)  # [G]
-            positions = torch.tensor([len(active[a][1].kv.tokens) for a in group], dtype=torch.int64)  # [G]
-            tok, ids, weights = sparse_q.draft(probs[group], settings, seeds, positions)  # [G], [G, W], [G, W]
-            if self.token_map is not None:  # same numbers, target ids: q(token_map[j]) = weight j, 0 off the map
-                tok, ids = self.token_map[tok], torch.where(weights > 0, self.token_map[ids], 0)
-            for g, a in enumerate(group):
-                width = int((weights[g] > 0).sum())  # this row's own width (a prefix of the slots)
-                d = drafted[active[a][0]]
-                d.q_ids.append(ids[g, :width])
-                d.q_probs.append(weights[g, :width])
-                tokens[a] = int(tok[g])
+            try:
+                self._sample_rows(group, settings, probs, active, drafted, tokens)
+            except Exception:  # noqa: BLE001 - find the row(s) at fault: each alone, the others go on
+                for a in group:
+                    try:
+                        self._sample_rows([a], settings, probs, active, drafted, tokens)
+                    except Exception as exc:  # noqa: BLE001 - this row's sampling failed: its request alone
+                        failed[active[a][0]] = exc
         q_ms = (time.perf_counter_ns() - tq) / 1e6
         for a, (i, s) in enumerate(active):
+            if a not in tokens:
+                continue
             self.runner.append(s.kv, [tokens[a]])
             drafted[i].tokens.append(tokens[a])
             if not s.params.is_greedy:
@@ -279,6 +293,29 @@ class ModelDrafter:
         for i, _ in active:
             logs[i].add(ph.FORWARD, t0, t1)
             logs[i].add(ph.SAMPLING, t1, t2)
+        return failed
+
+    def _sample_rows(
+        self,
+        group: list[int],
+        settings: QSettings,
+        probs: Tensor,
+        active: list[tuple[int, _ModelDraftSession]],
+        drafted: dict[int, _Draft],
+        tokens: dict[int, int],
+    ) -> None:
+        """Build q for rows `group` of probs [A, V or N] at once, sample from it, record token and q per row."""
+        seeds = torch.tensor([active[a][1].params.seed for a in group], dtype=torch.int64)  # [G]
+        positions = torch.tensor([len(active[a][1].kv.tokens) for a in group], dtype=torch.int64)  # [G]
+        tok, ids, weights = sparse_q.draft(probs[group], settings, seeds, positions)  # [G], [G, W], [G, W]
+        if self.token_map is not None:  # same numbers, target ids: q(token_map[j]) = weight j, 0 off the map
+            tok, ids = self.token_map[tok], torch.where(weights > 0, self.token_map[ids], 0)
+        widths = (weights > 0).sum(-1).tolist()  # each row's own width (a prefix of its slots)
+        for g, a in enumerate(group):  # nothing below can fail: a retry never records a row twice
+            d = drafted[active[a][0]]
+            d.q_ids.append(ids[g, : widths[g]])
+            d.q_probs.append(weights[g, : widths[g]])
+            tokens[a] = int(tok[g])
 
     def _target_id(self, index: Tensor) -> int:
         """A logit column index -> the target token id it stands for."""

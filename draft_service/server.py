@@ -45,8 +45,7 @@ def build_drafter(config: DraftConfig) -> tuple[Drafter, common_pb2.ModelInfo]:
     drafter = ModelDrafter(
         runner,
         max_sessions=config.max_sessions,
-        wire_top_k=config.wire_top_k,
-        wire_bits=config.wire_bits,
+        q=config.q_settings,
         idle_timeout_s=config.idle_timeout_s,
         token_map=token_map,
         max_kv_bytes=config.max_kv_bytes,

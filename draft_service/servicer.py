@@ -13,7 +13,7 @@ from specd.core.proposal import Proposal
 from specd.serving import tracing as tr
 from specd.serving.metrics import DraftMetrics
 from specd.serving.round_servicing import BatchedRoundServicer
-from specd.serving.wire import params_from_proto, proposal_to_proto, propose_request_from_proto
+from specd.serving.wire import params_from_proto, proposal_to_proto, propose_request_from_proto, q_wire_bytes
 from specd.v1 import common_pb2, draft_pb2, draft_pb2_grpc
 
 
@@ -55,6 +55,8 @@ class DraftServicer(
 
     def fill_step(self, resp: draft_pb2.DraftResponse, result: Proposal) -> PhaseLog:
         resp.proposal.CopyFrom(proposal_to_proto(result))
+        if self.metrics is not None and resp.proposal.q:
+            self.metrics.observe_q(q_wire_bytes(resp.proposal), result.q_ms)
         return result.phases
 
     def open_session(self, req: draft_pb2.DraftRequest) -> None:

@@ -1,6 +1,7 @@
 """Statistical exactness of speculative sampling (ARCHITECTURE.md §3).
 
-Many seeded rows (one seed per row, B = 20,000) go through the real drafter
+Both q builders run: the fixed top-k of specd.core.sampling and the model
+drafter's q by mass (specd.core.sparse_q, the end of this file). Many seeded rows (one seed per row, B = 20,000) go through the real drafter
 step and rejection sampler in one batch; the emitted tokens must follow the
 target's processed distribution (chi-square, p > 0.001). Each test also runs
 deliberately broken variants, which must be rejected (p < 1e-6): the test
@@ -18,6 +19,7 @@ import pytest
 import torch
 from scipy import stats
 
+from specd.core import sparse_q
 from specd.core.errors import InvalidArgument
 from specd.core.sampling import (
     Role,
@@ -31,6 +33,7 @@ from specd.core.sampling import (
     sample_sparse,
     sparse_proposal,
 )
+from specd.core.sparse_q import QSettings
 
 pytestmark = pytest.mark.slow
 
@@ -263,7 +266,7 @@ def generate3(
             wires.append(w)
         p = torch.stack([_probs(T_TABLE, cur, length + i, params) for i in range(K + 1)], 1)  # [B, K+1, V]
         drafts = torch.stack([cur[rows, length + i] for i in range(K)], 1) if K else torch.zeros(n, 0, dtype=I64)
-        proposal = SparseProposal(torch.stack(ids, 1), torch.stack(wires, 1)) if K else None
+        proposal = SparseProposal(_stack_padded(ids), _stack_padded(wires)) if K else None
         v = verifier(p, drafts, proposal, seeds, length)
         # commit accepted drafts + the recovered/bonus token, for rows not yet done
         new = torch.cat([drafts, torch.zeros(n, 1, dtype=I64)], 1)  # [B, K+1]
@@ -273,6 +276,12 @@ def generate3(
             seq[rows[write], (length + i)[write]] = new[write, i]
         length = torch.where(active, length + v.num_accepted + 1, 3)
     return seq[:, :3]
+
+
+def _stack_padded(rows: list[torch.Tensor]) -> torch.Tensor:
+    """K x [B, W_i] -> [B, K, max W_i], zero-padded (q by mass: positions have their own widths)."""
+    width = max(r.shape[1] for r in rows)
+    return torch.stack([torch.nn.functional.pad(r, (0, width - r.shape[1])) for r in rows], 1)
 
 
 def exact_joint(params: SamplingParams) -> torch.Tensor:
@@ -358,3 +367,101 @@ def test_same_seed_same_output_and_batch_order_irrelevant():
     assert torch.equal(c, a[perm])
     d = generate3(2, params, seeds + 1)
     assert not torch.equal(d, a)
+
+
+# --------------------------------------------------------------------------
+# The sparse q by mass (specd.core.sparse_q): the same tests and power checks
+# --------------------------------------------------------------------------
+
+
+def draft_by_mass(epsilon: float, max_tokens: int) -> Drafter:
+    """The model drafter's step: q by mass, capped, integer weights (wire_top_k unused)."""
+
+    def drafter(probs, _wire_top_k, wire_bits, seeds, positions):
+        return sparse_q.draft(probs, QSettings(epsilon, max_tokens, wire_bits), seeds, positions)
+
+    return drafter
+
+
+# (epsilon, budget): heavy truncation by mass, the default epsilon, a budget that binds, every token
+MASS_SETTINGS = [(0.3, 32), (1e-3, 32), (1e-3, 4), (0.0, 32)]
+MASS_GRID = list(itertools.product([0.7, 1.5], [0, 20], [1.0, 0.9], MASS_SETTINGS))
+
+
+@pytest.mark.parametrize("temperature, top_k, top_p, mass", MASS_GRID)
+def test_first_token_matches_target_with_q_by_mass(temperature, top_k, top_p, mass):
+    params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p)
+    emitted, p = first_token(params, 0, wire_bits=20, drafter=draft_by_mass(*mass))
+    assert chi2_pvalue(emitted, p) > PASS_P
+
+
+@pytest.mark.parametrize("params", [SamplingParams(min_p=0.05), SamplingParams(temperature=1.2, top_p=0.8)])
+@pytest.mark.parametrize("wire_bits", [3, 8])
+def test_first_token_matches_target_with_q_by_mass_on_a_coarse_grid(params, wire_bits):
+    emitted, p = first_token(params, 0, wire_bits=wire_bits, drafter=draft_by_mass(0.05, 32))
+    assert chi2_pvalue(emitted, p) > PASS_P
+
+
+def draft_by_mass_unrounded(probs, _wire_top_k, wire_bits, seeds, positions):
+    """BUG: samples from the kept tokens' unrounded probabilities, sends the rounded weights."""
+    ids, weights = sparse_q.build(probs, QSettings(0.3, 32, wire_bits))
+    vals = probs.gather(-1, ids) * (weights > 0)
+    u = coins(seeds, positions[:, None], Role.DRAFT)[:, 0]
+    return sample_sparse(ids, vals.float(), u), ids, weights
+
+
+def draft_by_mass_sends_one_more(probs, _wire_top_k, wire_bits, seeds, positions):
+    """BUG (an off-by-one at the cut): samples from the kept tokens, sends the next one too."""
+    settings = QSettings(0.3, 32, wire_bits)
+    tok, ids, weights = sparse_q.draft(probs, settings, seeds, positions)
+    wider_ids, _ = sparse_q.build(probs, QSettings(0.0, ids.shape[1] + 1, wire_bits))
+    extra = wider_ids[:, -1:]  # [B, 1] the most likely token left out
+    w_extra = probs.gather(-1, extra).double() / probs.gather(-1, ids).mul(weights > 0).sum(-1, keepdim=True)
+    return tok, torch.cat([ids, extra], 1), torch.cat([weights, torch.round(w_extra * 2**wire_bits).float()], 1)
+
+
+def draft_by_mass_shares_accept_coin(probs, _wire_top_k, wire_bits, seeds, positions):
+    """BUG: the draft's coin is the target's accept coin."""
+    ids, weights = sparse_q.build(probs, QSettings(1e-3, 32, wire_bits))
+    u = coins(seeds, positions[:, None], Role.ACCEPT)[:, 0]
+    return sample_sparse(ids, weights, u), ids, weights
+
+
+@pytest.mark.parametrize(
+    "name, kw",
+    [
+        ("draft samples unrounded q, sends rounded q", dict(drafter=draft_by_mass_unrounded, wire_bits=3)),
+        ("draft sends one token more than it samples from", dict(drafter=draft_by_mass_sends_one_more)),
+        ("draft reuses the accept coin", dict(drafter=draft_by_mass_shares_accept_coin)),
+        ("residual ignores q", dict(drafter=draft_by_mass(1e-3, 32), verifier=verify_recover_from_p)),
+    ],
+)
+def test_first_token_broken_variants_with_q_by_mass_are_caught(name, kw):
+    kw = {"wire_bits": 20, **kw}
+    emitted, p = first_token(SamplingParams(temperature=1.5), 0, **kw)
+    pv = chi2_pvalue(emitted, p)
+    assert pv < FAIL_P, f"{name}: p-value {pv:.3g} (the test cannot see this bug)"
+
+
+@pytest.mark.parametrize(
+    "params, mass, wire_bits",
+    [
+        (SamplingParams(), (0.1, V3), 20),
+        (SamplingParams(temperature=0.8, top_k=4, top_p=0.9), (1e-3, 2), 4),
+    ],
+    ids=["plain, heavy truncation", "filtered, budget binds, coarse grid"],
+)
+def test_joint_first_three_tokens_match_target_with_q_by_mass(params, mass, wire_bits):
+    joint = exact_joint(params)
+    seeds = torch.arange(B, dtype=I64) * 3 + 1
+    for K in (1, 3):
+        out = generate3(K, params, seeds, 0, wire_bits, drafter=draft_by_mass(*mass))
+        pv = chi2_pvalue(_code3(out), joint)
+        assert pv > PASS_P, f"K={K}: p-value {pv:.3g}"
+
+
+def test_joint_broken_variant_with_q_by_mass_is_caught():
+    params = SamplingParams()
+    out = generate3(2, params, torch.arange(B, dtype=I64), 0, 20, drafter=draft_by_mass_sends_one_more)
+    pv = chi2_pvalue(_code3(out), exact_joint(params))
+    assert pv < FAIL_P, f"p-value {pv:.3g}"

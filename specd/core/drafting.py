@@ -17,13 +17,14 @@ import torch
 from torch import Tensor, nn
 
 from specd.core import phases as ph
-from specd.core import sampling
+from specd.core import sampling, sparse_q
 from specd.core.errors import InvalidArgument, SessionOutOfSync
 from specd.core.phases import PhaseLog
 from specd.core.proposal import Proposal
 from specd.core.runner import CausalLMRunner, KVSession
 from specd.core.sampling import SamplingParams
 from specd.core.sessions import BatchRun, PooledModel, PoolLimits, Ready, SessionTable
+from specd.core.sparse_q import QSettings
 
 
 class Drafter(Protocol):
@@ -84,7 +85,7 @@ def sync_prefix(tokens: list[int], committed_length: int, start: int, tail: Sequ
 class _ModelDraftSession:
     kv: KVSession
     params: SamplingParams
-    wire_top_k: int
+    q: QSettings  # how this session's sparse q is truncated and rounded
 
 
 class ReducedLMHead(nn.Module):
@@ -143,8 +144,8 @@ class ModelDrafter(PooledModel[_ModelDraftSession]):
         self,
         runner: CausalLMRunner,
         *,
-        wire_top_k: int = 8,
-        wire_bits: int = 16,
+        q: QSettings | None = None,
+        wire_top_k: int = 0,
         token_map: Tensor | None = None,
         **limits: Unpack[PoolLimits],
     ) -> None:
@@ -152,15 +153,17 @@ class ModelDrafter(PooledModel[_ModelDraftSession]):
         self.token_map: Tensor | None = None  # [N] int64 on the model's device
         if token_map is not None:
             self.token_map = check_token_map(token_map, runner.vocab_size).to(runner.model.device)
-        self.default_wire_top_k = wire_top_k
-        self.wire_bits = wire_bits
+        if wire_top_k < 0:
+            raise InvalidArgument(f"wire_top_k must be >= 0 (0: q by mass), got {wire_top_k}")
+        self.q = (q or QSettings()).validate()
+        self.default_q = QSettings.top_k(wire_top_k, self.q.bits) if wire_top_k else self.q
 
     def open(self, session_id: str, token_ids: Sequence[int], params: SamplingParams, wire_top_k: int = 0) -> None:
         params.validate()
         if wire_top_k < 0:
             raise InvalidArgument("wire_top_k must be >= 0 (0 means the server default)")
-        top_k = wire_top_k or self.default_wire_top_k
-        self._pool.open(session_id, token_ids, lambda kv: _ModelDraftSession(kv, params, top_k))
+        q = QSettings.top_k(wire_top_k, self.q.bits) if wire_top_k else self.default_q
+        self._pool.open(session_id, token_ids, lambda kv: _ModelDraftSession(kv, params, q))
 
     def propose(
         self, session_id: str, committed_length: int, start: int, tail: Sequence[int], num_tokens: int
@@ -213,7 +216,7 @@ class ModelDrafter(PooledModel[_ModelDraftSession]):
     def _draft_step(
         self, active: list[tuple[int, _ModelDraftSession]], drafted: dict[int, _Draft], logs: list[PhaseLog]
     ) -> dict[int, Exception]:
-        """One token for each active session: a batched forward, then per-row sampling.
+        """One token for each active session: a batched forward, then batched q and sampling.
 
         Returns {request index: error} for the rows that could not be sampled
         (non-finite numbers); they get no token, the others are unaffected.
@@ -227,38 +230,61 @@ class ModelDrafter(PooledModel[_ModelDraftSession]):
         probs = sampling.processed_probs(logits[:, None, :], [s.params for _, s in active])  # [A, 1, V or N]
         unusable = sampling.unusable_rows(logits[:, None, :], probs)
         probs = probs[:, 0]  # [A, V or N]
-        failed: dict[int, Exception] = {}
-        for a, (i, s) in enumerate(active):
+        failed: dict[int, Exception] = {active[a][0]: exc for a, exc in unusable.items()}
+        tokens: dict[int, int] = {}  # row -> token
+        sampled: dict[QSettings, list[int]] = {}  # rows by q settings: each group shares one build
+        for a, (_, s) in enumerate(active):
             if a in unusable:
-                failed[i] = unusable[a]
                 continue
-            d = drafted[i]
+            if s.params.is_greedy:
+                tokens[a] = self._target_id(probs[a].argmax())  # q one-hot: nothing to send
+            else:
+                sampled.setdefault(s.q, []).append(a)
+        tq = time.perf_counter_ns()
+        for settings, group in sampled.items():
             try:
-                if s.params.is_greedy:
-                    token = self._target_id(probs[a].argmax())  # q one-hot: nothing to send
-                    q = None
-                else:
-                    seeds = torch.tensor([s.params.seed], dtype=torch.int64)
-                    position = torch.tensor([len(s.kv.tokens)], dtype=torch.int64)
-                    tok, ids, wire = sampling.draft_token(
-                        probs[a : a + 1], s.wire_top_k, self.wire_bits, seeds, position
-                    )
-                    token = self._target_id(tok[0])
-                    # Same numbers, target ids: q(token_map[j]) = wire[j], 0 off the map.
-                    q = (ids[0] if self.token_map is None else self.token_map[ids[0]], wire[0])
-            except Exception as exc:  # noqa: BLE001 - this row's sampling failed: its request alone
-                failed[i] = exc
+                self._sample_rows(group, settings, probs, active, drafted, tokens)
+            except Exception:  # noqa: BLE001 - find the row(s) at fault: each alone, the others go on
+                for a in group:
+                    try:
+                        self._sample_rows([a], settings, probs, active, drafted, tokens)
+                    except Exception as exc:  # noqa: BLE001 - this row's sampling failed: its request alone
+                        failed[active[a][0]] = exc
+        q_ms = (time.perf_counter_ns() - tq) / 1e6
+        for a, (i, s) in enumerate(active):
+            if a not in tokens:
                 continue
-            if q is not None:
-                d.q_ids.append(q[0])
-                d.q_probs.append(q[1])
-            self.runner.append(s.kv, [token])
-            d.tokens.append(token)
+            self.runner.append(s.kv, [tokens[a]])
+            drafted[i].tokens.append(tokens[a])
+            if not s.params.is_greedy:
+                drafted[i].q_ms += q_ms  # a batch's shared build counts whole, like its forward
         t2 = time.time_ns()
         for i, _ in active:
             logs[i].add(ph.FORWARD, t0, t1)
             logs[i].add(ph.SAMPLING, t1, t2)
         return failed
+
+    def _sample_rows(
+        self,
+        group: list[int],
+        settings: QSettings,
+        probs: Tensor,
+        active: list[tuple[int, _ModelDraftSession]],
+        drafted: dict[int, _Draft],
+        tokens: dict[int, int],
+    ) -> None:
+        """Build q for rows `group` of probs [A, V or N] at once, sample from it, record token and q per row."""
+        seeds = torch.tensor([active[a][1].params.seed for a in group], dtype=torch.int64)  # [G]
+        positions = torch.tensor([len(active[a][1].kv.tokens) for a in group], dtype=torch.int64)  # [G]
+        tok, ids, weights = sparse_q.draft(probs[group], settings, seeds, positions)  # [G], [G, W], [G, W]
+        if self.token_map is not None:  # same numbers, target ids: q(token_map[j]) = weight j, 0 off the map
+            tok, ids = self.token_map[tok], torch.where(weights > 0, self.token_map[ids], 0)
+        widths = (weights > 0).sum(-1).tolist()  # each row's own width (a prefix of its slots)
+        for g, a in enumerate(group):  # nothing below can fail: a retry never records a row twice
+            d = drafted[active[a][0]]
+            d.q_ids.append(ids[g, : widths[g]])
+            d.q_probs.append(weights[g, : widths[g]])
+            tokens[a] = int(tok[g])
 
     def _target_id(self, index: Tensor) -> int:
         """A logit column index -> the target token id it stands for."""
@@ -270,14 +296,22 @@ class _Draft:
     """One session's tokens and q rows, growing step by step in a batched draft."""
 
     tokens: list[int] = field(default_factory=list)
-    q_ids: list[Tensor] = field(default_factory=list)
-    q_probs: list[Tensor] = field(default_factory=list)
+    q_ids: list[Tensor] = field(default_factory=list)  # per position [W_i] int64
+    q_probs: list[Tensor] = field(default_factory=list)  # per position [W_i] float32 integer weights
+    q_ms: float = 0.0  # time spent building q and sampling from it
 
     def proposal(self, log: PhaseLog) -> Proposal:
         compute_ms = (log.phases[-1].end_ns - log.phases[0].start_ns) / 1e6 if log.phases else 0.0
         if not self.q_ids:
             return Proposal(self.tokens, compute_ms=compute_ms, phases=log)
-        return Proposal(self.tokens, torch.stack(self.q_ids), torch.stack(self.q_probs), compute_ms, phases=log)
+        # Positions have their own widths: pad to the widest with weight-0 slots.
+        width = max(int(r.shape[0]) for r in self.q_ids)
+        ids = torch.zeros(len(self.q_ids), width, dtype=torch.int64)  # [K, W]
+        weights = torch.zeros(len(self.q_ids), width, dtype=torch.float32)  # [K, W]
+        for k, (r_ids, r_w) in enumerate(zip(self.q_ids, self.q_probs)):
+            ids[k, : r_ids.shape[0]] = r_ids
+            weights[k, : r_w.shape[0]] = r_w
+        return Proposal(self.tokens, ids, weights, compute_ms, phases=log, q_ms=self.q_ms)
 
 
 @dataclass

@@ -23,7 +23,9 @@ class Proposal:
 
     q_ids / q_probs give, per draft position, the sparse distribution the token
     was sampled from (probability of q_ids[i, j] is q_probs[i, j] / q_probs[i].sum());
-    None means one-hot at each draft token (n-gram drafts, greedy drafts).
+    None means one-hot at each draft token (n-gram drafts, greedy drafts). A
+    model draft's q_probs are integer weights (specd.core.sparse_q), which the
+    wire carries in its compact form.
     """
 
     token_ids: list[int]
@@ -31,6 +33,7 @@ class Proposal:
     q_probs: torch.Tensor | None = None  # [K, W] float32 (the wire values)
     compute_ms: float = 0.0
     phases: PhaseLog = field(default_factory=PhaseLog, compare=False, repr=False)  # where the time went
+    q_ms: float = field(default=0.0, compare=False)  # draft time building q and sampling from it (part of compute_ms)
 
     def __len__(self) -> int:
         return len(self.token_ids)

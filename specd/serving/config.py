@@ -19,6 +19,7 @@ from typing import Any, TypeVar, get_type_hints
 
 from specd.core.catalog import DEMO, NONE
 from specd.core.errors import InvalidArgument
+from specd.core.sparse_q import MAX_BITS, QSettings
 
 C = TypeVar("C")
 
@@ -125,8 +126,14 @@ class ModelServiceBase(ServiceBase):
 class DraftConfig(ModelServiceBase):
     model: str = _opt(DEMO, "draft model: an HF folder, 'demo' (the demo draft) or 'ngram'")
     target_model: str = _opt(DEMO, "the target's model folder ('demo'): used to build the demo draft")
-    wire_top_k: int = _opt(8, "tokens of q sent per draft position (sparse proposal)")
-    wire_bits: int = _opt(16, "q is rounded to multiples of 2**-wire_bits before sampling")
+    q_epsilon: float = _opt(
+        QSettings.epsilon, "per draft position, send the fewest tokens whose mass reaches 1 - q_epsilon (sparse q)"
+    )
+    q_max_tokens: int = _opt(QSettings.max_tokens, "at most this many tokens of q per draft position (the budget)")
+    wire_bits: int = _opt(QSettings.bits, "q is rounded to integer weights on a 2**-wire_bits grid before sampling")
+    wire_top_k: int = _opt(
+        0, "legacy: send a fixed top-k of q instead (same as --q-epsilon 0 --q-max-tokens K); 0: by mass"
+    )
     max_draft_tokens: int = _opt(32, "largest K a propose may ask for")
     ngram_cap_at_match: bool = _opt(
         True,
@@ -134,12 +141,23 @@ class DraftConfig(ModelServiceBase):
         "match agrees on (--no-ngram-cap-at-match: always K when there are K)",
     )
 
+    @property
+    def q_settings(self) -> QSettings:
+        """How a model draft builds its sparse q (a fixed top-k when --wire-top-k is set)."""
+        if self.wire_top_k:
+            return QSettings.top_k(self.wire_top_k, self.wire_bits)
+        return QSettings(epsilon=self.q_epsilon, max_tokens=self.q_max_tokens, bits=self.wire_bits)
+
     def validate(self) -> None:
         super().validate()
-        if self.wire_top_k < 1:
-            raise InvalidArgument(f"--wire-top-k must be >= 1 (got {self.wire_top_k})")
-        if not 1 <= self.wire_bits <= 24:
-            raise InvalidArgument(f"--wire-bits must be in 1..24 (got {self.wire_bits})")
+        if not 0.0 <= self.q_epsilon < 1.0:
+            raise InvalidArgument(f"--q-epsilon must be in [0, 1) (got {self.q_epsilon})")
+        if self.q_max_tokens < 1:
+            raise InvalidArgument(f"--q-max-tokens must be >= 1 (got {self.q_max_tokens})")
+        if self.wire_top_k < 0:
+            raise InvalidArgument(f"--wire-top-k must be >= 0 (got {self.wire_top_k}); 0 sends q by mass")
+        if not 1 <= self.wire_bits <= MAX_BITS:
+            raise InvalidArgument(f"--wire-bits must be in 1..{MAX_BITS} (got {self.wire_bits})")
         if self.max_draft_tokens < 1:
             raise InvalidArgument("--max-draft-tokens must be >= 1")
 

@@ -22,7 +22,7 @@ from __future__ import annotations
 import logging
 import socket
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from socketserver import ThreadingMixIn
 from typing import Any
 from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
@@ -63,6 +63,9 @@ E2E_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 60.0, 120.
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128)
 ROUND_PART_BUCKETS = (0.0002, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 10.0)
 TOKENS_PER_S_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000)
+# Sparse q: bytes one draft position's q takes on the wire, and the time to build it.
+Q_BYTES_BUCKETS = (8, 16, 32, 64, 128, 256, 512, 1024, 2048, 3072, 4096, 6144, 8192, 16384, 32768)
+Q_BUILD_BUCKETS = (0.00005, 0.0001, 0.0002, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0)
 MAX_ACCEPTANCE_LENGTH_BUCKET = 33  # acceptance length of one round is accepted + 1 <= K + 1
 
 ROUND_PARTS = ("draft", "verify", "overhead")
@@ -282,10 +285,31 @@ class DraftMetrics(_ModelServiceMetrics):
             registry=r,
         )
 
+        self.q_bytes = Histogram(
+            PREFIX + "draft_q_bytes",
+            "Wire bytes of the sparse q of one draft token (one sample per sampled draft token; "
+            "greedy and n-gram drafts send none).",
+            buckets=Q_BYTES_BUCKETS,
+            registry=r,
+        )
+        self.q_build_seconds = Histogram(
+            PREFIX + "draft_q_build_seconds",
+            "Draft time per propose spent building the sparse q and sampling from it "
+            "(part of draft_propose_seconds; a batch's shared build counts whole).",
+            buckets=Q_BUILD_BUCKETS,
+            registry=r,
+        )
+
     def observe_propose(self, tokens: int, compute_ms: float, batch_size: int = 1) -> None:
         self.proposed_tokens.inc(tokens)
         self.propose_seconds.observe(compute_ms / 1e3)
         self.batch_size.observe(batch_size)
+
+    def observe_q(self, bytes_per_token: Sequence[int], build_ms: float) -> None:
+        """A propose that sent q: each draft token's q bytes, and the time its q took."""
+        for n in bytes_per_token:
+            self.q_bytes.observe(n)
+        self.q_build_seconds.observe(build_ms / 1e3)
 
 
 class TargetMetrics(_ModelServiceMetrics):

@@ -8,6 +8,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import TypeVar
 
+from specd.core import sparse_q
 from specd.core.drafting import ProposeRequest
 from specd.core.errors import InvalidArgument
 from specd.core.generation import FinishReason
@@ -40,13 +41,50 @@ def params_to_proto(params: SamplingParams) -> common_pb2.SamplingParams:
     )
 
 
+def sparse_to_proto(proposal: Proposal) -> list[common_pb2.SparseDistribution]:
+    """Per draft position, q as sent: compact when the weights are integers (a model draft's), else plain."""
+    if proposal.q_ids is None or proposal.q_probs is None:
+        return []
+    if sparse_q.is_integral(proposal.q_probs):
+        out = []
+        for ids, weights in zip(proposal.q_ids, proposal.q_probs):
+            gaps, ints = sparse_q.to_compact(ids, weights)
+            out.append(common_pb2.SparseDistribution(id_gaps=gaps, weights=ints))
+        return out
+    return [common_pb2.SparseDistribution(token_ids=ids, probs=probs) for ids, probs in proposal.to_wire()]
+
+
+def sparse_from_proto(
+    q: Sequence[common_pb2.SparseDistribution], vocab_size: int
+) -> list[tuple[list[int], list[float]]]:
+    """Per position (ids, probs) from either form (InvalidArgument on a malformed compact one)."""
+    out: list[tuple[list[int], list[float]]] = []
+    for i, d in enumerate(q):
+        if d.id_gaps or d.weights:
+            if d.token_ids or d.probs:
+                raise InvalidArgument(f"q at draft position {i} mixes the plain and the compact form; send one")
+            out.append(sparse_q.from_compact(d.id_gaps, d.weights, vocab_size))
+        else:
+            out.append((list(d.token_ids), list(d.probs)))
+    return out
+
+
+def q_wire_bytes(msg: draft_pb2.DraftProposal) -> list[int]:
+    """Bytes each position's q takes inside the message (its field tag and length included)."""
+    return [1 + _varint_bytes(n) + n for n in (d.ByteSize() for d in msg.q)]
+
+
+def _varint_bytes(n: int) -> int:
+    return max(1, (n.bit_length() + 6) // 7)
+
+
 def proposal_to_proto(proposal: Proposal) -> draft_pb2.DraftProposal:
-    msg = draft_pb2.DraftProposal(
-        token_ids=proposal.token_ids, compute_ms=proposal.compute_ms, batch_size=proposal.phases.batch_size
+    return draft_pb2.DraftProposal(
+        token_ids=proposal.token_ids,
+        q=sparse_to_proto(proposal),
+        compute_ms=proposal.compute_ms,
+        batch_size=proposal.phases.batch_size,
     )
-    for ids, probs in proposal.to_wire():
-        msg.q.add(token_ids=ids, probs=probs)
-    return msg
 
 
 def token_ids_from_wire(ids: Sequence[int], limit: int, what: str) -> list[int]:
@@ -66,7 +104,7 @@ def proposal_from_proto(
     """Validated proposal (InvalidArgument on out-of-range IDs, bad probabilities or sizes over the limits)."""
     proposal = Proposal.from_wire(
         msg.token_ids,
-        _q_rows(msg.q, len(msg.token_ids)),
+        _q_rows(msg.q, len(msg.token_ids), vocab_size, max_q_width),
         vocab_size,
         max_draft_tokens=max_draft_tokens,
         max_q_width=max_q_width,
@@ -86,18 +124,31 @@ def proposal_from_verify(
     """The proposal of a Verify message, sizes checked before anything is copied (see Proposal.from_wire)."""
     return Proposal.from_wire(
         msg.draft_token_ids,
-        _q_rows(msg.q, len(msg.draft_token_ids)),
+        _q_rows(msg.q, len(msg.draft_token_ids), vocab_size, max_q_width),
         vocab_size,
         max_draft_tokens=max_draft_tokens,
         max_q_width=max_q_width,
     )
 
 
-def _q_rows(q: Sequence[common_pb2.SparseDistribution], k: int) -> list[tuple[Sequence[int], Sequence[float]]]:
-    """(ids, probs) views of the q rows, no copy; refused first if there are more rows than tokens."""
+def _q_rows(
+    q: Sequence[common_pb2.SparseDistribution], k: int, vocab_size: int, max_q_width: int
+) -> list[tuple[Sequence[int], Sequence[float]]]:
+    """(ids, probs) of the q rows in either form; plain rows are views (no copy). Refused before any
+    decoding if there are more rows than tokens or a compact row is wider than max_q_width."""
     if len(q) > k:
         raise InvalidArgument(f"q has {len(q)} positions for {k} draft tokens; send one per token or none")
-    return [(d.token_ids, d.probs) for d in q]
+    rows: list[tuple[Sequence[int], Sequence[float]]] = []
+    for i, d in enumerate(q):
+        if d.id_gaps or d.weights:
+            if d.token_ids or d.probs:
+                raise InvalidArgument(f"q at draft position {i} mixes the plain and the compact form; send one")
+            if max(len(d.id_gaps), len(d.weights)) > max_q_width:
+                raise InvalidArgument(f"q at draft position {i} has more than {max_q_width} tokens")
+            rows.append(sparse_q.from_compact(d.id_gaps, d.weights, vocab_size))
+        else:
+            rows.append((d.token_ids, d.probs))
+    return rows
 
 
 # ---- the draft and target services' stream messages (their servicers) ------------------------
@@ -131,10 +182,6 @@ def verdict_to_proto(outcome: VerifyOutcome, resp: target_pb2.TargetResponse) ->
     v.compute_ms = outcome.compute_ms
     v.batch_size = outcome.phases.batch_size
     v.batch_tokens = outcome.phases.batch_tokens
-
-
-def sparse_to_proto(proposal: Proposal) -> list[common_pb2.SparseDistribution]:
-    return [common_pb2.SparseDistribution(token_ids=ids, probs=probs) for ids, probs in proposal.to_wire()]
 
 
 # ---- the coordinator's round streams (coordinator/peers.py, coordinator/ports.py) ----------

@@ -71,12 +71,16 @@ class TokenIds(_message.Message):
     def __init__(self, ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class SparseDistribution(_message.Message):
-    __slots__ = ("token_ids", "probs")
+    __slots__ = ("token_ids", "probs", "id_gaps", "weights")
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     PROBS_FIELD_NUMBER: _ClassVar[int]
+    ID_GAPS_FIELD_NUMBER: _ClassVar[int]
+    WEIGHTS_FIELD_NUMBER: _ClassVar[int]
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     probs: _containers.RepeatedScalarFieldContainer[float]
-    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., probs: _Optional[_Iterable[float]] = ...) -> None: ...
+    id_gaps: _containers.RepeatedScalarFieldContainer[int]
+    weights: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., probs: _Optional[_Iterable[float]] = ..., id_gaps: _Optional[_Iterable[int]] = ..., weights: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class ModelInfo(_message.Message):
     __slots__ = ("name", "vocab_size", "tokenizer_size", "vocab_hash", "max_context", "eos_token_ids", "kind")

@@ -67,6 +67,7 @@ from tqdm.auto import tqdm
 from transformers import AutoConfig, AutoModelForCausalLM, LogitsProcessor, LogitsProcessorList, PreTrainedModel
 
 from specd.core.errors import FailedPrecondition, InvalidArgument
+from specd.core.models import share_readable
 
 log = logging.getLogger(__name__)
 
@@ -1201,6 +1202,7 @@ def save_draft_folder(
     elif head_file.exists():
         head_file.unlink()
     export_compact(trainer, token_map, out / "compact", meta)
+    share_readable(out)  # save_pretrained writes private (0600) weights; a service may run as another user
 
 
 def export_compact(trainer: _DraftTrainer, token_map: Tensor | None, dest: Path, meta: dict[str, object]) -> int:

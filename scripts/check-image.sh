@@ -77,7 +77,8 @@ if [ "${SPECD_SKIP_BUILD:-0}" != 1 ]; then
     say "collecting torch==$TORCH_VERSION and its dependencies into a local index"
     rm -rf "$WHEELS"
     # The image's Python is Debian bookworm's 3.11: run this with a Python 3.11 (PYTHON=...).
-    "$PYTHON" -m pip download -q "torch==$TORCH_VERSION" --only-binary=:all: -d "$WHEELS/flat"
+    "$PYTHON" -m pip download -q "torch==$TORCH_VERSION" --only-binary=:all: -d "$WHEELS/flat" >"$WORK/pip-download.log" 2>&1 \
+      || { tail -20 "$WORK/pip-download.log"; fail "pip download torch failed"; }
     "$PYTHON" - "$WHEELS" <<'EOF'
 import re, shutil, sys
 from pathlib import Path

@@ -61,6 +61,9 @@ def main() -> int:
     parser.add_argument("--tokens", type=int, default=32, help="tokens per request (default: 32)")
     parser.add_argument("--requests", type=int, default=2, help="requests per measurement (default: 2)")
     parser.add_argument("--before-threads", type=int, default=2, help="the old default (default: 2)")
+    parser.add_argument(
+        "--also-threads", type=int, default=0, help="add a third setting: specd's defaults with this many threads"
+    )
     parser.add_argument("--json", default="", help="write the measurements here")
     args = parser.parse_args()
 
@@ -70,6 +73,10 @@ def main() -> int:
         "after": LocalCluster(args.target, None, target_threads=0, ready_timeout_s=900),
     }
     settings["before"].env["OMP_WAIT_POLICY"] = ""
+    if args.also_threads:
+        settings[f"after-{args.also_threads}t"] = LocalCluster(
+            args.target, None, target_threads=args.also_threads, ready_timeout_s=900
+        )
     results: dict[str, dict[str, list[float]]] = {name: {"quiet": [], "busy": []} for name in settings}
     try:
         for cluster in settings.values():
@@ -90,7 +97,7 @@ def main() -> int:
                 results[name]["quiet"].append(quiet)
                 results[name]["busy"].append(busy)
                 print(
-                    f"round {r + 1} {name:6s} quiet {quiet:6.2f} tok/s  busy {busy:6.2f} tok/s  "
+                    f"round {r + 1} {name:9s} quiet {quiet:6.2f} tok/s  busy {busy:6.2f} tok/s  "
                     f"ratio {busy / quiet:.2f}",
                     flush=True,
                 )

@@ -150,6 +150,7 @@ def _generate(args: argparse.Namespace) -> int:
 
         token = read_token(args.token_file)
     ctx = CallContext(address=args.address, tls=bool(args.tls_ca), token=token is not None, timeout_s=args.timeout)
+    started = time.monotonic()
     try:
         with CoordinatorClient(args.address, timeout=args.timeout, tls_ca=args.tls_ca or None, token=token) as client:
             if args.stream and not args.json:
@@ -160,7 +161,7 @@ def _generate(args: argparse.Namespace) -> int:
                 return 0
             response = client.generate(prompt, **kwargs)  # type: ignore[arg-type]
     except grpc.RpcError as exc:
-        code, line = explain(exc, ctx)
+        code, line = explain(exc, ctx, time.monotonic() - started)
         if args.verbose:
             traceback.print_exc()
         print(f"specd: {line}", file=sys.stderr)

@@ -23,8 +23,10 @@ EXIT_TLS = 4
 EXIT_AUTH = 5
 EXIT_DEADLINE = 6
 
-# Words in gRPC's UNAVAILABLE details that point at the TLS handshake.
-_TLS_WORDS = ("ssl", "tls", "handshake", "certificate", "wrong version number")
+# gRPC's own UNAVAILABLE details when the client could not connect (as opposed to an UNAVAILABLE
+# the coordinator sent, e.g. when its target is down), and the words that point at the TLS handshake.
+_CONNECT_FAILED = ("failed to connect to all addresses", "connections to all backends failing")
+_TLS_WORDS = ("tls handshake", "ssl_error", "ssl routines", "certificate_verify_failed", "wrong_version_number")
 
 
 @dataclass(frozen=True)
@@ -47,29 +49,21 @@ def _accepts_connections(address: str, timeout_s: float = 2.0) -> bool:
         return False
 
 
-def explain(exc: grpc.RpcError, ctx: CallContext) -> tuple[int, str]:
-    """(exit code, one line) for a failed call; the line says what to check or change."""
+def explain(exc: grpc.RpcError, ctx: CallContext, elapsed_s: float = 0.0) -> tuple[int, str]:
+    """(exit code, one line) for a call that failed after elapsed_s; the line says what to check or change."""
     code = exc.code() if hasattr(exc, "code") else None
     details = (exc.details() if hasattr(exc, "details") else "") or ""
+    lowered = details.lower()
     where = f"the coordinator at {ctx.address}"
-    if code == grpc.StatusCode.UNAVAILABLE:
-        lowered = details.lower()
+    out_of_time = ctx.timeout_s is not None and elapsed_s >= ctx.timeout_s
+    if code == grpc.StatusCode.UNAVAILABLE and any(w in lowered for w in _CONNECT_FAILED):
         if any(word in lowered for word in _TLS_WORDS):
-            if ctx.tls:
-                return EXIT_TLS, (
-                    f"TLS handshake with {where} failed: it serves plaintext, or its certificate is not signed "
-                    "by the CA in --tls-ca (or not issued for this address)"
-                )
-            return EXIT_TLS, f"{where} expects TLS: pass its CA bundle with --tls-ca"
-        if _accepts_connections(ctx.address):
-            if ctx.tls:
-                return EXIT_TLS, (
-                    f"{where} accepts connections but the TLS handshake failed: it may serve plaintext "
-                    "(drop --tls-ca), or its certificate is not signed by the CA in --tls-ca"
-                )
             return EXIT_TLS, (
-                f"{where} accepts connections but not plaintext gRPC: it may expect TLS (pass --tls-ca CA.pem)"
+                f"TLS handshake with {where} failed: it serves plaintext (drop --tls-ca), or its certificate "
+                "is not signed by the CA in --tls-ca, or not issued for this address"
             )
+        if not ctx.tls and "connection refused" not in lowered and _accepts_connections(ctx.address):
+            return EXIT_TLS, f"{where} accepts connections but not plaintext gRPC: it may expect TLS (pass --tls-ca)"
         return EXIT_UNREACHABLE, (
             f"cannot reach {where}: nothing accepts connections there. Is it running (`specd up`), "
             "and is --address right?"
@@ -80,7 +74,7 @@ def explain(exc: grpc.RpcError, ctx: CallContext) -> tuple[int, str]:
             f"{where} refused the call ({details or code.name}): it was sent {given}; pass the coordinator's "
             "token with --token-file"
         )
-    if code == grpc.StatusCode.DEADLINE_EXCEEDED:
+    if code == grpc.StatusCode.DEADLINE_EXCEEDED or out_of_time:
         limit = f"--timeout {ctx.timeout_s:g} s" if ctx.timeout_s else "the deadline"
         return EXIT_DEADLINE, (
             f"no complete answer from {where} within {limit}: raise --timeout, or ask for fewer tokens"

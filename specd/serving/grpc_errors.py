@@ -12,6 +12,7 @@ peer that reported them unhealthy.
 
 from __future__ import annotations
 
+import asyncio
 import inspect
 import logging
 from collections.abc import Awaitable, Callable
@@ -48,6 +49,16 @@ _SESSION_CODE: dict[type[errors.SpecdError], int] = {
 _FROM_SESSION_CODE: dict[int, type[errors.SpecdError]] = {v: k for k, v in _SESSION_CODE.items()}
 
 INTERNAL_MESSAGE = "internal error; the server logged the details"
+
+
+def status_code(exc: BaseException) -> grpc.StatusCode:
+    """The status code a caller sees for `exc` (CANCELLED for a cancellation); logs nothing (for metrics)."""
+    if isinstance(exc, (asyncio.CancelledError, GeneratorExit)):
+        return grpc.StatusCode.CANCELLED
+    for kind in type(exc).__mro__:
+        if kind in _STATUS:
+            return _STATUS[kind]
+    return grpc.StatusCode.INTERNAL
 
 
 def status_for(exc: BaseException) -> tuple[grpc.StatusCode, str]:

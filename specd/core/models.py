@@ -7,7 +7,13 @@ every path; nothing here reads the environment.
 
 Folders this module writes appear atomically: they are written under a
 temporary name next to their final place and renamed, so an interrupted run
-never leaves a half folder behind that a later run would trust.
+never leaves a half folder behind that a later run would trust. They are
+readable by every user (files 0644, folders 0755): a container's non-root
+user must read the models baked in by root.
+
+Loading is quiet: transformers' load reports and progress bars are turned
+off around specd's own loads (`quiet_transformers`), unless specd's logger
+is at DEBUG.
 """
 
 from __future__ import annotations
@@ -20,12 +26,15 @@ import os
 import shutil
 import tempfile
 import time
+import warnings
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+import transformers
+from safetensors import SafetensorError, safe_open
 from tqdm.auto import tqdm
 from transformers import (
     AutoConfig,
@@ -52,9 +61,12 @@ __all__ = [
     "build_tiny_gpt2",
     "build_tiny_pair",
     "build_tiny_tokenizer",
+    "check_readable",
     "demo_target_path",
     "load_pretrained",
+    "quiet_transformers",
     "read_build_marker",
+    "share_readable",
     "vocab_fingerprint",
 ]
 
@@ -105,39 +117,130 @@ class LoadedModel:
 # ---- loading ------------------------------------------------------------
 
 
+@contextmanager
+def quiet_transformers() -> Iterator[None]:
+    """transformers' own diagnostics off for the duration (load reports, progress bars, warnings).
+
+    Its "LOAD REPORT" tables (e.g. the target's unused layers when the demo
+    draft is cut from it) and "Loading weights" bars say nothing a specd user
+    can act on. Only transformers' verbosity and bars are changed, and they
+    are restored afterwards; with specd's logger at DEBUG nothing is hidden.
+    """
+    if log.isEnabledFor(logging.DEBUG):
+        yield
+        return
+    hf_logging = transformers.utils.logging
+    verbosity = hf_logging.get_verbosity()
+    bars = hf_logging.is_progress_bar_enabled()
+    hf_logging.set_verbosity_error()
+    hf_logging.disable_progress_bar()
+    try:
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", module=r"transformers(\..*)?$")
+            yield
+    finally:
+        hf_logging.set_verbosity(verbosity)
+        if bars:
+            hf_logging.enable_progress_bar()
+
+
+def check_readable(folder: Path) -> None:
+    """FailedPrecondition naming the first file or folder under `folder` this process cannot read.
+
+    A model folder written by another user with private modes (0600 files,
+    as transformers' weights writer makes them) fails here with the path and
+    the fix, instead of deep inside transformers with a misleading message.
+    """
+
+    def denied(path: str) -> FailedPrecondition:
+        try:
+            st = os.stat(path)
+            owner = f"mode {st.st_mode & 0o777:04o}, owner uid {st.st_uid}"
+        except OSError:
+            owner = "mode unknown"
+        return FailedPrecondition(
+            f"cannot read {path}: permission denied ({owner}; this process runs as uid {os.getuid()}). "
+            f"Make the model folder readable: chmod -R a+rX {folder}"
+        )
+
+    def walk_error(err: OSError) -> None:
+        if isinstance(err, PermissionError):
+            raise denied(str(err.filename or folder))
+
+    for root, _dirs, files in os.walk(folder, onerror=walk_error):
+        for name in files:
+            path = os.path.join(root, name)
+            try:
+                with open(path, "rb"):
+                    pass
+            except PermissionError as e:
+                raise denied(path) from e
+            except OSError:
+                continue  # e.g. a dangling link; the loader reports what it needs
+
+
+def _weights_files(folder: Path) -> list[Path]:
+    return sorted(folder.glob("*.safetensors")) + sorted(folder.glob("pytorch_model*.bin"))
+
+
+def _corrupt_weights(folder: Path, error: Exception) -> InvalidArgument:
+    """The weights file that fails to open (its header), named, with what to do."""
+    bad = folder
+    for file in sorted(folder.glob("*.safetensors")):
+        try:
+            with safe_open(str(file), framework="pt"):
+                pass
+        except (SafetensorError, OSError):
+            bad = file
+            break
+    return InvalidArgument(
+        f"the weights in {bad} are corrupt or truncated ({error}); write the folder again "
+        "(for the demo models: delete it and run `specd prepare`)"
+    )
+
+
 def load_pretrained(path: str | Path, *, dtype: torch.dtype = torch.float32) -> LoadedModel:
     """Load a Hugging Face causal LM folder (config, weights, tokenizer), in eval mode.
 
-    Never touches a model hub: a missing or incomplete folder is an
-    InvalidArgument naming what is missing.
+    Never touches a model hub. A missing, unreadable or corrupt folder or file
+    is an error naming the path and the cause: InvalidArgument (missing,
+    corrupt, not a causal LM) or FailedPrecondition (permission denied).
     """
     folder = Path(path).expanduser()
     if not folder.exists():
         raise InvalidArgument(f"model folder {str(folder)!r} does not exist; pass a Hugging Face model folder")
     if not folder.is_dir():
         raise InvalidArgument(f"{str(folder)!r} is a file; pass the folder that holds config.json and the weights")
+    check_readable(folder)
     if not (folder / "config.json").is_file():
         raise InvalidArgument(
             f"model folder {str(folder)!r} has no config.json; pass a folder written by save_pretrained"
         )
-    try:
-        config = AutoConfig.from_pretrained(folder, local_files_only=True)
-    except (OSError, ValueError, KeyError) as e:
-        raise InvalidArgument(f"cannot read the model config in {str(folder)!r}: {e}") from e
-    if getattr(config, "is_encoder_decoder", False):
-        raise InvalidArgument(f"{str(folder)!r} holds an encoder-decoder model; specd needs a causal LM")
-    try:
-        tokenizer = AutoTokenizer.from_pretrained(folder, local_files_only=True)
-    except (OSError, ValueError, TypeError) as e:
-        raise InvalidArgument(
-            f"cannot load a tokenizer from {str(folder)!r} (save it there with tokenizer.save_pretrained): {e}"
-        ) from e
-    try:
-        model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype, local_files_only=True)
-    except ValueError as e:  # e.g. an architecture with no causal-LM head
-        raise InvalidArgument(f"cannot load {str(folder)!r} as a causal LM: {e}") from e
-    except OSError as e:  # e.g. no weights file
-        raise InvalidArgument(f"cannot load the weights in {str(folder)!r}: {e}") from e
+    with quiet_transformers():
+        try:
+            config = AutoConfig.from_pretrained(folder, local_files_only=True)
+        except (OSError, ValueError, KeyError) as e:
+            raise InvalidArgument(f"cannot read the model config in {str(folder)!r}: {e}") from e
+        if getattr(config, "is_encoder_decoder", False):
+            raise InvalidArgument(f"{str(folder)!r} holds an encoder-decoder model; specd needs a causal LM")
+        try:
+            tokenizer = AutoTokenizer.from_pretrained(folder, local_files_only=True)
+        except (OSError, ValueError, TypeError) as e:
+            raise InvalidArgument(
+                f"cannot load a tokenizer from {str(folder)!r} (save it there with tokenizer.save_pretrained): {e}"
+            ) from e
+        if not _weights_files(folder):
+            raise InvalidArgument(
+                f"model folder {str(folder)!r} has no weights (model.safetensors); pass a folder written by save_pretrained"
+            )
+        try:
+            model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype, local_files_only=True)
+        except SafetensorError as e:
+            raise _corrupt_weights(folder, e) from e
+        except ValueError as e:  # e.g. an architecture with no causal-LM head
+            raise InvalidArgument(f"cannot load {str(folder)!r} as a causal LM: {e}") from e
+        except OSError as e:  # e.g. no weights file
+            raise InvalidArgument(f"cannot load the weights in {str(folder)!r}: {e}") from e
     model.eval()
     return LoadedModel(model=model, tokenizer=tokenizer, path=folder, name=folder.name)
 
@@ -163,6 +266,24 @@ def vocab_fingerprint(tokenizer: PreTrainedTokenizerBase) -> tuple[int, str]:
 # ---- writing folders atomically -------------------------------------------
 
 
+def share_readable(folder: Path) -> None:
+    """Make a folder specd wrote readable by every user: folders 0755, files 0644 (links untouched).
+
+    transformers' weights writer makes private (0600) files; the services
+    may run as another user than the one that wrote the models (a container
+    image's non-root user reading models baked in by root).
+    """
+    folder = Path(folder)
+    folder.chmod(0o755)
+    for root, dirs, files in os.walk(folder):
+        for name in dirs:
+            if not os.path.islink(os.path.join(root, name)):
+                os.chmod(os.path.join(root, name), 0o755)
+        for name in files:
+            if not os.path.islink(os.path.join(root, name)):
+                os.chmod(os.path.join(root, name), 0o644)
+
+
 def read_build_marker(folder: Path) -> dict | None:
     """The marker a folder was built with by `atomic_folder` (None: not built by specd, or unreadable)."""
     try:
@@ -181,13 +302,10 @@ def atomic_folder(final: Path, marker: dict) -> Iterator[Path]:
     """
     final.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.tmp-", dir=final.parent))
-    tmp.chmod(0o755)  # mkdtemp makes it private; the finished folder is an ordinary one
     try:
         yield tmp
         (tmp / _BUILD_MARKER).write_text(json.dumps(marker, indent=2, sort_keys=True) + "\n")
-        for file in tmp.iterdir():
-            if file.is_file():
-                file.chmod(0o644)  # the weights writer makes private files; others are 0644 already
+        share_readable(tmp)  # mkdtemp and the weights writer make private modes
         if final.exists():
             found = read_build_marker(final)
             if found == marker:
@@ -286,8 +404,9 @@ def _build_random(final: Path, make: Callable[[], PreTrainedModel], *, seed: int
             model = make()
         model.eval()
         model.generation_config.update(**_token_ids_config())
-        model.save_pretrained(tmp)
-        build_tiny_tokenizer().save_pretrained(tmp)
+        with quiet_transformers():
+            model.save_pretrained(tmp)
+            build_tiny_tokenizer().save_pretrained(tmp)
     return final
 
 
@@ -359,7 +478,7 @@ def demo_target_path(cache_dir: Path, *, progress: bool = True) -> Path:
     log.info("converting %s to a float32 model folder at %s (once, ~30 s)", gguf.name, final)
     started = time.monotonic()
     stages = tqdm(total=3, desc="specd: demo target", unit="stage", disable=not progress)
-    with stages, atomic_folder(final, marker) as tmp:
+    with stages, quiet_transformers(), atomic_folder(final, marker) as tmp:
         stages.set_postfix_str("tokenizer")
         tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
         _check_demo_tokenizer(tokenizer)

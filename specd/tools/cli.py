@@ -4,14 +4,28 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import json
 import logging
+import os
 import sys
+import time
+import traceback
 from collections.abc import Sequence
+from pathlib import Path
+from typing import TypeVar
+
+import grpc
+import torch
 
 from specd.core import catalog
 from specd.core.errors import InvalidArgument, SpecdError
 from specd.serving import config as cfg
+from specd.tools.client_errors import CallContext, explain
+from specd.tools.threads import cpu_budget, default_torch_threads
+
+log = logging.getLogger("specd")
+_Config = TypeVar("_Config", bound=cfg.ServiceBase)
 
 
 def _serve(args: argparse.Namespace) -> int:
@@ -21,6 +35,7 @@ def _serve(args: argparse.Namespace) -> int:
     logging.basicConfig(
         level=config.log_level, format=f"%(asctime)s specd-{service} %(levelname)s %(name)s: %(message)s"
     )
+    config = _set_threads(config)
     from specd.serving.metrics import metrics_for, serve_metrics
     from specd.serving.server import serve_until_signal
     from specd.serving.tracing import setup_tracing
@@ -58,6 +73,31 @@ def _serve(args: argparse.Namespace) -> int:
     return 0
 
 
+def _set_threads(config: _Config) -> _Config:
+    """Resolve --torch-threads 0 from the CPUs available and apply it, before the service builds anything.
+
+    torch's own default is one thread per core of the machine, which is too
+    many in a container with a CPU limit or beside other work (see
+    specd.tools.threads). Inter-op parallelism is not used by the services:
+    one thread.
+    """
+    threads = config.torch_threads or default_torch_threads(ranks=getattr(config, "tp", 1))
+    config = dataclasses.replace(config, torch_threads=threads)
+    torch.set_num_threads(threads)
+    try:
+        torch.set_num_interop_threads(1)
+    except RuntimeError:  # already set in this process
+        pass
+    log.info(
+        "threads: %d intra-op, %d inter-op (CPUs available: %d, OMP_WAIT_POLICY=%s)",
+        torch.get_num_threads(),
+        torch.get_num_interop_threads(),
+        cpu_budget(),
+        os.environ.get("OMP_WAIT_POLICY", "unset"),
+    )
+    return config
+
+
 def _up(args: argparse.Namespace) -> int:
     from specd.tools.launcher import run_up
 
@@ -71,6 +111,7 @@ def _up(args: argparse.Namespace) -> int:
         target_threads=args.target_threads,
         draft_threads=args.draft_threads,
         target_args=_tp_args(args),
+        restart=not args.no_restart,
     )
 
 
@@ -108,14 +149,23 @@ def _generate(args: argparse.Namespace) -> int:
         from specd.serving.security import read_token
 
         token = read_token(args.token_file)
-    with CoordinatorClient(args.address, timeout=args.timeout, tls_ca=args.tls_ca or None, token=token) as client:
-        if args.stream and not args.json:
-            for msg in client.generate_stream(prompt, **kwargs):  # type: ignore[arg-type]
-                sys.stdout.write(msg.text)
-                sys.stdout.flush()
-            sys.stdout.write("\n")
-            return 0
-        response = client.generate(prompt, **kwargs)  # type: ignore[arg-type]
+    ctx = CallContext(address=args.address, tls=bool(args.tls_ca), token=token is not None, timeout_s=args.timeout)
+    started = time.monotonic()
+    try:
+        with CoordinatorClient(args.address, timeout=args.timeout, tls_ca=args.tls_ca or None, token=token) as client:
+            if args.stream and not args.json:
+                for msg in client.generate_stream(prompt, **kwargs):  # type: ignore[arg-type]
+                    sys.stdout.write(msg.text)
+                    sys.stdout.flush()
+                sys.stdout.write("\n")
+                return 0
+            response = client.generate(prompt, **kwargs)  # type: ignore[arg-type]
+    except grpc.RpcError as exc:
+        code, line = explain(exc, ctx, time.monotonic() - started)
+        if args.verbose:
+            traceback.print_exc()
+        print(f"specd: {line}", file=sys.stderr)
+        return code
     if args.json:
         stats = MessageToDict(
             response.stats, preserving_proto_field_name=True, always_print_fields_with_no_presence=True
@@ -137,10 +187,13 @@ def _generate(args: argparse.Namespace) -> int:
 
 
 def _prepare(args: argparse.Namespace) -> int:
-    logging.basicConfig(level=logging.INFO, format="%(message)s")
-    cache = cfg.default_cache_dir() if not args.cache_dir else __import__("pathlib").Path(args.cache_dir)
-    print(f"demo target: {catalog.target_folder(catalog.DEMO, cache)}")
-    print(f"demo draft:  {catalog.demo_draft_path(cache)}")
+    """One line per step (a progress bar while the demo target converts)."""
+    logging.basicConfig(level=logging.INFO, format="specd prepare: %(message)s")
+    cache = Path(args.cache_dir) if args.cache_dir else cfg.default_cache_dir()
+    started = time.monotonic()
+    print(f"demo target: {catalog.target_folder(catalog.DEMO, cache)} ({time.monotonic() - started:.1f} s)", flush=True)
+    started = time.monotonic()
+    print(f"demo draft:  {catalog.demo_draft_path(cache)} ({time.monotonic() - started:.1f} s)", flush=True)
     return 0
 
 
@@ -161,7 +214,12 @@ def _bench(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="specd", description="Distributed speculative decoding.")
+    parser = argparse.ArgumentParser(
+        prog="specd",
+        description="Distributed speculative decoding.",
+        epilog="Exit codes: 0 ok, 1 other error, 2 bad usage or argument, 3 coordinator unreachable, "
+        "4 TLS mismatch, 5 API token refused, 6 deadline exceeded, 130 interrupted.",
+    )
     sub = parser.add_subparsers(dest="command", required=True)
 
     up = sub.add_parser("up", help="start draft, target and coordinator locally (demo pair by default)")
@@ -173,8 +231,18 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--port", type=int, default=50051, help="coordinator port (default: 50051)")
     up.add_argument("--cache-dir", default="", help="model cache (default: SPECD_CACHE_DIR or ~/.cache/specd)")
     up.add_argument("--draft-length", type=int, default=4, help="draft tokens per round (default: 4)")
-    up.add_argument("--target-threads", type=int, default=2, help="torch threads of the target (default: 2)")
+    up.add_argument(
+        "--target-threads",
+        type=int,
+        default=0,
+        help="torch threads of the target (default 0: one per CPU available to it)",
+    )
     up.add_argument("--draft-threads", type=int, default=1, help="torch threads of the draft (default: 1)")
+    up.add_argument(
+        "--no-restart",
+        action="store_true",
+        help="stop everything when a service exits (default: restart it with backoff; the others keep serving)",
+    )
     up.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks of the target (default: 1)")
     up.add_argument(
         "--executor",
@@ -221,6 +289,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--timeout", type=float, default=300.0, help="seconds (default: 300)")
     gen.add_argument("--tls-ca", default="", help="CA bundle (PEM) to verify the coordinator (turns TLS on)")
     gen.add_argument("--token-file", default="", help="file holding the API token")
+    gen.add_argument("-v", "--verbose", action="store_true", help="print the traceback of an error, too")
     gen.set_defaults(func=_generate)
 
     from specd.tools.bench import add_arguments as add_bench_arguments  # stdlib imports only
@@ -254,6 +323,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         return int(args.func(args) or 0)
     except SpecdError as exc:
+        if getattr(args, "verbose", False):
+            traceback.print_exc()
         print(f"specd: {exc}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:

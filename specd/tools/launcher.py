@@ -1,72 +1,116 @@
-"""`specd up`: the three services as local processes, started in order, stopped together."""
+"""`specd up`: the local cluster, supervised as Kubernetes would.
+
+The three services are a LocalCluster (specd.tools.localcluster) with their
+logs relayed. Once all are ready, a service that exits is started again on
+the port it had, after a backoff (1 s, doubling to 30 s; reset after 60 s of
+running), while the others keep serving: with the draft down the coordinator
+serves target-only, which is exact. Each state change prints one line.
+SIGINT or SIGTERM stops everything (the coordinator first, so it drains).
+With restart=False (`--no-restart`), the first exit stops the rest instead.
+
+A service that exits before it is first ready is reported at once, with its
+exit code and last lines, and nothing is restarted: that is a setup problem
+(a missing package, an unreadable model) that a restart would not fix.
+"""
 
 from __future__ import annotations
 
-import os
-import re
 import signal
-import subprocess
 import sys
 import threading
 import time
-from collections.abc import Sequence
-from dataclasses import dataclass, field
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
-_BANNER = re.compile(r"^(specd-\w+) listening on (\S+):(\d+)\s*$")
+from specd.tools.localcluster import LocalCluster, ServiceFailed, ServiceProcess, describe_exit
+
+__all__ = ["Supervisor", "run_up"]
+
+BACKOFF_FIRST_S = 1.0
+BACKOFF_MAX_S = 30.0
+BACKOFF_RESET_AFTER_S = 60.0  # running this long without exiting clears the backoff
+
+
+def _say(line: str) -> None:
+    print(f"specd up: {line}", file=sys.stderr, flush=True)
 
 
 @dataclass
-class ServiceProcess:
-    """One `specd serve ...` child; its stdout is relayed with a name prefix."""
+class _Watch:
+    """Supervision state of one service: 'up', 'waiting' (to restart at `due`) or 'starting'."""
 
-    name: str
-    args: list[str]
-    proc: subprocess.Popen[str] | None = None
-    address: str | None = None
-    _ready: threading.Event = field(default_factory=threading.Event)
+    service: ServiceProcess
+    state: str = "up"
+    restarts: int = 0
+    backoff_s: float = BACKOFF_FIRST_S
+    due: float = 0.0
+    up_since: float = 0.0
 
-    def start(self, env: dict[str, str] | None = None) -> None:
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "specd.tools.cli", "serve", *self.args],
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-            bufsize=1,
-            env=env,
-            start_new_session=True,  # Ctrl-C reaches us only; we stop the children in order
+
+class Supervisor:
+    """Restarts the services of a started LocalCluster that exit; one line per state change.
+
+    step() does one pass and returns False when supervision must end (with
+    restart off, once a service has exited); run() calls it until `stop` is set.
+    """
+
+    def __init__(
+        self,
+        cluster: LocalCluster,
+        *,
+        restart: bool = True,
+        say: Callable[[str], None] = _say,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.cluster = cluster
+        self.restart = restart
+        self.say = say
+        self.clock = clock
+        now = clock()
+        self.watches = [_Watch(s, up_since=now) for s in cluster.services]
+
+    def step(self) -> bool:
+        now = self.clock()
+        for w in self.watches:
+            s = w.service
+            if w.state == "up":
+                if s.running:
+                    if now - w.up_since >= BACKOFF_RESET_AFTER_S:
+                        w.backoff_s = BACKOFF_FIRST_S
+                    continue
+                code = describe_exit(s.returncode or 0)
+                if not self.restart:
+                    self.say(f"{s.name} exited with {code}; stopping the rest (--no-restart)")
+                    return False
+                self._wait(w, now, f"{s.name} exited with {code}")
+            elif w.state == "waiting" and now >= w.due:
+                w.restarts += 1
+                w.state = "starting"
+                self.say(f"{s.name} restarting (restart {w.restarts})")
+                s.start_again(self.cluster.env)
+            elif w.state == "starting":
+                if s.ready:
+                    w.state, w.up_since = "up", now
+                    self.say(f"{s.name} ready on {s.address} (pid {s.pid}, restart {w.restarts})")
+                elif s.returncode is not None:
+                    self._wait(w, now, f"{s.name} exited with {describe_exit(s.returncode)} before it was ready")
+        return True
+
+    def _wait(self, w: _Watch, now: float, what: str) -> None:
+        w.state, w.due = "waiting", now + w.backoff_s
+        others = "; the others keep serving" + (
+            " (target-only while the draft is down)" if w.service.name == "draft" else ""
         )
-        threading.Thread(target=self._relay, daemon=True, name=f"relay-{self.name}").start()
+        self.say(f"{what}; restarting in {w.backoff_s:.0f} s{others}")
+        w.backoff_s = min(BACKOFF_MAX_S, w.backoff_s * 2)
 
-    def _relay(self) -> None:
-        assert self.proc is not None and self.proc.stdout is not None
-        for line in self.proc.stdout:
-            match = _BANNER.match(line)
-            if match and self.address is None:
-                self.address = f"{match.group(2)}:{match.group(3)}"
-                self._ready.set()
-            self._on_line(line)
-        self._ready.set()  # exited: wake the waiter
-
-    def _on_line(self, line: str) -> None:
-        """Each line the service prints (after the banner check): relayed to stderr."""
-        sys.stderr.write(f"[{self.name}] {line}")
-
-    def wait_ready(self, timeout: float) -> str:
-        if not self._ready.wait(timeout) or self.address is None:
-            code = self.proc.poll() if self.proc else None
-            why = f"exited with code {code}" if code is not None else f"not ready after {timeout:.0f} s"
-            raise RuntimeError(f"{self.name} service {why}; see its log lines above")
-        return self.address
-
-    def stop(self, grace_s: float) -> None:
-        if self.proc is None or self.proc.poll() is not None:
-            return
-        self.proc.send_signal(signal.SIGTERM)
-        try:
-            self.proc.wait(grace_s)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
+    def run(self, stop: threading.Event, poll_s: float = 0.2) -> bool:
+        """Supervise until `stop` is set (True) or, with restart off, a service exits (False)."""
+        while not stop.is_set():
+            if not self.step():
+                return False
+            stop.wait(poll_s)
+        return True
 
 
 def run_up(
@@ -81,64 +125,50 @@ def run_up(
     draft_threads: int,
     extra_coordinator: Sequence[str] = (),
     target_args: Sequence[str] = (),
+    restart: bool = True,
     ready_timeout_s: float = 600.0,
 ) -> int:
-    """Start target, draft and coordinator; block until SIGINT/SIGTERM; stop all three."""
-    common = ["--host", "127.0.0.1", "--port", "0"] + (["--cache-dir", cache_dir] if cache_dir else [])
-    services: list[ServiceProcess] = [
-        ServiceProcess(
-            "target", ["target", "--model", target, "--torch-threads", str(target_threads), *common, *target_args]
-        )
-    ]
-    if draft != "none":
-        services.append(
-            ServiceProcess(
-                "draft",
-                ["draft", "--model", draft, "--target-model", target, "--torch-threads", str(draft_threads), *common],
-            )
-        )
+    """Start target, draft and coordinator; supervise them until SIGINT/SIGTERM; stop all three."""
+    cluster = LocalCluster(
+        target,
+        None if draft == "none" else draft,
+        cache_dir=cache_dir or None,
+        target_threads=target_threads,
+        draft_threads=draft_threads,
+        coordinator_threads=1,
+        coordinator_args=["--draft-length", str(draft_length), *extra_coordinator],
+        target_args=target_args,
+        host=host,
+        port=port,
+        ready_timeout_s=ready_timeout_s,
+        echo=True,
+    )
     stop = threading.Event()
-    previous = {sig: signal.signal(sig, lambda *_: stop.set()) for sig in (signal.SIGINT, signal.SIGTERM)}
-    env = dict(os.environ, PYTHONUNBUFFERED="1")
+
+    def interrupt(*_: object) -> None:
+        raise KeyboardInterrupt  # while starting: LocalCluster.start stops what it started
+
+    previous = {sig: signal.signal(sig, interrupt) for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
-        for service in services:
-            service.start(env)
-        addresses = {s.name: s.wait_ready(ready_timeout_s) for s in services}
-        coordinator_args = [
-            "coordinator",
-            "--host",
-            host,
-            "--port",
-            str(port),
-            "--target",
-            addresses["target"],
-            "--draft",
-            addresses.get("draft", "none"),
-            "--tokenizer",
-            target,
-            "--draft-length",
-            str(draft_length),
-            *(["--cache-dir", cache_dir] if cache_dir else []),
-            *extra_coordinator,
-        ]
-        coordinator = ServiceProcess("coordinator", coordinator_args)
-        services.append(coordinator)
-        coordinator.start(env)
-        address = coordinator.wait_ready(ready_timeout_s)
-        print(f"coordinator listening on {address}", flush=True)
-        while not stop.is_set():
-            if any(s.proc is not None and s.proc.poll() is not None for s in services):
-                dead = [s.name for s in services if s.proc is not None and s.proc.poll() is not None]
-                print(f"specd up: {', '.join(dead)} exited; stopping the rest", file=sys.stderr, flush=True)
-                return 1
-            stop.wait(0.5)
-        return 0
-    except RuntimeError as exc:
-        print(f"specd up: {exc}", file=sys.stderr, flush=True)
-        return 1
+        _say("starting target" + ("" if draft == "none" else " and draft") + ", then the coordinator")
+        try:
+            cluster.start()
+        except ServiceFailed as exc:
+            _say(str(exc))
+            return 1
+        except KeyboardInterrupt:
+            _say("interrupted while starting; stopped")
+            return 130
+        for sig in previous:
+            signal.signal(sig, lambda *_: stop.set())
+        for service in cluster.services:
+            _say(f"{service.name} ready on {service.address} (pid {service.pid})")
+        print(f"coordinator listening on {cluster.address}", flush=True)
+        supervised = Supervisor(cluster, restart=restart).run(stop)
+        if supervised:
+            _say("stopping")
+        return 0 if supervised else 1
     finally:
-        for service in reversed(services):  # coordinator first: it drains its requests
-            service.stop(grace_s=15.0)
+        cluster.stop(grace_s=15.0)  # coordinator first: it drains its requests
         for sig, handler in previous.items():
             signal.signal(sig, handler)
-        time.sleep(0)  # let relay threads flush

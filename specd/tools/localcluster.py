@@ -1,9 +1,11 @@
 """target + draft + coordinator as local `specd serve` processes, started and stopped together.
 
-Used by `specd bench` (which starts its own services) and by the tests
-(tests/cluster.py). Unlike `specd up`, the services' log lines are kept in
-memory (`QuietService.lines`) instead of being relayed, and can be shown
-when something fails.
+The base of `specd up` (specd.tools.launcher adds supervision), `specd bench`
+(which starts its own services) and the tests (tests/cluster.py). Each
+service's log lines are kept in memory (`ServiceProcess.lines`, the last
+MAX_LINES) and, with echo, relayed to stderr with a name prefix. A service
+that exits before it is ready is reported at once, with its exit code and
+its last lines.
 
     with LocalCluster(target_dir, draft_dir, target_threads=2) as cluster:
         with cluster.client() as client:
@@ -13,43 +15,169 @@ when something fails.
 from __future__ import annotations
 
 import os
+import re
+import signal
+import subprocess
+import sys
 import threading
+import time
 from collections.abc import Sequence
 from pathlib import Path
 
-from specd.tools.launcher import ServiceProcess
+from specd.tools.threads import thread_environment
+
+__all__ = [
+    "READY_TIMEOUT_S",
+    "LocalCluster",
+    "QuietService",
+    "ServiceFailed",
+    "ServiceProcess",
+    "process_tree_peak_rss",
+    "wait_all_ready",
+]
 
 READY_TIMEOUT_S = 120.0
+MAX_LINES = 10_000  # log lines kept per service (older ones are dropped)
+TAIL_LINES = 15  # log lines shown when a service fails
+
+_BANNER = re.compile(r"^(specd-\w+) listening on (\S+):(\d+)\s*$")
 
 
-class QuietService(ServiceProcess):
-    """A ServiceProcess whose log goes to a list (and to stderr when echo is set)."""
+class ServiceFailed(RuntimeError):
+    """A service exited before it was ready, or was not ready in time; says which, with its last lines."""
+
+    def __init__(self, name: str, why: str, tail: Sequence[str]) -> None:
+        last = "".join(f"  {line}" for line in tail) or "  (it printed nothing)\n"
+        super().__init__(f"{name} service {why}; its last lines:\n{last.rstrip()}")
+        self.name = name
+        self.why = why
+
+
+class ServiceProcess:
+    """One `specd serve ...` child, started (and restarted) on demand.
+
+    Its output (stdout and stderr) is read line by line by a thread: the
+    banner "specd-NAME listening on HOST:PORT" gives its address, and the
+    lines are kept (and echoed to stderr when echo is set).
+    """
 
     def __init__(self, name: str, args: list[str], *, echo: bool = False) -> None:
-        super().__init__(name, args)
-        self.lines: list[str] = []
+        self.name = name
+        self.args = list(args)
         self.echo = echo
         self.ready_timeout_s = READY_TIMEOUT_S
+        self.proc: subprocess.Popen[str] | None = None
+        self.address: str | None = None
+        self.lines: list[str] = []
+        self.started_at = 0.0
+        self._lock = threading.Lock()
+        self._ready = threading.Event()  # set by the banner or by the exit of the current process
+
+    # ---- life cycle ----------------------------------------------------------------------------
+
+    def start(self, env: dict[str, str] | None = None) -> None:
+        """Start the process (non-blocking); wait_ready() waits for its banner."""
+        self.address = None
+        self._ready = threading.Event()
+        self.started_at = time.monotonic()
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "specd.tools.entry", "serve", *self.args],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            bufsize=1,
+            env=env,
+            start_new_session=True,  # Ctrl-C reaches the parent only; it stops the children in order
+        )
+        threading.Thread(
+            target=self._relay, args=(self.proc, self._ready), daemon=True, name=f"relay-{self.name}"
+        ).start()
+
+    def _relay(self, proc: subprocess.Popen[str], ready: threading.Event) -> None:
+        # proc and ready are this start's: a relay still draining a previous process cannot touch the next.
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            match = _BANNER.match(line)
+            if match and proc is self.proc and self.address is None:
+                self.address = f"{match.group(2)}:{match.group(3)}"
+                ready.set()
+            self._on_line(line)
+        proc.wait()  # stdout closes just before exit: have the exit code before waking the waiter
+        ready.set()
 
     def _on_line(self, line: str) -> None:
-        self.lines.append(line)
+        with self._lock:
+            self.lines.append(line)
+            if len(self.lines) > 2 * MAX_LINES:
+                del self.lines[:-MAX_LINES]
         if self.echo:
-            super()._on_line(line)
+            sys.stderr.write(f"[{self.name}] {line}")
+            sys.stderr.flush()
+
+    def tail(self, n: int = TAIL_LINES) -> list[str]:
+        with self._lock:
+            return self.lines[-n:]
+
+    @property
+    def returncode(self) -> int | None:
+        """The exit code of the current process once it has exited (negative: killed by that signal)."""
+        return self.proc.poll() if self.proc is not None else None
+
+    @property
+    def running(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    @property
+    def ready(self) -> bool:
+        """Printed its banner and still running."""
+        return self.address is not None and self.running
 
     @property
     def pid(self) -> int | None:
         return self.proc.pid if self.proc is not None else None
 
+    def failure(self) -> ServiceFailed | None:
+        """The ServiceFailed to report if the current process exited before it was ready, else None."""
+        code = self.returncode
+        if code is None or self.address is not None:
+            return None
+        return ServiceFailed(self.name, f"exited with {describe_exit(code)} before it was ready", self.tail())
+
+    def wait_ready(self, timeout: float | None = None) -> str:
+        """The service's address once it is ready; ServiceFailed at once if it exits first, or after timeout."""
+        timeout = self.ready_timeout_s if timeout is None else timeout
+        self._ready.wait(timeout)
+        if self.address is not None:
+            return self.address
+        failed = self.failure()
+        if failed is not None:
+            raise failed
+        raise ServiceFailed(self.name, f"not ready after {timeout:.0f} s (still running)", self.tail())
+
     def restart(self, env: dict[str, str], args: list[str] | None = None) -> str:
-        """Start again (after a kill) on the same port, so peers reconnect to it."""
+        """Start again (after a kill) on the same port, so peers reconnect to it; wait until ready."""
+        self.start_again(env, args)
+        return self.wait_ready(self.ready_timeout_s)
+
+    def start_again(self, env: dict[str, str], args: list[str] | None = None) -> None:
+        """Start again on the port it had (non-blocking)."""
         if args is not None:
             self.args = args
-        port = self.address.rsplit(":", 1)[1] if self.address else "0"
-        self.args = _with_port(self.args, port)
-        self.address = None
-        self._ready = threading.Event()
+        port = self.address.rsplit(":", 1)[1] if self.address else None
+        if port is not None and "--port" in self.args:
+            self.args = _with_port(self.args, port)
         self.start(env)
-        return self.wait_ready(self.ready_timeout_s)
+
+    def stop(self, grace_s: float) -> None:
+        """SIGTERM, then SIGKILL after grace_s."""
+        if self.proc is None or self.proc.poll() is not None:
+            return
+        self.proc.send_signal(signal.SIGTERM)
+        try:
+            self.proc.wait(grace_s)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
 
     def kill(self) -> None:
         assert self.proc is not None
@@ -69,6 +197,38 @@ class QuietService(ServiceProcess):
         if self.proc is None or self.proc.poll() is not None:
             return None
         return process_tree_peak_rss(self.proc.pid)
+
+
+QuietService = ServiceProcess  # the name the tests and scripts use (echo off by default)
+
+
+def describe_exit(code: int) -> str:
+    """'code 1', or 'signal SIGKILL' for a negative Popen return code."""
+    if code < 0:
+        try:
+            return f"signal {signal.Signals(-code).name}"
+        except ValueError:
+            return f"signal {-code}"
+    return f"code {code}"
+
+
+def wait_all_ready(services: Sequence[ServiceProcess], timeout: float) -> None:
+    """Wait until every service is ready; raise the first failure as soon as it happens."""
+    deadline = time.monotonic() + timeout
+    pending = list(services)
+    while pending:
+        for service in list(pending):
+            failed = service.failure()
+            if failed is not None:
+                raise failed
+            if service.address is not None:
+                pending.remove(service)
+        if not pending:
+            return
+        if time.monotonic() >= deadline:
+            s = pending[0]
+            raise ServiceFailed(s.name, f"not ready after {timeout:.0f} s (still running)", s.tail())
+        pending[0]._ready.wait(0.1)
 
 
 def _with_port(args: list[str], port: str) -> list[str]:
@@ -120,13 +280,15 @@ def process_tree_peak_rss(pid: int) -> int | None:
 
 
 class LocalCluster:
-    """target + optional draft + coordinator, each its own `specd serve` process on 127.0.0.1.
+    """target + optional draft + coordinator, each its own `specd serve` process.
 
     target_model / draft_model: what the services' --model takes (a folder, 'demo';
     the draft also 'ngram'); draft_model None runs without a draft.
     cache_dir: exported as SPECD_CACHE_DIR to the services (None: inherit).
-    *_threads: each service's --torch-threads (0: torch's default).
+    *_threads: each service's --torch-threads (0: derived from the CPUs available).
     *_args: extra flags appended to each service's command line (later flags win).
+    host / port: where the coordinator listens (target and draft: 127.0.0.1, a free port).
+    echo: relay the services' log lines to stderr, prefixed with their names.
     """
 
     def __init__(
@@ -141,21 +303,24 @@ class LocalCluster:
         coordinator_args: Sequence[str] = (),
         target_args: Sequence[str] = (),
         draft_args: Sequence[str] = (),
+        host: str = "127.0.0.1",
+        port: int = 0,
         ready_timeout_s: float = READY_TIMEOUT_S,
         echo: bool = False,
     ) -> None:
         self.env = dict(os.environ, PYTHONUNBUFFERED="1")
+        self.env.update(thread_environment(self.env))
         if cache_dir is not None:
             self.env["SPECD_CACHE_DIR"] = str(cache_dir)
         self.ready_timeout_s = ready_timeout_s
         common = ["--host", "127.0.0.1", "--port", "0"]
-        self.target = QuietService(
+        self.target = ServiceProcess(
             "target",
             ["target", "--model", str(target_model), *common, "--torch-threads", str(target_threads), *target_args],
             echo=echo,
         )
         self.draft = (
-            QuietService(
+            ServiceProcess(
                 "draft",
                 [
                     "draft",
@@ -178,38 +343,39 @@ class LocalCluster:
         self._tokenizer = str(target_model)
         self._coordinator_threads = coordinator_threads
         self._coordinator_args = list(coordinator_args)
+        self._host, self._port = host, port
         self._echo = echo
-        self.coordinator: QuietService | None = None
+        self.coordinator: ServiceProcess | None = None
 
     @property
-    def _peers(self) -> list[QuietService]:
+    def _peers(self) -> list[ServiceProcess]:
         return [self.target] + ([self.draft] if self.draft else [])
 
     @property
-    def services(self) -> list[QuietService]:
+    def services(self) -> list[ServiceProcess]:
         """The services started so far, in start order."""
         return [s for s in (self.target, self.draft, self.coordinator) if s is not None and s.proc is not None]
 
     def start(self) -> LocalCluster:
+        """Start target and draft together, then the coordinator; ServiceFailed as soon as one exits early."""
         try:
             for service in self._peers:
                 service.start(self.env)
-            for service in self._peers:
-                service.wait_ready(self.ready_timeout_s)
-            self.coordinator = QuietService(
+            wait_all_ready(self._peers, self.ready_timeout_s)
+            self.coordinator = ServiceProcess(
                 "coordinator",
                 [
                     "coordinator",
                     "--host",
-                    "127.0.0.1",
+                    self._host,
                     "--port",
-                    "0",
+                    str(self._port),
                     "--torch-threads",
                     str(self._coordinator_threads),
                     "--target",
                     self.target.address or "",
                     "--draft",
-                    self.draft.address if self.draft else "none",
+                    self.draft.address if self.draft and self.draft.address else "none",
                     "--tokenizer",
                     self._tokenizer,
                     *self._coordinator_args,
@@ -242,7 +408,7 @@ class LocalCluster:
         out = []
         for s in (self.target, self.draft, self.coordinator):
             if s is not None:
-                out.append(f"==== {s.name}\n" + "".join(s.lines[-lines:]))
+                out.append(f"==== {s.name}\n" + "".join(s.tail(lines)))
         return "\n".join(out)
 
     def stop(self, grace_s: float = 10.0) -> None:

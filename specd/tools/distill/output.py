@@ -8,6 +8,7 @@ from pathlib import Path
 from torch import Tensor
 
 from specd.core.draft_checkpoint import REDUCED_HEAD_FILE, write_compact, write_reduced_head
+from specd.core.models import share_readable
 from specd.tools.distill.model import DraftTrainer, borrowed_names
 
 
@@ -33,6 +34,7 @@ def save_draft_folder(
     elif head_file.exists():
         head_file.unlink()
     export_compact(trainer, token_map, out / "compact", meta)
+    share_readable(out)  # save_pretrained writes private (0600) weights; a service may run as another user
 
 
 def export_compact(trainer: DraftTrainer, token_map: Tensor | None, dest: Path, meta: dict[str, object]) -> int:

@@ -1,0 +1,33 @@
+"""The `specd` command's entry point: settings torch and gRPC read when they load, then the CLI.
+
+OpenMP reads its wait policy once, when torch loads its runtime, so the
+defaults of specd.tools.threads go into the environment before anything
+imports torch (specd.tools.cli does, through the service config). An
+explicit setting in the environment wins.
+
+    python -m specd.tools.entry serve target ...   # what the launcher runs
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from collections.abc import Sequence
+
+from specd.tools.threads import thread_environment
+
+# gRPC's C core logs at INFO to stderr (e.g. each failed TLS handshake); specd reports what it means
+# in its own words. Read when grpc is imported. ERROR keeps its errors.
+_GRPC_DEFAULTS = {"GRPC_VERBOSITY": "ERROR"}
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    os.environ.update(thread_environment(os.environ))
+    os.environ.update({k: v for k, v in _GRPC_DEFAULTS.items() if k not in os.environ})
+    from specd.tools import cli  # after the environment is set: this import loads torch
+
+    return cli.main(argv)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

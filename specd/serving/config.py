@@ -17,6 +17,7 @@ from typing import Any, TypeVar, get_type_hints
 
 from specd.core.catalog import DEMO, NONE
 from specd.core.errors import InvalidArgument
+from specd.core.suffix import SuffixSettings
 
 C = TypeVar("C")
 
@@ -102,7 +103,11 @@ class ModelServiceBase(ServiceBase):
 
 @dataclass(frozen=True)
 class DraftConfig(ModelServiceBase):
-    model: str = _opt(DEMO, "draft model: an HF folder, 'demo' (the demo draft) or 'ngram'")
+    model: str = _opt(
+        DEMO,
+        "draft model: an HF folder, 'demo' (the demo draft), 'ngram', 'suffix', or 'suffix+MODEL' "
+        "(a draft model, e.g. suffix+demo, with suffix speculation when it scores --hybrid-threshold)",
+    )
     target_model: str = _opt(DEMO, "the target's model folder ('demo'): used to build the demo draft")
     wire_top_k: int = _opt(8, "tokens of q sent per draft position (sparse proposal)")
     wire_bits: int = _opt(16, "q is rounded to multiples of 2**-wire_bits before sampling")
@@ -113,8 +118,46 @@ class DraftConfig(ModelServiceBase):
         "match agrees on (--no-ngram-cap-at-match: always K when there are K)",
     )
 
+    suffix_max_depth: int = _opt(24, "suffix drafter: context tokens a match may use")
+    suffix_max_spec_factor: float = _opt(1.0, "suffix drafter: propose at most factor x match length (+ offset) tokens")
+    suffix_max_spec_offset: float = _opt(0.0, "suffix drafter: see --suffix-max-spec-factor")
+    suffix_min_token_prob: float = _opt(
+        0.1, "suffix drafter: stop where a continuation's estimated probability drops below this"
+    )
+    suffix_index_bytes: int = _opt(
+        64 << 20, "suffix drafter: memory of the global index of finished sessions (oldest evicted first)"
+    )
+    suffix_prompt_tail: int = _opt(
+        24, "suffix drafter: prompt tokens kept before each output in the global index (-1: the whole prompt)"
+    )
+    suffix_fallback: str = _opt(
+        "ngram", "suffix drafter: what proposes when its indexes have nothing", choices=["ngram", "none"]
+    )
+    hybrid_threshold: float = _opt(
+        1.0, "suffix+MODEL: the suffix proposal's score (expected accepted tokens) that beats the model"
+    )
+    hybrid_adaptive_k: bool = _opt(
+        True,
+        "suffix+MODEL: the model drafts the K that its own measured acceptance and cost make best, "
+        "none when no K pays (--no-hybrid-adaptive-k: the K asked for)",
+    )
+
+    def suffix_settings(self) -> SuffixSettings:
+        return SuffixSettings(
+            max_depth=self.suffix_max_depth,
+            max_spec_factor=self.suffix_max_spec_factor,
+            max_spec_offset=self.suffix_max_spec_offset,
+            min_token_prob=self.suffix_min_token_prob,
+            index_bytes=self.suffix_index_bytes,
+            prompt_tail=self.suffix_prompt_tail,
+            fallback=self.suffix_fallback,
+        )
+
     def validate(self) -> None:
         super().validate()
+        self.suffix_settings().validate()
+        if self.hybrid_threshold < 0:
+            raise InvalidArgument(f"--hybrid-threshold must be >= 0 (got {self.hybrid_threshold})")
         if self.wire_top_k < 1:
             raise InvalidArgument(f"--wire-top-k must be >= 1 (got {self.wire_top_k})")
         if not 1 <= self.wire_bits <= 24:

@@ -20,7 +20,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from specd.core.drafting import lookup_continuation
-from specd.tools.bench import load_prompts, select_prompts, shipped_prompt_file, tokenize_prompt
+from specd.tools.bench.prompts import load_prompts, select_prompts, shipped_prompt_file, tokenize_prompt
 
 Lookup = Callable[[list[int]], list[int]]
 

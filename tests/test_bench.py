@@ -32,6 +32,7 @@ from specd.tools.bench import (
     summarize,
     theoretical_speedup,
 )
+from specd.tools.bench.cost import measure_cost, measure_ngram_ms
 from specd.tools.localcluster import process_tree_peak_rss
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -216,9 +217,9 @@ def test_ngram_cost_is_timed_per_proposed_token(tiny_pair: tuple[Path, Path]) ->
 
     target, _ = tiny_pair
     prompt = [5, 6, 7, 8, 9, 10, 11] * 12 + [5, 6]  # the lookup finds 7, 8, 9, 10 after "5 6"
-    ngram_ms = bench.measure_ngram_ms(prompt, samples=5)
+    ngram_ms = measure_ngram_ms(prompt, samples=5)
     assert 0 < ngram_ms < 50
-    cost = bench.measure_cost(
+    cost = measure_cost(
         load_pretrained(target).model, None, prompt, target_threads=1, draft_threads=1, samples=5, draft_lengths=[2]
     )
     assert cost["draft_ms"] > 0 and cost["c"] == pytest.approx(cost["draft_ms"] / cost["target_ms"])

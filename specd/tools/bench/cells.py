@@ -1,0 +1,140 @@
+"""The measured cells: every (temperature, clients, mode), modes taking turns over slices of the prompts."""
+
+from __future__ import annotations
+
+import argparse
+import time
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+from coordinator.client import CoordinatorClient
+from specd.tools.bench.console import progress, say
+from specd.tools.bench.modes import Mode
+from specd.tools.bench.peer import HFPeer
+from specd.tools.bench.plan import BenchError, Plan, interleave_slices
+from specd.tools.bench.prompts import BenchPrompt
+from specd.tools.bench.records import summarize
+from specd.tools.bench.results import RequestResult
+from specd.tools.bench.services import run_service_cell, run_service_request
+
+
+def warm_up(
+    args: argparse.Namespace,
+    plan: Plan,
+    modes: Sequence[Mode],
+    items: Sequence[tuple[BenchPrompt, list[int]]],
+    address: str,
+    peer: HFPeer | None,
+    quiet: bool,
+    metadata: Callable[[], Sequence[tuple[str, str]]] = lambda: (),
+) -> None:
+    """Every mode once, short, not measured."""
+    say("warming up ...", quiet)
+    with CoordinatorClient(address, timeout=args.timeout) as client:
+        for m in modes:
+            if not m.peer:
+                r = run_service_request(
+                    client,
+                    "warmup",
+                    items[0][1],
+                    dict(max_new_tokens=min(8, plan.max_new_tokens), temperature=0.0, ignore_eos=True, **m.request),
+                    metadata(),
+                )
+                if r.error:
+                    raise BenchError(f"mode {m.name} fails on its warm-up request: {r.error}")
+    if peer is not None:
+        for m in modes:
+            if m.peer:
+                peer.configure(m)
+                peer.run("warmup", items[0][1], m, temperature=0.0, seed=0, max_new_tokens=4, stop_at_eos=False)
+
+
+def run_cells(
+    args: argparse.Namespace,
+    plan: Plan,
+    modes: Sequence[Mode],
+    items: Sequence[tuple[BenchPrompt, list[int]]],
+    address: str,
+    peer: HFPeer | None,
+    cost: Mapping[str, Any],
+    records: list[dict[str, Any]],
+    outputs: dict[tuple[str, str, float, int], dict[str, list[int]]],
+    quiet: bool,
+    services: str = "",
+    metadata: Callable[[], Sequence[tuple[str, str]]] = lambda: (),
+) -> None:
+    """Every (temperature, concurrency, mode) cell, appending to records / outputs as each (T, clients) cell finishes.
+
+    With --interleave N the modes take turns over N slices of the prompts, so slow drifts of a
+    shared machine's speed hit every mode alike; a mode's wall time is the sum over its slices.
+    """
+    for temperature in plan.temperatures:
+        for concurrency in plan.concurrency:
+            cell_modes = [m for m in modes if not m.peer or concurrency == 1]  # the peer serves one sequence at a time
+            slices = interleave_slices(len(items), concurrency, args.interleave)
+            results: dict[str, list[RequestResult]] = {m.name: [] for m in cell_modes}
+            walls = dict.fromkeys(results, 0.0)
+            for part, rows in enumerate(slices):
+                for m in cell_modes:
+                    chunk = [items[i] for i in rows]
+                    where = f" {part + 1}/{len(slices)}" if len(slices) > 1 else ""
+                    desc = f"T={temperature:g} c={concurrency} {m.name}{f' [{services}]' if services else ''}{where}"
+                    with progress(len(chunk), desc, quiet) as bar:
+                        if m.peer:
+                            assert peer is not None
+                            peer.configure(m)
+                            start = time.perf_counter()
+                            got = []
+                            for i, (p, ids) in zip(rows, chunk):
+                                got.append(
+                                    peer.run(
+                                        p.id,
+                                        ids,
+                                        m,
+                                        temperature=temperature,
+                                        seed=args.seed + i,
+                                        max_new_tokens=plan.max_new_tokens,
+                                        stop_at_eos=args.stop_at_eos,
+                                    )
+                                )
+                                bar.update(1)
+                            wall = time.perf_counter() - start
+                        else:
+                            got, wall = run_service_cell(
+                                address,
+                                m,
+                                chunk,
+                                temperature=temperature,
+                                concurrency=concurrency,
+                                max_new_tokens=plan.max_new_tokens,
+                                seed=args.seed + rows.start,
+                                ignore_eos=not args.stop_at_eos,
+                                timeout=args.timeout,
+                                bar=bar,
+                                metadata=metadata,
+                            )
+                        bar.set_postfix_str(
+                            f"{sum(len(r.token_ids) for r in got if r.error is None) / wall:.1f} tok/s"
+                            if wall > 0
+                            else ""
+                        )
+                    results[m.name] += got
+                    walls[m.name] += wall
+            for m in cell_modes:
+                rec = summarize(
+                    m,
+                    temperature,
+                    concurrency,
+                    results[m.name],
+                    walls[m.name],
+                    max_new_tokens=plan.max_new_tokens,
+                    cost=cost.get("hf" if m.peer else "service"),
+                )
+                rec["services"] = services
+                rec["interleave_slices"] = len(slices)
+                outputs[(services, m.name, temperature, concurrency)] = {
+                    r.prompt_id: r.token_ids for r in results[m.name] if r.error is None
+                }
+                if args.save_outputs:
+                    rec["outputs"] = {r.prompt_id: r.token_ids for r in results[m.name]}
+                records.append(rec)

@@ -176,7 +176,7 @@ def test_global_index_is_thread_safe() -> None:
         try:
             for _ in range(300):
                 index.add([rng.randrange(200) for _ in range(rng.randrange(1, 80))])
-        except BaseException as exc:  # noqa: BLE001 - reported below
+        except BaseException as exc:  # reported below
             errors.append(exc)
 
     def reader(seed: int) -> None:
@@ -185,7 +185,7 @@ def test_global_index_is_thread_safe() -> None:
             for _ in range(1500):
                 c = index.speculate([rng.randrange(200) for _ in range(6)], 8, **RULES)
                 assert len(c) <= 8 and index.nbytes >= 0
-        except BaseException as exc:  # noqa: BLE001 - reported below
+        except BaseException as exc:  # reported below
             errors.append(exc)
 
     threads = [threading.Thread(target=f, args=(i,)) for i, f in enumerate([writer, writer, reader, reader])]

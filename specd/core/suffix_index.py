@@ -47,6 +47,7 @@ _EMPTY_ARRAY_BYTES = sys.getsizeof(array("q"))
 _DICT_BASE = sys.getsizeof({}) + 224
 _DICT_PER_KEY = 64
 LOW_WATER = 0.9  # a full global index evicts down to this fraction of its budget
+_SMALL_NODE = 48  # occurrences below which a walk steps in plain Python
 
 
 @dataclass(frozen=True)
@@ -320,36 +321,57 @@ class SuffixIndex:
         return agree
 
     def _walk(self, node: np.ndarray, end: int, cap: int, min_prob: float) -> Candidate:
-        """Follow the most frequent continuation of the occurrences `node` (buffer indices), up to cap tokens."""
+        """Follow the most frequent continuation of the occurrences `node` (buffer indices), up to cap tokens.
+
+        Large nodes step with numpy; once a node is small (the usual case after a step or two) plain
+        Python is cheaper than numpy's per-call overhead.
+        """
         tokens: list[int] = []
         probs: list[float] = []
-        prob, score, depth = 1.0, 0.0, 0
-        while len(tokens) < cap and node.size:
-            if node.size == 1:  # one occurrence left: its tokens up to a separator, all at this probability
-                at = int(node[0]) + depth
-                run = self._buf[at : min(end, at + cap - len(tokens))].tolist()
-                run = run[: run.index(SEP)] if SEP in run else run
-                tokens += run
-                probs += [prob] * len(run)
-                score += prob * len(run)
-                break
+        prob, depth = 1.0, 0
+        buf = self._buf
+        while len(tokens) < cap and node.size > _SMALL_NODE:
             at = node + depth
-            nxt = np.where(at < end, self._buf[np.minimum(at, end - 1)], SEP)  # [n] next token (SEP: ended)
+            nxt = np.where(at < end, buf[np.minimum(at, end - 1)], SEP)  # [n] next token (SEP: ended)
             real = nxt[nxt != SEP]
             if real.size == 0:
-                break
+                return Candidate(tokens, probs, sum(probs))
             values, first, counts = np.unique(real, return_index=True, return_counts=True)
             pick = np.lexsort((first, -counts))[0]  # most frequent; ties: the earliest occurrence
             prob *= float(counts[pick]) / node.size
             if prob < min_prob:
-                break
+                return Candidate(tokens, probs, sum(probs))
             token = int(values[pick])
             tokens.append(token)
             probs.append(prob)
-            score += prob
             node = node[nxt == token]
             depth += 1
-        return Candidate(tokens, probs, score)
+        small = [int(i) for i in node.tolist()]
+        while len(tokens) < cap and small:
+            if len(small) == 1:  # one occurrence left: its tokens up to a separator, all at this probability
+                start = small[0] + depth
+                run = buf[start : min(end, start + cap - len(tokens))].tolist()
+                run = run[: run.index(SEP)] if SEP in run else run
+                tokens += run
+                probs += [prob] * len(run)
+                break
+            following = [int(buf[i + depth]) if i + depth < end else SEP for i in small]
+            tally: dict[int, int] = {}
+            for t in following:
+                if t != SEP:
+                    tally[t] = tally.get(t, 0) + 1
+            if not tally:
+                break
+            top = max(tally.values())
+            token = next(t for t in following if t != SEP and tally[t] == top)  # ties: the earliest occurrence
+            prob *= top / len(small)
+            if prob < min_prob:
+                break
+            tokens.append(token)
+            probs.append(prob)
+            small = [i for i, t in zip(small, following) if t == token]
+            depth += 1
+        return Candidate(tokens, probs, sum(probs))
 
     # ---- checks ---------------------------------------------------------------------
 

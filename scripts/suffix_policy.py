@@ -85,7 +85,12 @@ def greedy_answers(target: str, prompt_file: str, n: int, max_new_tokens: int, t
 
 
 def replay(
-    data: Answers, make: Callable[[int], Drafter | None], k: int, base_ms: float, per_token_ms: float
+    data: Answers,
+    make: Callable[[int], Drafter | None],
+    k: int,
+    base_ms: float,
+    per_token_ms: float,
+    sync_at_close: bool = False,
 ) -> list[tuple[int, int, float]]:
     """Per request: (tokens, rounds, modelled ms) with one drafter instance serving them in sequence."""
     vocab = 1 + max(max(p + a) for p, a in data)
@@ -115,6 +120,8 @@ def replay(
             rounds += 1
             ms += base_ms + per_token_ms * (len(proposal) + 1)
         if drafter is not None:
+            if sync_at_close:  # what a close that carried the committed tail would let the drafter learn
+                drafter.propose(sid, len(committed), known, committed[known:], 1)
             drafter.close(sid)
         out.append((len(answer), rounds, ms))
     return out
@@ -159,6 +166,11 @@ def main() -> None:
     curve_header = " ".join(f"{a + 1}-{b}".rjust(7) for a, b in pairwise(bounds))
     print(header + "  warm-up curve (x target-only by request index): " + curve_header)
     results = {name: replay(data, make, args.k, args.base_ms, args.per_token_ms) for name, make in policies.items()}
+    # The service learns a session's tokens from its propose messages: the last round's are not seen.
+    # This is what it would gain if the close carried them.
+    results["suffix, learns the last round"] = replay(
+        data, policies["suffix"], args.k, args.base_ms, args.per_token_ms, sync_at_close=True
+    )
     ref = results["target-only"]
 
     def speed(rows: list[tuple[int, int, float]]) -> float:

@@ -41,7 +41,6 @@ from specd.core.errors import InvalidArgument
 SEP = -1  # between documents: never equal to a token, so matches and walks stop there
 TOKEN_BITS = 21  # token ids < 2**21 (2,097,152): an anchor of up to 3 packs into one int key
 MAX_ANCHOR = 3
-_EMPTY_ARRAY_BYTES = sys.getsizeof(array("q"))
 # sys.getsizeof of a dict built afresh with n int keys is at most _DICT_BASE + _DICT_PER_KEY * n
 # (CPython 3.11: 60.0 per key at worst, measured for n up to 300,000).
 _DICT_BASE = sys.getsizeof({}) + 224
@@ -95,7 +94,8 @@ class SuffixIndex:
         self._base = 0  # global position of _buf[0]
         self._live = 0  # global position of the oldest live token
         self._end = 0  # global position one past the last token
-        self._postings: dict[int, array] = {}  # anchor key -> positions right after its occurrences
+        # anchor key -> the positions right after its occurrences, oldest first (one: a bare int)
+        self._postings: dict[int, int | array] = {}
         self._posting_bytes = 0  # the posting arrays and their keys, as sys.getsizeof counts them
         self._docs: deque[tuple[int, int]] = deque()  # [start, end) of each live document, oldest first
         self._open = False  # the newest document is still growing (extend / truncate)
@@ -237,35 +237,55 @@ class SuffixIndex:
         return pack_key(self._buf[at - self.anchor + 1 : at + 1].tolist())
 
     def _add_posting(self, key: int, position: int) -> None:
-        arr = self._postings.get(key)
-        if arr is None:
-            arr = array("q")
-            self._postings[key] = arr
-            self._posting_bytes += sys.getsizeof(key) + _EMPTY_ARRAY_BYTES
-        before = sys.getsizeof(arr)
-        arr.append(position)
-        self._posting_bytes += sys.getsizeof(arr) - before
+        """A key's first occurrence is stored as a bare int (most keys of diverse text occur once), later ones
+        in an array: about 80 bytes less per key that occurs once."""
+        held = self._postings.get(key)
+        if held is None:
+            self._postings[key] = position
+            self._posting_bytes += sys.getsizeof(key) + sys.getsizeof(position)
+        elif isinstance(held, int):
+            grown = array("q", (held, position))
+            self._postings[key] = grown
+            self._posting_bytes += sys.getsizeof(grown) - sys.getsizeof(held)
+        else:
+            before = sys.getsizeof(held)
+            held.append(position)
+            self._posting_bytes += sys.getsizeof(held) - before
 
     def _remove_last(self, key: int, position: int) -> None:
-        arr = self._postings[key]
-        assert arr[-1] == position, "postings out of order"
-        before = sys.getsizeof(arr)
-        arr.pop()
-        self._posting_bytes += sys.getsizeof(arr) - before
-        if not arr:
-            self._drop_key(key, arr)
+        held = self._postings[key]
+        if isinstance(held, int):
+            assert held == position, "postings out of order"
+            self._drop_key(key, held)
+            return
+        assert held[-1] == position, "postings out of order"
+        before = sys.getsizeof(held)
+        held.pop()
+        self._posting_bytes += sys.getsizeof(held) - before
+        if not held:
+            self._drop_key(key, held)
 
     def _remove_first(self, key: int, n: int) -> None:
-        arr = self._postings[key]
-        before = sys.getsizeof(arr)
-        del arr[:n]
-        self._posting_bytes += sys.getsizeof(arr) - before
-        if not arr:
-            self._drop_key(key, arr)
+        held = self._postings[key]
+        if isinstance(held, int):
+            assert n == 1, "postings out of order"
+            self._drop_key(key, held)
+            return
+        before = sys.getsizeof(held)
+        del held[:n]
+        self._posting_bytes += sys.getsizeof(held) - before
+        if not held:
+            self._drop_key(key, held)
 
-    def _drop_key(self, key: int, arr: array) -> None:
+    def _drop_key(self, key: int, held: int | array) -> None:
         del self._postings[key]
-        self._posting_bytes -= sys.getsizeof(key) + sys.getsizeof(arr)
+        self._posting_bytes -= sys.getsizeof(key) + sys.getsizeof(held)
+
+    def _positions(self, key: int) -> list[int] | array:
+        held = self._postings.get(key)
+        if held is None:
+            return []
+        return [held] if isinstance(held, int) else held
 
     # ---- reading -----------------------------------------------------------------------
 
@@ -282,11 +302,14 @@ class SuffixIndex:
         a = self.anchor
         if max_tokens < 1 or len(context) < a:
             return NO_CANDIDATE
-        arr = self._postings.get(pack_key(context[-a:]))
-        if arr is None:
+        held = self._postings.get(pack_key(context[-a:]))
+        if held is None:
             return NO_CANDIDATE
-        recent = arr[-self.max_occurrences :] if len(arr) > self.max_occurrences else arr
-        occ = np.frombuffer(recent.tobytes(), dtype=np.int64)  # [n] global positions after each match
+        if isinstance(held, int):
+            occ = np.array([held], dtype=np.int64)
+        else:
+            recent = held[-self.max_occurrences :] if len(held) > self.max_occurrences else held
+            occ = np.frombuffer(recent.tobytes(), dtype=np.int64)  # [n] global positions after each match
         occ = occ[occ < self._end]  # the context itself, at the open document's end, has no continuation yet
         if occ.size == 0:
             return NO_CANDIDATE
@@ -377,8 +400,7 @@ class SuffixIndex:
 
     def postings_of(self, key_tokens: Sequence[int]) -> list[int]:
         """Positions after each occurrence of an anchor-gram (for tests and debugging)."""
-        arr = self._postings.get(pack_key(key_tokens))
-        return list(arr) if arr is not None else []
+        return list(self._positions(pack_key(key_tokens)))
 
     def check(self) -> None:
         """Assert the posting lists are exactly those of the live tokens (tests)."""
@@ -391,9 +413,9 @@ class SuffixIndex:
                 if SEP in self._buf[g - self._base - self.anchor + 1 : g - self._base + 1].tolist():
                     continue
                 want.setdefault(key, []).append(g + 1)
-        got = {k: list(v) for k, v in self._postings.items()}
+        got = {k: list(self._positions(k)) for k in self._postings}
         assert got == want, "posting lists differ from the live tokens"
-        for arr in self._postings.values():
+        for arr in (self._positions(k) for k in self._postings):
             assert list(arr) == sorted(arr) and arr[0] - self.anchor >= self._live
         expect = sum(sys.getsizeof(k) + sys.getsizeof(v) for k, v in self._postings.items())
         assert expect == self._posting_bytes, f"posting bytes {self._posting_bytes} != {expect}"

@@ -29,9 +29,8 @@ from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, make_wsgi_app
 
-from specd.serving import genai
-
 from specd.core.suffix_index import SharedSuffixIndex
+from specd.serving import genai
 
 log = logging.getLogger(__name__)
 

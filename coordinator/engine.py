@@ -373,7 +373,7 @@ class RoundEngine:
             raise
         finally:
             self._active -= 1
-            self._close_later(sid, target_s.opened, draft_s.opened)
+            self._close_later(sid, target_s.opened, draft_s.opened, gen.committed, draft_s.known)
             round_span.end()  # a round cut short by an error or cancellation
 
     # ---- rounds ------------------------------------------------------------------
@@ -535,8 +535,14 @@ class RoundEngine:
                 wall_ms=timing.wall_ms,
             )
 
-    def _close_later(self, sid: str, target_open: bool, draft_open: bool) -> None:
-        """Free the session on both services without holding up (or being cancelled with) the request."""
+    def _close_later(
+        self, sid: str, target_open: bool, draft_open: bool, committed: Sequence[int] = (), draft_known: int = 0
+    ) -> None:
+        """Free the session on both services without holding up (or being cancelled with) the request.
+
+        The draft also gets the committed tokens it has not seen (from draft_known on): a drafter that
+        learns across sessions indexes the whole answer.
+        """
 
         async def close() -> None:
             peers: Sequence[TargetPeer | DraftPeer | None] = [
@@ -547,7 +553,10 @@ class RoundEngine:
                 if peer is None:
                     continue
                 try:
-                    await peer.close_session(sid, timeout=2.0)
+                    if isinstance(peer, DraftPeer):
+                        await peer.close_session(sid, timeout=2.0, committed=committed, start=draft_known)
+                    else:
+                        await peer.close_session(sid, timeout=2.0)
                 except Exception as exc:  # noqa: BLE001 - the peer's idle expiry frees it anyway
                     log.debug("closing session %s failed: %s", sid, exc)
 

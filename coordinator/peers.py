@@ -272,9 +272,14 @@ class DraftPeer:
             raise Unavailable(f"draft sent {len(proposal)} tokens for {num_tokens} asked")
         return proposal
 
-    async def close_session(self, sid: str, timeout: float) -> None:
-        req = draft_pb2.DraftRequest(session_id=sid)
+    async def close_session(self, sid: str, timeout: float, committed: Sequence[int] = (), start: int = 0) -> None:
+        """Forget the session; `committed` (the draft agreeing on its first `start`) lets a learning drafter
+        index the whole answer."""
+        req = draft_pb2.DraftRequest(session_id=sid, committed_length=len(committed))
         req.close.SetInParent()
+        if committed:
+            req.close.start = start
+            req.close.token_ids.extend(committed[start:])
         await self._call(req, timeout)
 
 

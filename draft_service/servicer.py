@@ -12,6 +12,7 @@ import grpc
 from specd.core.drafting import Drafter, ProposeRequest
 from specd.core.errors import InvalidArgument
 from specd.core.proposal import Proposal
+from specd.core.suffix import LearningDrafter
 from specd.serving import tracing as tr
 from specd.serving.grpc_errors import session_error
 from specd.serving.metrics import DraftMetrics
@@ -102,6 +103,9 @@ class DraftServicer(
                 )
                 resp.ack.SetInParent()
             elif op == "close":
+                if isinstance(self.drafter, LearningDrafter) and req.committed_length:
+                    c = req.close
+                    self.drafter.finish(req.session_id, req.committed_length, c.start, list(c.token_ids))
                 self.drafter.close(req.session_id)
                 resp.ack.SetInParent()
             else:

@@ -31,7 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from specd.core.drafting import Drafter, NgramDrafter
 from specd.core.sampling import SamplingParams
-from specd.core.suffix import SuffixDrafter, SuffixSettings
+from specd.core.suffix import LearningDrafter, SuffixDrafter, SuffixSettings
 
 Answers = list[tuple[list[int], list[int]]]
 GREEDY = SamplingParams(temperature=0.0)
@@ -90,7 +90,7 @@ def replay(
     k: int,
     base_ms: float,
     per_token_ms: float,
-    sync_at_close: bool = False,
+    finish: bool = True,
 ) -> list[tuple[int, int, float]]:
     """Per request: (tokens, rounds, modelled ms) with one drafter instance serving them in sequence."""
     vocab = 1 + max(max(p + a) for p, a in data)
@@ -120,8 +120,8 @@ def replay(
             rounds += 1
             ms += base_ms + per_token_ms * (len(proposal) + 1)
         if drafter is not None:
-            if sync_at_close:  # what a close that carried the committed tail would let the drafter learn
-                drafter.propose(sid, len(committed), known, committed[known:], 1)
+            if finish and isinstance(drafter, LearningDrafter):  # the close carries the committed tail
+                drafter.finish(sid, len(committed), known, committed[known:])
             drafter.close(sid)
         out.append((len(answer), rounds, ms))
     return out
@@ -166,10 +166,9 @@ def main() -> None:
     curve_header = " ".join(f"{a + 1}-{b}".rjust(7) for a, b in pairwise(bounds))
     print(header + "  warm-up curve (x target-only by request index): " + curve_header)
     results = {name: replay(data, make, args.k, args.base_ms, args.per_token_ms) for name, make in policies.items()}
-    # The service learns a session's tokens from its propose messages: the last round's are not seen.
-    # This is what it would gain if the close carried them.
-    results["suffix, learns the last round"] = replay(
-        data, policies["suffix"], args.k, args.base_ms, args.per_token_ms, sync_at_close=True
+    # Before the close carried the committed tail, the draft learnt a session only from its proposes.
+    results["suffix, learning from proposes only"] = replay(
+        data, policies["suffix"], args.k, args.base_ms, args.per_token_ms, finish=False
     )
     ref = results["target-only"]
 

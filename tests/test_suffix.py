@@ -226,6 +226,20 @@ def test_drafter_learns_finished_sessions_and_their_prompt_tails() -> None:
     assert drafter.proposals_by_source["global"] >= 2
 
 
+def test_finish_teaches_the_tokens_no_propose_carried() -> None:
+    drafter = SuffixDrafter(100, SuffixSettings(fallback="none"))
+    drafter.open("a", [1, 2, 3], GREEDY)
+    drafter.propose("a", 4, 3, [10], 2)  # the last propose saw 1 2 3 10 ...
+    drafter.finish("a", 9, 4, [11, 12, 13, 14, 15])  # ... the close says the answer went on
+    drafter.close("a")
+    drafter.open("b", [7, 2, 3], GREEDY)
+    assert drafter.propose("b", 5, 3, [10, 11], 8).token_ids == [12, 13, 14, 15]  # match 2 3 10 11: up to 4
+    drafter.finish("missing", 3, 0, [1, 2, 3])  # unknown session: nothing to learn, no error
+    drafter.finish("b", 3, 99, [])  # out of step: keeps what it holds
+    drafter.close("b")
+    assert drafter.index.documents == 2
+
+
 def test_drafter_follows_rollbacks_and_accepted_drafts() -> None:
     drafter = SuffixDrafter(100, SuffixSettings(fallback="none"))
     drafter.open("s", [5, 6, 7, 5, 6, 7, 5, 6], GREEDY)

@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 
 from specd.core.adaptive import Estimate, ProbeBudget, best_draft_length
 from specd.core.drafting import Drafter, ProposeRequest
-from specd.core.errors import InvalidArgument
+from specd.core.errors import InvalidArgument, SessionOutOfSync
 from specd.core.proposal import Proposal
 from specd.core.sampling import SamplingParams
 from specd.core.sessions import SessionTable
@@ -126,6 +126,16 @@ class HybridDrafter:
         tokens = [int(t) for t in token_ids]
         self._sessions.pop(session_id)
         self._sessions.put(session_id, _HybridSession(SuffixSession(tokens, self.settings), list(tokens)))
+
+    def finish(self, session_id: str, committed_length: int, start: int, tail: Sequence[int]) -> None:
+        """The session's final committed tokens, for the global index (the close learns them)."""
+        if session_id not in self._sessions:
+            return
+        s = self._sessions.get(session_id)
+        try:
+            s.suffix.sync(committed_length, start, tail)
+        except SessionOutOfSync:
+            pass  # learn what it holds: the tokens as of its last message
 
     def close(self, session_id: str) -> None:
         self.model.close(session_id)

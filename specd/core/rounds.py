@@ -16,6 +16,7 @@ from specd.core.drafting import Drafter
 from specd.core.errors import InvalidArgument
 from specd.core.proposal import Proposal
 from specd.core.sampling import SamplingParams
+from specd.core.suffix import LearningDrafter
 from specd.core.verification import Verifier, VerifyOutcome
 
 
@@ -183,6 +184,9 @@ def speculative_generate(
     finally:
         verifier.close(session_id)
         if drafter is not None:
+            if isinstance(drafter, LearningDrafter):  # as the coordinator's close: the whole answer
+                committed = gen.committed
+                drafter.finish(session_id, len(committed), draft_known, committed[draft_known:])
             drafter.close(session_id)
     assert gen.finish_reason is not None
     return GenerationResult(gen.generated, gen.finish_reason, gen.stats, time.perf_counter() - t0)
@@ -250,9 +254,11 @@ def speculative_generate_batch(
                     known[i] = gens[i].committed_length + outcome.accepted
                 gens[i].commit(proposals[i].token_ids, outcome.accepted, outcome.token_id)
     finally:
-        for sid in opened:
+        for i, sid in enumerate(opened):
             verifier.close(sid)
             if drafter is not None:
+                if isinstance(drafter, LearningDrafter):
+                    drafter.finish(sid, gens[i].committed_length, known[i], gens[i].committed[known[i] :])
                 drafter.close(sid)
     seconds = time.perf_counter() - t0
     out = []

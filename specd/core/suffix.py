@@ -18,10 +18,11 @@ continuation that clears min_token_prob, the n-gram lookup over the
 session's own tokens (capped at its match, `lookup_continuation`) proposes
 instead, if `fallback` is "ngram"; its proposals are exact for the same reason.
 
-The service learns a session's committed tokens from the messages it already
-gets: each propose carries the committed prefix as (start, tail). At close
-(or idle expiry) the tokens committed as of the session's last propose go into the
-global index; a last round that needed no draft is not seen.
+The service learns a session's committed tokens from the messages it gets:
+each propose carries the committed prefix as (start, tail), and so does the
+close (`finish`, then `close`). So the whole answer goes into the global
+index, also the rounds that asked the draft for nothing (auto's K = 0). A
+session that expires idle goes in with the tokens of its last message.
 """
 
 from __future__ import annotations
@@ -29,15 +30,25 @@ from __future__ import annotations
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Protocol, runtime_checkable
 
 from specd.core.drafting import ProposeRequest, lookup_continuation, sync_prefix
-from specd.core.errors import InvalidArgument
+from specd.core.errors import InvalidArgument, SessionOutOfSync
 from specd.core.proposal import Proposal
 from specd.core.sampling import SamplingParams
 from specd.core.sessions import SessionTable
 from specd.core.suffix_index import NO_CANDIDATE, Candidate, SharedSuffixIndex, SuffixIndex
 
 FALLBACKS = ("ngram", "none")
+
+
+@runtime_checkable
+class LearningDrafter(Protocol):
+    """A drafter that learns from finished sessions: told a session's final committed tokens before its close."""
+
+    def finish(self, session_id: str, committed_length: int, start: int, tail: Sequence[int]) -> None:
+        """The session's committed prefix is its sequence cut at `start` followed by `tail`; close comes next."""
+        ...
 
 
 @dataclass(frozen=True)
@@ -160,6 +171,16 @@ class SuffixDrafter:
             raise InvalidArgument(f"a token id is outside the vocabulary [0, {self.vocab_size})")
         self._sessions.pop(session_id)  # a re-open rebuilds the session: its tokens are learnt once, at close
         self._sessions.put(session_id, SuffixSession(tokens, self.settings))
+
+    def finish(self, session_id: str, committed_length: int, start: int, tail: Sequence[int]) -> None:
+        """The session's final committed tokens (the close learns them); a session out of step keeps what it had."""
+        if session_id not in self._sessions:
+            return
+        session = self._sessions.get(session_id)
+        try:
+            session.sync(committed_length, start, tail)
+        except SessionOutOfSync:
+            pass  # learn what it holds: the tokens as of its last message
 
     def close(self, session_id: str) -> None:
         session = self._sessions.pop(session_id)

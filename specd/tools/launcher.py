@@ -35,17 +35,21 @@ class ServiceProcess:
             env=env,
             start_new_session=True,  # Ctrl-C reaches us only; we stop the children in order
         )
-        threading.Thread(target=self._relay, daemon=True, name=f"relay-{self.name}").start()
+        # The thread gets this start's process and event: after a restart, the previous
+        # process's relay, still draining, must not wake the new start's waiter.
+        threading.Thread(
+            target=self._relay, args=(self.proc, self._ready), daemon=True, name=f"relay-{self.name}"
+        ).start()
 
-    def _relay(self) -> None:
-        assert self.proc is not None and self.proc.stdout is not None
-        for line in self.proc.stdout:
+    def _relay(self, proc: subprocess.Popen[str], ready: threading.Event) -> None:
+        assert proc.stdout is not None
+        for line in proc.stdout:
             match = _BANNER.match(line)
             if match and self.address is None:
                 self.address = f"{match.group(2)}:{match.group(3)}"
-                self._ready.set()
+                ready.set()
             self._on_line(line)
-        self._ready.set()  # exited: wake the waiter
+        ready.set()  # exited: wake the waiter
 
     def _on_line(self, line: str) -> None:
         """Each line the service prints (after the banner check): relayed to stderr."""

@@ -307,6 +307,9 @@ class GrpcDraft(Peer[draft_pb2.DraftRequest, draft_pb2.DraftResponse]):
         )
         return wire.proposal_from_proto(resp.proposal, self.target_info.vocab_size)  # validates ids and q
 
+    async def close(self, session_id: str, *, timeout: float, committed: Sequence[int] = (), start: int = 0) -> None:
+        await self.call(wire.draft_close_request(session_id, committed, start), timeout)
+
 
 def open_channel(
     address: str, credentials: grpc.ChannelCredentials | None = None, server_name: str = ""

@@ -9,8 +9,11 @@ import torch
 
 from draft_service.servicer import DraftServicer
 from specd.core import catalog
-from specd.core.catalog import NGRAM
+from specd.core.catalog import MODEL_FREE_DRAFTS, SUFFIX
 from specd.core.drafting import Drafter, ModelDrafter, NgramDrafter
+from specd.core.hybrid import HybridDrafter
+from specd.core.suffix import SuffixDrafter
+from specd.core.suffix_index import SharedSuffixIndex
 from specd.serving.config import DraftConfig
 from specd.serving.metrics import DraftMetrics
 from specd.serving.server import MAX_MESSAGE_BYTES, ServiceHandle, build_server, message_limit_for_context
@@ -26,23 +29,33 @@ def build_drafter(config: DraftConfig) -> tuple[Drafter, common_pb2.ModelInfo]:
     """The drafter a config names, and the ModelInfo the service reports."""
     if config.torch_threads:
         torch.set_num_threads(config.torch_threads)
-    if config.model == NGRAM:
-        # The n-gram drafter only repeats tokens it has seen, so it fits any
-        # target; it reports the target's token space.
+    if config.model in MODEL_FREE_DRAFTS:
+        # The n-gram and suffix drafters only repeat tokens they have seen, so they fit any
+        # target; they report the target's token space.
         identity = catalog.token_space(catalog.target_folder(config.target_model, config.cache_path))
-        info = common_pb2.ModelInfo(name="ngram", kind="ngram", **identity)
-        drafter = NgramDrafter(
-            int(identity["vocab_size"]),
-            max_sessions=config.max_sessions,
-            idle_timeout_s=config.idle_timeout_s,
-            cap_at_match=config.ngram_cap_at_match,
-        )
+        info = common_pb2.ModelInfo(name=config.model, kind=config.model, **identity)
+        drafter: Drafter
+        if config.model == SUFFIX:
+            drafter = SuffixDrafter(
+                int(identity["vocab_size"]),
+                config.suffix_settings(),
+                max_sessions=config.max_sessions,
+                idle_timeout_s=config.idle_timeout_s,
+            )
+        else:
+            drafter = NgramDrafter(
+                int(identity["vocab_size"]),
+                max_sessions=config.max_sessions,
+                idle_timeout_s=config.idle_timeout_s,
+                cap_at_match=config.ngram_cap_at_match,
+            )
         return drafter, info
-    folder = catalog.draft_folder(config.model, config.target_model, config.cache_path)
+    hybrid = catalog.hybrid_model(config.model)
+    folder = catalog.draft_folder(hybrid or config.model, config.target_model, config.cache_path)
     # A draft folder may carry a reduced-vocabulary head (specd distill --vocab N): the
     # drafter then proposes among those N tokens only (q = 0 elsewhere, still exact).
     loaded, runner, token_map = catalog.load_draft_for_serving(folder, config.device)
-    drafter = ModelDrafter(
+    model = ModelDrafter(
         runner,
         max_sessions=config.max_sessions,
         q=config.q_settings,
@@ -51,8 +64,19 @@ def build_drafter(config: DraftConfig) -> tuple[Drafter, common_pb2.ModelInfo]:
         max_kv_bytes=config.max_kv_bytes,
         max_batch=config.max_batch,
     )
-    info = common_pb2.ModelInfo(kind="model", **catalog.model_identity(loaded, runner))
-    return drafter, info
+    identity = catalog.model_identity(loaded, runner)
+    if hybrid is None:
+        return model, common_pb2.ModelInfo(kind="model", **identity)
+    drafter = HybridDrafter(
+        model,
+        config.suffix_settings(),
+        threshold=config.hybrid_threshold,
+        adaptive_k=config.hybrid_adaptive_k,
+        max_sessions=config.max_sessions,
+        idle_timeout_s=config.idle_timeout_s,
+    )
+    identity["name"] = f"{catalog.HYBRID_PREFIX}{identity['name']}"
+    return drafter, common_pb2.ModelInfo(kind="hybrid", **identity)
 
 
 def create_server(
@@ -66,6 +90,9 @@ def create_server(
     """The draft service, bound (port 0 picks one) but not started."""
     if drafter is None or info is None:
         drafter, info = build_drafter(config)
+    index = getattr(drafter, "index", None)
+    if metrics is not None and isinstance(index, SharedSuffixIndex):
+        metrics.watch_suffix_index(index)
     executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="specd-draft-model")
     servicer = DraftServicer(
         drafter,

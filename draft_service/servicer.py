@@ -10,6 +10,7 @@ from specd.core.drafting import Drafter, ProposeRequest
 from specd.core.errors import InvalidArgument
 from specd.core.phases import PhaseLog
 from specd.core.proposal import Proposal
+from specd.core.suffix import LearningDrafter
 from specd.serving import tracing as tr
 from specd.serving.metrics import DraftMetrics
 from specd.serving.round_servicing import BatchedRoundServicer
@@ -58,6 +59,14 @@ class DraftServicer(
         if self.metrics is not None and resp.proposal.q:
             self.metrics.observe_q(q_wire_bytes(resp.proposal), result.q_ms)
         return result.phases
+
+    def close_session(self, req: draft_pb2.DraftRequest) -> None:
+        # A learning drafter (suffix) indexes the session's answer: the close carries the
+        # committed tokens it has not seen (start + token_ids).
+        if isinstance(self.engine, LearningDrafter) and req.committed_length:
+            c = req.close
+            self.engine.finish(req.session_id, req.committed_length, c.start, list(c.token_ids))
+        self.engine.close(req.session_id)
 
     def open_session(self, req: draft_pb2.DraftRequest) -> None:
         o = req.open

@@ -29,7 +29,30 @@ log = logging.getLogger(__name__)
 
 DEMO = "demo"  # model name that selects the demo model (pair)
 NGRAM = "ngram"  # draft "model" that selects the n-gram drafter
+SUFFIX = "suffix"  # draft "model" that selects the suffix drafter (specd.core.suffix)
+HYBRID_PREFIX = "suffix+"  # "suffix+DIR" / "suffix+demo": a draft model plus suffix (specd.core.hybrid)
 NONE = "none"  # no draft at all: target-only serving
+MODEL_FREE_DRAFTS = (NGRAM, SUFFIX)  # drafters that repeat seen tokens: they fit any target, load no model
+
+
+def hybrid_model(spec: str) -> str | None:
+    """The draft model a hybrid spec names ('suffix+demo' -> 'demo'), or None for any other spec."""
+    if spec.startswith(HYBRID_PREFIX) and len(spec) > len(HYBRID_PREFIX):
+        return spec[len(HYBRID_PREFIX) :]
+    return None
+
+
+def default_up_draft(assets: Path | None = None) -> str:
+    """The draft `specd up` serves by default: the demo draft once trained weights ship, else suffix.
+
+    The untrained cut accepts about 1% of its tokens on CPU (docs/results/demo-pair.md), so
+    until a trained one ships the default is the drafter that pays there: suffix, whose
+    rounds fall back to the n-gram lookup when its indexes have nothing (SuffixSettings.fallback).
+    """
+    folder = Path(assets) if assets is not None else DEMO_DRAFT_ASSETS
+    trained = any(folder.glob("*.safetensors"))  # the compact weights `specd distill` ships
+    return DEMO if trained else SUFFIX
+
 
 DEMO_DRAFT_DIR = "smollm2-135m-draft-distilled"
 # specd's distilled draft for SmolLM2-135M-Instruct, in compact form: its own

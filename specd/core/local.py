@@ -17,6 +17,7 @@ from specd.core.drafting import Drafter, ProposeRequest
 from specd.core.ports import Carrier
 from specd.core.proposal import Proposal
 from specd.core.sampling import SamplingParams
+from specd.core.suffix import LearningDrafter
 from specd.core.verification import Verifier, VerifyOutcome, VerifyRequest
 
 Req = TypeVar("Req")
@@ -84,7 +85,9 @@ class LocalDraft:
     ) -> Proposal:
         return await self._batch.submit(ProposeRequest(session_id, committed_length, start, list(tail), num_tokens))
 
-    async def close(self, session_id: str, *, timeout: float) -> None:
+    async def close(self, session_id: str, *, timeout: float, committed: Sequence[int] = (), start: int = 0) -> None:
+        if isinstance(self.drafter, LearningDrafter) and committed:  # as the draft service's close
+            self.drafter.finish(session_id, len(committed), start, committed[start:])
         self.drafter.close(session_id)
 
 

@@ -108,15 +108,22 @@ class RoundLoop:
             "draft failed (%s: %s); target-only for %.1f s", type(exc).__name__, exc, self.settings.draft_retry_s
         )
 
-    def close_later(self, *sessions: TargetSession | DraftSession | None) -> None:
-        """Free a finished request's sessions without holding it up (or being cancelled with it)."""
+    def close_later(
+        self, target: TargetSession | None, draft: DraftSession | None, committed: Sequence[int] = ()
+    ) -> None:
+        """Free a finished request's sessions without holding it up (or being cancelled with it).
+
+        The draft's close carries the final committed tokens (a learning drafter indexes the answer)."""
 
         async def close() -> None:
-            for session in sessions:
+            for session in (target, draft):
                 if session is None:
                     continue
                 try:
-                    await session.close(self.settings.close_timeout_s)
+                    if isinstance(session, DraftSession):
+                        await session.close(self.settings.close_timeout_s, committed)
+                    else:
+                        await session.close(self.settings.close_timeout_s)
                 except Exception as exc:  # noqa: BLE001 - the peer's idle expiry frees it anyway
                     log.debug("closing session %s failed: %s", session.session_id, exc)
 
@@ -175,7 +182,7 @@ class RequestRun:
                     raise
                 yield record
         finally:
-            self._loop.close_later(self._target, self._draft)
+            self._loop.close_later(self._target, self._draft, list(self.generation.committed))
 
     # ---- one round ------------------------------------------------------------------
 

@@ -74,9 +74,10 @@ class DraftSession:
                 self.opened = False
                 raise
 
-    async def close(self, timeout: float) -> None:
+    async def close(self, timeout: float, committed: Sequence[int] = ()) -> None:
         if self.touched:
-            await self.port.close(self.session_id, timeout=timeout)
+            start = self.agreement(committed) if self.opened else 0
+            await self.port.close(self.session_id, timeout=timeout, committed=committed, start=start)
 
 
 class TargetSession:

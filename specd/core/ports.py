@@ -56,7 +56,10 @@ class DraftPort(Protocol):
         tokens), then draft up to num_tokens tokens after it; the drafts join the sequence."""
         ...
 
-    async def close(self, session_id: str, *, timeout: float) -> None: ...
+    async def close(self, session_id: str, *, timeout: float, committed: Sequence[int] = (), start: int = 0) -> None:
+        """Forget the session. `committed` is its final committed sequence, of which the draft holds
+        the first `start`: a drafter that learns across sessions (suffix) indexes the whole answer."""
+        ...
 
 
 class TargetPort(Protocol):

@@ -20,6 +20,7 @@ from typing import Any, TypeVar, get_type_hints
 from specd.core.catalog import DEMO, NONE
 from specd.core.errors import InvalidArgument
 from specd.core.sparse_q import MAX_BITS, QSettings
+from specd.core.suffix import SuffixSettings
 
 C = TypeVar("C")
 
@@ -124,7 +125,11 @@ class ModelServiceBase(ServiceBase):
 
 @dataclass(frozen=True)
 class DraftConfig(ModelServiceBase):
-    model: str = _opt(DEMO, "draft model: an HF folder, 'demo' (the demo draft) or 'ngram'")
+    model: str = _opt(
+        DEMO,
+        "draft model: an HF folder, 'demo' (the demo draft), 'ngram', 'suffix', or 'suffix+MODEL' "
+        "(a draft model, e.g. suffix+demo, with suffix speculation when it scores --hybrid-threshold)",
+    )
     target_model: str = _opt(DEMO, "the target's model folder ('demo'): used to build the demo draft")
     q_epsilon: float = _opt(
         QSettings.epsilon, "per draft position, send the fewest tokens whose mass reaches 1 - q_epsilon (sparse q)"
@@ -140,6 +145,41 @@ class DraftConfig(ModelServiceBase):
         "n-gram drafter: propose at most as many tokens as the context its "
         "match agrees on (--no-ngram-cap-at-match: always K when there are K)",
     )
+
+    suffix_max_depth: int = _opt(24, "suffix drafter: context tokens a match may use")
+    suffix_max_spec_factor: float = _opt(1.0, "suffix drafter: propose at most factor x match length (+ offset) tokens")
+    suffix_max_spec_offset: float = _opt(0.0, "suffix drafter: see --suffix-max-spec-factor")
+    suffix_min_token_prob: float = _opt(
+        0.1, "suffix drafter: stop where a continuation's estimated probability drops below this"
+    )
+    suffix_index_bytes: int = _opt(
+        64 << 20, "suffix drafter: memory of the global index of finished sessions (oldest evicted first)"
+    )
+    suffix_prompt_tail: int = _opt(
+        24, "suffix drafter: prompt tokens kept before each output in the global index (-1: the whole prompt)"
+    )
+    suffix_fallback: str = _opt(
+        "ngram", "suffix drafter: what proposes when its indexes have nothing", choices=["ngram", "none"]
+    )
+    hybrid_threshold: float = _opt(
+        1.0, "suffix+MODEL: the suffix proposal's score (expected accepted tokens) that beats the model"
+    )
+    hybrid_adaptive_k: bool = _opt(
+        True,
+        "suffix+MODEL: the model drafts the K that its own measured acceptance and cost make best, "
+        "none when no K pays (--no-hybrid-adaptive-k: the K asked for)",
+    )
+
+    def suffix_settings(self) -> SuffixSettings:
+        return SuffixSettings(
+            max_depth=self.suffix_max_depth,
+            max_spec_factor=self.suffix_max_spec_factor,
+            max_spec_offset=self.suffix_max_spec_offset,
+            min_token_prob=self.suffix_min_token_prob,
+            index_bytes=self.suffix_index_bytes,
+            prompt_tail=self.suffix_prompt_tail,
+            fallback=self.suffix_fallback,
+        )
 
     @property
     def q_settings(self) -> QSettings:
@@ -158,6 +198,9 @@ class DraftConfig(ModelServiceBase):
             raise InvalidArgument(f"--wire-top-k must be >= 0 (got {self.wire_top_k}); 0 sends q by mass")
         if not 1 <= self.wire_bits <= MAX_BITS:
             raise InvalidArgument(f"--wire-bits must be in 1..{MAX_BITS} (got {self.wire_bits})")
+        self.suffix_settings().validate()
+        if self.hybrid_threshold < 0:
+            raise InvalidArgument(f"--hybrid-threshold must be >= 0 (got {self.hybrid_threshold})")
         if self.max_draft_tokens < 1:
             raise InvalidArgument("--max-draft-tokens must be >= 1")
 

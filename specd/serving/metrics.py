@@ -30,6 +30,7 @@ from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, make_wsgi_app
 
 from specd.core.record import RoundRecord
+from specd.core.suffix_index import SharedSuffixIndex
 from specd.serving import genai
 
 log = logging.getLogger(__name__)
@@ -299,6 +300,21 @@ class DraftMetrics(_ModelServiceMetrics):
             buckets=Q_BUILD_BUCKETS,
             registry=r,
         )
+
+    def watch_suffix_index(self, index: SharedSuffixIndex) -> None:
+        """The suffix drafter's global index: its memory against the budget, its tokens and documents."""
+        r = self.registry
+        for name, doc, read in (
+            ("bytes", "Bytes held by the suffix drafter's global index.", lambda: index.nbytes),
+            (
+                "budget_bytes",
+                "The global index's memory budget (oldest sessions evicted beyond).",
+                lambda: index.max_bytes,
+            ),
+            ("tokens", "Tokens in the suffix drafter's global index.", lambda: index.tokens),
+            ("documents", "Finished sessions held in the suffix drafter's global index.", lambda: index.documents),
+        ):
+            Gauge(PREFIX + "draft_suffix_index_" + name, doc, registry=r).set_function(read)
 
     def observe_propose(self, tokens: int, compute_ms: float, batch_size: int = 1) -> None:
         self.proposed_tokens.inc(tokens)

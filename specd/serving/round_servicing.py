@@ -99,6 +99,10 @@ class BatchedRoundServicer(abc.ABC, Generic[Req, Resp, Work, Result]):
     def observe_step(self, request: Req, response: Resp, batch_size: int) -> dict[str, Any]:
         """Count a successful step in the metrics; return its span attributes."""
 
+    def close_session(self, request: Req) -> None:
+        """A close message: the engine forgets the session (a service may learn from it first)."""
+        self.engine.close(request.session_id)  # type: ignore[attr-defined]
+
     # ---- one message ------------------------------------------------------------------
 
     def _empty_request(self) -> Req:
@@ -143,7 +147,7 @@ class BatchedRoundServicer(abc.ABC, Generic[Req, Resp, Work, Result]):
                 self.open_session(req)
                 resp.ack.SetInParent()
             elif op == "close":
-                self.engine.close(req.session_id)  # type: ignore[attr-defined]
+                self.close_session(req)
                 resp.ack.SetInParent()
             else:
                 name = type(req).__name__

@@ -209,6 +209,17 @@ def close_request(kind: type[RoundRequest], session_id: str) -> RoundRequest:
     return req
 
 
+def draft_close_request(session_id: str, committed: Sequence[int], start: int) -> draft_pb2.DraftRequest:
+    """Close a draft session, carrying the committed tokens from `start` on (the draft holds the
+    first `start`): a learning drafter (suffix) indexes the whole answer."""
+    req = draft_pb2.DraftRequest(session_id=session_id, committed_length=len(committed))
+    req.close.SetInParent()
+    if committed:
+        req.close.start = start
+        req.close.token_ids.extend(committed[start:])
+    return req
+
+
 def propose_request(
     session_id: str,
     committed_length: int,

@@ -13,7 +13,7 @@ import time
 import traceback
 from collections.abc import Sequence
 from pathlib import Path
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import grpc
 import torch
@@ -154,10 +154,15 @@ def _generate(args: argparse.Namespace) -> int:
     try:
         with CoordinatorClient(args.address, timeout=args.timeout, tls_ca=args.tls_ca or None, token=token) as client:
             if args.stream and not args.json:
+                final = None
                 for msg in client.generate_stream(prompt, **kwargs):  # type: ignore[arg-type]
                     sys.stdout.write(msg.text)
                     sys.stdout.flush()
+                    if msg.HasField("stats"):
+                        final = msg.stats
                 sys.stdout.write("\n")
+                if final is not None:
+                    print(_speculation_line(final), file=sys.stderr)
                 return 0
             response = client.generate(prompt, **kwargs)  # type: ignore[arg-type]
     except grpc.RpcError as exc:
@@ -183,7 +188,19 @@ def _generate(args: argparse.Namespace) -> int:
         print(json.dumps(out, ensure_ascii=False))
     else:
         print(response.text)
+        print(_speculation_line(response.stats), file=sys.stderr)
     return 0
+
+
+def _speculation_line(stats: object) -> str:
+    """What speculation did for this request (on stderr, so stdout stays the text)."""
+    s: Any = stats
+    if not s.draft_tokens:
+        return f"[{s.completion_tokens} tokens, {s.tokens_per_s:.1f} tokens/s; no draft tokens verified]"
+    return (
+        f"[acceptance {s.acceptance_rate:.2f} ({s.accepted_tokens} of {s.draft_tokens} draft tokens), "
+        f"{s.completion_tokens / max(1, s.rounds):.2f} tokens per round, {s.tokens_per_s:.1f} tokens/s]"
+    )
 
 
 def _prepare(args: argparse.Namespace) -> int:
@@ -225,7 +242,10 @@ def build_parser() -> argparse.ArgumentParser:
     up = sub.add_parser("up", help="start draft, target and coordinator locally (demo pair by default)")
     up.add_argument("--target", default=catalog.DEMO, help="target model folder or 'demo' (default: demo)")
     up.add_argument(
-        "--draft", default=catalog.DEMO, help="draft model folder, 'demo', 'ngram' or 'none' (default: demo)"
+        "--draft",
+        default=catalog.default_up_draft(),
+        help="draft model folder, 'demo', 'ngram', 'suffix', 'suffix+MODEL' or 'none' (default: 'suffix' until a "
+        "trained demo draft ships, then 'demo'; suffix falls back to n-gram lookup when it has nothing)",
     )
     up.add_argument("--host", default="127.0.0.1", help="coordinator address (default: 127.0.0.1)")
     up.add_argument("--port", type=int, default=50051, help="coordinator port (default: 50051)")

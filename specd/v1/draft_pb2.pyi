@@ -30,8 +30,16 @@ class DraftRequest(_message.Message):
     trace_context: _containers.ScalarMap[str, str]
     open: DraftOpen
     propose: DraftPropose
-    close: _session_pb2.SessionClose
-    def __init__(self, request_id: _Optional[int] = ..., session_id: _Optional[str] = ..., committed_length: _Optional[int] = ..., trace_context: _Optional[_Mapping[str, str]] = ..., open: _Optional[_Union[DraftOpen, _Mapping]] = ..., propose: _Optional[_Union[DraftPropose, _Mapping]] = ..., close: _Optional[_Union[_session_pb2.SessionClose, _Mapping]] = ...) -> None: ...
+    close: DraftClose
+    def __init__(self, request_id: _Optional[int] = ..., session_id: _Optional[str] = ..., committed_length: _Optional[int] = ..., trace_context: _Optional[_Mapping[str, str]] = ..., open: _Optional[_Union[DraftOpen, _Mapping]] = ..., propose: _Optional[_Union[DraftPropose, _Mapping]] = ..., close: _Optional[_Union[DraftClose, _Mapping]] = ...) -> None: ...
+
+class DraftClose(_message.Message):
+    __slots__ = ("start", "token_ids")
+    START_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    start: int
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, start: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class DraftOpen(_message.Message):
     __slots__ = ("token_ids", "sampling", "wire_top_k")

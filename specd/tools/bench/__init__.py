@@ -29,7 +29,8 @@ The package, one concern per module: modes, prompts, results (one request),
 services (the specd runner), peer (transformers' assisted generation), cost
 (c), stats (a, S(K)), records (one record per cell), compare (speed-up and the
 greedy check), report / plot / output (the files), plan / args (flags),
-cells (the measured cells), prepare, tracing, main (the run).
+cells (the measured cells), learning (drafters that learn across requests:
+a fresh draft per mode, the warm-up curve), prepare, tracing, main (the run).
 
 Importing the package stays cheap (stdlib and the pure modules only): the CLI
 imports it to build its parser. `run` loads the services' client, torch and

@@ -12,7 +12,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     """`specd bench` flags (no heavy imports: the CLI builds every parser at start)."""
     g = p.add_argument_group("services")
     g.add_argument("--target", default="demo", help="target model folder or 'demo' (default: demo)")
-    g.add_argument("--draft", default="demo", help="draft model folder, 'demo' or 'ngram' (default: demo)")
+    g.add_argument(
+        "--draft",
+        default="demo",
+        help="draft model folder, 'demo', 'ngram', 'suffix' or 'suffix+MODEL' (suffix and suffix+MODEL learn "
+        "across requests: each mode gets a fresh draft service and runs its requests in sequence) (default: demo)",
+    )
     g.add_argument(
         "--address",
         default="",
@@ -62,10 +67,18 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--prompts", type=int, default=None, help="prompts per cell, mixed over categories (default: 30; quick: 6)"
     )
     g.add_argument(
+        "--warm-requests",
+        type=int,
+        default=0,
+        help="each mode's first N requests run first and stay out of its record (the steady state after "
+        "warm-up); the warm-up curve shows every request (default: 0)",
+    )
+    g.add_argument(
         "--prompt-file",
         default="",
         help="JSONL prompt set, or a shipped one by name: 'bench' (default: "
-        "code, chat, prose) or 'edit' (repetition-heavy: edit the code in the prompt, for --draft ngram)",
+        "code, chat, prose), 'edit' (repetition-heavy: edit the code in the prompt, for --draft ngram) or "
+        "'repetitive' (tool calls, SQL, code review that repeat their structure across requests, for --draft suffix)",
     )
     g.add_argument("--categories", default="", help="only these categories, comma list (default: all)")
     g.add_argument("--max-new-tokens", type=int, default=None, help="tokens per request (default: 64; quick: 32)")

@@ -9,6 +9,7 @@ from typing import Any
 
 from coordinator.client import CoordinatorClient
 from specd.tools.bench.console import progress, say
+from specd.tools.bench.learning import per_request
 from specd.tools.bench.modes import Mode
 from specd.tools.bench.peer import HFPeer
 from specd.tools.bench.plan import BenchError, Plan, interleave_slices
@@ -62,20 +63,30 @@ def run_cells(
     quiet: bool,
     services: str = "",
     metadata: Callable[[], Sequence[tuple[str, str]]] = lambda: (),
+    before_mode: Callable[[Mode], None] | None = None,
 ) -> None:
     """Every (temperature, concurrency, mode) cell, appending to records / outputs as each (T, clients) cell finishes.
 
     With --interleave N the modes take turns over N slices of the prompts, so slow drifts of a
     shared machine's speed hit every mode alike; a mode's wall time is the sum over its slices.
+    The first plan.warm_requests requests of each mode run first and stay out of its record
+    (they are in its per_request rows, the warm-up curve). before_mode: called before each
+    service mode's cell (a learning drafter gets a fresh draft service there).
     """
     for temperature in plan.temperatures:
         for concurrency in plan.concurrency:
             cell_modes = [m for m in modes if not m.peer or concurrency == 1]  # the peer serves one sequence at a time
-            slices = interleave_slices(len(items), concurrency, args.interleave)
+            slices = interleave_slices(len(items) - plan.warm_requests, concurrency, args.interleave)
+            slices = [range(r.start + plan.warm_requests, r.stop + plan.warm_requests) for r in slices]
+            if plan.warm_requests:
+                slices.insert(0, range(plan.warm_requests))
             results: dict[str, list[RequestResult]] = {m.name: [] for m in cell_modes}
+            warm: dict[str, list[RequestResult]] = {m.name: [] for m in cell_modes}
             walls = dict.fromkeys(results, 0.0)
             for part, rows in enumerate(slices):
                 for m in cell_modes:
+                    if part == 0 and before_mode is not None and not m.peer:
+                        before_mode(m)
                     chunk = [items[i] for i in rows]
                     where = f" {part + 1}/{len(slices)}" if len(slices) > 1 else ""
                     desc = f"T={temperature:g} c={concurrency} {m.name}{f' [{services}]' if services else ''}{where}"
@@ -118,6 +129,9 @@ def run_cells(
                             if wall > 0
                             else ""
                         )
+                    if part == 0 and plan.warm_requests:
+                        warm[m.name] += got  # the warm-up: in the curve, not in the record
+                        continue
                     results[m.name] += got
                     walls[m.name] += wall
             for m in cell_modes:
@@ -131,7 +145,9 @@ def run_cells(
                     cost=cost.get("hf" if m.peer else "service"),
                 )
                 rec["services"] = services
-                rec["interleave_slices"] = len(slices)
+                rec["interleave_slices"] = len(slices) - (1 if plan.warm_requests else 0)
+                rec["warm_requests"] = plan.warm_requests
+                rec["per_request"] = per_request(warm[m.name] + results[m.name])
                 outputs[(services, m.name, temperature, concurrency)] = {
                     r.prompt_id: r.token_ids for r in results[m.name] if r.error is None
                 }

@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+from specd.tools.bench.learning import warmup_curve
 from specd.tools.bench.modes import BASELINE, RUNNER_HF, RUNNER_SERVICE
 from specd.tools.bench.records import row_name
 
@@ -21,6 +22,8 @@ def finish_records(
         b = base.get((r.get("services", ""), r["temperature"], r["concurrency"]))
         if b is None and r["runner"] == RUNNER_HF:  # the peer runs at 1 client; compare with the 1-client baseline
             b = base.get((r.get("services", ""), r["temperature"], 1))
+        if b and r.get("per_request") and b.get("per_request"):
+            r["warmup_curve"] = warmup_curve(r["per_request"], b["per_request"])
         if b and b["tokens_per_s"] and r["tokens_per_s"] is not None:
             r["speedup"] = r["tokens_per_s"] / b["tokens_per_s"]
             if r["theoretical_speedup"]:

@@ -11,6 +11,7 @@ import torch
 from specd.core.drafting import NgramDrafter
 from specd.core.runner import CausalLMRunner
 from specd.core.sampling import SamplingParams
+from specd.core.suffix import SuffixDrafter
 from specd.tools.bench.stats import percentile
 
 
@@ -40,9 +41,13 @@ def measure_forward_ms(
         torch.set_num_threads(previous)
 
 
-def measure_ngram_ms(prompt_ids: list[int], *, samples: int, num_tokens: int = 4, warmup: int = 3) -> float:
-    """Median ms per proposed token of the n-gram drafter (prompt lookup) over the prompt, as the draft service runs it."""
-    drafter = NgramDrafter(max(prompt_ids) + 1)
+def measure_ngram_ms(
+    prompt_ids: list[int], *, samples: int, num_tokens: int = 4, warmup: int = 3, kind: str = "ngram"
+) -> float:
+    """Median ms per proposed token of a model-free drafter (n-gram or suffix) over the prompt, as the draft
+    service runs it (the suffix drafter's global index empty: its own index is what a first request reads)."""
+    vocab = max(prompt_ids) + 1
+    drafter = SuffixDrafter(vocab) if kind == "suffix" else NgramDrafter(vocab)
     times: list[float] = []
     for i in range(samples + warmup):
         drafter.open("probe", prompt_ids, SamplingParams(temperature=0.0))
@@ -63,14 +68,15 @@ def measure_cost(
     draft_threads: int,
     samples: int,
     draft_lengths: Iterable[int],
+    model_free: str = "ngram",
 ) -> dict[str, Any]:
     """c = draft ms per token / target ms per 1-token forward, plus the target's K+1-token verify time.
 
-    draft_model None: the n-gram drafter, timed per proposed token (no model, no threads).
+    draft_model None: the model-free drafter `model_free` (ngram, suffix), timed per proposed token.
     """
     target_ms = measure_forward_ms(target_model, prompt_ids, threads=target_threads, samples=samples)
     draft_ms = (
-        measure_ngram_ms(prompt_ids, samples=samples)
+        measure_ngram_ms(prompt_ids, samples=samples, kind=model_free)
         if draft_model is None
         else measure_forward_ms(draft_model, prompt_ids, threads=draft_threads, samples=samples)
     )

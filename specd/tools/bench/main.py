@@ -17,15 +17,24 @@ from typing import Any
 from transformers import AutoTokenizer
 
 from specd.core import catalog
-from specd.core.catalog import NGRAM
+from specd.core.catalog import MODEL_FREE_DRAFTS
 from specd.serving.config import default_cache_dir
 from specd.tools.bench.cells import run_cells, warm_up
 from specd.tools.bench.compare import finish_records
 from specd.tools.bench.console import say
-from specd.tools.bench.modes import BASELINE, RUNNER_HF, largest_k
+from specd.tools.bench.learning import PROBE_TEXT, wait_until_drafting
+from specd.tools.bench.modes import BASELINE, RUNNER_HF, Mode, largest_k
 from specd.tools.bench.output import build_meta, write_report
 from specd.tools.bench.peer import HFPeer
-from specd.tools.bench.plan import BATCHING_SETUPS, BenchError, Plan, ServiceSetup, make_plan, output_paths
+from specd.tools.bench.plan import (
+    BATCHING_SETUPS,
+    BenchError,
+    Plan,
+    ServiceSetup,
+    learns_across_requests,
+    make_plan,
+    output_paths,
+)
 from specd.tools.bench.prepare import prepare_run
 from specd.tools.bench.prompts import BenchPrompt
 from specd.tools.bench.records import batching_gains
@@ -65,12 +74,13 @@ class _State:
 
 @dataclass(frozen=True)
 class _Pair:
-    """The models of the run: folders (draft None: the n-gram drafter), cache and tokenizer."""
+    """The models of the run: folders (draft None: a model-free drafter), cache and tokenizer."""
 
     target_dir: Path
     draft_dir: Path | None
     cache: Path
     tokenizer: Any
+    draft_spec: str  # what the draft service's --model gets (a folder, ngram, suffix, suffix+FOLDER)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -109,8 +119,17 @@ def _run(args: argparse.Namespace, plan: Plan, t_run: float) -> int:
     phase = _Phases()
     cache = Path(args.cache_dir) if args.cache_dir else default_cache_dir()
     target_dir = catalog.target_folder(args.target, cache)
-    draft_dir = None if args.draft == NGRAM else catalog.draft_folder(args.draft, args.target, cache)
-    pair = _Pair(target_dir, draft_dir, cache, AutoTokenizer.from_pretrained(target_dir, local_files_only=True))
+    hybrid = catalog.hybrid_model(args.draft)
+    draft_dir = (
+        None
+        if args.draft in MODEL_FREE_DRAFTS
+        else catalog.draft_folder(hybrid or args.draft, args.target, cache)  # suffix+MODEL: MODEL's folder, for c
+    )
+    draft_spec = (
+        args.draft if draft_dir is None else f"{catalog.HYBRID_PREFIX}{draft_dir}" if hybrid else str(draft_dir)
+    )
+    tokenizer = AutoTokenizer.from_pretrained(target_dir, local_files_only=True)
+    pair = _Pair(target_dir, draft_dir, cache, tokenizer, draft_spec)
     setups = BATCHING_SETUPS[args.batching]
     if args.address and len(setups) > 1:
         print("specd bench: --batching both starts its own services; drop --address", file=sys.stderr)
@@ -165,7 +184,7 @@ def _run_setups(
         state.started = cluster is not None
         phase(f"start_services{setup.label and '_' + setup.label}_s")
         try:
-            _measure(args, plan, pair, setup, index, receiver, state, phase)
+            _measure(args, plan, pair, setup, index, receiver, state, phase, _fresh_draft(args, pair, cluster))
             if cluster is not None:
                 rss = {k: (v / 2**20 if v is not None else None) for k, v in cluster.peak_rss_bytes().items()}
                 state.peak.update({f"{k}{label}": v for k, v in rss.items()})
@@ -197,7 +216,7 @@ def _cluster(
     extra = [*setup.model_service_args, *tracing_args]
     return LocalCluster(
         pair.target_dir,
-        pair.draft_dir if pair.draft_dir is not None else NGRAM,
+        pair.draft_spec,
         cache_dir=pair.cache,
         target_threads=args.target_threads,
         draft_threads=args.draft_threads,
@@ -215,6 +234,32 @@ def _cluster(
     )
 
 
+def _fresh_draft(args: argparse.Namespace, pair: _Pair, cluster: LocalCluster | None) -> Callable[[Mode], None] | None:
+    """For a drafter that learns across requests: restart the draft before each speculative mode (an empty
+    index, so no mode answers from another's outputs) and wait until the coordinator drafts with it again."""
+    if not learns_across_requests(args.draft):
+        return None
+    if cluster is None or cluster.draft is None:
+        print(
+            f"specd bench: --draft {args.draft} learns across requests, but with --address the bench cannot "
+            "restart it: later modes see the outputs of earlier ones",
+            file=sys.stderr,
+        )
+        return None
+    draft = cluster.draft
+    probe = [int(t) for t in pair.tokenizer(PROBE_TEXT)["input_ids"]]
+
+    def before(mode: Mode) -> None:
+        if mode.baseline:
+            return  # target-only never reaches the draft
+        draft.stop(grace_s=10.0)
+        draft.restart(cluster.env)
+        if not wait_until_drafting(cluster.address, probe):
+            raise BenchError(f"the coordinator did not draft with the restarted draft service\n{cluster.logs()}")
+
+    return before
+
+
 def _measure(
     args: argparse.Namespace,
     plan: Plan,
@@ -224,6 +269,7 @@ def _measure(
     receiver: OtlpReceiver | None,
     state: _State,
     phase: _Phases,
+    before_mode: Callable[[Mode], None] | None = None,
 ) -> None:
     """On running services: prepare (first set-up only), warm up, run every cell (and the tracing cell)."""
     quiet = args.no_progress
@@ -251,6 +297,7 @@ def _measure(
             quiet,
             setup.label,
             metadata,
+            before_mode,
         )
         if receiver is not None and index == 0:
             state.tracing = tracing_cell(args, plan, modes, state.items, state.address, receiver, quiet)

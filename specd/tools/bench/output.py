@@ -13,7 +13,7 @@ from typing import Any
 import torch
 import transformers
 
-from specd.tools.bench.plan import Plan
+from specd.tools.bench.plan import Plan, learns_across_requests
 from specd.tools.bench.plot import write_plot
 from specd.tools.bench.report import render_markdown
 
@@ -62,6 +62,8 @@ def build_meta(
             "hf_threads": plan.hf_threads,
             "quick": args.quick,
             "interleave": args.interleave,
+            "warm_requests": plan.warm_requests,
+            "learning_draft": learns_across_requests(args.draft),  # a fresh draft service per mode, in sequence
         },
         "cost": cost,
         "peak_rss_mb": peak,

@@ -11,6 +11,17 @@ from typing import Any
 from specd.tools.bench.modes import Mode, cap_adaptive_modes, parse_modes
 from specd.tools.bench.prompts import BenchPrompt, load_prompts, select_prompts
 
+# --draft values that load no draft model (catalog.MODEL_FREE_DRAFTS), and the ones that learn
+# across requests (catalog.SUFFIX, catalog.HYBRID_PREFIX): spelled here because the catalog imports
+# torch, and the CLI builds this parser at every start (tests/test_suffix_bench.py checks they agree).
+MODEL_FREE_DRAFTS = ("ngram", "suffix")
+HYBRID_PREFIX = "suffix+"
+
+
+def learns_across_requests(draft: str) -> bool:
+    """Whether a --draft value keeps state across requests (the suffix drafter's global index)."""
+    return draft == "suffix" or (draft.startswith(HYBRID_PREFIX) and len(draft) > len(HYBRID_PREFIX))
+
 
 class BenchError(Exception):
     """A problem with the run's set-up (reported in one line, exit status 2)."""
@@ -69,6 +80,7 @@ class Plan:
     max_new_tokens: int
     cost_samples: int
     hf_threads: int
+    warm_requests: int = 0  # each mode's first requests, run but kept out of its record
 
 
 def make_plan(args: argparse.Namespace) -> Plan:
@@ -80,13 +92,22 @@ def make_plan(args: argparse.Namespace) -> Plan:
 
     draft_lengths = _int_list(pick("draft_lengths"), "--draft-lengths")
     modes = cap_adaptive_modes(parse_modes(args.modes, draft_lengths, args.custom_mode), draft_lengths)
-    if args.no_inprocess or args.draft == "ngram":
+    if args.no_inprocess or args.draft in MODEL_FREE_DRAFTS:
         modes = [m for m in modes if not m.peer or (not m.request.get("assistant", True) and not args.no_inprocess)]
     prompts_n, max_new = int(pick("prompts")), int(pick("max_new_tokens"))
     if prompts_n < 1 or max_new < 1:
         raise ValueError("--prompts and --max-new-tokens must be >= 1")
     if args.interleave < 1:
         raise ValueError(f"--interleave must be >= 1 (got {args.interleave})")
+    learning = learns_across_requests(args.draft)
+    if learning and args.interleave > 1:
+        raise ValueError(
+            f"--draft {args.draft} learns across requests: each mode runs its requests in one sequence "
+            "(drop --interleave)"
+        )
+    concurrency = args.concurrency if args.concurrency is not None or not learning else "1"
+    if not 0 <= args.warm_requests < prompts_n:
+        raise ValueError(f"--warm-requests must be in 0..{prompts_n - 1} (got {args.warm_requests})")
     categories = [c.strip() for c in args.categories.split(",") if c.strip()]
     prompts = select_prompts(load_prompts(args.prompt_file or None), prompts_n, categories)
     if not prompts:
@@ -94,12 +115,13 @@ def make_plan(args: argparse.Namespace) -> Plan:
     return Plan(
         modes,
         _float_list(pick("temperatures"), "--temperatures"),
-        _int_list(pick("concurrency"), "--concurrency"),
+        _int_list(str(concurrency or preset["concurrency"]), "--concurrency"),
         draft_lengths,
         prompts,
         max_new,
         max(1, int(pick("cost_samples"))),
         args.hf_threads or args.target_threads,
+        args.warm_requests,
     )
 
 

@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from coordinator.client import CoordinatorClient
-from specd.core.catalog import NGRAM
+from specd.core.catalog import MODEL_FREE_DRAFTS
 from specd.tools.bench.console import say
 from specd.tools.bench.cost import measure_cost
 from specd.tools.bench.peer import HFPeer, load_inprocess
@@ -43,7 +43,7 @@ def prepare_run(
         probe = items[0][1]
         # every K some mode drafts with (fixed-6 among default lengths 2, 4), for its S(K) at the measured verify
         verify_ks = sorted({m.draft_length for m in plan.modes if m.draft_length} | set(plan.draft_lengths))
-        if draft_m is not None or args.draft == NGRAM:
+        if draft_m is not None or args.draft in MODEL_FREE_DRAFTS:
             cost["service"] = measure_cost(
                 target_m.model,
                 draft_m.model if draft_m else None,
@@ -52,6 +52,7 @@ def prepare_run(
                 draft_threads=args.draft_threads,
                 samples=plan.cost_samples,
                 draft_lengths=verify_ks,
+                model_free=args.draft,
             )
             if draft_m is not None and any(m.peer for m in plan.modes):
                 same = plan.hf_threads == args.target_threads == args.draft_threads

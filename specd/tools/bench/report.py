@@ -109,6 +109,23 @@ def render_markdown(report: Mapping[str, Any]) -> str:
             ]
             for name, by_c in rows:
                 lines.append(f"| `{name}` | " + " | ".join(_fmt(by_c.get(c), 1) for c in cols) + " |")
+    curves = [r for r in records if r.get("warmup_curve") and r["mode"] != "target-only"]
+    if curves and (s.get("warm_requests") or s.get("learning_draft")):
+        groups = [g["requests"] for g in curves[0]["warmup_curve"]]
+        lines += [
+            "",
+            "Warm-up curve: speed-up over target-only by request index (requests in the order they ran"
+            + (f"; the first {s['warm_requests']} are not in the records above" if s.get("warm_requests") else "")
+            + "), acceptance rate in brackets:",
+            "",
+            "| T | clients | mode | " + " | ".join(groups) + " |",
+            "|---|---|---|" + "---|" * len(groups),
+        ]
+        for r in curves:
+            cells = [f"{_fmt(g['speedup'], 2, 'x')} ({_fmt(g['acceptance_rate'], 2)})" for g in r["warmup_curve"]]
+            lines.append(
+                f"| {_fmt(r['temperature'], 1)} | {r['concurrency']} | `{row_name(r)}` | " + " | ".join(cells) + " |"
+            )
     gains = meta.get("batching_gains") or []
     if gains:
         lines += [

@@ -11,6 +11,7 @@ from draft_service.servicer import DraftServicer
 from specd.core import catalog
 from specd.core.catalog import NGRAM
 from specd.core.drafting import Drafter, ModelDrafter, NgramDrafter
+from specd.core.runner import CausalLMRunner
 from specd.serving.config import DraftConfig
 from specd.serving.metrics import DraftMetrics
 from specd.serving.server import ServiceHandle, build_server
@@ -26,6 +27,8 @@ def build_drafter(config: DraftConfig) -> tuple[Drafter, common_pb2.ModelInfo]:
     """The drafter a config names, and the ModelInfo the service reports."""
     if config.torch_threads:
         torch.set_num_threads(config.torch_threads)
+    elif catalog.is_sim(config.model):  # an emulated model's host work is small tensors: one thread
+        torch.set_num_threads(1)
     if config.model == NGRAM:
         # The n-gram drafter only repeats tokens it has seen, so it fits any
         # target; it reports the target's token space.
@@ -38,11 +41,19 @@ def build_drafter(config: DraftConfig) -> tuple[Drafter, common_pb2.ModelInfo]:
             cap_at_match=config.ngram_cap_at_match,
         )
         return drafter, info
+    if catalog.is_sim(config.model):  # an emulated accelerator: q from the profile, the real ModelDrafter
+        sim_runner, identity = catalog.load_sim_for_serving(config.model, "draft", config.cache_path)
+        return _model_drafter(sim_runner, config, None), common_pb2.ModelInfo(kind="model", **identity)  # type: ignore[arg-type]
     folder = catalog.draft_folder(config.model, config.target_model, config.cache_path)
     # A draft folder may carry a reduced-vocabulary head (specd distill --vocab N): the
     # drafter then proposes among those N tokens only (q = 0 elsewhere, still exact).
     loaded, runner, token_map = catalog.load_draft_for_serving(folder, config.device)
-    drafter = ModelDrafter(
+    info = common_pb2.ModelInfo(kind="model", **catalog.model_identity(loaded, runner))
+    return _model_drafter(runner, config, token_map), info
+
+
+def _model_drafter(runner: CausalLMRunner, config: DraftConfig, token_map: torch.Tensor | None) -> ModelDrafter:
+    return ModelDrafter(
         runner,
         max_sessions=config.max_sessions,
         wire_top_k=config.wire_top_k,
@@ -52,8 +63,6 @@ def build_drafter(config: DraftConfig) -> tuple[Drafter, common_pb2.ModelInfo]:
         max_kv_bytes=config.max_kv_bytes,
         max_batch=config.max_batch,
     )
-    info = common_pb2.ModelInfo(kind="model", **catalog.model_identity(loaded, runner))
-    return drafter, info
 
 
 def create_server(

@@ -102,7 +102,9 @@ class ModelServiceBase(ServiceBase):
 
 @dataclass(frozen=True)
 class DraftConfig(ModelServiceBase):
-    model: str = _opt(DEMO, "draft model: an HF folder, 'demo' (the demo draft) or 'ngram'")
+    model: str = _opt(
+        DEMO, "draft model: an HF folder, 'demo' (the demo draft), 'ngram' or 'sim:PROFILE' (emulated accelerator)"
+    )
     target_model: str = _opt(DEMO, "the target's model folder ('demo'): used to build the demo draft")
     wire_top_k: int = _opt(8, "tokens of q sent per draft position (sparse proposal)")
     wire_bits: int = _opt(16, "q is rounded to multiples of 2**-wire_bits before sampling")
@@ -125,7 +127,9 @@ class DraftConfig(ModelServiceBase):
 
 @dataclass(frozen=True)
 class TargetConfig(ModelServiceBase):
-    model: str = _opt(DEMO, "target model: an HF folder or 'demo' (SmolLM2-135M-Instruct)")
+    model: str = _opt(
+        DEMO, "target model: an HF folder, 'demo' (SmolLM2-135M-Instruct) or 'sim:PROFILE' (emulated accelerator)"
+    )
     tp: int = _opt(1, "tensor-parallel workers (ranks); each holds 1/tp of the sharded weights")
     executor: str = _opt("mp", "how tp > 1 workers run: local processes or Ray actors", choices=["mp", "ray"])
     ray_address: str = _opt("", "Ray cluster to join (empty: start a local Ray)")
@@ -146,7 +150,7 @@ class TargetConfig(ModelServiceBase):
 class CoordinatorConfig(ServiceBase):
     target: str = _opt("127.0.0.1:50053", "target service address HOST:PORT")
     draft: str = _opt("127.0.0.1:50052", "draft service address HOST:PORT, or 'none'")
-    tokenizer: str = _opt(DEMO, "tokenizer folder (the target's model folder) or 'demo'")
+    tokenizer: str = _opt(DEMO, "tokenizer folder (the target's model folder), 'demo' or the target's 'sim:PROFILE'")
     cache_dir: str = _opt("", "model cache folder (for the demo tokenizer)")
     draft_length: int = _opt(4, "draft tokens per round when speculation is fixed or automatic")
     max_draft_length: int = _opt(16, "largest draft length a request may ask for")

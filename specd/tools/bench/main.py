@@ -26,7 +26,7 @@ from specd.tools.bench.compare import finish_records
 from specd.tools.bench.console import say
 from specd.tools.bench.modes import BASELINE, DEFAULT_MODES, RUNNER_HF, largest_k
 from specd.tools.bench.output import build_meta, write_report
-from specd.tools.bench.overhead import metrics_address, read_overhead
+from specd.tools.bench.overhead import Buckets, metrics_address, read_overhead
 from specd.tools.bench.peer import HFPeer
 from specd.tools.bench.plan import BATCHING_SETUPS, BenchError, Plan, ServiceSetup, make_plan, output_paths
 from specd.tools.bench.prepare import prepare_run
@@ -273,7 +273,7 @@ def _measure(
             quiet,
             setup.label,
             metadata,
-            overhead=(lambda: read_overhead(metrics)) if (metrics := state.metrics) else None,
+            overhead=_overhead_reader(state.metrics),
         )
         if receiver is not None and index == 0:
             state.tracing = tracing_cell(args, plan, modes, state.items, state.address, receiver, quiet)
@@ -285,6 +285,13 @@ def _measure(
             flush=True,
         )
     phase(f"cells{setup.label and '_' + setup.label}_s")
+
+
+def _overhead_reader(address: str | None) -> Callable[[], Buckets] | None:
+    """Reads the coordinator's round-overhead histogram (None: no metrics endpoint, e.g. --address)."""
+    if address is None:
+        return None
+    return lambda: read_overhead(address)
 
 
 def _report(

@@ -21,6 +21,7 @@ from coordinator.detokenizer import IncrementalDetokenizer
 from coordinator.peers import DraftPeer, TargetPeer
 from specd.core.adaptive import AdaptiveDraftLength, Estimate, LinearCost, ProbeBudget, observe_round
 from specd.core.errors import (
+    REQUEST_ERRORS,
     DeadlineExceeded,
     FailedPrecondition,
     InvalidArgument,
@@ -85,6 +86,7 @@ class Chunk:
 class _PeerSession:
     opened: bool = False
     known: int = 0  # leading committed tokens the peer's sequence agrees with
+    refused: bool = False  # the draft refused or failed this request alone: target-only rounds for it
 
 
 @dataclass
@@ -417,6 +419,8 @@ class RoundEngine:
     ) -> Proposal:
         """K draft tokens after `committed` (the draft agrees on its first `start`), or none if the draft fails."""
         assert self.draft is not None
+        if ds.refused:
+            return Proposal([])
         timeout = min(self.config.draft_timeout_s, max(0.0, deadline - time.monotonic()))
         trace = self.tracing.inject(round_span)
         try:
@@ -429,7 +433,13 @@ class RoundEngine:
                 except (SessionNotFound, SessionOutOfSync):
                     ds.opened = False
             raise Unavailable("draft lost the session twice in a row")
-        except SpecdError as exc:  # slow, gone, lying or full: speculation pauses, output stays exact
+        except REQUEST_ERRORS as exc:  # this request's own problem: it alone goes target-only, nobody pauses
+            ds.refused = True
+            log.warning("draft refused session %s (%s: %s); target-only for it", sid, type(exc).__name__, exc)
+            if round_span.is_recording():
+                round_span.add_event("draft refused the request; target-only", {tr.ATTR_ERROR_TYPE: type(exc).__name__})
+            return Proposal([])
+        except SpecdError as exc:  # slow, gone or full: speculation pauses, output stays exact
             ds.opened = False
             self._draft_failed(f"{type(exc).__name__}: {exc}")
             if round_span.is_recording():

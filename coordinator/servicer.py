@@ -12,6 +12,7 @@ from coordinator.engine import Chunk, RequestStats, RoundEngine
 from coordinator.requests import spec_from_request
 from specd.core.rounds import FinishReason
 from specd.serving import tracing as tr
+from specd.serving.grpc_errors import status_code
 from specd.v1 import common_pb2, coordinator_pb2, coordinator_pb2_grpc
 
 _FINISH = {
@@ -76,22 +77,25 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
         """The request's chunks inside its Generate span; request metrics when it ends."""
         engine = self.engine
         arrival = time.monotonic()
-        span = engine.tracing.start_generate(method, context.invocation_metadata() if engine.tracing.enabled else ())
+        model = engine.target_info.name if engine.target_info is not None else ""
+        metadata = context.invocation_metadata() if engine.tracing.enabled else ()
+        span = engine.tracing.start_generate(method, metadata, model)
         try:
             async with aclosing(self._chunks(request, context, span)) as chunks:
                 async for chunk in chunks:
                     if chunk.stats is not None and chunk.finish_reason is not None:
-                        if span.is_recording():
-                            span.set_attributes(tr.stats_attributes(chunk.stats, chunk.finish_reason.value))
+                        tr.finish_generate(span, chunk.stats, chunk.finish_reason.value)
                         if engine.metrics is not None:
                             engine.metrics.observe_request(
-                                chunk.stats, chunk.finish_reason.value, time.monotonic() - arrival
+                                chunk.stats, chunk.finish_reason.value, time.monotonic() - arrival, model=model
                             )
                     yield chunk
         except BaseException as exc:
             tr.record_error(span, exc)
             if engine.metrics is not None:
-                engine.metrics.observe_failure(tr.error_name(exc))
+                engine.metrics.observe_failure(
+                    tr.error_name(exc), status_code(exc).name, time.monotonic() - arrival, model=model
+                )
             raise
         finally:
             span.end()

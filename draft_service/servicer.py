@@ -53,7 +53,7 @@ class DraftServicer(
         self.info = info
         self.max_draft_tokens = max_draft_tokens
         if metrics is not None:
-            metrics.watch_sessions(drafter.active_sessions)
+            metrics.watch_sessions(drafter.active_sessions, getattr(drafter, "kv_bytes", None))
 
     @staticmethod
     def _response(req: draft_pb2.DraftRequest) -> draft_pb2.DraftResponse:

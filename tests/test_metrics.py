@@ -8,9 +8,11 @@ from __future__ import annotations
 import urllib.request
 from types import SimpleNamespace
 
+import pytest
 from prometheus_client import REGISTRY, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
+from specd.serving import genai
 from specd.serving.metrics import CoordinatorMetrics, DraftMetrics, TargetMetrics, metrics_for, serve_metrics
 
 
@@ -41,9 +43,15 @@ def test_rounds_and_requests_use_vllm_names_and_add_up() -> None:
             overhead_ms=1.0,
             wall_ms=8.0,
         )
-    stats = SimpleNamespace(prompt_tokens=7, completion_tokens=10, time_to_first_token_ms=30.0, tokens_per_s=100.0)
-    m.observe_request(stats, "length", 0.1)
-    m.observe_failure("Unavailable")
+    stats = SimpleNamespace(
+        prompt_tokens=7,
+        completion_tokens=10,
+        time_to_first_token_ms=30.0,
+        tokens_per_s=100.0,
+        rounds=SimpleNamespace(pipeline_hits=2),
+    )
+    m.observe_request(stats, "length", 0.1, model="m")
+    m.observe_failure("Unavailable", "UNAVAILABLE", 0.5, model="m")
     got = samples(m.registry)
     assert got[("specd:spec_decode_num_drafts_total", ())] == 3
     assert got[("specd:spec_decode_num_draft_tokens_total", ())] == 11
@@ -62,8 +70,10 @@ def test_rounds_and_requests_use_vllm_names_and_add_up() -> None:
     assert got[("specd:round_seconds_sum", (("part", "verify"),))] == 4 * 0.005
     assert got[("specd:inter_token_latency_seconds_count", ())] == 3  # rounds after the first
     assert got[("specd:request_success_total", (("finished_reason", "length"),))] == 1
-    assert got[("specd:request_failure_total", (("error", "Unavailable"),))] == 1
+    assert got[("specd:request_failure_total", (("code", "UNAVAILABLE"), ("error", "Unavailable")))] == 1
+    # generation tokens count as rounds commit (3 + 5 + 1 + 1), prompt tokens when the request finishes
     assert got[("specd:generation_tokens_total", ())] == 10 and got[("specd:prompt_tokens_total", ())] == 7
+    assert got[("specd:spec_decode_num_pipeline_hits_total", ())] == 2
     assert got[("specd:time_to_first_token_seconds_sum", ())] == 0.03
     assert got[("specd:e2e_request_latency_seconds_count", ())] == 1
     assert got[("specd:request_tokens_per_second_count", ())] == 1
@@ -96,12 +106,84 @@ def test_each_service_has_its_own_registry_and_endpoint() -> None:
     # Two of each in one process: no clash, because nothing registers globally.
     first, second = metrics_for("coordinator"), metrics_for("coordinator")
     assert isinstance(first, CoordinatorMetrics) and first.registry is not second.registry
-    first.observe_failure("cancelled")
+    first.observe_failure("cancelled", "CANCELLED")
     assert not any(name.startswith("specd:") for name in REGISTRY._names_to_collectors)
     server, port = serve_metrics(first.registry, "127.0.0.1", 0)
     try:
         assert port > 0
         text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
-        assert 'specd:request_failure_total{error="cancelled"} 1.0' in text
+        assert 'specd:request_failure_total{code="CANCELLED",error="cancelled"} 1.0' in text
+        # Prometheus 2.x asks for OpenMetrics without an escaping scheme; the names must keep their colons
+        # (prometheus_client would answer with escaping=underscores: specd_request_failure_total).
+        prometheus2 = (
+            "application/openmetrics-text;version=1.0.0,application/openmetrics-text;version=0.0.1;q=0.75,"
+            "text/plain;version=0.0.4;q=0.5,*/*;q=0.1"
+        )
+        request = urllib.request.Request(f"http://127.0.0.1:{port}/metrics", headers={"Accept": prometheus2})
+        with urllib.request.urlopen(request, timeout=10) as response:
+            assert response.headers["Content-Type"].startswith("text/plain; version=0.0.4")
+            text = response.read().decode()
+        names = {s.name for family in text_string_to_metric_families(text) for s in family.samples}
+        assert "specd:request_failure_total" in names and not any(n.startswith("specd_") for n in names)
     finally:
         server.shutdown()
+
+
+def test_genai_server_metrics_follow_the_conventions() -> None:
+    """gen_ai.server.* under their Prometheus names, with the conventions' buckets and attributes as labels."""
+    m = CoordinatorMetrics()
+    stats = SimpleNamespace(
+        prompt_tokens=4,
+        completion_tokens=11,
+        time_to_first_token_ms=20.0,
+        tokens_per_s=50.0,
+        rounds=SimpleNamespace(pipeline_hits=0),
+    )
+    m.observe_request(stats, "stop_token", 0.22, model="tiny")
+    one = SimpleNamespace(**{**vars(stats), "completion_tokens": 1})
+    m.observe_request(one, "length", 0.05, model="tiny")  # one output token: no time per output token
+    m.observe_failure("InvalidArgument", "INVALID_ARGUMENT", 0.003, model="tiny")
+    got = samples(m.registry)
+    labels = (("gen_ai_operation_name", "text_completion"), ("gen_ai_provider_name", "specd"))
+    model = (("gen_ai_request_model", "tiny"),)
+    ok = (("error_type", ""), *labels, *model)
+    failed = (("error_type", "INVALID_ARGUMENT"), *labels, *model)
+    assert got[("gen_ai_server_request_duration_seconds_count", ok)] == 2
+    assert got[("gen_ai_server_request_duration_seconds_sum", ok)] == pytest.approx(0.27)
+    assert got[("gen_ai_server_request_duration_seconds_count", failed)] == 1
+    assert got[("gen_ai_server_time_to_first_token_seconds_count", (*labels, *model))] == 2
+    # (0.22 - 0.02) / (11 - 1) = 0.02 s per output token after the first
+    assert got[("gen_ai_server_time_per_output_token_seconds_count", (*labels, *model))] == 1
+    assert got[("gen_ai_server_time_per_output_token_seconds_sum", (*labels, *model))] == pytest.approx(0.02)
+    # The conventions' explicit bucket boundaries (plus +Inf).
+    for name, buckets in (
+        ("gen_ai_server_request_duration_seconds", genai.REQUEST_DURATION_BUCKETS),
+        ("gen_ai_server_time_to_first_token_seconds", genai.TIME_TO_FIRST_TOKEN_BUCKETS),
+        ("gen_ai_server_time_per_output_token_seconds", genai.TIME_PER_OUTPUT_TOKEN_BUCKETS),
+    ):
+        les = sorted({float(dict(ls)["le"]) for (n, ls) in got if n == name + "_bucket"})
+        assert les == [*buckets, float("inf")], name
+    assert genai.REQUEST_DURATION_BUCKETS[:3] == (0.01, 0.02, 0.04) and genai.REQUEST_DURATION_BUCKETS[-1] == 81.92
+    assert genai.TIME_TO_FIRST_TOKEN_BUCKETS[0] == 0.001 and genai.TIME_TO_FIRST_TOKEN_BUCKETS[-1] == 10.0
+    assert genai.TIME_PER_OUTPUT_TOKEN_BUCKETS[0] == 0.01 and genai.TIME_PER_OUTPUT_TOKEN_BUCKETS[-1] == 2.5
+
+
+def test_kv_bytes_are_read_at_scrape_time_even_while_sessions_change() -> None:
+    d = DraftMetrics()
+    sessions = {"a": 100, "b": 28}
+    calls = [0]
+
+    def kv_bytes() -> int:
+        calls[0] += 1
+        if calls[0] == 2:  # the model thread adds a session mid-sum: the next try succeeds
+            raise RuntimeError("dictionary changed size during iteration")
+        return sum(sessions.values())
+
+    d.watch_sessions(lambda: len(sessions), kv_bytes)
+    assert samples(d.registry)[("specd:kv_cache_bytes", ())] == 128
+    sessions["c"] = 72
+    assert samples(d.registry)[("specd:kv_cache_bytes", ())] == 200
+    assert samples(d.registry)[("specd:sessions_active", ())] == 3
+    t = TargetMetrics()
+    t.watch_sessions(lambda: 0)  # no KV reader (a drafter without a model): the gauge stays at 0
+    assert samples(t.registry)[("specd:kv_cache_bytes", ())] == 0

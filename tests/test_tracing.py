@@ -24,10 +24,11 @@ from opentelemetry.sdk.trace.sampling import ParentBased, TraceIdRatioBased
 from opentelemetry.trace import INVALID_SPAN, SpanKind
 
 from coordinator.client import build_request
+from specd.serving import genai
 from specd.serving import tracing as tr
 from specd.serving.config import CoordinatorConfig, DraftConfig
 from specd.tools.otlp_receiver import OtlpReceiver, ReceivedSpan
-from specd.v1 import coordinator_pb2, coordinator_pb2_grpc
+from specd.v1 import common_pb2, coordinator_pb2, coordinator_pb2_grpc
 from tests.cluster import READY_TIMEOUT_S, Cluster, QuietService, metrics_address, scrape, total
 
 # ---- in-process: settings, context, sampling, a dead collector -----------------------
@@ -194,10 +195,15 @@ def generate(cluster: Cluster | str, *, stream: bool = False, traceparent: bool 
     return Call(response, trace_id, seed, kwargs.get("speculation") != "off")
 
 
+def is_generate(span: ReceivedSpan) -> bool:
+    """The Generate span: named "text_completion MODEL" by the GenAI conventions."""
+    return span.service == tr.SERVICE_COORDINATOR and span.attributes.get(tr.ATTR_GENAI_OPERATION) == genai.OPERATION
+
+
 def trace_of(spans: list[ReceivedSpan], call: Call) -> list[ReceivedSpan]:
     if call.trace_id is not None:
         return [s for s in spans if s.trace_id == call.trace_id]
-    roots = [s for s in spans if s.name == tr.SPAN_GENERATE and s.attributes.get(tr.ATTR_SEED) == call.seed]
+    roots = [s for s in spans if is_generate(s) and s.attributes.get(tr.ATTR_SEED) == call.seed]
     return [s for s in spans if roots and s.trace_id == roots[0].trace_id]
 
 
@@ -215,7 +221,7 @@ def complete(trace: list[ReceivedSpan], call: Call) -> bool:
     rounds = call.response.stats.rounds
     verifies = [s for s in trace if s.name == tr.SPAN_TARGET_VERIFY]
     return (
-        sum(s.name == tr.SPAN_GENERATE for s in trace) == 1
+        sum(is_generate(s) for s in trace) == 1
         and sum(s.name == tr.SPAN_ROUND for s in trace) == rounds
         and len(verifies) == rounds
         and sum(s.name == tr.SPAN_DRAFT_PROPOSE for s in trace) == call.response.stats.drafts
@@ -238,7 +244,7 @@ def test_each_generate_is_one_trace_with_a_span_per_round(traced: Cluster, recei
         trace = trace_of(spans, call)
         assert complete(trace, call), (call, sorted(s.name for s in trace), traced.logs())
         by_id = {s.span_id: s for s in trace}
-        (gen,) = [s for s in trace if s.name == tr.SPAN_GENERATE]
+        (gen,) = [s for s in trace if is_generate(s)]
         rounds = sorted((s for s in trace if s.name == tr.SPAN_ROUND), key=lambda s: s.attributes[tr.ATTR_ROUND_INDEX])
         # One trace across the three services, rooted at the Generate span (or the client's span).
         expected = {tr.SERVICE_COORDINATOR, tr.SERVICE_TARGET} | ({tr.SERVICE_DRAFT} if call.speculative else set())
@@ -306,13 +312,64 @@ def test_round_spans_add_up_to_the_response_stats(traced: Cluster, receiver: Otl
             assert r[tr.ATTR_ROUND_ACCEPTED] <= r[tr.ATTR_ROUND_DRAFT_TOKENS] <= r[tr.ATTR_ROUND_DRAFT_LENGTH]
             assert r[tr.ATTR_ROUND_TOKEN_KIND] in (tr.TOKEN_KIND_BONUS, tr.TOKEN_KIND_RECOVERED)
             assert r[tr.ATTR_ROUND_WALL_MS] >= r[tr.ATTR_ROUND_DRAFT_MS] + r[tr.ATTR_ROUND_VERIFY_MS] - 1e-6
-        (gen,) = [s.attributes for s in trace if s.name == tr.SPAN_GENERATE]
+        (gen,) = [s.attributes for s in trace if is_generate(s)]
         assert gen[tr.ATTR_ROUNDS] == stats.rounds and gen[tr.ATTR_DRAFTS] == stats.drafts
         assert gen[tr.ATTR_ACCEPTED_TOKENS] == stats.accepted_tokens and gen[tr.ATTR_DRAFT_TOKENS] == stats.draft_tokens
         assert gen[tr.ATTR_COMPLETION_TOKENS] == stats.completion_tokens and gen[tr.ATTR_FINISH_REASON] == "length"
         assert gen[tr.ATTR_SEED] == call.seed and gen[tr.ATTR_PROMPT_TOKENS] == 6
         assert gen[tr.ATTR_ACCEPTANCE_LENGTH] == pytest.approx(stats.acceptance_length)
         assert gen[tr.ATTR_DRAFT_MS] == pytest.approx(sum(r[tr.ATTR_ROUND_DRAFT_MS] for r in rounds))
+
+
+def test_generate_span_follows_the_genai_conventions(traced: Cluster, receiver: OtlpReceiver) -> None:
+    """Span name "{operation} {model}", gen_ai.request/response/usage attributes; specd.* speculation kept."""
+    with grpc.insecure_channel(traced.address) as channel:
+        model = coordinator_pb2_grpc.CoordinatorStub(channel).GetModelInfo(common_pb2.GetModelInfoRequest()).name
+    assert model
+    seed = 6000 + secrets.randbelow(10**6) * 10
+    call = generate(
+        traced,
+        seed=seed,
+        max_new_tokens=12,
+        temperature=0.8,
+        top_p=0.9,
+        top_k=40,
+        stop=["never-produced-1", "never-produced-2"],
+        speculation="fixed",
+        draft_length=3,
+    )
+    stats = call.response.stats
+    spans = receiver.wait_for(lambda spans: complete(trace_of(spans, call), call))
+    (gen,) = [s for s in trace_of(spans, call) if is_generate(s)]
+    a = gen.attributes
+    assert gen.name == f"text_completion {model}" and gen.kind == 2  # SpanKind SERVER in OTLP
+    assert a["gen_ai.operation.name"] == "text_completion" and a["gen_ai.provider.name"] == "specd"
+    assert a["gen_ai.request.model"] == a["gen_ai.response.model"] == model
+    assert a["gen_ai.request.max_tokens"] == 12 and a["gen_ai.request.seed"] == seed
+    assert a["gen_ai.request.temperature"] == pytest.approx(0.8) and a["gen_ai.request.top_p"] == pytest.approx(0.9)
+    assert a["gen_ai.request.top_k"] == 40.0
+    assert a["gen_ai.request.stop_sequences"] == ["never-produced-1", "never-produced-2"]
+    assert a["gen_ai.response.id"] == a[tr.ATTR_SESSION_ID] and len(a["gen_ai.response.id"]) == 32
+    assert a["gen_ai.response.finish_reasons"] == ["length"] and a[tr.ATTR_FINISH_REASON] == "length"
+    assert a["gen_ai.usage.input_tokens"] == 6
+    assert a["gen_ai.usage.output_tokens"] == stats.completion_tokens == len(call.response.token_ids) == 12
+    # specd's own: the speculation settings and results stay under specd.*
+    assert a["specd.request.speculation"] == "fixed" and a["specd.request.draft_length"] == 3
+    assert a["specd.rounds"] == stats.rounds and a["specd.drafts"] == stats.drafts > 0
+    assert a["specd.accepted_tokens"] == stats.accepted_tokens and a["specd.draft_tokens"] == stats.draft_tokens
+    assert a["specd.acceptance_length"] == pytest.approx(stats.acceptance_length)
+    assert a["specd.pipeline_hits"] == stats.pipeline_hits
+    # No second name for what the conventions name.
+    assert not {"specd.request.temperature", "specd.request.seed", "specd.completion_tokens"} & set(a)
+    # A refused request: the span still names the operation and model, and says why it failed.
+    with pytest.raises(grpc.RpcError) as refused:
+        generate(traced, seed=seed + 1, max_new_tokens=4, temperature=-1.0)
+    assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    spans = receiver.wait_for(
+        lambda spans: any(is_generate(s) and s.attributes.get(tr.ATTR_ERROR_TYPE) for s in spans), timeout=30
+    )
+    failed = [s for s in spans if is_generate(s) and s.attributes.get(tr.ATTR_ERROR_TYPE) == "InvalidArgument"]
+    assert failed and all(f.name == f"text_completion {model}" and f.status_code == 2 for f in failed)
 
 
 def test_metrics_endpoints_count_what_was_served(traced: Cluster) -> None:

@@ -189,8 +189,9 @@ class ModelDrafter:
     def propose_batch(self, requests: Sequence[ProposeRequest]) -> list[Proposal | Exception]:
         """Draft for many sessions at once: step i runs one forward over every session still drafting.
 
-        Per-request checks fail only that request; a failing forward fails the
-        sessions in it (each rolled back to its committed prefix). The tokens
+        Per-request checks, and a row that cannot be sampled (non-finite
+        numbers), fail only that request; a failing forward fails the sessions
+        in it. A failed session is rolled back to its committed prefix. The tokens
         do not depend on the batch: greedy is an argmax, sampling uses the
         (seed, position) coins.
         """
@@ -220,13 +221,18 @@ class ModelDrafter:
             [len(s.kv) + n for _, s, n in ready], self.max_batch, [len(s.kv) - s.kv.cached for _, s, _ in ready]
         ):
             part = [ready[g] for g in group]
+            failed: dict[int, Exception] = {}  # a row that cannot be sampled drops out alone
             try:
                 for step in range(max(n for _, _, n in part)):
-                    self._draft_step([(i, s) for i, s, n in part if n > step], drafted, logs)
+                    active = [(i, s) for i, s, n in part if n > step and i not in failed]
+                    if active:
+                        failed.update(self._draft_step(active, drafted, logs))
             except Exception as exc:  # noqa: BLE001 - the shared forward failed: every session in it fails
-                for i, s, _ in part:
+                failed = {i: exc for i, _, _ in part}
+            for i, s, _ in part:
+                if i in failed:
                     self.runner.truncate(s.kv, requests[i].committed_length)
-                    results[i] = exc
+                    results[i] = failed[i]
             for i, _, _ in part:
                 logs[i].batch_size = len(part)
         for i, _, _ in ready:
@@ -236,33 +242,53 @@ class ModelDrafter:
 
     def _draft_step(
         self, active: list[tuple[int, _ModelDraftSession]], drafted: dict[int, _Draft], logs: list[PhaseLog]
-    ) -> None:
-        """One token for each active session: a batched forward, then per-row sampling."""
+    ) -> dict[int, Exception]:
+        """One token for each active session: a batched forward, then per-row sampling.
+
+        Returns {request index: error} for the rows that could not be sampled
+        (non-finite numbers); they get no token, the others are unaffected.
+        """
         t0 = time.time_ns()
         rows = self.runner.logits_batch([s.kv for _, s in active], [1] * len(active))  # A x [1, V]
         logits = torch.cat(rows)  # [A, V]
         if self.token_map is not None:
             logits = logits[:, self.token_map]  # [A, N]: the reduced head's own rows
         t1 = time.time_ns()
-        probs = sampling.processed_probs(logits[:, None, :], [s.params for _, s in active])[:, 0]  # [A, V or N]
+        probs = sampling.processed_probs(logits[:, None, :], [s.params for _, s in active])  # [A, 1, V or N]
+        unusable = sampling.unusable_rows(logits[:, None, :], probs)
+        probs = probs[:, 0]  # [A, V or N]
+        failed: dict[int, Exception] = {}
         for a, (i, s) in enumerate(active):
+            if a in unusable:
+                failed[i] = unusable[a]
+                continue
             d = drafted[i]
-            if s.params.is_greedy:
-                token = self._target_id(probs[a].argmax())  # q one-hot: nothing to send
-            else:
-                seeds = torch.tensor([s.params.seed], dtype=torch.int64)
-                position = torch.tensor([len(s.kv.tokens)], dtype=torch.int64)
-                tok, ids, wire = sampling.draft_token(probs[a : a + 1], s.wire_top_k, self.wire_bits, seeds, position)
-                token = self._target_id(tok[0])
-                # Same numbers, target ids: q(token_map[j]) = wire[j], 0 off the map.
-                d.q_ids.append(ids[0] if self.token_map is None else self.token_map[ids[0]])
-                d.q_probs.append(wire[0])
+            try:
+                if s.params.is_greedy:
+                    token = self._target_id(probs[a].argmax())  # q one-hot: nothing to send
+                    q = None
+                else:
+                    seeds = torch.tensor([s.params.seed], dtype=torch.int64)
+                    position = torch.tensor([len(s.kv.tokens)], dtype=torch.int64)
+                    tok, ids, wire = sampling.draft_token(
+                        probs[a : a + 1], s.wire_top_k, self.wire_bits, seeds, position
+                    )
+                    token = self._target_id(tok[0])
+                    # Same numbers, target ids: q(token_map[j]) = wire[j], 0 off the map.
+                    q = (ids[0] if self.token_map is None else self.token_map[ids[0]], wire[0])
+            except Exception as exc:  # noqa: BLE001 - this row's sampling failed: its request alone
+                failed[i] = exc
+                continue
+            if q is not None:
+                d.q_ids.append(q[0])
+                d.q_probs.append(q[1])
             self.runner.append(s.kv, [token])
             d.tokens.append(token)
         t2 = time.time_ns()
         for i, _ in active:
             logs[i].add(ph.FORWARD, t0, t1)
             logs[i].add(ph.SAMPLING, t1, t2)
+        return failed
 
     def _target_id(self, index: Tensor) -> int:
         """A logit column index -> the target token id it stands for."""

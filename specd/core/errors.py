@@ -36,3 +36,15 @@ class DeadlineExceeded(SpecdError):
 
 class FailedPrecondition(SpecdError):
     """The system is not in a state that allows this (e.g. models disagree)."""
+
+
+class Internal(SpecdError):
+    """Something failed inside a service for this request alone (e.g. the model's numbers
+    for its row were not finite). Retrying gives the same result, so nobody retries it;
+    the message is for logs, and clients see a generic one."""
+
+
+# Errors that belong to one request: retrying gives the same answer, and they say
+# nothing about the health of the service that reported them. Callers fail (or
+# degrade) that request alone and neither retry nor mark the peer unhealthy.
+REQUEST_ERRORS: tuple[type[SpecdError], ...] = (InvalidArgument, Internal)

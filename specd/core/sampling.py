@@ -27,7 +27,15 @@ emitted sequence has exactly the distribution of sampling from p alone
 
 Greedy (temperature 0) needs no special case: p is one-hot at the argmax,
 so a draft token is accepted iff it is the argmax, and the residual is
-one-hot at the argmax.
+one-hot at the argmax. Temperatures below TEMPERATURE_FLOOR are greedy too:
+dividing float32 logits by, say, 1e-45 gives inf and NaN, and the limit of
+softmax(x / T) as T -> 0 is the argmax anyway (vLLM draws the same line).
+
+Nothing here relies on `assert` to check numbers that come from a request or
+a model: a row that cannot be sampled raises a domain error (InvalidArgument
+for the caller's own input, Internal for non-finite model numbers), and
+`unusable_rows` finds such rows of a batch before anything is sampled, so
+that a batched caller can fail them alone.
 """
 
 from __future__ import annotations
@@ -42,9 +50,11 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from specd.core.errors import InvalidArgument
+from specd.core.errors import Internal, InvalidArgument, SpecdError
 
 __all__ = [
+    "MAX_TEMPERATURE",
+    "TEMPERATURE_FLOOR",
     "Role",
     "SamplingParams",
     "SparseProposal",
@@ -56,10 +66,17 @@ __all__ = [
     "sample_from_probs",
     "sample_sparse",
     "sparse_proposal",
+    "unusable_rows",
 ]
 
 # Below this residual mass, p == q up to rounding: sample from p instead.
 ZERO_RESIDUAL = 1e-12
+# Temperatures in (0, TEMPERATURE_FLOOR) act as greedy (temperature 0): see the module docstring.
+TEMPERATURE_FLOOR = 1e-5
+# The largest temperature accepted. Far above any useful value; it keeps T finite in float32.
+MAX_TEMPERATURE = 100.0
+# top_k travels as uint32; a larger value cannot come from the wire and means "off" anyway.
+MAX_TOP_K = 2**32 - 1
 
 
 def _require(ok: bool, message: str) -> None:
@@ -83,22 +100,29 @@ class SamplingParams:
     seed: int = 0  # every coin derives from (seed, position, role)
 
     def validate(self) -> SamplingParams:
-        """Return self, or raise InvalidArgument naming the field to fix."""
+        """Return self, or raise InvalidArgument naming the field to fix.
+
+        Every float is checked for being a finite number in its range (NaN fails
+        every comparison, so each check is written to pass only on good values).
+        """
         t = self.temperature
         _require(
-            isinstance(t, numbers.Real) and not math.isnan(t) and t >= 0 and not math.isinf(t),
-            f"temperature must be a finite number >= 0 (0 means greedy), got {t!r}",
+            _is_real(t) and math.isfinite(t) and 0.0 <= t <= MAX_TEMPERATURE,
+            f"temperature must be a finite number in [0, {MAX_TEMPERATURE:g}] (0 means greedy; "
+            f"below {TEMPERATURE_FLOOR:g} acts as greedy), got {t!r}",
         )
         _require(
-            isinstance(self.top_k, numbers.Integral) and not isinstance(self.top_k, bool) and self.top_k >= 0,
-            f"top_k must be an integer >= 0 (0 means off), got {self.top_k!r}",
+            isinstance(self.top_k, numbers.Integral)
+            and not isinstance(self.top_k, bool)
+            and 0 <= self.top_k <= MAX_TOP_K,
+            f"top_k must be an integer in [0, {MAX_TOP_K}] (0 means off), got {self.top_k!r}",
         )
         _require(
-            isinstance(self.top_p, numbers.Real) and 0.0 < self.top_p <= 1.0,
+            _is_real(self.top_p) and math.isfinite(self.top_p) and 0.0 < self.top_p <= 1.0,
             f"top_p must be in (0, 1] (1 means off), got {self.top_p!r}",
         )
         _require(
-            isinstance(self.min_p, numbers.Real) and 0.0 <= self.min_p < 1.0,
+            _is_real(self.min_p) and math.isfinite(self.min_p) and 0.0 <= self.min_p < 1.0,
             f"min_p must be in [0, 1) (0 means off), got {self.min_p!r}",
         )
         _require(
@@ -109,7 +133,12 @@ class SamplingParams:
 
     @property
     def is_greedy(self) -> bool:
-        return self.temperature == 0
+        """Temperature 0, or below the floor (where x / T would overflow float32)."""
+        return self.temperature < TEMPERATURE_FLOOR
+
+
+def _is_real(x: object) -> bool:
+    return isinstance(x, numbers.Real) and not isinstance(x, bool)
 
 
 # --------------------------------------------------------------------------
@@ -181,7 +210,12 @@ def processed_probs(logits: Tensor, params: Sequence[SamplingParams]) -> Tensor:
     renormalise. top-p keeps the smallest set of most likely tokens whose
     mass (after top-k) is >= top_p, always the top token; min-p keeps
     p >= min_p * max p. Ties in rank go to the lower token id.
-    Temperature 0: one-hot at argmax of the float32 logits (lowest id on ties).
+    Temperature 0 (or below TEMPERATURE_FLOOR): one-hot at argmax of the
+    float32 logits (lowest id on ties).
+
+    Rows never mix: a row's numbers depend on its own logits and settings only,
+    so a row with NaN logits gives a NaN row and leaves the others exact
+    (`unusable_rows` finds it).
     """
     assert logits.dim() == 3, f"logits must be [B, N, V], got {tuple(logits.shape)}"
     assert logits.is_floating_point(), f"logits must be floating point, got {logits.dtype}"
@@ -193,8 +227,8 @@ def processed_probs(logits: Tensor, params: Sequence[SamplingParams]) -> Tensor:
     dev = logits.device
     x = logits.to(torch.float32)  # [B, N, V]
 
+    greedy = torch.tensor([sp.is_greedy for sp in params], device=dev)  # [B]
     temp = torch.tensor([sp.temperature for sp in params], dtype=torch.float32, device=dev)  # [B]
-    greedy = temp == 0  # [B]
     # x / T in float32 (greedy rows are replaced below; divide them by 1).
     probs = torch.softmax(x / torch.where(greedy, 1.0, temp)[:, None, None], dim=-1)  # [B, N, V]
 
@@ -229,6 +263,29 @@ def processed_probs(logits: Tensor, params: Sequence[SamplingParams]) -> Tensor:
     return probs
 
 
+def unusable_rows(logits: Tensor, probs: Tensor) -> dict[int, SpecdError]:
+    """The rows of a batch that cannot be sampled, each with the error its request gets.
+
+    logits: [B, N, V] the model's raw logits; probs: [B, N, V] processed_probs of them
+    returns: {row: Internal} for rows whose logits hold NaN or +inf or no finite
+             value at some position (a greedy row's argmax would silently pick a
+             NaN), or whose processed p is not a distribution (not finite, or no mass).
+    -inf logits are fine (masked or absent tokens) as long as one logit is finite.
+    """
+    assert logits.shape == probs.shape and logits.dim() == 3, (
+        f"logits and probs must both be [B, N, V], got {tuple(logits.shape)} and {tuple(probs.shape)}"
+    )
+    x = logits.detach()
+    bad_logits = (x.isnan() | (x == math.inf)).flatten(1).any(-1) | (x.amax(-1) == -math.inf).any(-1)  # [B]
+    bad_probs = ~probs.isfinite().flatten(1).all(-1) | (probs.sum(-1) <= 0).any(-1)  # [B]
+    out: dict[int, SpecdError] = {}
+    for b in bad_logits.nonzero().flatten().tolist():
+        out[b] = Internal("the model's logits for this request are not finite")
+    for b in bad_probs.nonzero().flatten().tolist():
+        out.setdefault(b, Internal("the sampling distribution for this request is not finite"))
+    return out
+
+
 # --------------------------------------------------------------------------
 # Drawing tokens
 # --------------------------------------------------------------------------
@@ -249,7 +306,8 @@ def sample_from_probs(probs: Tensor, u: Tensor) -> Tensor:
     assert probs.shape[-1] > 0, "cannot sample from an empty distribution"
     cdf = torch.cumsum(probs.to(torch.float64), dim=-1)  # [..., V]
     total = cdf[..., -1]  # [...]
-    assert bool((total > 0).all()), "every row must have positive total probability"
+    if not bool((total > 0).all()) or not bool(total.isfinite().all()):
+        raise Internal("a distribution to sample from has no finite positive mass")
     target = (u.to(torch.float64) * total).unsqueeze(-1)  # [..., 1]
     idx = torch.searchsorted(cdf.contiguous(), target.contiguous(), right=True).squeeze(-1)  # [...]
     # u*total can round up to total: fall back to the last token with weight > 0.
@@ -289,7 +347,8 @@ def sparse_proposal(probs: Tensor, wire_top_k: int, wire_bits: int = 16) -> tupl
     vals, ids = torch.sort(probs, dim=-1, descending=True, stable=True)  # [B, V] each
     vals, ids = vals[:, :W].to(torch.float64), ids[:, :W]  # [B, W]
     total = vals.sum(-1, keepdim=True)  # [B, 1]
-    assert bool((total > 0).all()), "draft probabilities must have positive mass in their top-k"
+    if not bool((total > 0).all()) or not bool(total.isfinite().all()):
+        raise Internal("the draft's probabilities have no finite positive mass in their top-k")
     t = vals / total  # truncated, renormalised
     scale = float(2**wire_bits)
     r = torch.round(t * scale) / scale  # on the wire grid

@@ -116,9 +116,11 @@ class Verifier:
         """Verify many sessions' proposals in one target forward pass; per-request outcome or error.
 
         A request that fails its own checks (unknown session, out of sync, bad
-        drafts) gets its exception and leaves the others alone; a failing
-        forward pass fails every request that reached it. Greedy and seeded
-        outcomes do not depend on the batch: coins hash (seed, position).
+        drafts), or whose row cannot be sampled (non-finite numbers, a proposal
+        that breaks the sampler's rules), gets its exception and leaves the
+        others alone; only a failing forward pass fails every request that
+        reached it. Greedy and seeded outcomes do not depend on the batch:
+        coins hash (seed, position).
         """
         results: list[VerifyOutcome | Exception | None] = [None] * len(requests)
         logs = [PhaseLog() for _ in requests]
@@ -186,35 +188,72 @@ class Verifier:
         t1 = time.time_ns()
         # Pad each row to K_max + 1 positions (repeating its last row: never read, the
         # sampler stops at num_draft) and each q to the widest W; q = 0 on padding.
-        rows = [torch.cat([lg, lg[-1:].expand(k_max - k, -1)]) if k < k_max else lg for lg, k in zip(logits, ks)]
-        p = sampling.processed_probs(torch.stack(rows), [s.params for _, s in ready])  # [B, K_max+1, V]
-        drafts = torch.zeros(len(ready), k_max, dtype=torch.int64)  # [B, K_max]
-        for b, (i, _) in enumerate(ready):
-            drafts[b, : ks[b]] = torch.tensor(requests[i].proposal.token_ids, dtype=torch.int64)
-        verdict = sampling.rejection_sample(
-            p,
-            drafts,
-            _sparse_batch([requests[i].proposal for i, _ in ready], k_max),
-            seeds=torch.tensor([s.params.seed for _, s in ready], dtype=torch.int64),
-            start_positions=torch.tensor([requests[i].committed_length for i, _ in ready], dtype=torch.int64),
-            num_draft=torch.tensor(ks, dtype=torch.int64),
-        )
+        rows = torch.stack(
+            [torch.cat([lg, lg[-1:].expand(k_max - k, -1)]) if k < k_max else lg for lg, k in zip(logits, ks)]
+        )  # [B, K_max+1, V]
+        p = sampling.processed_probs(rows, [s.params for _, s in ready])  # [B, K_max+1, V]
+        # A row whose numbers are not finite fails its own request only; the others go on.
+        verdicts: dict[int, tuple[int, int, bool] | Exception] = dict(sampling.unusable_rows(rows, p))
+        verdicts.update(self._sample([b for b in range(len(ready)) if b not in verdicts], p, ready, requests, ks))
         t2 = time.time_ns()
         for b, (i, s) in enumerate(ready):
             logs[i].add(ph.FORWARD, t0, t1)
             logs[i].add(ph.SAMPLING, t1, t2)
+            verdict = verdicts[b]
+            committed = requests[i].committed_length
+            if isinstance(verdict, Exception):
+                self.runner.truncate(s.kv, committed)  # the drafts go; the session stays usable
+                results[i] = verdict
+                continue
             with logs[i].phase(ph.ROLLBACK):
-                accepted = int(verdict.num_accepted[b])
-                token = int(verdict.next_token[b])
-                is_bonus = bool(verdict.is_bonus[b])
+                accepted, token, is_bonus = verdict
                 deferred = requests[i].defer_bonus and is_bonus and ks[b] > 0
-                committed = requests[i].committed_length
                 self.runner.truncate(s.kv, committed + accepted)
                 if not deferred:  # deferred: the bonus coin is never used; that position is the next draft's
                     self.runner.append(s.kv, [token])
             results[i] = VerifyOutcome(
                 accepted, -1 if deferred else token, is_bonus and not deferred, len(s.kv.tokens), 0.0, deferred=deferred
             )
+
+    @staticmethod
+    def _sample(
+        rows: list[int],
+        p: torch.Tensor,
+        ready: list[tuple[int, _TargetSession]],
+        requests: Sequence[VerifyRequest],
+        ks: list[int],
+    ) -> dict[int, tuple[int, int, bool] | Exception]:
+        """The rejection sampler over the given rows of p: {row: (accepted, token, is_bonus) or its error}.
+
+        One batched call; if it refuses (a row breaks a sampler rule), each row
+        again on its own, so that only the offending row fails. Verdicts do not
+        depend on the batch (coins hash (seed, position)), so this changes nothing
+        for the others.
+        """
+        if not rows:
+            return {}
+        k_max = p.shape[1] - 1
+        idx = torch.tensor(rows, dtype=torch.int64)
+        drafts = torch.zeros(len(rows), k_max, dtype=torch.int64)  # [B', K_max]
+        for r, b in enumerate(rows):
+            drafts[r, : ks[b]] = torch.tensor(requests[ready[b][0]].proposal.token_ids, dtype=torch.int64)
+        try:
+            v = sampling.rejection_sample(
+                p[idx],
+                drafts,
+                _sparse_batch([requests[ready[b][0]].proposal for b in rows], k_max),
+                seeds=torch.tensor([ready[b][1].params.seed for b in rows], dtype=torch.int64),
+                start_positions=torch.tensor([requests[ready[b][0]].committed_length for b in rows], dtype=torch.int64),
+                num_draft=torch.tensor([ks[b] for b in rows], dtype=torch.int64),
+            )
+        except Exception as exc:  # noqa: BLE001 - find the row(s) at fault, one by one
+            if len(rows) == 1:
+                return {rows[0]: exc}
+            out: dict[int, tuple[int, int, bool] | Exception] = {}
+            for b in rows:
+                out.update(Verifier._sample([b], p, ready, requests, ks))
+            return out
+        return {b: (int(v.num_accepted[r]), int(v.next_token[r]), bool(v.is_bonus[r])) for r, b in enumerate(rows)}
 
 
 def _sparse_batch(proposals: Sequence[Proposal], k_max: int) -> SparseProposal | None:

@@ -1,12 +1,18 @@
 """The one mapper from domain exceptions to gRPC status codes.
 
 Unary handlers get it through `ErrorMappingInterceptor`; stream handlers that
-report per-session errors in-band use `session_error_code`. Internal errors
-are logged with their traceback and the caller only sees a generic message.
+report per-session errors in-band use `session_error`. Internal errors are
+logged with their traceback and the caller only sees a generic message.
+
+Whether to retry follows from the code: UNAVAILABLE / DEADLINE_EXCEEDED (and
+in-band UNAVAILABLE) may be retried; INVALID_ARGUMENT and INTERNAL belong to
+one request (errors.REQUEST_ERRORS) and are never retried, and never mark the
+peer that reported them unhealthy.
 """
 
 from __future__ import annotations
 
+import asyncio
 import inspect
 import logging
 from collections.abc import Awaitable, Callable
@@ -27,6 +33,7 @@ _STATUS: dict[type[errors.SpecdError], grpc.StatusCode] = {
     errors.Unavailable: grpc.StatusCode.UNAVAILABLE,
     errors.DeadlineExceeded: grpc.StatusCode.DEADLINE_EXCEEDED,
     errors.FailedPrecondition: grpc.StatusCode.FAILED_PRECONDITION,
+    errors.Internal: grpc.StatusCode.INTERNAL,
 }
 
 _SESSION_CODE: dict[type[errors.SpecdError], int] = {
@@ -35,15 +42,30 @@ _SESSION_CODE: dict[type[errors.SpecdError], int] = {
     errors.SessionOutOfSync: session_pb2.SessionError.CODE_OUT_OF_SYNC,
     errors.ResourceExhausted: session_pb2.SessionError.CODE_RESOURCE_EXHAUSTED,
     errors.Unavailable: session_pb2.SessionError.CODE_UNAVAILABLE,
+    errors.Internal: session_pb2.SessionError.CODE_INTERNAL,
 }
 
+# An unknown code (a newer peer) reads as UNAVAILABLE: retried, like a broken stream.
 _FROM_SESSION_CODE: dict[int, type[errors.SpecdError]] = {v: k for k, v in _SESSION_CODE.items()}
 
 INTERNAL_MESSAGE = "internal error; the server logged the details"
 
 
+def status_code(exc: BaseException) -> grpc.StatusCode:
+    """The status code a caller sees for `exc` (CANCELLED for a cancellation); logs nothing (for metrics)."""
+    if isinstance(exc, (asyncio.CancelledError, GeneratorExit)):
+        return grpc.StatusCode.CANCELLED
+    for kind in type(exc).__mro__:
+        if kind in _STATUS:
+            return _STATUS[kind]
+    return grpc.StatusCode.INTERNAL
+
+
 def status_for(exc: BaseException) -> tuple[grpc.StatusCode, str]:
     """Status code and client-safe message for an exception."""
+    if isinstance(exc, errors.Internal):  # its message may name internals: logged, not sent
+        log.error("internal error: %s", exc)
+        return grpc.StatusCode.INTERNAL, INTERNAL_MESSAGE
     for kind in type(exc).__mro__:
         if kind in _STATUS:
             return _STATUS[kind], str(exc)

@@ -7,6 +7,11 @@ request_success, time_to_first_token_seconds, inter_token_latency_seconds,
 e2e_request_latency_seconds, num_requests_running). docs/observability.md
 lists them all and the PromQL that derives acceptance rate and length.
 
+The coordinator also exports the model-server metrics of OpenTelemetry's
+GenAI conventions under their Prometheus names (specd.serving.genai):
+gen_ai_server_request_duration_seconds, gen_ai_server_time_to_first_token_seconds,
+gen_ai_server_time_per_output_token_seconds, with the conventions' buckets.
+
 Nothing is global: a service builds its metrics object (with its registry)
 at start, hands it to what it creates, and serves the registry with
 `serve_metrics`. Per-round work is a handful of counter increments.
@@ -15,10 +20,16 @@ at start, hands it to what it creates, and serves the registry with
 from __future__ import annotations
 
 import logging
+import socket
+import threading
 from collections.abc import Callable
+from socketserver import ThreadingMixIn
 from typing import Any
+from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, make_wsgi_app
+
+from specd.serving import genai
 
 log = logging.getLogger(__name__)
 
@@ -100,10 +111,21 @@ class CoordinatorMetrics:
             PREFIX + "request_success", "Requests finished, by finish reason.", ["finished_reason"], registry=r
         )
         self.request_failure = Counter(
-            PREFIX + "request_failure", "Requests that ended with an error, by error.", ["error"], registry=r
+            PREFIX + "request_failure",
+            "Requests that ended with an error, by error (exception or 'cancelled') and the gRPC status code sent.",
+            ["error", "code"],
+            registry=r,
         )
         self.prompt_tokens = Counter(PREFIX + "prompt_tokens", "Prompt tokens of finished requests.", registry=r)
-        self.generation_tokens = Counter(PREFIX + "generation_tokens", "Tokens generated (committed).", registry=r)
+        self.generation_tokens = Counter(
+            PREFIX + "generation_tokens", "Tokens generated (committed), counted as each round commits.", registry=r
+        )
+        self.pipeline_hits = Counter(
+            PREFIX + "spec_decode_num_pipeline_hits",
+            "Rounds whose drafts were made while the previous round was verified (pipelining), "
+            "counted when their request finishes; divide by num_drafts for the hit rate.",
+            registry=r,
+        )
         self.ttft = Histogram(
             PREFIX + "time_to_first_token_seconds",
             "Time from arrival to the first committed token.",
@@ -129,6 +151,29 @@ class CoordinatorMetrics:
             registry=r,
         )
         self.requests_running = Gauge(PREFIX + "num_requests_running", "Requests being served now.", registry=r)
+        # OpenTelemetry GenAI model-server metrics (Prometheus names, the conventions' buckets).
+        self.genai_request_duration = Histogram(
+            genai.METRIC_REQUEST_DURATION,
+            "gen_ai.server.request.duration: arrival to last token, or to the error (error_type = gRPC status code).",
+            [*genai.LABELS, genai.LABEL_ERROR_TYPE],
+            buckets=genai.REQUEST_DURATION_BUCKETS,
+            registry=r,
+        )
+        self.genai_ttft = Histogram(
+            genai.METRIC_TIME_TO_FIRST_TOKEN,
+            "gen_ai.server.time_to_first_token: arrival to the first committed token, successful requests.",
+            genai.LABELS,
+            buckets=genai.TIME_TO_FIRST_TOKEN_BUCKETS,
+            registry=r,
+        )
+        self.genai_tpot = Histogram(
+            genai.METRIC_TIME_PER_OUTPUT_TOKEN,
+            "gen_ai.server.time_per_output_token: (request duration - time to first token) / (output tokens - 1), "
+            "successful requests with more than one output token.",
+            genai.LABELS,
+            buckets=genai.TIME_PER_OUTPUT_TOKEN_BUCKETS,
+            registry=r,
+        )
         self._parts = [self.round_seconds.labels(part=p) for p in ROUND_PARTS]
         self._positions: list[Any] = []  # accepted_per_pos children by position
 
@@ -151,6 +196,7 @@ class CoordinatorMetrics:
     ) -> None:
         """One committed round (`tokens` committed after the stop rules)."""
         self.num_rounds.inc()
+        self.generation_tokens.inc(tokens)
         if target_only:
             self.num_target_only_rounds.inc()
         if draft_tokens > 0:
@@ -167,17 +213,31 @@ class CoordinatorMetrics:
         if index > 0 and tokens > 0:  # the first round's tokens are time to first token
             self.itl.observe(wall_ms / 1e3 / tokens)
 
-    def observe_request(self, stats: Any, finish_reason: str, e2e_s: float) -> None:
-        """A finished request (coordinator.engine.RequestStats)."""
+    def observe_request(self, stats: Any, finish_reason: str, e2e_s: float, *, model: str = "") -> None:
+        """A finished request (coordinator.engine.RequestStats); model: the target's name (gen_ai.request.model)."""
+        ttft_s = stats.time_to_first_token_ms / 1e3
         self.request_success.labels(finished_reason=finish_reason).inc()
         self.prompt_tokens.inc(stats.prompt_tokens)
-        self.generation_tokens.inc(stats.completion_tokens)
-        self.ttft.observe(stats.time_to_first_token_ms / 1e3)
+        self.pipeline_hits.inc(stats.rounds.pipeline_hits)
+        self.ttft.observe(ttft_s)
         self.e2e.observe(e2e_s)
         self.tokens_per_s.observe(stats.tokens_per_s)
+        labels = _genai_labels(model)
+        self.genai_request_duration.labels(*labels, "").observe(e2e_s)
+        self.genai_ttft.labels(*labels).observe(ttft_s)
+        if stats.completion_tokens > 1:
+            self.genai_tpot.labels(*labels).observe(max(0.0, e2e_s - ttft_s) / (stats.completion_tokens - 1))
 
-    def observe_failure(self, error: str) -> None:
-        self.request_failure.labels(error=error).inc()
+    def observe_failure(self, error: str, code: str, e2e_s: float | None = None, *, model: str = "") -> None:
+        """A request ended by an error: `error` names it, `code` is the gRPC status code name the client got."""
+        self.request_failure.labels(error=error, code=code).inc()
+        if e2e_s is not None:
+            self.genai_request_duration.labels(*_genai_labels(model), code).observe(e2e_s)
+
+
+def _genai_labels(model: str) -> tuple[str, str, str]:
+    """Values of genai.LABELS: operation, provider, requested model."""
+    return genai.OPERATION, genai.PROVIDER, model
 
 
 class _ModelServiceMetrics:
@@ -195,6 +255,12 @@ class _ModelServiceMetrics:
             registry=self.registry,
         )
         self.sessions = Gauge(PREFIX + "sessions_active", "Sessions (KV caches) held now.", registry=self.registry)
+        self.kv_bytes = Gauge(
+            PREFIX + "kv_cache_bytes",
+            "Bytes of the KV caches of the sessions held now (this process's share under tensor parallelism; "
+            "0 for a drafter without a model).",
+            registry=self.registry,
+        )
         self.batch_size = Histogram(
             f"{PREFIX}{self.service}_batch_size",
             f"Sessions sharing the forward pass(es) of a {self.service} step (one sample per step).",
@@ -202,9 +268,11 @@ class _ModelServiceMetrics:
             registry=self.registry,
         )
 
-    def watch_sessions(self, count: Callable[[], float]) -> None:
-        """sessions_active reads `count()` at scrape time."""
+    def watch_sessions(self, count: Callable[[], float], kv_bytes: Callable[[], float] | None = None) -> None:
+        """sessions_active reads `count()`, kv_cache_bytes `kv_bytes()` (if given) at scrape time."""
         self.sessions.set_function(count)
+        if kv_bytes is not None:
+            self.kv_bytes.set_function(_read_while_changing(kv_bytes))
 
     def observe_message(self, op: str, result: str) -> None:
         self.requests.labels(op=op, result=result).inc()
@@ -265,8 +333,61 @@ class TargetMetrics(_ModelServiceMetrics):
         self.batch_size.observe(batch_size)
 
 
+def _read_while_changing(read: Callable[[], float], tries: int = 3) -> Callable[[], float]:
+    """`read` for a scrape thread while the model thread changes what it reads.
+
+    Summing over a session table that gains or loses a session mid-way raises
+    RuntimeError (dict changed size); try again, and report the last good
+    value rather than fail the scrape.
+    """
+    last = [0.0]
+
+    def guarded() -> float:
+        for _ in range(tries):
+            try:
+                last[0] = float(read())
+                break
+            except RuntimeError:
+                continue
+        return last[0]
+
+    return guarded
+
+
 def metrics_for(service: str) -> CoordinatorMetrics | DraftMetrics | TargetMetrics:
     return {"coordinator": CoordinatorMetrics, "draft": DraftMetrics, "target": TargetMetrics}[service]()
+
+
+class _TextOnlyServer(ThreadingMixIn, WSGIServer):
+    daemon_threads = True  # a hanging scrape never holds up exit
+
+
+class _TextOnlyServer6(_TextOnlyServer):
+    address_family = socket.AF_INET6
+
+
+class _QuietHandler(WSGIRequestHandler):
+    def log_message(self, format: str, *args: Any) -> None:
+        """No access log line per scrape."""
+
+
+def text_format_app(registry: CollectorRegistry) -> Callable[..., Any]:
+    """The registry as Prometheus text format (0.0.4), whatever the scraper's Accept header asks.
+
+    prometheus_client answers an OpenMetrics request that names no escaping
+    scheme (Prometheus 2.x sends none) with escaping=underscores, which turns
+    the colons of sample names into underscores (specd:generation_tokens_total
+    becomes specd_generation_tokens_total) while its HELP/TYPE lines keep them
+    (prometheus/client_python#1177). The text format keeps every name as
+    documented, for Prometheus 2 and 3 alike; specd uses nothing that only
+    OpenMetrics carries (exemplars).
+    """
+    app = make_wsgi_app(registry)
+
+    def text_only(environ: dict[str, Any], start_response: Callable[..., Any]) -> Any:
+        return app({**environ, "HTTP_ACCEPT": "text/plain; version=0.0.4"}, start_response)
+
+    return text_only
 
 
 def serve_metrics(registry: CollectorRegistry, host: str, port: int) -> tuple[Any, int]:
@@ -275,5 +396,7 @@ def serve_metrics(registry: CollectorRegistry, host: str, port: int) -> tuple[An
     Returns (server, port); call server.shutdown() to stop. The server runs
     in its own daemon thread, so scrapes never touch the event loop.
     """
-    server, _thread = start_http_server(port, addr=host, registry=registry)
+    server_class = _TextOnlyServer6 if ":" in host else _TextOnlyServer
+    server = make_server(host, port, text_format_app(registry), server_class, handler_class=_QuietHandler)
+    threading.Thread(target=server.serve_forever, name="specd-metrics", daemon=True).start()
     return server, int(server.server_port)

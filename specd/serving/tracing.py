@@ -12,7 +12,7 @@ draft and target open no spans.
 
 The shape of a trace (docs/observability.md has the full picture):
 
-    specd.generate              coordinator, one per Generate / GenerateStream
+    text_completion MODEL       coordinator, one per Generate / GenerateStream (GenAI conventions)
       specd.round               coordinator, one per round, with its numbers
         specd.draft.open        draft: (re)build the session (prefill)
         specd.draft.propose     draft: roll back to the committed prefix, K forward passes + sampling
@@ -44,6 +44,7 @@ from opentelemetry.trace import INVALID_SPAN, NoOpTracer, Span, SpanKind, Status
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
 import specd
+from specd.serving import genai
 
 log = logging.getLogger(__name__)
 
@@ -57,7 +58,8 @@ INSTRUMENTATION_NAME = "specd"
 
 # ---- span names ------------------------------------------------------------------
 
-SPAN_GENERATE = "specd.generate"
+# The Generate span follows the GenAI conventions: "text_completion MODEL" (genai.span_name).
+SPAN_GENERATE = genai.OPERATION  # its name without the model, and its gen_ai.operation.name
 SPAN_ROUND = "specd.round"
 SPAN_DRAFT_OPEN = "specd.draft.open"
 SPAN_DRAFT_PROPOSE = "specd.draft.propose"
@@ -82,27 +84,35 @@ ATTR_COMMITTED_LENGTH = "specd.committed_length"  # tokens committed before this
 ATTR_ERROR_TYPE = "error.type"  # semconv: the exception class that failed the operation
 ATTR_CANCELLED = "specd.cancelled"
 
-# Generate span: request settings
-ATTR_PROMPT_TOKENS = "specd.request.prompt_tokens"
-ATTR_MAX_NEW_TOKENS = "specd.request.max_new_tokens"
-ATTR_TEMPERATURE = "specd.request.temperature"
-ATTR_TOP_K = "specd.request.top_k"
-ATTR_TOP_P = "specd.request.top_p"
+# Generate span: request settings. Where the GenAI conventions name a setting, that name
+# (gen_ai.request.*); specd's own settings keep specd.request.*.
+ATTR_GENAI_OPERATION = genai.ATTR_OPERATION
+ATTR_MODEL = genai.ATTR_REQUEST_MODEL
+ATTR_PROMPT_TOKENS = genai.ATTR_USAGE_INPUT_TOKENS
+ATTR_MAX_NEW_TOKENS = genai.ATTR_REQUEST_MAX_TOKENS
+ATTR_TEMPERATURE = genai.ATTR_REQUEST_TEMPERATURE
+ATTR_TOP_K = genai.ATTR_REQUEST_TOP_K
+ATTR_TOP_P = genai.ATTR_REQUEST_TOP_P
+ATTR_SEED = genai.ATTR_REQUEST_SEED
+ATTR_STOP_SEQUENCES = genai.ATTR_REQUEST_STOP_SEQUENCES  # the stop strings themselves (only when given)
 ATTR_MIN_P = "specd.request.min_p"
-ATTR_SEED = "specd.request.seed"
 ATTR_SPECULATION = "specd.request.speculation"  # auto | fixed | off
 ATTR_REQUEST_DRAFT_LENGTH = "specd.request.draft_length"  # K the request runs with
 ATTR_STOP_STRINGS = "specd.request.stop_strings"  # how many
-# Generate span: final stats (the response's GenerateStats)
-ATTR_FINISH_REASON = "specd.finish_reason"
-ATTR_ROUNDS = "specd.core.rounds"
+# Generate span: the response (GenAI) and the final stats (the response's GenerateStats)
+ATTR_RESPONSE_ID = genai.ATTR_RESPONSE_ID  # = specd.session_id
+ATTR_RESPONSE_MODEL = genai.ATTR_RESPONSE_MODEL
+ATTR_FINISH_REASONS = genai.ATTR_RESPONSE_FINISH_REASONS  # ["stop"] or ["length"]
+ATTR_COMPLETION_TOKENS = genai.ATTR_USAGE_OUTPUT_TOKENS
+ATTR_FINISH_REASON = "specd.finish_reason"  # the exact reason: length, stop_token, stop_string, context_full
+ATTR_ROUNDS = "specd.rounds"
 ATTR_DRAFTS = "specd.drafts"  # rounds that verified >= 1 draft token
 ATTR_DRAFT_TOKENS = "specd.draft_tokens"
 ATTR_ACCEPTED_TOKENS = "specd.accepted_tokens"
 ATTR_ACCEPTANCE_LENGTH = "specd.acceptance_length"  # 1 + accepted / drafts
 ATTR_ACCEPTANCE_RATE = "specd.acceptance_rate"  # accepted / draft tokens
 ATTR_TARGET_ONLY_ROUNDS = "specd.target_only_rounds"
-ATTR_COMPLETION_TOKENS = "specd.completion_tokens"
+ATTR_PIPELINE_HITS = "specd.pipeline_hits"  # rounds whose drafts were made during the previous verify
 ATTR_TTFT_MS = "specd.time_to_first_token_ms"
 ATTR_TOKENS_PER_S = "specd.tokens_per_s"
 ATTR_DRAFT_MS = "specd.draft_ms"  # draft model compute (reported by the draft)
@@ -248,17 +258,27 @@ class Tracing:
         ctx = trace.set_span_in_context(parent) if isinstance(parent, Span) else (parent or Context())
         return self.tracer.start_span(name, context=ctx, kind=kind, attributes=attributes, start_time=start_time)
 
-    def start_generate(self, method: str, metadata: Any = ()) -> Span:
-        """The span of one Generate call, continuing a W3C context the client sent in its metadata."""
+    def start_generate(self, method: str, metadata: Any = (), model: str = "") -> Span:
+        """The span of one Generate call, continuing a W3C context the client sent in its metadata.
+
+        Named and marked by the GenAI conventions: "text_completion MODEL", with
+        gen_ai.operation.name, gen_ai.provider.name and gen_ai.request.model (the target's name).
+        """
         if self.provider is None:
             return INVALID_SPAN
         carrier = {k: v for k, v in (metadata or ()) if isinstance(v, str)}
         parent = self.extract(carrier) if "traceparent" in carrier else None
+        attributes: dict[str, Any] = {
+            ATTR_RPC_SYSTEM: "grpc",
+            ATTR_RPC_SERVICE: "specd.v1.Coordinator",
+            ATTR_RPC_METHOD: method,
+            genai.ATTR_OPERATION: genai.OPERATION,
+            genai.ATTR_PROVIDER: genai.PROVIDER,
+        }
+        if model:
+            attributes[genai.ATTR_REQUEST_MODEL] = attributes[genai.ATTR_RESPONSE_MODEL] = model
         return self.tracer.start_span(
-            SPAN_GENERATE,
-            context=parent or Context(),
-            kind=SpanKind.SERVER,
-            attributes={ATTR_RPC_SYSTEM: "grpc", ATTR_RPC_SERVICE: "specd.v1.Coordinator", ATTR_RPC_METHOD: method},
+            genai.span_name(model), context=parent or Context(), kind=SpanKind.SERVER, attributes=attributes
         )
 
     def start_round(self, parent: Span | None, index: int, committed_length: int) -> Span:
@@ -403,11 +423,11 @@ def token_kind(is_bonus: bool, deferred: bool = False) -> str:
 def request_attributes(spec: Any) -> dict[str, Any]:
     """Generate-span attributes of a validated request (coordinator.engine.GenerateSpec)."""
     p = spec.params
-    return {
+    attributes: dict[str, Any] = {
         ATTR_PROMPT_TOKENS: len(spec.prompt_ids),
         ATTR_MAX_NEW_TOKENS: spec.max_new_tokens,
         ATTR_TEMPERATURE: float(p.temperature),
-        ATTR_TOP_K: int(p.top_k),
+        ATTR_TOP_K: float(p.top_k),  # a double in the conventions; 0 = off
         ATTR_TOP_P: float(p.top_p),
         ATTR_MIN_P: float(p.min_p),
         ATTR_SEED: int(p.seed),
@@ -415,6 +435,9 @@ def request_attributes(spec: Any) -> dict[str, Any]:
         ATTR_REQUEST_DRAFT_LENGTH: 0 if spec.speculation == "off" else int(spec.draft_length),
         ATTR_STOP_STRINGS: len(spec.stop_strings),
     }
+    if spec.stop_strings:
+        attributes[ATTR_STOP_SEQUENCES] = list(spec.stop_strings)
+    return attributes
 
 
 def stats_attributes(stats: Any, finish_reason: str) -> dict[str, Any]:
@@ -422,6 +445,7 @@ def stats_attributes(stats: Any, finish_reason: str) -> dict[str, Any]:
     r = stats.rounds
     return {
         ATTR_FINISH_REASON: finish_reason,
+        ATTR_FINISH_REASONS: genai.finish_reasons(finish_reason),
         ATTR_ROUNDS: r.rounds,
         ATTR_DRAFTS: r.drafts,
         ATTR_DRAFT_TOKENS: r.draft_tokens,
@@ -429,6 +453,7 @@ def stats_attributes(stats: Any, finish_reason: str) -> dict[str, Any]:
         ATTR_ACCEPTANCE_LENGTH: float(r.acceptance_length),
         ATTR_ACCEPTANCE_RATE: float(r.acceptance_rate),
         ATTR_TARGET_ONLY_ROUNDS: r.target_only_rounds,
+        ATTR_PIPELINE_HITS: r.pipeline_hits,
         ATTR_COMPLETION_TOKENS: stats.completion_tokens,
         ATTR_TTFT_MS: float(stats.time_to_first_token_ms),
         ATTR_TOKENS_PER_S: float(stats.tokens_per_s),
@@ -436,6 +461,21 @@ def stats_attributes(stats: Any, finish_reason: str) -> dict[str, Any]:
         ATTR_VERIFY_MS: float(stats.verify_ms),
         ATTR_OVERHEAD_MS: float(stats.overhead_ms),
     }
+
+
+def finish_generate(span: Span, stats: Any, finish_reason: str) -> None:
+    """Set a finished request's attributes on its Generate span.
+
+    gen_ai.response.id is the request's session ID, which the engine set on
+    the span as specd.session_id when the request started.
+    """
+    if not span.is_recording():
+        return
+    attributes = stats_attributes(stats, finish_reason)
+    session_id = (getattr(span, "attributes", None) or {}).get(ATTR_SESSION_ID)  # an SDK span's attributes
+    if session_id:
+        attributes[ATTR_RESPONSE_ID] = session_id
+    span.set_attributes(attributes)
 
 
 def round_attributes(

@@ -39,7 +39,12 @@ class ReceivedSpan:
 
 
 def _value(v: common_pb2.AnyValue) -> Any:
+    """An attribute value as Python: arrays as lists (e.g. gen_ai.response.finish_reasons), maps as dicts."""
     kind = v.WhichOneof("value")
+    if kind == "array_value":
+        return [_value(x) for x in v.array_value.values]
+    if kind == "kvlist_value":
+        return _attributes(v.kvlist_value.values)
     return None if kind is None else getattr(v, kind)
 
 

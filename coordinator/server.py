@@ -10,7 +10,6 @@ from coordinator.peers import GrpcDraft, GrpcTarget, open_channel
 from coordinator.requests import public_message_limit
 from coordinator.servicer import CoordinatorServicer
 from specd.core import catalog
-from specd.core.catalog import DEMO
 from specd.serving.config import CoordinatorConfig
 from specd.serving.metrics import CoordinatorMetrics
 from specd.serving.reloading import ReloadingChannel, TokenFile
@@ -23,8 +22,10 @@ SERVICE_NAME = coordinator_pb2.DESCRIPTOR.services_by_name["Coordinator"].full_n
 
 
 def load_tokenizer(config: CoordinatorConfig):
-    folder = catalog.target_folder(DEMO, config.cache_path) if config.tokenizer == DEMO else config.tokenizer
-    return AutoTokenizer.from_pretrained(folder, local_files_only=True)
+    """The tokenizer --tokenizer names: 'demo', 'sim:PROFILE' (an emulated model's) or a folder."""
+    return AutoTokenizer.from_pretrained(
+        catalog.target_folder(config.tokenizer, config.cache_path), local_files_only=True
+    )
 
 
 async def create_server(

@@ -12,6 +12,7 @@ from specd.core import catalog
 from specd.core.catalog import MODEL_FREE_DRAFTS, SUFFIX
 from specd.core.drafting import Drafter, ModelDrafter, NgramDrafter
 from specd.core.hybrid import HybridDrafter
+from specd.core.runner import CausalLMRunner
 from specd.core.suffix import SuffixDrafter
 from specd.core.suffix_index import SharedSuffixIndex
 from specd.serving.config import DraftConfig
@@ -29,6 +30,8 @@ def build_drafter(config: DraftConfig) -> tuple[Drafter, common_pb2.ModelInfo]:
     """The drafter a config names, and the ModelInfo the service reports."""
     if config.torch_threads:
         torch.set_num_threads(config.torch_threads)
+    elif catalog.is_sim(config.model):  # an emulated model's host work is small tensors: one thread
+        torch.set_num_threads(1)
     if config.model in MODEL_FREE_DRAFTS:
         # The n-gram and suffix drafters only repeat tokens they have seen, so they fit any
         # target; they report the target's token space.
@@ -51,23 +54,21 @@ def build_drafter(config: DraftConfig) -> tuple[Drafter, common_pb2.ModelInfo]:
             )
         return drafter, info
     hybrid = catalog.hybrid_model(config.model)
-    folder = catalog.draft_folder(hybrid or config.model, config.target_model, config.cache_path)
-    # A draft folder may carry a reduced-vocabulary head (specd distill --vocab N): the
-    # drafter then proposes among those N tokens only (q = 0 elsewhere, still exact).
-    loaded, runner, token_map = catalog.load_draft_for_serving(folder, config.device)
-    model = ModelDrafter(
-        runner,
-        max_sessions=config.max_sessions,
-        q=config.q_settings,
-        idle_timeout_s=config.idle_timeout_s,
-        token_map=token_map,
-        max_kv_bytes=config.max_kv_bytes,
-        max_batch=config.max_batch,
-    )
-    identity = catalog.model_identity(loaded, runner)
+    base = hybrid or config.model
+    if catalog.is_sim(base):  # an emulated accelerator: q from the profile, the real ModelDrafter
+        sim_runner, sim_identity = catalog.load_sim_for_serving(base, "draft", config.cache_path)
+        model = _model_drafter(sim_runner, config, None)
+        identity: dict = dict(sim_identity)
+    else:
+        folder = catalog.draft_folder(base, config.target_model, config.cache_path)
+        # A draft folder may carry a reduced-vocabulary head (specd distill --vocab N): the
+        # drafter then proposes among those N tokens only (q = 0 elsewhere, still exact).
+        loaded, runner, token_map = catalog.load_draft_for_serving(folder, config.device)
+        model = _model_drafter(runner, config, token_map)
+        identity = catalog.model_identity(loaded, runner)
     if hybrid is None:
         return model, common_pb2.ModelInfo(kind="model", **identity)
-    drafter = HybridDrafter(
+    hybrid_drafter = HybridDrafter(
         model,
         config.suffix_settings(),
         threshold=config.hybrid_threshold,
@@ -76,7 +77,19 @@ def build_drafter(config: DraftConfig) -> tuple[Drafter, common_pb2.ModelInfo]:
         idle_timeout_s=config.idle_timeout_s,
     )
     identity["name"] = f"{catalog.HYBRID_PREFIX}{identity['name']}"
-    return drafter, common_pb2.ModelInfo(kind="hybrid", **identity)
+    return hybrid_drafter, common_pb2.ModelInfo(kind="hybrid", **identity)
+
+
+def _model_drafter(runner: CausalLMRunner, config: DraftConfig, token_map: torch.Tensor | None) -> ModelDrafter:
+    return ModelDrafter(
+        runner,
+        max_sessions=config.max_sessions,
+        q=config.q_settings,
+        idle_timeout_s=config.idle_timeout_s,
+        token_map=token_map,
+        max_kv_bytes=config.max_kv_bytes,
+        max_batch=config.max_batch,
+    )
 
 
 def create_server(

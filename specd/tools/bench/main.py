@@ -18,13 +18,16 @@ from transformers import AutoTokenizer
 
 from specd.core import catalog
 from specd.core.catalog import MODEL_FREE_DRAFTS
+from specd.core.errors import InvalidArgument
+from specd.core.sim import SimProfile
 from specd.serving.config import default_cache_dir
 from specd.tools.bench.cells import run_cells, warm_up
 from specd.tools.bench.compare import finish_records
 from specd.tools.bench.console import say
 from specd.tools.bench.learning import PROBE_TEXT, wait_until_drafting
-from specd.tools.bench.modes import BASELINE, RUNNER_HF, Mode, largest_k
+from specd.tools.bench.modes import BASELINE, DEFAULT_MODES, RUNNER_HF, Mode, largest_k
 from specd.tools.bench.output import build_meta, write_report
+from specd.tools.bench.overhead import Buckets, metrics_address, read_overhead
 from specd.tools.bench.peer import HFPeer
 from specd.tools.bench.plan import (
     BATCHING_SETUPS,
@@ -38,6 +41,7 @@ from specd.tools.bench.plan import (
 from specd.tools.bench.prepare import prepare_run
 from specd.tools.bench.prompts import BenchPrompt
 from specd.tools.bench.records import batching_gains
+from specd.tools.bench.sim import apply_sim, print_profiles, sim_cost, sim_meta
 from specd.tools.bench.tracing import tracing_cell, untraced_metadata
 from specd.tools.localcluster import LocalCluster, peak_rss_of
 from specd.tools.otlp_receiver import OtlpReceiver
@@ -70,6 +74,7 @@ class _State:
     interrupted: bool = False
     address: str = ""  # the last services' coordinator
     started: bool = False  # whether the bench started those services
+    metrics: str | None = None  # that coordinator's metrics endpoint (round overhead), when the bench started it
 
 
 @dataclass(frozen=True)
@@ -81,11 +86,21 @@ class _Pair:
     cache: Path
     tokenizer: Any
     draft_spec: str  # what the draft service's --model gets (a folder, ngram, suffix, suffix+FOLDER)
+    sim: SimProfile | None = None  # --sim: both services run this emulated pair
 
 
 def run(args: argparse.Namespace) -> int:
     """`specd bench`: returns the exit status (0; 1 with --strict when a check failed; 2 bad set-up; 130 interrupted)."""
     t_run = time.perf_counter()
+    if getattr(args, "list_sim_profiles", False):
+        return print_profiles()
+    sim = None
+    if getattr(args, "sim", ""):
+        try:
+            sim = apply_sim(args, DEFAULT_MODES)
+        except InvalidArgument as exc:
+            print(f"specd bench: --sim: {exc}", file=sys.stderr)
+            return 2
     try:
         plan = make_plan(args)
     except (ValueError, OSError) as exc:
@@ -93,7 +108,7 @@ def run(args: argparse.Namespace) -> int:
         return 2
     restore_sigterm = _sigterm_as_interrupt()
     try:
-        return _run(args, plan, t_run)
+        return _run(args, plan, t_run, sim)
     finally:
         restore_sigterm()
 
@@ -114,7 +129,7 @@ def _sigterm_as_interrupt() -> Callable[[], None]:
     return undo
 
 
-def _run(args: argparse.Namespace, plan: Plan, t_run: float) -> int:
+def _run(args: argparse.Namespace, plan: Plan, t_run: float, sim: SimProfile | None = None) -> int:
     json_path, md_path, png_path = output_paths(args)
     phase = _Phases()
     cache = Path(args.cache_dir) if args.cache_dir else default_cache_dir()
@@ -129,7 +144,7 @@ def _run(args: argparse.Namespace, plan: Plan, t_run: float) -> int:
         args.draft if draft_dir is None else f"{catalog.HYBRID_PREFIX}{draft_dir}" if hybrid else str(draft_dir)
     )
     tokenizer = AutoTokenizer.from_pretrained(target_dir, local_files_only=True)
-    pair = _Pair(target_dir, draft_dir, cache, tokenizer, draft_spec)
+    pair = _Pair(target_dir, draft_dir, cache, tokenizer, draft_spec, sim)
     setups = BATCHING_SETUPS[args.batching]
     if args.address and len(setups) > 1:
         print("specd bench: --batching both starts its own services; drop --address", file=sys.stderr)
@@ -182,6 +197,7 @@ def _run_setups(
                 return 2
         state.address = cluster.address if cluster is not None else args.address
         state.started = cluster is not None
+        state.metrics = metrics_address(cluster.coordinator.lines) if cluster and cluster.coordinator else None
         phase(f"start_services{setup.label and '_' + setup.label}_s")
         try:
             _measure(args, plan, pair, setup, index, receiver, state, phase, _fresh_draft(args, pair, cluster))
@@ -215,8 +231,8 @@ def _cluster(
     k_max = largest_k(plan.modes, plan.draft_lengths)
     extra = [*setup.model_service_args, *tracing_args]
     return LocalCluster(
-        pair.target_dir,
-        pair.draft_spec,
+        args.target if pair.sim else pair.target_dir,  # an emulated model is its spec, not a folder
+        args.draft if pair.sim else pair.draft_spec,
         cache_dir=pair.cache,
         target_threads=args.target_threads,
         draft_threads=args.draft_threads,
@@ -226,6 +242,8 @@ def _cluster(
         coordinator_args=[
             "--max-draft-length",
             str(max(16, k_max)),
+            "--metrics-port",  # the round-overhead histogram the records' overhead figures come from
+            "0",
             *tracing_args,
             *shlex.split(args.coordinator_args),
         ],
@@ -277,6 +295,10 @@ def _measure(
         state.items, state.peer = prepare_run(
             args, plan, state.address, pair.tokenizer, pair.target_dir, pair.draft_dir, state.cost, quiet, phase
         )
+        if pair.sim is not None:
+            lengths = sorted(len(ids) for _, ids in state.items)
+            verify_ks = sorted({m.draft_length for m in plan.modes if m.draft_length} | set(plan.draft_lengths))
+            state.cost["service"] = sim_cost(pair.sim, lengths[len(lengths) // 2], verify_ks)
     peer = state.peer if index == 0 else None  # the peer does not depend on the services: measured once
     modes = [m for m in plan.modes if not m.peer or peer is not None]
     # With tracing on, the ordinary cells opt out per request, so they cost what they cost without it.
@@ -298,6 +320,7 @@ def _measure(
             setup.label,
             metadata,
             before_mode,
+            overhead=_overhead_reader(state.metrics),
         )
         if receiver is not None and index == 0:
             state.tracing = tracing_cell(args, plan, modes, state.items, state.address, receiver, quiet)
@@ -309,6 +332,13 @@ def _measure(
             flush=True,
         )
     phase(f"cells{setup.label and '_' + setup.label}_s")
+
+
+def _overhead_reader(address: str | None) -> Callable[[], Buckets] | None:
+    """Reads the coordinator's round-overhead histogram (None: no metrics endpoint, e.g. --address)."""
+    if address is None:
+        return None
+    return lambda: read_overhead(address)
 
 
 def _report(
@@ -336,6 +366,9 @@ def _report(
         duration_s,
     )
     meta["phases_s"] = phase.seconds
+    if pair.sim is not None:
+        meta["emulated"] = sim_meta(pair.sim)
+        meta["models"] = {"target": f"{args.target} (emulated)", "draft": f"{args.draft} (emulated)"}
     meta["interrupted"] = state.interrupted
     meta["batching_gains"] = batching_gains(records)
     meta["tracing_overhead"] = state.tracing

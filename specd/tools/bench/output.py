@@ -78,5 +78,6 @@ def write_report(report: dict[str, Any], json_path: Path, md_path: Path, png_pat
     json_path.write_text(json.dumps(report, indent=2, default=float) + "\n", encoding="utf-8")
     markdown = render_markdown(report)
     md_path.write_text(markdown, encoding="utf-8")
-    write_plot(report["records"], png_path)
+    emu = report["meta"].get("emulated")
+    write_plot(report["records"], png_path, f"emulated: {emu['spec']}" if emu else "")
     return markdown

@@ -11,7 +11,7 @@ from specd.tools.bench.modes import BASELINE
 from specd.tools.bench.records import concurrency_table, row_name
 
 
-def write_plot(records: Sequence[Mapping[str, Any]], path: Path) -> None:
+def write_plot(records: Sequence[Mapping[str, Any]], path: Path, label: str = "") -> None:
     """Speed-up per mode (one bar per cell), acceptance per draft position, and, when the run
     has several concurrency levels, tokens/s against concurrent clients."""
     # matplotlib is the optional `bench` extra (pyproject): imported here, so the rest of the bench
@@ -74,6 +74,8 @@ def write_plot(records: Sequence[Mapping[str, Any]], path: Path) -> None:
     if ax2.lines:
         ax2.legend(fontsize=8)
         ax2.xaxis.get_major_locator().set_params(integer=True)
+    if label:  # e.g. "emulated: h100-tp2-70b": every plot made on an emulator says so
+        fig.suptitle(label, fontsize=11, color="darkred")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)

@@ -149,6 +149,8 @@ def summarize(
     rec["itl_ms_p99"] = _nan_none(percentile(itl, 99))
     rec["greedy_identical"] = None
     rec["greedy_mismatches"] = []
+    # Coordinator-side, from its overhead histogram (specd.tools.bench.overhead); set by the cells.
+    rec["round_overhead_ms_p50"] = rec["round_overhead_ms_p99"] = None
     return rec
 
 

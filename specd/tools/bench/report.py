@@ -23,9 +23,22 @@ def render_markdown(report: Mapping[str, Any]) -> str:
     meta, records = report["meta"], report["records"]
     s = meta["settings"]
     piped = any(r["request"].get("pipeline") not in (None, False, "off") for r in records)
+    emu = meta.get("emulated")
+    overhead = any(r.get("round_overhead_ms_p50") is not None for r in records)
     lines = [
-        "# specd bench",
+        "# specd bench" + (f" (emulated: {emu['profile']})" if emu else ""),
         "",
+        *(
+            [
+                f"**Emulated accelerators** (`{emu['spec']}`, docs/performance.md): target {emu['target']['model']} "
+                f"on {emu['target']['hardware']}, draft {emu['draft']['model']} on {emu['draft']['hardware']}; "
+                "the services, batching, sessions and sampler are real, the models' logits and forward-pass "
+                "times come from the profile. Every figure below is emulated.",
+                "",
+            ]
+            if emu
+            else []
+        ),
         f"Target `{meta['models']['target']}`, draft `{meta['models']['draft']}`; {s['prompts']} prompts "
         f"({', '.join(s['categories'])}), {s['max_new_tokens']} new tokens each"
         f"{'' if s['stop_at_eos'] else ' (past end-of-sequence)'}; threads target {s['target_threads']}, "
@@ -41,8 +54,11 @@ def render_markdown(report: Mapping[str, Any]) -> str:
         "| T | clients | mode | tok/s | speed-up | acc. rate | acc. length | a | c | S(K) | efficiency "
         "| S(K) at measured verify | efficiency at measured verify "
         "| TTFT p50 ms | ITL p50 ms | ITL p99 ms | greedy = target-only | errors |"
-        + (" pipeline hits |" if piped else ""),
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|" + ("---|" if piped else ""),
+        + (" pipeline hits |" if piped else "")
+        + (" overhead p50 ms | overhead p99 ms |" if overhead else ""),
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"
+        + ("---|" if piped else "")
+        + ("---|---|" if overhead else ""),
     ]
     for r in records:
         lines.append(
@@ -68,6 +84,7 @@ def render_markdown(report: Mapping[str, Any]) -> str:
                     _fmt(r["greedy_identical"]),
                     str(r["errors"]),
                     *([_fmt(r.get("pipeline_hit_rate"))] if piped else []),
+                    *([_fmt(r.get("round_overhead_ms_p50")), _fmt(r.get("round_overhead_ms_p99"))] if overhead else []),
                 ]
             )
             + " |"
@@ -154,12 +171,19 @@ def render_markdown(report: Mapping[str, Any]) -> str:
     if cost.get("service"):
         c = cost["service"]
         verify = ", ".join(f"K={k}: {v:.2f} ms" for k, v in c["target_verify_ms"].items())
-        lines += [
-            "",
-            f"Cost (in-process, median of {c['samples']}): target {c['target_ms']:.2f} ms per 1-token "
-            f"forward ({c['target_threads']} threads), draft {c['draft_ms']:.2f} ms per token "
-            f"({c['draft_threads']} threads), **c = {c['c']:.3f}**; target verify over K+1 tokens: {verify}.",
-        ]
+        if c.get("source"):  # not measured: e.g. an emulated profile's cost model
+            lines += [
+                "",
+                f"Cost ({c['source']}): target {c['target_ms']:.2f} ms per 1-token forward, draft "
+                f"{c['draft_ms']:.2f} ms per token, **c = {c['c']:.3f}**; target verify over K+1 tokens: {verify}.",
+            ]
+        else:
+            lines += [
+                "",
+                f"Cost (in-process, median of {c['samples']}): target {c['target_ms']:.2f} ms per 1-token "
+                f"forward ({c['target_threads']} threads), draft {c['draft_ms']:.2f} ms per token "
+                f"({c['draft_threads']} threads), **c = {c['c']:.3f}**; target verify over K+1 tokens: {verify}.",
+            ]
     if cost.get("hf"):
         c = cost["hf"]
         lines += [f"Peer cost ({c['target_threads']} threads for both): c = {c['c']:.3f}."]
@@ -181,7 +205,13 @@ def render_markdown(report: Mapping[str, Any]) -> str:
         "tok/s / target-only's in the same (T, clients) cell; a = per-token acceptance; S(K) = "
         "(1 - a^(K+1)) / ((1 - a)(K c + 1)); efficiency = speed-up / S(K); 'at measured verify' puts the "
         "measured cost of the target's K+1-token pass, v_K, in place of S(K)'s 1: "
-        "(1 - a^(K+1)) / ((1 - a)(K c + v_K)).",
+        "(1 - a^(K+1)) / ((1 - a)(K c + v_K))."
+        + (
+            " overhead = the coordinator's round wall time minus draft and target compute, p50 / p99 from its "
+            "specd:round_seconds{part=overhead} histogram (interpolated within buckets)."
+            if overhead
+            else ""
+        ),
         "",
     ]
     return "\n".join(lines)

@@ -1,0 +1,182 @@
+"""Exactness on the emulated accelerator: sampled outputs against the emulator's own p (one-sample).
+
+The three services run as processes with an emulated target and draft
+(`sim:...`); requests go through the coordinator with every pipeline
+strategy (off, bonus-match, post-verify). Because p is a known function of
+the context (specd.core.sim), every emitted token can be scored against the
+target's processed distribution *for its own context*: its rank under that
+p falls in a bucket, and the bucket counts over all emitted tokens must fit
+the bucket probabilities summed over the same tokens (Pearson chi-square,
+one sample: expected counts come from p itself, not from a second run).
+Sequential dependence does not matter: each token's bucket has a known
+conditional distribution given everything before it.
+
+Greedy (T = 0) must be token-for-token the argmax chain of p, computed here
+from the function directly.
+
+Power: the same tokens scored against p at a wrong temperature, and tokens
+sampled from the draft's q, must be rejected.
+"""
+
+from __future__ import annotations
+
+import random
+from concurrent.futures import ThreadPoolExecutor
+
+import numpy as np
+import pytest
+import torch
+from scipy import stats
+
+from specd.core.sim import SimLM, parse_sim_spec
+from tests.cluster import Cluster
+
+pytestmark = pytest.mark.slow
+
+# Small vocabulary (cheap host-side sampling), the 70B profile's shape, sped up 10x; a good draft
+# (agreement 0.8) so that every strategy accepts often and pipelining hits.
+SPEC = "sim:h100-tp2-70b,vocab_size=2048,time_scale=0.1,agreement=0.8"
+REQUESTS = 96
+NEW_TOKENS = 32
+BUCKETS = [(0, 1), (1, 2), (2, 3), (3, 5), (5, 10), (10, 30), (30, None)]  # rank ranges [lo, hi)
+PASS_P = 1e-3
+FAIL_P = 1e-6
+STRATEGIES = ["off", "bonus-match", "post-verify"]
+SETTINGS = [
+    {"temperature": 1.0},
+    {"temperature": 0.8, "top_k": 20},
+    {"temperature": 1.0, "top_p": 0.8},
+]
+
+
+def processed(logits: np.ndarray, temperature: float, top_k: int = 0, top_p: float = 1.0) -> np.ndarray:
+    """[R, V] logits -> [R, V] float64 probabilities: temperature, softmax, top-k, top-p (independent of specd.core.sampling)."""
+    z = logits.astype(np.float64) / temperature
+    z -= z.max(axis=1, keepdims=True)
+    p = np.exp(z)
+    p /= p.sum(axis=1, keepdims=True)
+    order = np.argsort(-p, axis=1, kind="stable")
+    sorted_p = np.take_along_axis(p, order, axis=1)
+    keep = np.ones_like(sorted_p, dtype=bool)
+    if 0 < top_k < p.shape[1]:
+        keep[:, top_k:] = False
+    if top_p < 1.0:
+        renorm = sorted_p * keep
+        renorm /= renorm.sum(axis=1, keepdims=True)
+        before = np.cumsum(renorm, axis=1) - renorm
+        keep &= before < top_p
+    mask = np.zeros_like(keep)
+    np.put_along_axis(mask, order, keep, axis=1)
+    p = p * mask
+    return p / p.sum(axis=1, keepdims=True)
+
+
+def chi2_of_ranks(probs: np.ndarray, tokens: np.ndarray) -> float:
+    """p-value of the emitted tokens' rank buckets against the buckets' probabilities (summed over rows)."""
+    order = np.argsort(-probs, axis=1, kind="stable")
+    ranks = np.argsort(order, axis=1)[np.arange(len(tokens)), tokens]  # rank of each emitted token
+    if (probs[np.arange(len(tokens)), tokens] == 0).any():
+        return 0.0  # a token p forbids: outright failure
+    sorted_p = np.take_along_axis(probs, order, axis=1)
+    observed, expected = [], []
+    for lo, hi in BUCKETS:
+        hi = probs.shape[1] if hi is None else hi
+        observed.append(float(((ranks >= lo) & (ranks < hi)).sum()))
+        expected.append(float(sorted_p[:, lo:hi].sum()))
+    obs, exp = np.array(observed), np.array(expected)
+    keep = exp > 0
+    obs, exp = obs[keep], exp[keep]
+    # Pool sparse buckets into their neighbour (expected >= 5).
+    while len(exp) > 2 and exp.min() < 5:
+        i = int(exp.argmin())
+        j = i - 1 if i == len(exp) - 1 else i + 1
+        obs[j] += obs[i]
+        exp[j] += exp[i]
+        obs, exp = np.delete(obs, i), np.delete(exp, i)
+    return float(stats.chisquare(obs, exp * obs.sum() / exp.sum()).pvalue)
+
+
+def rows_and_tokens(prompts: list[list[int]], outputs: list[list[int]]) -> tuple[list[list[int]], np.ndarray]:
+    """Every emitted token with its context (prompt + the tokens before it)."""
+    contexts, tokens = [], []
+    for prompt, out in zip(prompts, outputs):
+        for i, t in enumerate(out):
+            contexts.append(prompt + out[:i])
+            tokens.append(t)
+    return contexts, np.array(tokens, dtype=np.int64)
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    with Cluster(SPEC, SPEC, cache_dir=tmp_path_factory.mktemp("sim-cache")) as c:
+        yield c
+
+
+@pytest.fixture(scope="module")
+def prompts():
+    rng = random.Random(11)
+    return [[rng.randrange(256) for _ in range(rng.randint(3, 12))] for _ in range(REQUESTS)]
+
+
+def run(cluster: Cluster, prompts: list[list[int]], strategy: str, **sampling) -> tuple[list[list[int]], list]:
+    def one(i: int):
+        with cluster.client() as client:
+            return client.generate(
+                prompts[i],
+                max_new_tokens=NEW_TOKENS,
+                seed=1000 + i,
+                speculation="fixed",
+                draft_length=4,
+                pipeline=strategy,
+                **sampling,
+            )
+
+    with ThreadPoolExecutor(8) as pool:
+        responses = list(pool.map(one, range(len(prompts))))
+    return [list(r.token_ids) for r in responses], [r.stats for r in responses]
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+@pytest.mark.parametrize("setting", SETTINGS, ids=lambda s: ",".join(f"{k}={v}" for k, v in s.items()))
+def test_emitted_tokens_follow_the_emulators_p(cluster, prompts, strategy, setting):
+    outputs, st = run(cluster, prompts, strategy, **setting)
+    assert all(len(o) == NEW_TOKENS for o in outputs)
+    assert sum(s.accepted_tokens for s in st) > 0.3 * sum(s.draft_tokens for s in st)  # speculation really ran
+    if strategy != "off":
+        assert sum(s.pipeline_hits for s in st) > 0, "the pipeline strategy never hit: it was not exercised"
+    profile = parse_sim_spec(SPEC)
+    contexts, tokens = rows_and_tokens(prompts, outputs)
+    logits = SimLM(profile.shape).logits(contexts).numpy()
+    top_k, top_p = setting.get("top_k", 0), setting.get("top_p", 1.0)
+    pvalue = chi2_of_ranks(processed(logits, setting["temperature"], top_k, top_p), tokens)
+    assert pvalue > PASS_P, f"{strategy} {setting}: chi-square p = {pvalue:.2e} over {len(tokens)} tokens"
+    # Power: the same test rejects these tokens against a p at 1.3x the temperature.
+    wrong = chi2_of_ranks(processed(logits, 1.3 * setting["temperature"], top_k, top_p), tokens)
+    assert wrong < FAIL_P, f"the test cannot tell T from 1.3 T (p = {wrong:.2e})"
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_greedy_is_the_argmax_chain_of_p(cluster, prompts, strategy):
+    some = prompts[:24]
+    outputs, st = run(cluster, some, strategy, temperature=0.0)
+    assert sum(s.accepted_tokens for s in st) > 0
+    lm = SimLM(parse_sim_spec(SPEC).shape)
+    for prompt, out in zip(some, outputs):
+        chain: list[int] = []
+        for _ in range(NEW_TOKENS):
+            chain.append(int(lm.logits([prompt + chain])[0].argmax()))
+        assert out == chain
+
+
+def test_the_draft_distribution_is_rejected():
+    """Tokens sampled from the draft's q (agreement 0.8) fail the same test against p: it has power."""
+    profile = parse_sim_spec(SPEC)
+    rng = random.Random(12)
+    contexts = [[rng.randrange(256) for _ in range(6)] for _ in range(REQUESTS * NEW_TOKENS)]
+    p_logits = SimLM(profile.shape).logits(contexts).numpy()
+    q = processed(SimLM(profile.shape, profile.agreement).logits(contexts).numpy(), 1.0)
+    gen = torch.Generator().manual_seed(0)
+    from_q = torch.multinomial(torch.from_numpy(q), 1, generator=gen)[:, 0].numpy()
+    from_p = torch.multinomial(torch.from_numpy(processed(p_logits, 1.0)), 1, generator=gen)[:, 0].numpy()
+    assert chi2_of_ranks(processed(p_logits, 1.0), from_p) > PASS_P
+    assert chi2_of_ranks(processed(p_logits, 1.0), from_q) < FAIL_P

@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 from concurrent.futures import ThreadPoolExecutor
 
+import grpc
 import torch
 
 from draft_service.servicer import DraftServicer
@@ -12,6 +13,8 @@ from specd.core import catalog
 from specd.core.catalog import NGRAM
 from specd.core.drafting import Drafter, ModelDrafter, NgramDrafter
 from specd.serving.config import DraftConfig
+from specd.serving.load import SERVICE_NAME as LOAD_SERVICE_NAME
+from specd.serving.load import LoadSource, add_load_service
 from specd.serving.metrics import DraftMetrics
 from specd.serving.server import ServiceHandle, build_server
 from specd.serving.tracing import Tracing
@@ -78,7 +81,11 @@ def create_server(
         max_batch=config.max_batch,
         batch_wait_s=config.batch_wait_ms / 1e3,
     )
-    server, port, health = build_server(
-        config, lambda s: draft_pb2_grpc.add_DraftServicer_to_server(servicer, s), [SERVICE_NAME]
-    )
+    load = LoadSource.of(drafter, servicer.batcher, config)
+
+    def register(s: grpc.aio.Server) -> None:
+        draft_pb2_grpc.add_DraftServicer_to_server(servicer, s)
+        add_load_service(s, load)
+
+    server, port, health = build_server(config, register, [SERVICE_NAME, LOAD_SERVICE_NAME])
     return ServiceHandle(server, port, health, [SERVICE_NAME], on_stop=executor.shutdown)

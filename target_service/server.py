@@ -8,11 +8,14 @@ import logging
 import os
 from concurrent.futures import ThreadPoolExecutor
 
+import grpc
 import torch
 
 from specd.core import catalog
 from specd.core.verification import Verifier
 from specd.serving.config import TargetConfig
+from specd.serving.load import SERVICE_NAME as LOAD_SERVICE_NAME
+from specd.serving.load import LoadSource, add_load_service
 from specd.serving.metrics import TargetMetrics
 from specd.serving.server import ServiceHandle, build_server
 from specd.serving.tracing import Tracing
@@ -74,9 +77,13 @@ def create_server(
         max_batch=config.max_batch,
         batch_wait_s=config.batch_wait_ms / 1e3,
     )
-    server, port, health = build_server(
-        config, lambda s: target_pb2_grpc.add_TargetServicer_to_server(servicer, s), [SERVICE_NAME]
-    )
+    load = LoadSource.of(verifier, servicer.batcher, config)
+
+    def register(s: grpc.aio.Server) -> None:
+        target_pb2_grpc.add_TargetServicer_to_server(servicer, s)
+        add_load_service(s, load)
+
+    server, port, health = build_server(config, register, [SERVICE_NAME, LOAD_SERVICE_NAME])
     handle = ServiceHandle(server, port, health, [SERVICE_NAME], on_stop=executor.shutdown)
     return _follow_worker_group(handle, verifier)
 

@@ -88,6 +88,11 @@ class Placement:
     def estimate(self, name: str) -> tuple[int, int, int]:
         return self._slots[name].estimate()
 
+    def reported(self, name: str) -> Load | None:
+        """The replica's last load report (None before the first)."""
+        slot = self._slots.get(name)
+        return slot.reported if slot is not None else None
+
     # ---- sessions -----------------------------------------------------------------
 
     def where(self, session_id: str) -> str | None:

@@ -88,7 +88,9 @@ def test_a_hung_lookup_is_bounded_and_not_doubled() -> None:
         return ["10.0.0.9"]
 
     async def main() -> frozenset[Replica]:
-        d = Discovery(parse_peer_address("dns:///svc:9,127.0.0.1:5"), lambda a, r: None, timeout_s=0.05, resolve=resolve)
+        d = Discovery(
+            parse_peer_address("dns:///svc:9,127.0.0.1:5"), lambda a, r: None, timeout_s=0.05, resolve=resolve
+        )
         found = await d.refresh()  # times out: the static replica is still found
         assert {r.address for r in found} == {"127.0.0.1:5"}
         await d.refresh()  # the first lookup is still running: no second one

@@ -35,6 +35,7 @@ log = logging.getLogger(__name__)
 ROLES = ("draft", "target")
 
 Check = Callable[[common_pb2.ModelInfo], str | None]  # why a replica's model does not fit, or None
+UNANSWERED_LIMIT = 3  # health checks timed out in a row before a connected replica counts as lost
 
 
 class _Stream(Protocol):
@@ -74,6 +75,7 @@ class Member(Generic[P]):
     problem: str = "not checked yet"  # why its model does not fit ("" when it does)
     checked_generation: int = -1
     load_supported: bool = True
+    unanswered: int = 0  # health checks in a row that timed out while the stream looked up
     task: asyncio.Task[None] | None = field(default=None, repr=False)
 
     @property
@@ -309,7 +311,7 @@ class ReplicaSet(Generic[P]):
     async def _watch(self, member: Member[P]) -> None:
         health = health_pb2_grpc.HealthStub(member.channel)
         load = load_pb2_grpc.LoadStub(member.channel)
-        timeout = max(0.5, min(2.0, self.poll_s))
+        timeout = max(2.0, 2 * self.poll_s)  # generous: a busy replica is slow, not lost
         while True:
             before = member.usable
             await asyncio.gather(
@@ -330,12 +332,30 @@ class ReplicaSet(Generic[P]):
         try:
             resp = await stub.Check(health_pb2.HealthCheckRequest(service=self.service_name), timeout=timeout)
             member.serving = resp.status == health_pb2.HealthCheckResponse.SERVING
+            member.unanswered = 0
+            return
         except grpc.aio.AioRpcError as exc:
-            if exc.code() == grpc.StatusCode.UNIMPLEMENTED:  # no health service: the stream decides
-                member.serving = True
-            elif exc.code() == grpc.StatusCode.NOT_FOUND:  # the service has not declared itself yet
-                member.serving = False
-            # otherwise unreachable: keep the last answer; the stream's state decides
+            code = exc.code()
+        if code == grpc.StatusCode.UNIMPLEMENTED:  # no health service: the stream decides
+            member.serving, member.unanswered = True, 0
+        elif code == grpc.StatusCode.NOT_FOUND:  # the service has not declared itself yet
+            member.serving, member.unanswered = False, 0
+        elif code == grpc.StatusCode.DEADLINE_EXCEEDED and member.connected:
+            # Connected but silent (frozen, or its host gone without a reset): after a few misses,
+            # restart the stream, which fails the calls waiting on it so their sessions move.
+            member.unanswered += 1
+            if member.unanswered >= UNANSWERED_LIMIT:
+                log.warning(
+                    "%s replica %s has not answered %d health checks; restarting its stream",
+                    self.role,
+                    member.name,
+                    member.unanswered,
+                )
+                member.unanswered = 0
+                member.serving = None
+                await member.peer.stream.close()
+                member.peer.stream.start()
+        # otherwise unreachable: keep the last answer; the stream's state decides
 
     async def _poll_load(self, member: Member[P], stub: Any, timeout: float) -> None:
         if not member.load_supported:

@@ -34,19 +34,25 @@ class ReplicaCollector(Collector):
 
     def collect(self) -> Iterator[Metric]:
         labels = ["role", "replica"]
-        sessions = GaugeMetricFamily(PREFIX + "replica_sessions", "Sessions this coordinator holds on the replica.", labels=labels)
+        sessions = GaugeMetricFamily(
+            PREFIX + "replica_sessions", "Sessions this coordinator holds on the replica.", labels=labels
+        )
         load = GaugeMetricFamily(
             PREFIX + "replica_load", "Sessions plus queued steps the replica reports (with ours since).", labels=labels
         )
         kv = GaugeMetricFamily(PREFIX + "replica_kv_cache_bytes", "KV-cache bytes the replica reports.", labels=labels)
         state = GaugeMetricFamily(
-            PREFIX + "replica_state", "1 for the replica's state as this coordinator sees it.", labels=[*labels, "state"]
+            PREFIX + "replica_state",
+            "1 for the replica's state as this coordinator sees it.",
+            labels=[*labels, "state"],
         )
         placements = CounterMetricFamily(
             PREFIX + "replica_placements", "Sessions opened on the replica (new or moved).", labels=labels
         )
         moves = CounterMetricFamily(
-            PREFIX + "replica_session_moves", "Sessions rebuilt on another replica (theirs left, drained or failed).", labels=["role"]
+            PREFIX + "replica_session_moves",
+            "Sessions rebuilt on another replica (theirs left, drained or failed).",
+            labels=["role"],
         )
         for role, rows, moved in self._snapshot():
             moves.add_metric([role], moved)

@@ -76,6 +76,7 @@ class Member(Generic[P]):
     checked_generation: int = -1
     load_supported: bool = True
     unanswered: int = 0  # health checks in a row that timed out while the stream looked up
+    polls: int = 0  # health/load/model rounds done
     task: asyncio.Task[None] | None = field(default=None, repr=False)
 
     @property
@@ -195,6 +196,21 @@ class ReplicaSet(Generic[P]):
                 pass
         return True
 
+    async def wait_polled(self, timeout_s: float) -> None:
+        """Wait (at most timeout_s) until every known replica has been polled once, so that the first
+        sessions are spread over all replicas that are up, not given to the first that answered."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout_s
+        while any(m.polls == 0 for m in self.members.values()):
+            left = deadline - loop.time()
+            if left <= 0:
+                return
+            self._changed.clear()
+            try:
+                await asyncio.wait_for(self._changed.wait(), min(left, self.poll_s))
+            except TimeoutError:
+                pass
+
     # ---- sessions --------------------------------------------------------------------
 
     def usable_names(self) -> list[str]:
@@ -218,7 +234,8 @@ class ReplicaSet(Generic[P]):
         self.placements[name] = self.placements.get(name, 0) + 1
         if left is None:
             return self.members[name], None
-        self.moves += 1
+        if not exclude:  # a retry after a refused open is no move: the session never lived there
+            self.moves += 1
         log.info("%s session %s moves from %s to %s", self.role, session_id, left, name)
         old = self.members.get(left)
         if old is not None:
@@ -312,6 +329,7 @@ class ReplicaSet(Generic[P]):
         health = health_pb2_grpc.HealthStub(member.channel)
         load = load_pb2_grpc.LoadStub(member.channel)
         timeout = max(2.0, 2 * self.poll_s)  # generous: a busy replica is slow, not lost
+        await member.peer.stream.wait_connected(timeout)  # a new replica's first poll sees its stream up
         while True:
             before = member.usable
             await asyncio.gather(
@@ -320,8 +338,10 @@ class ReplicaSet(Generic[P]):
             )
             if member.connected and member.checked_generation != member.peer.stream.generation:
                 await self._check_model(member, timeout)
+            member.polls += 1
             if member.usable != before:
                 log.info("%s replica %s is %s", self.role, member.name, member.state)
+            if member.usable != before or member.polls == 1:
                 self._changed.set()
             if member.retiring and (self.placement.sessions_on(member.name) == 0 or not member.connected):
                 await self._close_member(member)

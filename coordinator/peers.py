@@ -3,7 +3,9 @@
 `PeerStream` multiplexes requests over the stream by request_id, reconnects
 with backoff when it breaks, and fails the requests in flight at that moment
 with Unavailable (their sessions heal by re-opening on the next stream).
-`DraftPeer` and `TargetPeer` translate between the core's types and messages.
+`Peer` is a service on such a stream (generic in its two message types);
+`GrpcDraft` and `GrpcTarget` are the round loop's two ports over them
+(specd.core.ports). Messages are built and read by specd.serving.wire.
 """
 
 from __future__ import annotations
@@ -12,19 +14,19 @@ import asyncio
 import itertools
 import logging
 from collections.abc import AsyncIterator, Callable, Sequence
-from typing import Any, Generic, Protocol, TypeVar
+from typing import Any, Generic, Literal, Protocol, TypeVar
 
 import grpc
 
-from specd.core.errors import DeadlineExceeded, Unavailable
-from specd.core.phases import PhaseLog
+from specd.core.errors import DeadlineExceeded, FailedPrecondition, InvalidArgument, Unavailable
+from specd.core.ports import Carrier
 from specd.core.proposal import Proposal
 from specd.core.sampling import SamplingParams
 from specd.core.verification import VerifyOutcome
+from specd.serving import wire
 from specd.serving.grpc_errors import exception_from_session_error
 from specd.serving.server import CHANNEL_OPTIONS
-from specd.serving.wire import params_to_proto, proposal_from_proto, sparse_to_proto
-from specd.v1 import common_pb2, draft_pb2, draft_pb2_grpc, target_pb2, target_pb2_grpc
+from specd.v1 import common_pb2, draft_pb2, draft_pb2_grpc, session_pb2, target_pb2, target_pb2_grpc
 
 log = logging.getLogger(__name__)
 
@@ -155,127 +157,155 @@ class PeerStream(Generic[Req, Resp]):
             yield msg
 
 
-class TargetPeer:
-    """The target service as the round logic sees it."""
+class _RoundResponse(_Message, Protocol):
+    error: session_pb2.SessionError
 
-    def __init__(self, channel: grpc.aio.Channel) -> None:
-        self._stub = target_pb2_grpc.TargetStub(channel)
-        self.stream: PeerStream[target_pb2.TargetRequest, target_pb2.TargetResponse] = PeerStream(
-            "target", self._stub.Rounds
-        )
+    def WhichOneof(self, oneof_group: Literal["result"]) -> str | None: ...
+
+
+Resp_ = TypeVar("Resp_", bound=_RoundResponse)
+
+
+class Peer(Generic[Req, Resp_]):
+    """A draft or target service as the coordinator sees it: one round stream, sessions on it, model info.
+
+    Parametrised by the service's two stream message types; `GrpcDraft` and
+    `GrpcTarget` add the one operation each has of its own.
+    """
+
+    def __init__(self, name: str, channel: grpc.aio.Channel, stub_type: Any, request_type: type[Req]) -> None:
+        self._stub = stub_type(channel)
+        self._request_type: Any = request_type  # DraftRequest or TargetRequest (wire builds either)
+        self.stream: PeerStream[Req, Resp_] = PeerStream(name, self._stub.Rounds)
 
     async def model_info(self, timeout: float) -> common_pb2.ModelInfo:
         return await self._stub.GetModelInfo(common_pb2.GetModelInfoRequest(), timeout=timeout)
 
-    async def _call(self, req: target_pb2.TargetRequest, timeout: float) -> target_pb2.TargetResponse:
+    async def call(self, req: Req, timeout: float) -> Resp_:
+        """Send one stream message; the peer's in-band SessionError is raised as its domain exception."""
         resp = await self.stream.request(req, timeout)
         if resp.WhichOneof("result") == "error":
             raise exception_from_session_error(resp.error)
         return resp
 
     async def open(
-        self,
-        sid: str,
-        tokens: Sequence[int],
-        params: SamplingParams,
-        timeout: float,
-        trace: dict[str, str] | None = None,
+        self, session_id: str, token_ids: Sequence[int], params: SamplingParams, *, timeout: float, carrier: Carrier
     ) -> None:
-        req = target_pb2.TargetRequest(session_id=sid, committed_length=len(tokens), trace_context=trace or {})
-        req.open.token_ids.extend(tokens)
-        req.open.sampling.CopyFrom(params_to_proto(params))
-        await self._call(req, timeout)
+        await self.call(wire.open_request(self._request_type, session_id, token_ids, params, carrier), timeout)
+
+    async def close(self, session_id: str, *, timeout: float) -> None:
+        await self.call(wire.close_request(self._request_type, session_id), timeout)
+
+
+class GrpcTarget(Peer[target_pb2.TargetRequest, target_pb2.TargetResponse]):
+    """The loop's TargetPort over the target's round stream.
+
+    The public edge validated the request, so a target that calls a round
+    invalid is a precondition failure of the deployment, not the client's fault.
+    """
+
+    def __init__(self, channel: grpc.aio.Channel) -> None:
+        super().__init__("target", channel, target_pb2_grpc.TargetStub, target_pb2.TargetRequest)
+
+    async def open(
+        self, session_id: str, token_ids: Sequence[int], params: SamplingParams, *, timeout: float, carrier: Carrier
+    ) -> None:
+        try:
+            await super().open(session_id, token_ids, params, timeout=timeout, carrier=carrier)
+        except InvalidArgument as exc:
+            raise FailedPrecondition(f"the target refused a round: {exc}") from exc
 
     async def verify(
         self,
-        sid: str,
+        session_id: str,
         committed_length: int,
         proposal: Proposal,
+        *,
+        defer_bonus: bool,
         timeout: float,
-        trace: dict[str, str] | None = None,
-        defer_bonus: bool = False,
+        carrier: Carrier,
     ) -> VerifyOutcome:
-        req = target_pb2.TargetRequest(session_id=sid, committed_length=committed_length, trace_context=trace or {})
-        req.verify.start = committed_length  # the target rolls back any verdict we did not see
-        req.verify.draft_token_ids.extend(proposal.token_ids)
-        req.verify.q.extend(sparse_to_proto(proposal))
-        req.verify.defer_bonus = defer_bonus
-        resp = await self._call(req, timeout)
-        v = resp.verdict
-        deferred = v.kind == target_pb2.TOKEN_KIND_DEFERRED
-        if deferred and (not defer_bonus or v.accepted != len(proposal) or not len(proposal)):
-            raise Unavailable("the target deferred a bonus it was not asked to defer")  # a peer out of step: retry
-        return VerifyOutcome(
-            accepted=v.accepted,
-            token_id=-1 if deferred else v.token_id,
-            is_bonus=v.kind == target_pb2.TOKEN_KIND_BONUS,
-            deferred=deferred,
-            committed_length=resp.committed_length,
-            compute_ms=v.compute_ms,
-            phases=PhaseLog(batch_size=max(1, v.batch_size), batch_tokens=v.batch_tokens),
-        )
-
-    async def close_session(self, sid: str, timeout: float) -> None:
-        req = target_pb2.TargetRequest(session_id=sid)
-        req.close.SetInParent()
-        await self._call(req, timeout)
+        req = wire.verify_request(session_id, committed_length, proposal, defer_bonus, carrier)
+        try:
+            return wire.verdict_from_proto(await self.call(req, timeout))
+        except InvalidArgument as exc:
+            raise FailedPrecondition(f"the target refused a round: {exc}") from exc
 
 
-class DraftPeer:
-    """The draft service as the round logic sees it."""
+def compatibility_problem(target: common_pb2.ModelInfo, draft: common_pb2.ModelInfo) -> str | None:
+    """Why a draft cannot speculate for this target, or None if it can."""
+    if draft.tokenizer_size != target.tokenizer_size:
+        return f"tokenizer sizes differ (draft {draft.tokenizer_size}, target {target.tokenizer_size})"
+    if draft.vocab_hash != target.vocab_hash:
+        return "token-to-ID maps or special tokens differ (vocab_hash mismatch)"
+    if draft.vocab_size > target.vocab_size:
+        return f"draft vocabulary ({draft.vocab_size}) is larger than the target's ({target.vocab_size})"
+    return None
+
+
+class GrpcDraft(Peer[draft_pb2.DraftRequest, draft_pb2.DraftResponse]):
+    """The loop's DraftPort over the draft's round stream, with its health.
+
+    Available when its stream is up and its token space matches the target's
+    (checked once per stream generation: a restarted draft may be another model).
+    """
 
     def __init__(self, channel: grpc.aio.Channel) -> None:
-        self._stub = draft_pb2_grpc.DraftStub(channel)
-        self.stream: PeerStream[draft_pb2.DraftRequest, draft_pb2.DraftResponse] = PeerStream(
-            "draft", self._stub.Rounds
-        )
+        super().__init__("draft", channel, draft_pb2_grpc.DraftStub, draft_pb2.DraftRequest)
+        self.target_info: common_pb2.ModelInfo | None = None  # set by the engine before it serves
+        self._checked_generation = -1
+        self.compatible = False
+        self.problem = "not checked yet"
 
-    async def model_info(self, timeout: float) -> common_pb2.ModelInfo:
-        return await self._stub.GetModelInfo(common_pb2.GetModelInfoRequest(), timeout=timeout)
+    async def connect(self, target_info: common_pb2.ModelInfo, timeout: float) -> None:
+        """Start the stream; if it connects within timeout, check the draft against the target."""
+        self.target_info = target_info
+        if await self.stream.wait_connected(timeout):
+            await self.check()
 
-    async def _call(self, req: draft_pb2.DraftRequest, timeout: float) -> draft_pb2.DraftResponse:
-        resp = await self.stream.request(req, timeout)
-        if resp.WhichOneof("result") == "error":
-            raise exception_from_session_error(resp.error)
-        return resp
+    async def check(self) -> None:
+        """Compare the draft's token space with the target's (once per stream generation)."""
+        assert self.target_info is not None, "connect() first"
+        self._checked_generation = self.stream.generation
+        try:
+            info = await self.model_info(timeout=2.0)
+        except Exception as exc:  # noqa: BLE001 - the draft is optional
+            self.compatible, self.problem = False, f"draft GetModelInfo failed: {exc}"
+            self._checked_generation = -1
+            return
+        problem = compatibility_problem(self.target_info, info)
+        self.compatible, self.problem = problem is None, problem or ""
+        if problem:
+            log.error("not speculating with draft %r: %s; serving target-only", info.name, problem)
+        else:
+            log.info("draft %r (%s) is compatible with target %r", info.name, info.kind, self.target_info.name)
 
-    async def open(
-        self,
-        sid: str,
-        tokens: Sequence[int],
-        params: SamplingParams,
-        timeout: float,
-        trace: dict[str, str] | None = None,
-    ) -> None:
-        req = draft_pb2.DraftRequest(session_id=sid, committed_length=len(tokens), trace_context=trace or {})
-        req.open.token_ids.extend(tokens)
-        req.open.sampling.CopyFrom(params_to_proto(params))
-        await self._call(req, timeout)
+    async def available(self) -> bool:
+        if self.target_info is None:
+            return False
+        if not self.stream.connected:
+            self.stream.start()  # reconnects in the background; this round is target-only
+            return False
+        if self._checked_generation != self.stream.generation:
+            await self.check()
+        return self.compatible
 
     async def propose(
         self,
-        sid: str,
-        committed: Sequence[int],
+        session_id: str,
+        committed_length: int,
         start: int,
+        tail: Sequence[int],
         num_tokens: int,
-        vocab_size: int,
+        *,
         timeout: float,
-        trace: dict[str, str] | None = None,
+        carrier: Carrier,
     ) -> Proposal:
-        req = draft_pb2.DraftRequest(session_id=sid, committed_length=len(committed), trace_context=trace or {})
-        req.propose.start = start
-        req.propose.token_ids.extend(committed[start:])
-        req.propose.num_tokens = num_tokens
-        resp = await self._call(req, timeout)
-        proposal = proposal_from_proto(resp.proposal, vocab_size)  # validates ids and q
-        if len(proposal) > num_tokens:
-            raise Unavailable(f"draft sent {len(proposal)} tokens for {num_tokens} asked")
-        return proposal
-
-    async def close_session(self, sid: str, timeout: float) -> None:
-        req = draft_pb2.DraftRequest(session_id=sid)
-        req.close.SetInParent()
-        await self._call(req, timeout)
+        assert self.target_info is not None, "connect() first"
+        resp = await self.call(
+            wire.propose_request(session_id, committed_length, start, tail, num_tokens, carrier), timeout
+        )
+        return wire.proposal_from_proto(resp.proposal, self.target_info.vocab_size)  # validates ids and q
 
 
 def open_channel(
@@ -284,7 +314,7 @@ def open_channel(
     """A channel to a peer; TLS when credentials are given (server_name overrides the checked name)."""
     if credentials is None:
         return grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
-    options = list(CHANNEL_OPTIONS)
+    options: list[tuple[str, Any]] = list(CHANNEL_OPTIONS)
     if server_name:
         options.append(("grpc.ssl_target_name_override", server_name))
     return grpc.aio.secure_channel(address, credentials, options=options)

@@ -10,8 +10,8 @@ import secrets
 
 from transformers import PreTrainedTokenizerBase
 
-from coordinator.engine import GenerateSpec
 from specd.core.errors import InvalidArgument
+from specd.core.loop import GenerateSpec
 from specd.core.sampling import SamplingParams
 from specd.serving.config import CoordinatorConfig
 from specd.serving.wire import params_from_proto

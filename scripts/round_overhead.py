@@ -62,7 +62,7 @@ async def measure(target: str, draft: str, requests: int, tokens: int, k: int, t
                         draft_length=k,
                     )
                 )
-        timings = list(engine.round_timings)
+        timings = list(engine.round_records)
         await handle.stop(1.0)
     finally:
         for p in peers:

@@ -432,7 +432,7 @@ class RayExecutor:
 
             try:
                 remove_placement_group(self._pg)
-            except Exception as exc:  # noqa: BLE001
+            except Exception as exc:  # noqa: BLE001 - already removed, or Ray is gone
                 log.debug("remove_placement_group: %s", exc)
         self._actors, self._runs, self._pg, self._pg_ready = [], [], None, None
 

@@ -27,8 +27,9 @@ def reference(
     max_new_tokens: int,
     draft_length: int = 0,
     stop_token_ids: frozenset[int] = frozenset(),
+    pipeline: str = "off",
 ) -> GenerationResult:
-    """What the services must produce: the in-process loop with the same settings."""
+    """What the services must produce: the in-process loop (the coordinator's own) with the same settings."""
     verifier = Verifier(CausalLMRunner(loaded(str(target)).model))
     drafter = ModelDrafter(CausalLMRunner(loaded(str(draft)).model)) if draft is not None else None
     return speculative_generate(
@@ -39,4 +40,5 @@ def reference(
         draft_length=draft_length if drafter else 0,
         max_new_tokens=max_new_tokens,
         stop_token_ids=stop_token_ids,
+        pipeline=pipeline,
     )

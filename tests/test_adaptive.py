@@ -48,7 +48,7 @@ def test_controller_learns_acceptance_and_picks_long_drafts_for_good_drafts() ->
 
 
 def test_controller_stops_speculating_when_it_cannot_pay_and_probes() -> None:
-    ctl, ks = _simulate(0.02, 0.3)
+    _, ks = _simulate(0.02, 0.3)
     tail = ks[-160:]
     assert tail.count(0) >= 140  # mostly target-only
     assert 1 in tail  # but it probes again

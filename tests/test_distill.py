@@ -14,6 +14,7 @@ import torch
 from transformers import AutoConfig
 
 from specd.core.catalog import demo_draft_path, load_draft_for_serving
+from specd.core.draft_checkpoint import COMPACT_META, assemble, install_reduced_head
 from specd.core.drafting import ModelDrafter, ReducedLMHead
 from specd.core.errors import FailedPrecondition, InvalidArgument
 from specd.core.models import load_pretrained
@@ -23,16 +24,7 @@ from specd.core.runner import CausalLMRunner
 from specd.core.sampling import SamplingParams
 from specd.core.verification import Verifier
 from specd.tools import cli
-from specd.tools.distill import (
-    COMPACT_META,
-    DistillConfig,
-    assemble,
-    build_draft,
-    builtin_prompts,
-    install_reduced_head,
-    render_prompt,
-    run_distill,
-)
+from specd.tools.distill import DistillConfig, build_draft, builtin_prompts, render_prompt, run_distill
 
 pytestmark = pytest.mark.usefixtures("torch_single_thread")
 

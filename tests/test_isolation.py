@@ -181,8 +181,8 @@ def test_a_hostile_row_fails_alone_in_a_verify_batch(models) -> None:
     assert isinstance(bad, InvalidArgument) and "support" in str(bad), bad
 
     # The failed rows were rolled back to their committed prefix; everyone goes on.
-    assert v._sessions.get("nan").kv.tokens == poisoned
-    assert v._sessions.get("bad-q").kv.tokens == ids[3]
+    assert v._pool.get("nan").kv.tokens == poisoned
+    assert v._pool.get("bad-q").kv.tokens == ids[3]
     again = v.verify_batch(
         [VerifyRequest(f"s{i}", want[i].committed_length, Proposal([])) for i in range(len(ids))]
         + [VerifyRequest("bad-q", len(ids[3]), Proposal([7]))]
@@ -241,7 +241,7 @@ def test_a_hostile_row_fails_alone_in_a_draft_batch(models) -> None:
     assert isinstance(tiny_t, Proposal) and tiny_t.token_ids == want_greedy.token_ids and tiny_t.q_ids is None
     assert isinstance(nan, Internal), nan
     assert isinstance(nan_greedy, Internal), nan_greedy
-    assert drafter._sessions.get("nan").kv.tokens == poisoned  # rolled back to the committed prefix
+    assert drafter._pool.get("nan").kv.tokens == poisoned  # rolled back to the committed prefix
 
     # Every ordinary session drafts on from where it is.
     again = drafter.propose_batch([ProposeRequest(f"s{i}", len(ids[i]), len(ids[i]), [], 2) for i in range(len(ids))])

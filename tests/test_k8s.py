@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import importlib.machinery
 import importlib.util
+import itertools
 import json
 import os
 import re
@@ -193,7 +194,7 @@ def test_every_rendered_object_validates_strictly(objects: dict[str, list[dict[s
         files.append(path)
     # The pod templates inside custom resources, as core/v1 PodTemplates.
     templates = []
-    for name, o in crds:
+    for _name, o in crds:
         if o["kind"] == "RayCluster":
             for group, meta, spec in pod_specs([o]):
                 templates.append(
@@ -732,7 +733,7 @@ def check_documented_steps(path: Path, objects: dict[str, list[dict[str, Any]]])
             seen.add("helm install")
             release, chart = [a for a in cmd[2:] if not a.startswith("-")][:2]
             assert release == RELEASE and (ROOT / chart).resolve() == CHART, cmd
-            for flag, value in zip(cmd, cmd[1:]):
+            for flag, value in itertools.pairwise(cmd):
                 if flag in ("-f", "--values"):
                     assert (ROOT / value).is_file(), cmd
         elif tool == "helm" and cmd[1] == "test":

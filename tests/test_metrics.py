@@ -12,6 +12,7 @@ import pytest
 from prometheus_client import REGISTRY, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
+from specd.core.record import RoundRecord, TargetOnly, TokenKind
 from specd.serving import genai
 from specd.serving.metrics import CoordinatorMetrics, DraftMetrics, TargetMetrics, metrics_for, serve_metrics
 
@@ -33,15 +34,20 @@ def test_rounds_and_requests_use_vllm_names_and_add_up() -> None:
     rounds = [(4, 2, False, 3), (4, 4, False, 5), (0, 0, True, 1), (3, 0, False, 1)]
     for i, (drafted, accepted, target_only, tokens) in enumerate(rounds):
         m.observe_round(
-            index=i,
-            draft_tokens=drafted,
-            accepted=accepted,
-            target_only=target_only,
-            tokens=tokens,
-            draft_ms=2.0,
-            verify_ms=5.0,
-            overhead_ms=1.0,
-            wall_ms=8.0,
+            RoundRecord(
+                index=i,
+                committed_length=10 + i,
+                draft_length=4,
+                draft_token_ids=tuple(range(drafted)),
+                accepted=accepted,
+                token_id=7,
+                token_kind=TokenKind.BONUS if accepted == drafted else TokenKind.RECOVERED,
+                committed=tuple(range(tokens)),
+                wall_ms=8.0,
+                draft_ms=2.0,
+                verify_ms=5.0,
+                target_only=TargetOnly.DRAFT_FAILED if target_only else None,
+            )
         )
     stats = SimpleNamespace(
         prompt_tokens=7,

@@ -181,7 +181,7 @@ def test_load_file_instead_of_folder(tmp_path: Path) -> None:
 
 
 def test_load_folder_without_config(tmp_path: Path) -> None:
-    with pytest.raises(InvalidArgument, match="has no config.json"):
+    with pytest.raises(InvalidArgument, match=r"has no config\.json"):
         load_pretrained(tmp_path)
 
 

@@ -10,14 +10,16 @@ from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
 
 from specd.core.drafting import ModelDrafter, NgramDrafter, lookup_continuation
 from specd.core.errors import InvalidArgument, SessionOutOfSync
+from specd.core.generation import FinishReason, Generation, StopRule
 from specd.core.models import load_pretrained
 from specd.core.proposal import Proposal
-from specd.core.rounds import FinishReason, Generation, StopRule, speculative_generate, speculative_generate_batch
+from specd.core.rounds import speculative_generate, speculative_generate_batch
 from specd.core.runner import CausalLMRunner
 from specd.core.sampling import SamplingParams
 from specd.core.verification import Verifier
 
 GREEDY = SamplingParams(temperature=0.0)
+pytestmark = pytest.mark.usefixtures("torch_single_thread")  # tiny models: one thread is faster on a shared box
 
 
 @pytest.fixture(scope="module")
@@ -83,6 +85,65 @@ def test_ngram_drafter_is_exact(tiny) -> None:
     got = speculative_generate(prompt, verifier, ngram, GREEDY, draft_length=4, max_new_tokens=24)
     assert got.token_ids == ref
     assert got.stats.draft_tokens > 0
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.9])
+def test_pipelining_and_auto_run_in_process_too(tiny, temperature: float) -> None:
+    """The in-process oracle is the coordinator's loop: bonus-match pipelining changes no token (the
+    pre-draft is used only for the committed prefix), post-verify is seeded-deterministic (and greedy
+    parity), automatic K is exact."""
+    loaded, verifier, _, self_drafter = tiny
+    prompt = loaded.tokenizer("pipelines").input_ids
+    params = SamplingParams(temperature=temperature, seed=11)
+    plain = speculative_generate(prompt, verifier, self_drafter, params, draft_length=3, max_new_tokens=24)
+    piped = speculative_generate(
+        prompt, verifier, self_drafter, params, draft_length=3, max_new_tokens=24, pipeline="bonus-match"
+    )
+    assert piped.token_ids == plain.token_ids and piped.stats.pipeline_hits > 0
+    assert set(piped.stats.pipeline_hits_by_outcome) <= {f"{k}:bonus" for k in range(1, 4)}
+    post = [
+        speculative_generate(
+            prompt, verifier, self_drafter, params, draft_length=3, max_new_tokens=24, pipeline="post-verify"
+        )
+        for _ in range(2)
+    ]
+    assert post[0].token_ids == post[1].token_ids and post[0].stats.pipeline_hits > 0
+    auto = speculative_generate(
+        prompt, verifier, self_drafter, params, draft_length=4, max_new_tokens=24, speculation="auto"
+    )
+    if temperature == 0.0:
+        assert post[0].token_ids == plain.token_ids and auto.token_ids == plain.token_ids
+    assert auto.stats.draft_tokens > 0
+    for result in (plain, piped, post[0], auto):
+        assert [t for r in result.records for t in r.committed] == result.token_ids
+
+
+def test_batched_requests_share_forward_passes(tiny) -> None:
+    loaded, verifier, drafter, _ = tiny
+    sizes = {"verify": [], "propose": []}
+    real_verify, real_propose = verifier.verify_batch, drafter.propose_batch
+
+    def verify_batch(requests):
+        sizes["verify"].append(len(requests))
+        return real_verify(requests)
+
+    def propose_batch(requests):
+        sizes["propose"].append(len(requests))
+        return real_propose(requests)
+
+    prompts = [loaded.tokenizer(t).input_ids for t in ("one", "two two", "three three three")]
+    verifier.verify_batch, drafter.propose_batch = verify_batch, propose_batch
+    try:
+        got = speculative_generate_batch(
+            prompts, verifier, drafter, [GREEDY] * 3, draft_lengths=[2, 3, 4], max_new_tokens=12
+        )
+    finally:
+        del verifier.verify_batch, drafter.propose_batch
+    assert max(sizes["verify"]) == 3 and max(sizes["propose"]) == 3
+    for p, g in zip(prompts, got):
+        assert (
+            g.token_ids == speculative_generate(p, verifier, None, GREEDY, draft_length=0, max_new_tokens=12).token_ids
+        )
 
 
 def test_lookup_continuation() -> None:

@@ -67,9 +67,11 @@ def test_right_ca_and_token_work_with_mutual_tls_to_peers(secure_cluster: Cluste
 
 @pytest.mark.parametrize("token", [None, "wrong-token", TOKEN + "x", ""])
 def test_missing_or_wrong_token_is_refused(secure_cluster: Cluster, pki: Pki, token: str | None) -> None:
-    with CoordinatorClient(secure_cluster.address, tls_ca=str(pki.ca), token=token, timeout=30) as client:
-        with pytest.raises(grpc.RpcError) as err:
-            _generate(client)
+    with (
+        CoordinatorClient(secure_cluster.address, tls_ca=str(pki.ca), token=token, timeout=30) as client,
+        pytest.raises(grpc.RpcError) as err,
+    ):
+        _generate(client)
     assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED
     assert "token" in err.value.details()
 

@@ -81,7 +81,7 @@ def test_head_counts_that_tp_does_not_divide_are_refused_by_name() -> None:
 
 
 def test_gpt2_is_refused_with_a_clear_error(tiny_gpt2_dir: Path) -> None:
-    with pytest.raises(InvalidArgument, match="GPT-2|gpt2") as info:
+    with pytest.raises(InvalidArgument, match=r"GPT-2|gpt2") as info:
         tensor_parallel.check_model_folder(str(tiny_gpt2_dir), 2)
     assert "c_attn" in str(info.value) and "--tp 1" in str(info.value)
 

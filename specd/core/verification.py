@@ -19,9 +19,9 @@ from specd.core.drafting import sync_prefix
 from specd.core.errors import InvalidArgument
 from specd.core.phases import PhaseLog
 from specd.core.proposal import Proposal
-from specd.core.runner import CausalLMRunner, KVSession
+from specd.core.runner import KVSession
 from specd.core.sampling import SamplingParams, SparseProposal
-from specd.core.sessions import KVBudget, SessionTable
+from specd.core.sessions import PooledModel, Ready
 
 
 @dataclass(frozen=True)
@@ -56,44 +56,13 @@ class _TargetSession:
     params: SamplingParams
 
 
-class Verifier:
-    """Sessions of the target model and the verification step over them."""
-
-    def __init__(
-        self,
-        runner: CausalLMRunner,
-        *,
-        max_sessions: int = 256,
-        idle_timeout_s: float = 600.0,
-        max_kv_bytes: int = 0,
-        max_batch: int = 32,
-    ) -> None:
-        if max_batch < 1:
-            raise InvalidArgument(f"max_batch must be >= 1 (got {max_batch})")
-        self.runner = runner
-        self.max_batch = max_batch
-        self._kv_budget = KVBudget(max_kv_bytes, lambda: runner.kv_bytes_per_token)
-        self.vocab_size = runner.vocab_size
-        self._sessions: SessionTable[_TargetSession] = SessionTable(
-            max_sessions, idle_timeout_s=idle_timeout_s, on_evict=lambda _sid, s: runner.release(s.kv)
-        )
+class Verifier(PooledModel[_TargetSession]):
+    """Sessions of the target model (Verifier(runner, max_sessions=..., ...): see PoolLimits) and the
+    verification step over them."""
 
     def open(self, session_id: str, token_ids: Sequence[int], params: SamplingParams) -> None:
         params.validate()
-        self._sessions.pop(session_id)  # a re-open replaces the session and its memory
-        self._kv_budget.admit(sum(len(s.kv) for _, s in self._sessions), len(token_ids))
-        self._sessions.put(session_id, _TargetSession(self.runner.new_session(token_ids), params))
-
-    def close(self, session_id: str) -> None:
-        s = self._sessions.pop(session_id)
-        if s is not None:
-            self.runner.release(s.kv)
-
-    def active_sessions(self) -> int:
-        return len(self._sessions)
-
-    def kv_bytes(self) -> int:
-        return sum(self.runner.kv_bytes(s.kv) for _, s in self._sessions)
+        self._pool.open(session_id, token_ids, lambda kv: _TargetSession(kv, params))
 
     def verify(
         self,
@@ -122,41 +91,25 @@ class Verifier:
         reached it. Greedy and seeded outcomes do not depend on the batch:
         coins hash (seed, position).
         """
-        results: list[VerifyOutcome | Exception | None] = [None] * len(requests)
-        logs = [PhaseLog() for _ in requests]
-        ready: list[tuple[int, _TargetSession]] = []  # (index, session) that reach the forward pass
-        seen: set[str] = set()
-        for i, req in enumerate(requests):
-            try:
-                if req.session_id in seen:
-                    raise InvalidArgument(f"session {req.session_id!r} appears twice in one verification batch")
-                seen.add(req.session_id)
-                with logs[i].phase(ph.SYNC):
-                    ready.append((i, self._prepare(req)))
-            except Exception as exc:  # noqa: BLE001 - this request's error, reported in its slot
-                results[i] = exc
-        for group in self._kv_budget.forward_groups(
-            [len(s.kv) for _, s in ready], self.max_batch, [len(s.kv) - s.kv.cached for _, s in ready]
-        ):
-            part = [ready[g] for g in group]
-            try:
-                self._verify_ready(requests, part, logs, results)
-            except Exception as exc:  # noqa: BLE001 - the shared forward failed: every request in it fails
-                for i, s in part:
-                    self.runner.truncate(s.kv, requests[i].committed_length)
-                    results[i] = exc
-            for i, _ in part:
-                logs[i].batch_size = len(part)
-        for i, log in enumerate(logs):
-            outcome = results[i]
-            if isinstance(outcome, VerifyOutcome):
+        outcomes: dict[int, VerifyOutcome] = {}
+        run = self._pool.run_batch(
+            requests,
+            self._prepare,
+            lambda part, batch: self._verify_ready(requests, part, batch.logs, outcomes),
+            what="verification",
+        )
+        results: list[VerifyOutcome | Exception] = []
+        for i, (error, log) in enumerate(zip(run.errors, run.logs)):
+            if error is not None:
+                results.append(error)
+            else:
                 ms = (log.phases[-1].end_ns - log.phases[0].start_ns) / 1e6
-                results[i] = dataclasses.replace(outcome, compute_ms=ms, phases=log)
-        return [r if r is not None else RuntimeError("not verified") for r in results]
+                results.append(dataclasses.replace(outcomes[i], compute_ms=ms, phases=log))
+        return results
 
-    def _prepare(self, req: VerifyRequest) -> _TargetSession:
+    def _prepare(self, req: VerifyRequest) -> tuple[_TargetSession, int]:
         """Sync the session to the committed prefix and append the drafts (no forward yet)."""
-        s = self._sessions.get(req.session_id)
+        s = self._pool.get(req.session_id)
         start = len(s.kv.tokens) if req.start is None else req.start
         self.runner.set_tokens(s.kv, sync_prefix(s.kv.tokens, req.committed_length, start, req.tail))
         k = len(req.proposal)
@@ -168,16 +121,20 @@ class Verifier:
         if any(not 0 <= t < self.vocab_size for t in req.proposal.token_ids):
             raise InvalidArgument(f"a draft token id is outside the vocabulary [0, {self.vocab_size})")
         self.runner.append(s.kv, req.proposal.token_ids)
-        return s
+        return s, 0
 
     def _verify_ready(
         self,
         requests: Sequence[VerifyRequest],
-        ready: list[tuple[int, _TargetSession]],
+        part: list[Ready[_TargetSession]],
         logs: list[PhaseLog],
-        results: list[VerifyOutcome | Exception | None],
-    ) -> None:
-        """Forward, rejection sampler and commit for the sessions that passed their checks."""
+        outcomes: dict[int, VerifyOutcome],
+    ) -> dict[int, Exception]:
+        """Forward, rejection sampler and commit for one forward group of sessions that passed their checks.
+
+        Returns {request index: error} for the rows that could not be sampled (the pool rolls them back).
+        """
+        ready = [(r.index, r.session) for r in part]
         ks = [len(requests[i].proposal) for i, _ in ready]
         k_max = max(ks)
         batch_tokens = sum(len(s.kv.tokens) - s.kv.cached for _, s in ready)  # positions the forward runs
@@ -196,14 +153,14 @@ class Verifier:
         verdicts: dict[int, tuple[int, int, bool] | Exception] = dict(sampling.unusable_rows(rows, p))
         verdicts.update(self._sample([b for b in range(len(ready)) if b not in verdicts], p, ready, requests, ks))
         t2 = time.time_ns()
+        failed: dict[int, Exception] = {}
         for b, (i, s) in enumerate(ready):
             logs[i].add(ph.FORWARD, t0, t1)
             logs[i].add(ph.SAMPLING, t1, t2)
             verdict = verdicts[b]
             committed = requests[i].committed_length
             if isinstance(verdict, Exception):
-                self.runner.truncate(s.kv, committed)  # the drafts go; the session stays usable
-                results[i] = verdict
+                failed[i] = verdict  # its drafts go (rolled back by the pool); the session stays usable
                 continue
             with logs[i].phase(ph.ROLLBACK):
                 accepted, token, is_bonus = verdict
@@ -211,9 +168,10 @@ class Verifier:
                 self.runner.truncate(s.kv, committed + accepted)
                 if not deferred:  # deferred: the bonus coin is never used; that position is the next draft's
                     self.runner.append(s.kv, [token])
-            results[i] = VerifyOutcome(
+            outcomes[i] = VerifyOutcome(
                 accepted, -1 if deferred else token, is_bonus and not deferred, len(s.kv.tokens), 0.0, deferred=deferred
             )
+        return failed
 
     @staticmethod
     def _sample(

@@ -129,7 +129,7 @@ class ErrorMappingInterceptor(grpc.aio.ServerInterceptor):
                     await context.abort(code, message)
                 except (grpc.aio.AbortError, grpc.RpcError):
                     raise
-                except Exception as exc:  # noqa: BLE001
+                except Exception as exc:  # noqa: BLE001 - mapped to INTERNAL, logged
                     code, message = status_for(exc)
                     await context.abort(code, message)
 

@@ -29,6 +29,7 @@ from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, make_wsgi_app
 
+from specd.core.record import RoundRecord
 from specd.serving import genai
 
 log = logging.getLogger(__name__)
@@ -181,40 +182,29 @@ class CoordinatorMetrics:
         """num_requests_running reads `count()` at scrape time (no per-request work)."""
         self.requests_running.set_function(count)
 
-    def observe_round(
-        self,
-        *,
-        index: int,
-        draft_tokens: int,
-        accepted: int,
-        target_only: bool,
-        tokens: int,
-        draft_ms: float,
-        verify_ms: float,
-        overhead_ms: float,
-        wall_ms: float,
-    ) -> None:
-        """One committed round (`tokens` committed after the stop rules)."""
+    def observe_round(self, record: RoundRecord) -> None:
+        """One committed round (its tokens counted after the stop rules)."""
         self.num_rounds.inc()
-        self.generation_tokens.inc(tokens)
-        if target_only:
+        self.generation_tokens.inc(record.tokens)
+        if record.fallback:
             self.num_target_only_rounds.inc()
-        if draft_tokens > 0:
+        drafted, accepted = record.draft_tokens, record.accepted
+        if drafted > 0:
             self.num_drafts.inc()
-            self.num_draft_tokens.inc(draft_tokens)
+            self.num_draft_tokens.inc(drafted)
             self.num_accepted_tokens.inc(accepted)
             self.acceptance_length.observe(accepted + 1)
-            while len(self._positions) < draft_tokens:  # positions appear (at 0) once drafted
+            while len(self._positions) < drafted:  # positions appear (at 0) once drafted
                 self._positions.append(self.accepted_per_pos.labels(position=str(len(self._positions))))
             for i in range(accepted):
                 self._positions[i].inc()
-        for child, ms in zip(self._parts, (draft_ms, verify_ms, overhead_ms)):
+        for child, ms in zip(self._parts, (record.draft_ms, record.verify_ms, record.overhead_ms)):
             child.observe(max(0.0, ms) / 1e3)
-        if index > 0 and tokens > 0:  # the first round's tokens are time to first token
-            self.itl.observe(wall_ms / 1e3 / tokens)
+        if record.index > 0 and record.tokens > 0:  # the first round's tokens are time to first token
+            self.itl.observe(record.wall_ms / 1e3 / record.tokens)
 
     def observe_request(self, stats: Any, finish_reason: str, e2e_s: float, *, model: str = "") -> None:
-        """A finished request (coordinator.engine.RequestStats); model: the target's name (gen_ai.request.model)."""
+        """A finished request (specd.core.record.RequestStats); model: the target's name (gen_ai.request.model)."""
         ttft_s = stats.time_to_first_token_ms / 1e3
         self.request_success.labels(finished_reason=finish_reason).inc()
         self.prompt_tokens.inc(stats.prompt_tokens)

@@ -1,4 +1,4 @@
-"""What the draft and target servicers share: batches of stream messages, spans, metrics.
+"""The draft and target servicers' common body: batches of stream messages, open/close, spans, metrics.
 
 Each stream message (open, a step, close) becomes a request for the model
 thread's MicroBatcher. A batch is walked in arrival order: step messages
@@ -9,71 +9,143 @@ gathered steps of its session (so a session's messages keep their order).
 Each message that carries a trace context gets a span under its round, with
 one child span per phase of the core step (sync, forward, sampling,
 rollback; see specd.core.phases) at the times they really ran.
+
+A servicer subclass names its messages and spans and supplies the parts
+that differ: how a step message becomes a core request (and its result a
+response), how a session opens, and what a step counts in the metrics.
 """
 
 from __future__ import annotations
 
 import abc
 import logging
-from collections.abc import AsyncIterator, Callable, Mapping, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from concurrent.futures import Executor
-from typing import Any, Generic, TypeVar
+from typing import Any, Generic, Protocol, TypeVar
 
+from specd.core.errors import InvalidArgument
 from specd.core.phases import PhaseLog
 from specd.serving import tracing as tr
 from specd.serving.batching import MicroBatcher
 from specd.serving.grpc_errors import session_error
 from specd.serving.streams import serve_round_stream
-from specd.v1 import session_pb2
+from specd.v1 import common_pb2, session_pb2
 
 Req = TypeVar("Req")
 Resp = TypeVar("Resp")
+Work = TypeVar("Work")  # a step message as the core's request (ProposeRequest, VerifyRequest)
+Result = TypeVar("Result")  # the core's answer to one (Proposal, VerifyOutcome)
 Handled = tuple[Any, PhaseLog | None]  # (response message, where the core's time went)
 
 log = logging.getLogger(__name__)
 
 
-class BatchedRoundServicer(abc.ABC, Generic[Req, Resp]):
-    """Base of DraftServicer and TargetServicer (they add the gRPC methods and the core calls)."""
+class SessionEngine(Protocol):
+    """What the servicer itself calls on its core engine (a drafter or the verifier)."""
+
+    def close(self, session_id: str) -> None: ...
+
+    def active_sessions(self) -> int: ...
+
+
+class BatchedRoundServicer(abc.ABC, Generic[Req, Resp, Work, Result]):
+    """Base of DraftServicer and TargetServicer: the Rounds stream and GetModelInfo over a core engine."""
 
     step_op: str  # the batchable oneof case: "propose" | "verify"
-    span_names: Mapping[str, str]  # oneof case -> span name
-    phase_span_prefix: str  # "specd.draft." | "specd.target."
+    span_prefix: str  # "specd.draft." | "specd.target.": + the oneof case (open, step, close) or the phase name
+    response_type: Callable[..., Resp]  # the stream's response message class
 
     def __init__(
         self,
+        engine: SessionEngine,
         executor: Executor,
+        info: common_pb2.ModelInfo,
         *,
-        tracing: tr.Tracing | None,
-        metrics: Any,
-        max_batch: int,
+        tracing: tr.Tracing | None = None,
+        metrics: Any = None,  # DraftMetrics | TargetMetrics
+        max_batch: int = 32,
         batch_wait_s: float = 0.0,
-        active_sessions: Callable[[], int] | None = None,
     ) -> None:
+        self.engine = engine
+        self.info = info
         self.tracing = tracing or tr.TRACING_OFF
         self.metrics = metrics
         self.batcher: MicroBatcher[Req, Resp] = MicroBatcher(
-            self.handle_batch, executor, max_batch=max_batch, max_wait_s=batch_wait_s, expected=active_sessions
+            self.handle_batch, executor, max_batch=max_batch, max_wait_s=batch_wait_s, expected=engine.active_sessions
         )
+        if metrics is not None:
+            metrics.watch_sessions(engine.active_sessions, getattr(engine, "kv_bytes", None))  # NgramDrafter has none
 
     # ---- what a subclass provides --------------------------------------------------
 
-    @staticmethod
     @abc.abstractmethod
-    def _response(request: Any) -> Any:
-        """An empty response addressed to `request` (request id, session, committed length)."""
+    def step_request(self, request: Req) -> Work:
+        """A step message as the core's request; raises for a message that is wrong on its own."""
 
     @abc.abstractmethod
-    def run_steps(self, requests: Sequence[Req]) -> list[Handled]:
-        """The step messages of different sessions as one batched core call."""
+    def run_step_batch(self, work: Sequence[Work]) -> Sequence[Result | Exception]:
+        """The core's batched step: one result or error per request."""
 
     @abc.abstractmethod
-    def run_other(self, request: Req) -> Resp:
-        """Any other message (open, close, unknown), on its own."""
+    def fill_step(self, response: Resp, result: Result) -> PhaseLog:
+        """Put a step's result in its response; return where the core's time went."""
+
+    @abc.abstractmethod
+    def open_session(self, request: Req) -> None:
+        """An open message: its own checks, then the engine's open."""
 
     @abc.abstractmethod
     def observe_step(self, request: Req, response: Resp, batch_size: int) -> dict[str, Any]:
         """Count a successful step in the metrics; return its span attributes."""
+
+    # ---- one message ------------------------------------------------------------------
+
+    def _response(self, req: Any) -> Resp:
+        """An empty response addressed to `req` (request id, session, committed length)."""
+        return self.response_type(
+            request_id=req.request_id, session_id=req.session_id, committed_length=req.committed_length
+        )
+
+    def run_steps(self, requests: Sequence[Req]) -> list[Handled]:
+        """Step messages of different sessions: one batched core call (model thread)."""
+        out: list[Handled | None] = [None] * len(requests)
+        work: list[tuple[int, Work]] = []
+        for i, req in enumerate(requests):
+            try:
+                work.append((i, self.step_request(req)))
+            except Exception as exc:  # noqa: BLE001 - this message's error, in-band
+                out[i] = (self._error(req, exc), None)
+        results = self.run_step_batch([w for _, w in work]) if work else []
+        for (i, _), result in zip(work, results):
+            if isinstance(result, Exception):
+                out[i] = (self._error(requests[i], result), None)
+            else:
+                resp = self._response(requests[i])
+                out[i] = (resp, self.fill_step(resp, result))
+        handled = [h for h in out if h is not None]
+        if len(handled) != len(requests):
+            raise RuntimeError(f"the core answered {len(results)} of {len(work)} {self.step_op} requests")
+        return handled
+
+    def run_other(self, req: Req) -> Resp:
+        """open / close (or a message with no op), on its own: per-session errors go back in-band."""
+        resp: Any = self._response(req)
+        try:
+            op = req.WhichOneof("op")  # type: ignore[attr-defined]
+            if op == "open":
+                if len(req.open.token_ids) != req.committed_length:  # type: ignore[attr-defined]
+                    raise InvalidArgument("open: committed_length must equal the number of token_ids")
+                self.open_session(req)
+                resp.ack.SetInParent()
+            elif op == "close":
+                self.engine.close(req.session_id)  # type: ignore[attr-defined]
+                resp.ack.SetInParent()
+            else:
+                name = type(req).__name__
+                raise InvalidArgument(f"{name} needs one of open, {self.step_op}, close")
+        except Exception as exc:  # noqa: BLE001 - reported in-band; internals logged by session_error
+            resp.error.CopyFrom(session_error(exc))
+        return resp
 
     # ---- the batch walk ---------------------------------------------------------------
 
@@ -116,7 +188,7 @@ class BatchedRoundServicer(abc.ABC, Generic[Req, Resp]):
         return out
 
     def _error(self, req: Any, exc: BaseException) -> Any:
-        resp = self._response(req)
+        resp: Any = self._response(req)
         resp.error.CopyFrom(session_error(exc))
         return resp
 
@@ -127,7 +199,7 @@ class BatchedRoundServicer(abc.ABC, Generic[Req, Resp]):
             return None
         op = req.WhichOneof("op") or "none"
         return self.tracing.start_remote_child(
-            self.span_names.get(op, self.span_names[self.step_op]),
+            self.span_prefix + (op if op in ("open", "close") else self.step_op),
             req.trace_context,
             {tr.ATTR_SESSION_ID: req.session_id, tr.ATTR_COMMITTED_LENGTH: req.committed_length},
         )
@@ -148,7 +220,7 @@ class BatchedRoundServicer(abc.ABC, Generic[Req, Resp]):
         if span is not None and phases is not None and span.is_recording():
             for p in phases.merged():
                 child = self.tracing.start_span(
-                    self.phase_span_prefix + p.name,
+                    self.span_prefix + p.name,
                     span,
                     start_time=p.start_ns,
                     attributes={tr.ATTR_PHASE_MS: round(phases.total_ms(p.name), 3)},
@@ -158,10 +230,13 @@ class BatchedRoundServicer(abc.ABC, Generic[Req, Resp]):
         if self.metrics is not None:
             self.metrics.observe_message(op, "ok" if error is None else error[0])
 
-    # ---- the stream ---------------------------------------------------------------------
+    # ---- the gRPC methods ------------------------------------------------------------------
 
-    async def serve(self, request_iterator: AsyncIterator[Req], context: Any) -> AsyncIterator[Resp]:
+    async def Rounds(self, request_iterator: AsyncIterator[Req], context: Any) -> AsyncIterator[Resp]:
         # Headers first, so the coordinator knows the stream is up before any round.
         await context.send_initial_metadata(())
         async for response in serve_round_stream(request_iterator, self.batcher.submit):
             yield response
+
+    async def GetModelInfo(self, request: common_pb2.GetModelInfoRequest, context: Any) -> common_pb2.ModelInfo:
+        return self.info

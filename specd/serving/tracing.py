@@ -44,6 +44,7 @@ from opentelemetry.trace import INVALID_SPAN, NoOpTracer, Span, SpanKind, Status
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
 import specd
+from specd.core.record import RoundRecord
 from specd.serving import genai
 
 log = logging.getLogger(__name__)
@@ -128,6 +129,9 @@ ATTR_ROUND_TOKEN_KIND = "specd.round.token_kind"  # the extra token: "recovered"
 ATTR_ROUND_TOKENS = "specd.round.tokens"  # tokens committed (accepted + 1, cut at a stop)
 ATTR_ROUND_TARGET_ONLY = "specd.round.target_only"  # wanted draft tokens, got none (draft down or failing)
 ATTR_ROUND_PIPELINE_HIT = "specd.round.pipeline_hit"  # the round's draft came from pipelining
+ATTR_ROUND_TARGET_ONLY_REASON = "specd.round.target_only_reason"  # why no draft tokens were verified ("" if some were)
+ATTR_ROUND_PIPELINE_OUTCOME = "specd.round.pipeline_outcome"  # the hit's outcome "accepted:kind" ("" if no hit)
+ATTR_ROUND_PIPELINE_LAUNCHED = "specd.round.pipeline_launched"  # pre-drafts launched for the next round
 ATTR_ROUND_DRAFT_MS = "specd.round.draft_ms"
 ATTR_ROUND_VERIFY_MS = "specd.round.verify_ms"
 ATTR_ROUND_OVERHEAD_MS = "specd.round.overhead_ms"
@@ -421,7 +425,7 @@ def token_kind(is_bonus: bool, deferred: bool = False) -> str:
 
 
 def request_attributes(spec: Any) -> dict[str, Any]:
-    """Generate-span attributes of a validated request (coordinator.engine.GenerateSpec)."""
+    """Generate-span attributes of a validated request (specd.core.loop.GenerateSpec)."""
     p = spec.params
     attributes: dict[str, Any] = {
         ATTR_PROMPT_TOKENS: len(spec.prompt_ids),
@@ -441,7 +445,7 @@ def request_attributes(spec: Any) -> dict[str, Any]:
 
 
 def stats_attributes(stats: Any, finish_reason: str) -> dict[str, Any]:
-    """Generate-span attributes of a finished request (coordinator.engine.RequestStats)."""
+    """Generate-span attributes of a finished request (specd.core.record.RequestStats)."""
     r = stats.rounds
     return {
         ATTR_FINISH_REASON: finish_reason,
@@ -478,32 +482,22 @@ def finish_generate(span: Span, stats: Any, finish_reason: str) -> None:
     span.set_attributes(attributes)
 
 
-def round_attributes(
-    *,
-    draft_length: int,
-    draft_tokens: int,
-    accepted: int,
-    is_bonus: bool,
-    tokens: int,
-    target_only: bool,
-    deferred: bool = False,
-    draft_ms: float,
-    verify_ms: float,
-    overhead_ms: float,
-    wall_ms: float,
-    pipeline_hit: bool = False,
-) -> dict[str, Any]:
-    """Round-span attributes, set once when the round has committed."""
+def round_attributes(record: RoundRecord) -> dict[str, Any]:
+    """Round-span attributes, set once when the round has committed (all from its record)."""
+    hit = record.pipeline_hit
     return {
-        ATTR_ROUND_DRAFT_LENGTH: draft_length,
-        ATTR_ROUND_DRAFT_TOKENS: draft_tokens,
-        ATTR_ROUND_ACCEPTED: accepted,
-        ATTR_ROUND_TOKEN_KIND: token_kind(is_bonus, deferred),
-        ATTR_ROUND_TOKENS: tokens,
-        ATTR_ROUND_TARGET_ONLY: target_only,
-        ATTR_ROUND_PIPELINE_HIT: pipeline_hit,
-        ATTR_ROUND_DRAFT_MS: float(draft_ms),
-        ATTR_ROUND_VERIFY_MS: float(verify_ms),
-        ATTR_ROUND_OVERHEAD_MS: float(overhead_ms),
-        ATTR_ROUND_WALL_MS: float(wall_ms),
+        ATTR_ROUND_DRAFT_LENGTH: record.draft_length,
+        ATTR_ROUND_DRAFT_TOKENS: record.draft_tokens,
+        ATTR_ROUND_ACCEPTED: record.accepted,
+        ATTR_ROUND_TOKEN_KIND: record.token_kind.value,
+        ATTR_ROUND_TOKENS: record.tokens,
+        ATTR_ROUND_TARGET_ONLY: record.fallback,
+        ATTR_ROUND_TARGET_ONLY_REASON: record.target_only.value if record.target_only is not None else "",
+        ATTR_ROUND_PIPELINE_HIT: hit is not None,
+        ATTR_ROUND_PIPELINE_OUTCOME: hit.outcome if hit is not None else "",
+        ATTR_ROUND_PIPELINE_LAUNCHED: record.pipeline_launched,
+        ATTR_ROUND_DRAFT_MS: float(record.draft_ms),
+        ATTR_ROUND_VERIFY_MS: float(record.verify_ms),
+        ATTR_ROUND_OVERHEAD_MS: float(record.overhead_ms),
+        ATTR_ROUND_WALL_MS: float(record.wall_ms),
     }

@@ -1,0 +1,307 @@
+"""The round loop: the one place a request's rounds run, whatever carries them.
+
+Per round (ARCHITECTURE §2): choose K (fixed, or adaptive from measured
+acceptance and cost), take the draft tokens (a pipelined pre-draft made for
+exactly this prefix, or a fresh propose), send them to the target, let the
+pipeline strategy pre-draft the next round meanwhile, commit the verdict,
+apply the stop rules, and emit one immutable `RoundRecord`.
+
+It talks to a `DraftPort` and a `TargetPort` (specd.core.ports) and nothing
+else: the coordinator plugs in gRPC adapters, the in-process oracle plugs in
+a Drafter and a Verifier (specd.core.local), tests plug in scripted fakes.
+
+Exactness does not depend on the draft: a draft that fails, is slow, lies or
+is missing turns the round target-only (the target samples the token
+itself), and a pre-draft is used only when it was made for the committed
+prefix (specd.core.pipeline). The target failing is retried within
+`target_timeout_s` of the first failure or the deadline, then the request
+fails with Unavailable.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+import time
+from collections.abc import AsyncGenerator, Callable, Sequence
+from dataclasses import dataclass
+
+from specd.core.adaptive import ServiceEstimates
+from specd.core.errors import REQUEST_ERRORS, SpecdError
+from specd.core.generation import FinishReason, Generation, StopRule
+from specd.core.pipeline import Off, PipelineRound, make_pipeline
+from specd.core.port_sessions import DraftSession, TargetSession
+from specd.core.ports import Carrier, DraftPort, NoObserver, RoundObserver, TargetPort
+from specd.core.proposal import Proposal
+from specd.core.record import PipelineHit, RoundRecord, RoundStats, TargetOnly, TokenKind
+from specd.core.sampling import SamplingParams
+from specd.core.verification import VerifyOutcome
+
+log = logging.getLogger(__name__)
+
+SPECULATION_MODES = ("auto", "fixed", "off")
+
+# Given the tokens a round committed: how many of them to keep when a stop string ended in them, else None.
+StopCheck = Callable[[Sequence[int]], int | None]
+
+
+@dataclass(frozen=True)
+class GenerateSpec:
+    """A validated request in core terms."""
+
+    prompt_ids: list[int]
+    params: SamplingParams  # seed always set
+    max_new_tokens: int
+    stop_strings: tuple[str, ...] = ()  # applied by the caller's StopCheck (the coordinator's detokenizer)
+    stop_token_ids: frozenset[int] = frozenset()
+    speculation: str = "auto"  # one of SPECULATION_MODES
+    draft_length: int = 4  # fixed K, or the largest K automatic mode may pick
+    pipeline: str = "off"  # a name in specd.core.pipeline.PIPELINES
+
+
+@dataclass(frozen=True)
+class LoopSettings:
+    draft_timeout_s: float = 5.0  # a draft answer later than this: target-only round
+    target_timeout_s: float = 30.0  # per target call, and the retry budget after a first failure
+    draft_retry_s: float = 2.0  # after a draft failure, rounds are target-only this long
+    close_timeout_s: float = 2.0
+
+
+class RoundLoop:
+    """Runs requests' rounds over two ports; one per service, shared by its requests.
+
+    Shared: the service-wide adaptive estimates (acceptance, cost, target
+    load) and the draft's health (a failure pauses speculation for every
+    request for draft_retry_s).
+    """
+
+    def __init__(self, target: TargetPort, draft: DraftPort | None, settings: LoopSettings | None = None) -> None:
+        self.target = target
+        self.draft = draft
+        self.settings = settings or LoopSettings()
+        self.estimates = ServiceEstimates()
+        self._draft_down_until = 0.0
+        self._background: set[asyncio.Task[None]] = set()
+
+    def run(
+        self,
+        spec: GenerateSpec,
+        *,
+        max_context: int,
+        session_id: str,
+        deadline: float = math.inf,
+        stop: StopCheck | None = None,
+        observer: RoundObserver | None = None,
+    ) -> RequestRun:
+        """A request ready to run (InvalidArgument now if it cannot); iterate its `rounds()`."""
+        return RequestRun(self, spec, max_context, session_id, deadline, stop, observer or NoObserver())
+
+    async def draft_usable(self) -> bool:
+        if self.draft is None or time.monotonic() < self._draft_down_until:
+            return False
+        return await self.draft.available()
+
+    def draft_failed(self, exc: BaseException) -> None:
+        self._draft_down_until = time.monotonic() + self.settings.draft_retry_s
+        log.warning(
+            "draft failed (%s: %s); target-only for %.1f s", type(exc).__name__, exc, self.settings.draft_retry_s
+        )
+
+    def close_later(self, *sessions: TargetSession | DraftSession | None) -> None:
+        """Free a finished request's sessions without holding it up (or being cancelled with it)."""
+
+        async def close() -> None:
+            for session in sessions:
+                if session is None:
+                    continue
+                try:
+                    await session.close(self.settings.close_timeout_s)
+                except Exception as exc:  # noqa: BLE001 - the peer's idle expiry frees it anyway
+                    log.debug("closing session %s failed: %s", session.session_id, exc)
+
+        task = asyncio.get_running_loop().create_task(close())
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+    async def drain(self, timeout: float | None = None) -> None:
+        """Wait for background session closes."""
+        if self._background:
+            await asyncio.wait(set(self._background), timeout=timeout)
+
+
+class RequestRun:
+    """One request's rounds: iterate `rounds()`, then read `generation` and `stats`."""
+
+    def __init__(
+        self,
+        loop: RoundLoop,
+        spec: GenerateSpec,
+        max_context: int,
+        session_id: str,
+        deadline: float,
+        stop: StopCheck | None,
+        observer: RoundObserver,
+    ) -> None:
+        spec.params.validate()
+        self.spec = spec
+        self.session_id = session_id
+        self.generation = Generation(spec.prompt_ids, StopRule(spec.max_new_tokens, max_context, spec.stop_token_ids))
+        self.stats = RoundStats()
+        self._loop = loop
+        self._deadline = deadline
+        self._stop = stop
+        self._observer = observer
+        speculating = spec.speculation != "off"
+        self._pipeline = make_pipeline(spec.pipeline) if speculating else Off()
+        self._adaptive = loop.estimates.controller(spec.draft_length) if spec.speculation == "auto" else None
+        self._target = TargetSession(loop.target, session_id, spec.params, loop.settings.target_timeout_s)
+        self._draft = DraftSession(loop.draft, session_id, spec.params) if loop.draft is not None else None
+        self._ready: tuple[Proposal, PipelineHit] | None = None  # a pre-draft for the committed prefix
+        self._draft_refused = False  # the draft refused this request alone: target-only rounds for it
+
+    @property
+    def finish_reason(self) -> FinishReason | None:
+        return self.generation.finish_reason
+
+    async def rounds(self) -> AsyncGenerator[RoundRecord, None]:
+        """Run rounds until the request stops, yielding each round's record as it commits."""
+        try:
+            while not self.generation.done:
+                try:
+                    record = await self._round()
+                except BaseException as exc:
+                    self._observer.round_failed(exc)
+                    raise
+                yield record
+        finally:
+            self._loop.close_later(self._target, self._draft)
+
+    # ---- one round ------------------------------------------------------------------
+
+    async def _round(self) -> RoundRecord:
+        gen = self.generation
+        t0 = time.perf_counter()
+        index, committed = self.stats.rounds, gen.committed
+        carrier = self._observer.round_started(index, len(committed))
+        wanted, why = self._wanted()
+        budget = gen.draft_budget(wanted)
+        if why is None and budget == 0:
+            why = TargetOnly.BUDGET
+        proposal, hit = Proposal([]), None
+        ready, self._ready = self._ready, None
+        if budget > 0:
+            if ready is not None:
+                proposal, hit = ready[0].window(0, budget), ready[1]
+            elif self._draft is None:
+                why = TargetOnly.NO_DRAFT
+            elif not await self._loop.draft_usable():
+                why = TargetOnly.DRAFT_UNAVAILABLE
+            else:
+                proposal, why = await self._propose(committed, (), budget, carrier)
+
+        async def draft_after(extension: Sequence[int], k: int) -> Proposal:
+            return (await self._propose(committed, extension, k, carrier))[0]
+
+        rnd = PipelineRound(committed, proposal, budget, wanted, draft_after)
+        defer = self._pipeline.defers_bonus(rnd)
+        verify = asyncio.ensure_future(
+            self._target.verify(
+                committed,
+                proposal,
+                defer_bonus=defer,
+                deadline=self._deadline,
+                carrier=carrier,
+                on_retry=self._target_retry,
+            )
+        )
+        launched = self._pipeline.launch(rnd)  # after the verify: it goes out first
+        outcome: VerifyOutcome | None = None
+        try:
+            outcome = await verify
+        finally:
+            verify.cancel()  # no-op once done; stops the round if the request was cancelled
+            pre_drafts = await self._pipeline.settle(outcome)
+        assert outcome is not None
+        kind = _kind(outcome)
+        token = None if outcome.deferred else outcome.token_id
+        extension = (*proposal.token_ids[: outcome.accepted], *(() if token is None else (token,)))
+        for pre in pre_drafts:  # only a draft for exactly the prefix this round commits
+            if pre.extension == extension and len(pre.proposal) > 0:
+                self._ready = (pre.proposal, PipelineHit(self._pipeline.name, outcome.accepted, kind, launched))
+                break
+        self._learn(proposal, outcome)
+        new = gen.commit(proposal.token_ids, outcome.accepted, token)
+        if self._stop is not None:
+            keep = self._stop(new)
+            if keep is not None:
+                gen.finish(FinishReason.STOP_STRING, keep=len(gen.generated) - len(new) + keep)
+                new = new[:keep]
+        record = RoundRecord(
+            index=index,
+            committed_length=len(committed),
+            draft_length=budget,
+            draft_token_ids=tuple(proposal.token_ids),
+            accepted=outcome.accepted,
+            token_id=outcome.token_id,
+            token_kind=kind,
+            committed=tuple(new),
+            wall_ms=(time.perf_counter() - t0) * 1e3,
+            draft_ms=proposal.compute_ms,
+            verify_ms=outcome.compute_ms,
+            target_only=None if len(proposal) else why,
+            pipeline_hit=hit,
+            pipeline_launched=launched,
+        )
+        self.stats.add(record)
+        self._observer.round_ended(record)
+        return record
+
+    def _wanted(self) -> tuple[int, TargetOnly | None]:
+        """K this round would like (before the budget), or 0 and why not."""
+        if self.spec.speculation == "off":
+            return 0, TargetOnly.SPECULATION_OFF
+        if self._adaptive is not None:
+            k = self._adaptive.next_k(self._loop.estimates.batch_share())
+            return (k, None) if k > 0 else (0, TargetOnly.ADAPTIVE)
+        return self.spec.draft_length, None
+
+    async def _propose(
+        self, committed: Sequence[int], extension: Sequence[int], k: int, carrier: Carrier
+    ) -> tuple[Proposal, TargetOnly | None]:
+        """k draft tokens after committed + extension, or none and why: speculation pauses, output stays exact."""
+        if self._draft is None:
+            return Proposal([]), TargetOnly.NO_DRAFT
+        if self._draft_refused:
+            return Proposal([]), TargetOnly.DRAFT_REFUSED
+        timeout = min(self._loop.settings.draft_timeout_s, max(0.0, self._deadline - time.monotonic()))
+        try:
+            proposal = await self._draft.propose(committed, extension, k, timeout=timeout, carrier=carrier)
+        except REQUEST_ERRORS as exc:  # this request's own problem: it alone goes target-only, nobody pauses
+            self._draft_refused = True
+            log.warning(
+                "draft refused session %s (%s: %s); target-only for it", self.session_id, type(exc).__name__, exc
+            )
+            self._observer.round_event("draft refused the request; target-only", exc)
+            return Proposal([]), TargetOnly.DRAFT_REFUSED
+        except SpecdError as exc:  # slow, gone, lying or full: speculation pauses for every request
+            self._loop.draft_failed(exc)
+            self._observer.round_event("draft failed; target-only round", exc)
+            return Proposal([]), TargetOnly.DRAFT_FAILED
+        return proposal, None if len(proposal) else TargetOnly.DRAFT_EMPTY
+
+    def _target_retry(self, exc: BaseException) -> None:
+        log.warning("target round failed (%s: %s); retrying", type(exc).__name__, exc)
+        self._observer.round_event("target failed; retrying", exc)
+
+    def _learn(self, proposal: Proposal, outcome: VerifyOutcome) -> None:
+        estimates = self._loop.estimates
+        estimates.observe_target(outcome.phases.batch_tokens, outcome.phases.batch_size, outcome.compute_ms)
+        if self._adaptive is not None:
+            estimates.observe(self._adaptive, len(proposal), outcome.accepted, proposal.compute_ms, outcome.compute_ms)
+
+
+def _kind(outcome: VerifyOutcome) -> TokenKind:
+    if outcome.deferred:
+        return TokenKind.DEFERRED
+    return TokenKind.BONUS if outcome.is_bonus else TokenKind.RECOVERED

@@ -8,19 +8,19 @@ into a round span and metrics (`_RoundWatch`).
 
 from __future__ import annotations
 
-import asyncio
 import time
 import uuid
 from collections import deque
-from collections.abc import AsyncGenerator
+from collections.abc import AsyncGenerator, Callable
 from contextlib import aclosing
 from dataclasses import dataclass
 
 from transformers import PreTrainedTokenizerBase
 
 from coordinator.detokenizer import IncrementalDetokenizer
-from coordinator.peers import GrpcDraft, GrpcTarget
-from specd.core.errors import ResourceExhausted, Unavailable
+from coordinator.peers import compatibility_problem
+from coordinator.replica_ports import ReplicatedDraft, ReplicatedTarget
+from specd.core.errors import ResourceExhausted
 from specd.core.generation import FinishReason
 from specd.core.loop import GenerateSpec, LoopSettings, RoundLoop
 from specd.core.ports import Carrier
@@ -52,11 +52,13 @@ class _RoundWatch:
         parent: tr.Span | None,
         metrics: CoordinatorMetrics | None,
         records: deque[RoundRecord],
+        replicas: Callable[[], dict[str, str]] = dict,
     ) -> None:
         self._tracing = tracing
         self._parent = parent
         self._metrics = metrics
         self._records = records
+        self._replicas = replicas  # span attribute -> the replica holding the session now
         self._span: tr.Span = tr.INVALID_SPAN
 
     def round_started(self, index: int, committed_length: int) -> Carrier:
@@ -70,6 +72,7 @@ class _RoundWatch:
     def round_ended(self, record: RoundRecord) -> None:
         if self._span.is_recording():
             self._span.set_attributes(tr.round_attributes(record))
+            self._span.set_attributes(self._replicas())
         self._span.end()
         self._span = tr.INVALID_SPAN
         self._records.append(record)
@@ -87,8 +90,8 @@ class RoundEngine:
         self,
         config: CoordinatorConfig,
         tokenizer: PreTrainedTokenizerBase,
-        target: GrpcTarget,
-        draft: GrpcDraft | None,
+        target: ReplicatedTarget,
+        draft: ReplicatedDraft | None,
     ) -> None:
         self.config = config
         self.tokenizer = tokenizer
@@ -113,24 +116,39 @@ class RoundEngine:
     # ---- lifecycle -------------------------------------------------------
 
     async def start(self, timeout_s: float = 60.0) -> None:
-        """Connect to the peers; the target must answer, the draft may come later."""
+        """Find the replicas; a target replica must answer, drafts may come later.
+
+        The first target replica checked sets the model (its ModelInfo) that the other
+        target replicas must match and that draft replicas are checked against.
+        """
         deadline = time.monotonic() + timeout_s
-        while self.target_info is None:
-            try:
-                self.target_info = await self.target.model_info(timeout=5.0)
-            except Exception as exc:
-                if time.monotonic() > deadline:
-                    raise Unavailable(f"target did not answer within {timeout_s:.0f} s: {exc}") from exc
-                await asyncio.sleep(0.2)
-        await self.target.stream.wait_connected(max(0.1, deadline - time.monotonic()))
+        targets = self.target.replicas
+        await targets.start()
+        if not await targets.wait_usable(timeout_s):
+            raise targets.no_replica_error()
+        await targets.wait_polled(min(10.0, max(0.1, deadline - time.monotonic())))
+        self.target_info = next(m.info for m in targets.members.values() if m.usable and m.info is not None)
         if self.draft is not None:
-            await self.draft.connect(self.target_info, min(10.0, max(0.1, deadline - time.monotonic())))
+            target_info = self.target_info
+            self.draft.replicas.set_check(lambda info: compatibility_problem(target_info, info))
+            await self.draft.replicas.start()
+            await self.draft.replicas.wait_usable(min(10.0, max(0.1, deadline - time.monotonic())))
+            await self.draft.replicas.wait_polled(min(10.0, max(0.1, deadline - time.monotonic())))
 
     async def stop(self) -> None:
         await self.loop.drain(timeout=2.0)
-        await self.target.stream.close()
+        await self.target.replicas.close()
         if self.draft is not None:
-            await self.draft.stream.close()
+            await self.draft.replicas.close()
+
+    def replica_attributes(self, session_id: str) -> dict[str, str]:
+        """Span attributes naming the replicas that hold the session now."""
+        out = {}
+        for key, port in ((tr.ATTR_TARGET_REPLICA, self.target), (tr.ATTR_DRAFT_REPLICA, self.draft)):
+            replica = port.replica_of(session_id) if port is not None else None
+            if replica is not None:
+                out[key] = replica
+        return out
 
     @property
     def active_requests(self) -> int:
@@ -193,7 +211,9 @@ class RoundEngine:
                 session_id=sid,
                 deadline=deadline,
                 stop=detok.push,
-                observer=_RoundWatch(self.tracing, span, self.metrics, self.round_records),
+                observer=_RoundWatch(
+                    self.tracing, span, self.metrics, self.round_records, lambda: self.replica_attributes(sid)
+                ),
             )
             first_token_at: float | None = None
             async with aclosing(run.rounds()) as rounds:

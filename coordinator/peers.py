@@ -1,11 +1,12 @@
-"""One long-lived bidirectional stream per peer service, shared by all sessions.
+"""One long-lived bidirectional stream per peer replica, shared by all sessions on it.
 
 `PeerStream` multiplexes requests over the stream by request_id, reconnects
 with backoff when it breaks, and fails the requests in flight at that moment
 with Unavailable (their sessions heal by re-opening on the next stream).
 `Peer` is a service on such a stream (generic in its two message types);
-`GrpcDraft` and `GrpcTarget` are the round loop's two ports over them
-(specd.core.ports). Messages are built and read by specd.serving.wire.
+`GrpcDraft` and `GrpcTarget` speak the round loop's port operations
+(specd.core.ports) to one replica; coordinator.replica_ports spreads the
+sessions over every replica's. Messages are built and read by specd.serving.wire.
 """
 
 from __future__ import annotations
@@ -198,7 +199,7 @@ class Peer(Generic[Req, Resp_]):
 
 
 class GrpcTarget(Peer[target_pb2.TargetRequest, target_pb2.TargetResponse]):
-    """The loop's TargetPort over the target's round stream.
+    """One target replica's round stream (the loop's TargetPort operations).
 
     The public edge validated the request, so a target that calls a round
     invalid is a precondition failure of the deployment, not the client's fault.
@@ -244,51 +245,16 @@ def compatibility_problem(target: common_pb2.ModelInfo, draft: common_pb2.ModelI
 
 
 class GrpcDraft(Peer[draft_pb2.DraftRequest, draft_pb2.DraftResponse]):
-    """The loop's DraftPort over the draft's round stream, with its health.
+    """One draft replica's round stream: open, propose, close.
 
-    Available when its stream is up and its token space matches the target's
-    (checked once per stream generation: a restarted draft may be another model).
+    Whether it may draft (stream up, token space matching the target's, checked
+    once per stream generation) is the replica set's business
+    (coordinator/replicas.py); the loop's DraftPort is coordinator.replica_ports.
     """
 
     def __init__(self, channel: grpc.aio.Channel) -> None:
         super().__init__("draft", channel, draft_pb2_grpc.DraftStub, draft_pb2.DraftRequest)
-        self.target_info: common_pb2.ModelInfo | None = None  # set by the engine before it serves
-        self._checked_generation = -1
-        self.compatible = False
-        self.problem = "not checked yet"
-
-    async def connect(self, target_info: common_pb2.ModelInfo, timeout: float) -> None:
-        """Start the stream; if it connects within timeout, check the draft against the target."""
-        self.target_info = target_info
-        if await self.stream.wait_connected(timeout):
-            await self.check()
-
-    async def check(self) -> None:
-        """Compare the draft's token space with the target's (once per stream generation)."""
-        assert self.target_info is not None, "connect() first"
-        self._checked_generation = self.stream.generation
-        try:
-            info = await self.model_info(timeout=2.0)
-        except Exception as exc:  # noqa: BLE001 - the draft is optional
-            self.compatible, self.problem = False, f"draft GetModelInfo failed: {exc}"
-            self._checked_generation = -1
-            return
-        problem = compatibility_problem(self.target_info, info)
-        self.compatible, self.problem = problem is None, problem or ""
-        if problem:
-            log.error("not speculating with draft %r: %s; serving target-only", info.name, problem)
-        else:
-            log.info("draft %r (%s) is compatible with target %r", info.name, info.kind, self.target_info.name)
-
-    async def available(self) -> bool:
-        if self.target_info is None:
-            return False
-        if not self.stream.connected:
-            self.stream.start()  # reconnects in the background; this round is target-only
-            return False
-        if self._checked_generation != self.stream.generation:
-            await self.check()
-        return self.compatible
+        self.target_info: common_pb2.ModelInfo | None = None  # set before it drafts: ids are checked against it
 
     async def propose(
         self,
@@ -301,7 +267,7 @@ class GrpcDraft(Peer[draft_pb2.DraftRequest, draft_pb2.DraftResponse]):
         timeout: float,
         carrier: Carrier,
     ) -> Proposal:
-        assert self.target_info is not None, "connect() first"
+        assert self.target_info is not None, "target_info first"
         resp = await self.call(
             wire.propose_request(session_id, committed_length, start, tail, num_tokens, carrier), timeout
         )

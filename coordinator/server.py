@@ -5,20 +5,26 @@ from __future__ import annotations
 import grpc
 from transformers import AutoTokenizer
 
+from coordinator.discovery import Replica, parse_peer_address
 from coordinator.engine import RoundEngine
 from coordinator.peers import GrpcDraft, GrpcTarget, open_channel
+from coordinator.replica_ports import ReplicatedDraft, ReplicatedTarget
+from coordinator.replicas import ReplicaSet, SameModel
 from coordinator.requests import public_message_limit
 from coordinator.servicer import CoordinatorServicer
 from specd.core import catalog
 from specd.serving.config import CoordinatorConfig
 from specd.serving.metrics import CoordinatorMetrics
 from specd.serving.reloading import ReloadingChannel, TokenFile
+from specd.serving.replica_metrics import ReplicaCollector
 from specd.serving.security import BearerTokenInterceptor, channel_credentials, read_token
 from specd.serving.server import ServiceHandle, build_server
 from specd.serving.tracing import TRACING_OFF, Tracing
-from specd.v1 import coordinator_pb2, coordinator_pb2_grpc
+from specd.v1 import coordinator_pb2, coordinator_pb2_grpc, draft_pb2, target_pb2
 
 SERVICE_NAME = coordinator_pb2.DESCRIPTOR.services_by_name["Coordinator"].full_name
+TARGET_SERVICE = target_pb2.DESCRIPTOR.services_by_name["Target"].full_name
+DRAFT_SERVICE = draft_pb2.DESCRIPTOR.services_by_name["Draft"].full_name
 
 
 def load_tokenizer(config: CoordinatorConfig):
@@ -37,29 +43,64 @@ async def create_server(
 ) -> tuple[ServiceHandle, RoundEngine]:
     """The coordinator, connected to its peers, bound (port 0 picks one) but not started."""
 
-    def channel(address: str) -> grpc.aio.Channel | ReloadingChannel:
+    def channel(replica: Replica) -> grpc.aio.Channel | ReloadingChannel:
+        # A replica found by DNS is dialled by address but checked under the name it was found by.
+        server_name = config.peer_tls_server_name or replica.authority
         if not config.peer_tls_ca:
-            return open_channel(address)
+            return open_channel(replica.address, None, server_name)
         # A new channel with the new client certificate whenever its files change.
         return ReloadingChannel(
             lambda: open_channel(
-                address,
+                replica.address,
                 channel_credentials(config.peer_tls_ca, config.peer_tls_cert, config.peer_tls_key),
-                config.peer_tls_server_name,
+                server_name,
             ),
             [config.peer_tls_ca, config.peer_tls_cert, config.peer_tls_key],
         )
 
-    channels = [channel(config.target)]
-    draft = None
-    if config.draft_address is not None:
-        channels.append(channel(config.draft_address))
-        draft = GrpcDraft(channels[1])  # type: ignore[arg-type]
-    engine = RoundEngine(config, load_tokenizer(config), GrpcTarget(channels[0]), draft)  # type: ignore[arg-type]
+    def target_peer(ch: grpc.aio.Channel | ReloadingChannel, name: str) -> GrpcTarget:
+        peer = GrpcTarget(ch)  # type: ignore[arg-type]
+        peer.stream.name = name
+        return peer
+
+    def draft_peer(ch: grpc.aio.Channel | ReloadingChannel, name: str) -> GrpcDraft:
+        peer = GrpcDraft(ch)  # type: ignore[arg-type]
+        peer.stream.name = name
+        peer.target_info = engine.target_info  # known before draft replicas are looked for
+        return peer
+
+    common = {"open_channel": channel, "poll_s": config.replica_poll_s, "resolve_interval_s": config.resolve_interval_s}
+    targets = ReplicaSet(
+        "target",
+        parse_peer_address(config.target),
+        make_peer=target_peer,
+        service_name=TARGET_SERVICE,
+        check=SameModel(),
+        **common,  # type: ignore[arg-type]
+    )
+    drafts = (
+        ReplicaSet(
+            "draft",
+            parse_peer_address(config.draft_address),
+            make_peer=draft_peer,
+            service_name=DRAFT_SERVICE,
+            **common,
+        )  # type: ignore[arg-type]
+        if config.draft_address is not None
+        else None
+    )
+    engine = RoundEngine(
+        config,
+        load_tokenizer(config),
+        ReplicatedTarget(targets),
+        ReplicatedDraft(drafts) if drafts is not None else None,
+    )
     engine.tracing = tracing or TRACING_OFF
     engine.metrics = metrics
     if metrics is not None:
         metrics.watch_requests(lambda: engine.active_requests)
+        sets = [s for s in (targets, drafts) if s is not None]
+        metrics.registry.register(ReplicaCollector(lambda: [(s.role, s.describe(), s.moves) for s in sets]))
     await engine.start(timeout_s=connect_timeout_s)
     servicer = CoordinatorServicer(engine)
     interceptors = []
@@ -75,8 +116,6 @@ async def create_server(
     )
 
     async def close() -> None:
-        await engine.stop()
-        for channel in channels:
-            await channel.close()
+        await engine.stop()  # closes every replica's stream and channel
 
     return ServiceHandle(server, port, health, [SERVICE_NAME], on_stop=close), engine

@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 from concurrent.futures import ThreadPoolExecutor
 
+import grpc
 import torch
 
 from draft_service.servicer import DraftServicer
@@ -16,6 +17,8 @@ from specd.core.runner import CausalLMRunner
 from specd.core.suffix import SuffixDrafter
 from specd.core.suffix_index import SharedSuffixIndex
 from specd.serving.config import DraftConfig
+from specd.serving.load import SERVICE_NAME as LOAD_SERVICE_NAME
+from specd.serving.load import LoadSource, add_load_service
 from specd.serving.metrics import DraftMetrics
 from specd.serving.server import MAX_MESSAGE_BYTES, ServiceHandle, build_server, message_limit_for_context
 from specd.serving.tracing import Tracing
@@ -119,10 +122,11 @@ def create_server(
     )
     runner = getattr(drafter, "runner", None)  # a model drafter: its context bounds every message
     limit = message_limit_for_context(runner.max_context) if runner is not None else MAX_MESSAGE_BYTES
-    server, port, health = build_server(
-        config,
-        lambda s: draft_pb2_grpc.add_DraftServicer_to_server(servicer, s),
-        [SERVICE_NAME],
-        max_message_bytes=limit,
-    )
+    load = LoadSource.of(drafter, servicer.batcher, config)
+
+    def register(s: grpc.aio.Server) -> None:
+        draft_pb2_grpc.add_DraftServicer_to_server(servicer, s)
+        add_load_service(s, load)
+
+    server, port, health = build_server(config, register, [SERVICE_NAME, LOAD_SERVICE_NAME], max_message_bytes=limit)
     return ServiceHandle(server, port, health, [SERVICE_NAME], on_stop=executor.shutdown)

@@ -12,7 +12,8 @@
 #   NAME is the chart's full name (default "specd": release "specd"); DIR
 #   (default ./specd-certs) receives the files; --apply creates or updates the
 #   three Secrets with kubectl, otherwise the kubectl commands are printed.
-# The server certificate names <NAME>-{coordinator,draft,target} (short,
+# The server certificate names <NAME>-{coordinator,draft,target} and the
+# headless <NAME>-{draft,target}-headless (short,
 # .NAMESPACE, .svc, .svc.cluster.local), localhost and 127.0.0.1 (port-forward).
 set -euo pipefail
 
@@ -26,7 +27,7 @@ while [ $# -gt 0 ]; do
     -r) NAME=$2; shift 2 ;;
     -o) OUT=$2; shift 2 ;;
     --apply) APPLY=1; shift ;;
-    -h|--help) sed -n '2,18p' "$0"; exit 0 ;;
+    -h|--help) sed -n '2,17p' "$0"; exit 0 ;;
     *) echo "make-certs: unknown argument $1" >&2; exit 2 ;;
   esac
 done
@@ -43,7 +44,7 @@ if [ ! -f ca.key ]; then
 fi
 
 sans="DNS:localhost,IP:127.0.0.1"
-for component in coordinator draft target; do
+for component in coordinator draft target draft-headless target-headless; do
   svc="$NAME-$component"
   sans="$sans,DNS:$svc,DNS:$svc.$NAMESPACE,DNS:$svc.$NAMESPACE.svc,DNS:$svc.$NAMESPACE.svc.cluster.local"
 done

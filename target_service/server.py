@@ -8,6 +8,7 @@ import logging
 import os
 from concurrent.futures import ThreadPoolExecutor
 
+import grpc
 import torch
 
 from specd.core import catalog
@@ -15,6 +16,8 @@ from specd.core.errors import InvalidArgument
 from specd.core.runner import CausalLMRunner
 from specd.core.verification import Verifier
 from specd.serving.config import TargetConfig
+from specd.serving.load import SERVICE_NAME as LOAD_SERVICE_NAME
+from specd.serving.load import LoadSource, add_load_service
 from specd.serving.metrics import TargetMetrics
 from specd.serving.server import ServiceHandle, build_server, message_limit_for_context
 from specd.serving.tracing import Tracing
@@ -93,10 +96,16 @@ def create_server(
     )
     # A whole context of token IDs, or a verify's largest q (about 9 bytes an entry), fits.
     q_bytes = 10 * verifier.max_draft_tokens * verifier.max_q_width
+    load = LoadSource.of(verifier, servicer.batcher, config)
+
+    def register(s: grpc.aio.Server) -> None:
+        target_pb2_grpc.add_TargetServicer_to_server(servicer, s)
+        add_load_service(s, load)
+
     server, port, health = build_server(
         config,
-        lambda s: target_pb2_grpc.add_TargetServicer_to_server(servicer, s),
-        [SERVICE_NAME],
+        register,
+        [SERVICE_NAME, LOAD_SERVICE_NAME],
         max_message_bytes=message_limit_for_context(verifier.runner.max_context) + q_bytes,
     )
     handle = ServiceHandle(server, port, health, [SERVICE_NAME], on_stop=executor.shutdown)

@@ -43,6 +43,8 @@ from typing import Any
 import pytest
 import yaml
 
+from coordinator.discovery import parse_peer_address
+
 ROOT = Path(__file__).resolve().parent.parent
 CHART = ROOT / "k8s" / "helm" / "specd"
 MANIFESTS = ROOT / "k8s" / "manifests"
@@ -61,6 +63,7 @@ VALUES: dict[str, str | None] = {
     "cpu-demo": "ci/cpu-demo-values.yaml",
     "minimal": "ci/minimal-values.yaml",
     "monitoring": "ci/monitoring-values.yaml",
+    "scale-out": "ci/scale-out-values.yaml",
 }
 # Custom resources: no schema in kubernetes-validate; checked by hand below,
 # their pod templates strictly as core/v1 PodTemplates.
@@ -585,14 +588,24 @@ def test_objects_wire_up(objects: dict[str, list[dict[str, Any]]], name: str) ->
         (rule, *_) = one(objs, "NetworkPolicy", "specd-target")["spec"]["ingress"]
         assert [matching(p["podSelector"]["matchLabels"]) for p in rule["from"]] == [["specd-coordinator"]]
 
-    # The coordinator's peers are Services with those ports; TLS material is mounted where the args say.
+    # The coordinator finds every replica of each peer through its headless Service (one DNS
+    # address per ready pod) on the peer's gRPC port; TLS material is mounted where the args say.
     coordinator = one(objs, "Deployment", "specd-coordinator")["spec"]["template"]["spec"]["containers"][0]
     args = dict(a[2:].split("=", 1) for a in coordinator["args"] if a.startswith("--"))
     for peer in ("target", "draft"):
         if args[peer] == "none":
+            assert not find(objs, "Service", f"specd-{peer}-headless")
             continue
-        host, port = args[peer].split(":")
-        assert int(port) in [p["port"] for p in one(objs, "Service", host)["spec"]["ports"]]
+        address = parse_peer_address(args[peer])
+        assert not address.static and len(address.names) == 1, args[peer]
+        ((host, port),) = address.names
+        headless = one(objs, "Service", host)["spec"]
+        assert headless["clusterIP"] == "None" and not headless["publishNotReadyAddresses"]
+        assert matching(headless["selector"]) == [f"specd-{peer}"]
+        grpc_port = next(p for p in headless["ports"] if p["name"] == "grpc")
+        assert grpc_port["port"] == port and grpc_port["targetPort"] == "grpc"
+        twin = one(objs, "Service", f"specd-{peer}")["spec"]
+        assert twin["selector"] == headless["selector"] and port in [p["port"] for p in twin["ports"]]
     for _, spec in pods.values():
         volumes = {v["name"]: v for v in spec.get("volumes", [])}
         if spec.get("serviceAccountName", "default") != "default":
@@ -653,6 +666,36 @@ def test_gpu_placement(objects: dict[str, list[dict[str, Any]]]) -> None:
     assert "--executor=ray" in args and "--tp=8" in args
     assert "--ray-address=ray://specd-ray-head-svc:10001" in args  # KubeRay names the head Service <cluster>-head-svc
     assert gpus(objects["cpu-demo"], "specd-target") == 0
+
+
+def test_scale_out_replicas_autoscaling_and_budgets(objects: dict[str, list[dict[str, Any]]]) -> None:
+    """Many draft and target replicas behind autoscaled coordinators: the objects fit together."""
+    objs = objects["scale-out"]
+    values = yaml.safe_load((CHART / "ci" / "scale-out-values.yaml").read_text())
+    deployments = {d["metadata"]["name"]: d["spec"] for d in find(objs, "Deployment")}
+    assert deployments["specd-target"]["replicas"] == values["target"]["replicas"] == 4
+    assert deployments["specd-draft"]["replicas"] == values["draft"]["replicas"] == 3
+    assert "replicas" not in deployments["specd-coordinator"]  # the HPA owns the count
+    (hpa,) = find(objs, "HorizontalPodAutoscaler")
+    assert hpa["spec"]["scaleTargetRef"] == {"apiVersion": "apps/v1", "kind": "Deployment", "name": "specd-coordinator"}
+    assert (hpa["spec"]["minReplicas"], hpa["spec"]["maxReplicas"]) == (2, 8)
+    assert hpa["spec"]["behavior"]["scaleDown"]["stabilizationWindowSeconds"] == 300
+    for component in ("coordinator", "draft", "target"):
+        pdb = one(objs, "PodDisruptionBudget", f"specd-{component}")["spec"]
+        assert pdb["selector"]["matchLabels"] == deployments[f"specd-{component}"]["selector"]["matchLabels"]
+        assert pdb["maxUnavailable"] == 1  # a drain takes one replica at a time; the others take its sessions
+    # Every rendering with a draft has both headless twins, which the ServiceMonitor does not scrape twice.
+    for name, rendering in objects.items():
+        headless = {s["metadata"]["name"] for s in find(rendering, "Service") if s["spec"].get("clusterIP") == "None"}
+        draft = bool(find(rendering, "Deployment", "specd-draft"))
+        assert headless == {"specd-target-headless"} | ({"specd-draft-headless"} if draft else set()), name
+        for s in find(rendering, "Service", "specd-target-headless"):
+            assert s["metadata"]["labels"]["app.kubernetes.io/component"] == "target-headless"
+    # cert-manager's server certificate names the headless Services the coordinator checks.
+    (server_cert,) = [
+        c for c in find(objects["tls-cert-manager"], "Certificate") if c["metadata"]["name"] == "specd-tls"
+    ]
+    assert {"specd-target-headless", "specd-draft-headless"} <= set(server_cert["spec"]["dnsNames"])
 
 
 # ---- 4. the documented steps ---------------------------------------------------
@@ -842,5 +885,13 @@ def test_make_certs_issues_what_the_chart_expects(tmp_path: Path) -> None:
         capture_output=True,
         text=True,
     ).stdout
-    for name in ("specd-coordinator", "specd-draft", "specd-target", "specd-target.specd.svc", "127.0.0.1"):
+    for name in (
+        "specd-coordinator",
+        "specd-draft",
+        "specd-target",
+        "specd-target.specd.svc",
+        "specd-target-headless",  # the name coordinators check on every discovered target replica
+        "specd-draft-headless",
+        "127.0.0.1",
+    ):
         assert name in sans

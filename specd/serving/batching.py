@@ -77,6 +77,12 @@ class MicroBatcher(Generic[Req, Resp]):
             future.set_exception(exc)
         return future
 
+    @property
+    def queued(self) -> int:
+        """Requests waiting for the model thread (a replica's queue, for load reports)."""
+        with self._lock:
+            return len(self._queue)
+
     def _drain(self) -> None:
         """Run batches until the queue is empty (on the model thread)."""
         while True:

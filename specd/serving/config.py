@@ -235,8 +235,13 @@ class TargetConfig(ModelServiceBase):
 
 @dataclass(frozen=True)
 class CoordinatorConfig(ServiceBase):
-    target: str = _opt("127.0.0.1:50053", "target service address HOST:PORT")
-    draft: str = _opt("127.0.0.1:50052", "draft service address HOST:PORT, or 'none'")
+    target: str = _opt(
+        "127.0.0.1:50053",
+        "target replicas: HOST:PORT, a comma-separated list, or dns:///NAME:PORT (every address NAME resolves to)",
+    )
+    draft: str = _opt("127.0.0.1:50052", "draft replicas, as --target; or 'none'")
+    resolve_interval_s: float = _opt(5.0, "re-resolve dns:/// peer names this often (replicas come and go)")
+    replica_poll_s: float = _opt(1.0, "ask each replica for its health and load this often")
     tokenizer: str = _opt(DEMO, "tokenizer folder (the target's model folder), 'demo' or the target's 'sim:PROFILE'")
     cache_dir: str = _opt("", "model cache folder (for the demo tokenizer)")
     draft_length: int = _opt(4, "draft tokens per round when speculation is fixed or automatic")
@@ -301,7 +306,14 @@ class CoordinatorConfig(ServiceBase):
             raise InvalidArgument("--max-active-tokens must be >= 0 (0: no limit)")
         if self.max_prompt_chars < 0:
             raise InvalidArgument("--max-prompt-chars must be >= 0 (0: from the model's context)")
-        for name in ("draft_timeout_s", "target_timeout_s", "request_timeout_s", "draft_retry_s"):
+        for name in (
+            "draft_timeout_s",
+            "target_timeout_s",
+            "request_timeout_s",
+            "draft_retry_s",
+            "resolve_interval_s",
+            "replica_poll_s",
+        ):
             if getattr(self, name) <= 0:
                 raise InvalidArgument(f"--{name.replace('_', '-')} must be > 0")
         if bool(self.peer_tls_cert) != bool(self.peer_tls_key):

@@ -137,6 +137,8 @@ ATTR_ROUND_DRAFT_MS = "specd.round.draft_ms"
 ATTR_ROUND_VERIFY_MS = "specd.round.verify_ms"
 ATTR_ROUND_OVERHEAD_MS = "specd.round.overhead_ms"
 ATTR_ROUND_WALL_MS = "specd.round.wall_ms"
+ATTR_TARGET_REPLICA = "specd.target.replica"  # the target replica (address) holding the session
+ATTR_DRAFT_REPLICA = "specd.draft.replica"  # the draft replica holding the session (absent: none yet)
 
 # Draft and target spans
 ATTR_NUM_TOKENS = "specd.draft.num_tokens"  # K asked (propose)

@@ -128,6 +128,13 @@ class ReplicatedDraft(_Replicated[Any]):
     async def available(self) -> bool:
         return self.replicas.any_usable()
 
+    async def close(self, session_id: str, *, timeout: float, committed: Sequence[int] = (), start: int = 0) -> None:
+        """Forget the session on its replica, handing it the final committed tokens (a suffix drafter
+        indexes them); start: how many of them that replica holds."""
+        member = self.replicas.release(session_id)
+        if member is not None and member.connected:
+            await member.peer.close(session_id, timeout=timeout, committed=committed, start=start)
+
     async def propose(
         self,
         session_id: str,

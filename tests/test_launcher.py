@@ -208,3 +208,32 @@ def test_a_service_that_exits_at_start_is_reported_at_once(tmp_path: Path) -> No
     assert "specd up: target service exited with code 2 before it was ready; its last lines:" in text, text
     assert f"model folder '{missing}' does not exist" in text
     assert "restarting" not in text and "not ready after" not in text
+
+
+def test_up_starts_replicas_behind_one_coordinator(tiny_pair: tuple[Path, Path], tmp_path: Path) -> None:
+    """--target-replicas 2 --draft-replicas 2: each replica its own process, all given to the coordinator."""
+    target, draft = tiny_pair
+    port = free_port()
+    up = Up(
+        "--target", str(target), "--draft", str(draft), "--port", str(port), "--cache-dir", str(tmp_path),
+        "--target-threads", "1", "--draft-threads", "1", "--target-replicas", "2", "--draft-replicas", "2",
+    )  # fmt: skip
+    try:
+        up.wait_for(rf"^coordinator listening on 127\.0\.0\.1:{port}$")
+        text = up.text()
+        for role in ("target", "draft"):
+            listening = set(re.findall(rf"\[{role}-\d\] specd-{role} listening on (\S+)", text))
+            assert len(listening) == 2, text
+            # the coordinator was given both (it logs each replica it adds)
+            added = set(re.findall(rf"{role} replica (\S+) added", text))
+            assert added == listening, text
+        pids = [up.pid_of(name) for name in ("target-1", "target-2", "draft-1", "draft-2", "coordinator")]
+        assert len(set(pids)) == 5
+        assert greedy(port, speculation="fixed", draft_length=4) == greedy(port, speculation="off")
+        assert up.stop() == 0, up.text()
+        assert not any(alive(pid) for pid in pids)
+    finally:
+        up.stop()
+        for m in re.finditer(r"\(pid (\d+)", up.text()):
+            if alive(int(m.group(1))):
+                os.kill(int(m.group(1)), signal.SIGKILL)

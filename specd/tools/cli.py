@@ -112,7 +112,15 @@ def _up(args: argparse.Namespace) -> int:
         draft_threads=args.draft_threads,
         target_args=_tp_args(args),
         restart=not args.no_restart,
+        target_replicas=_replicas(args.target_replicas, "--target-replicas"),
+        draft_replicas=_replicas(args.draft_replicas, "--draft-replicas"),
     )
+
+
+def _replicas(n: int, flag: str) -> int:
+    if n < 1:
+        raise InvalidArgument(f"{flag} must be >= 1 (got {n})")
+    return n
 
 
 def _tp_args(args: argparse.Namespace) -> list[str]:
@@ -264,6 +272,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="stop everything when a service exits (default: restart it with backoff; the others keep serving)",
     )
     up.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks of the target (default: 1)")
+    up.add_argument(
+        "--target-replicas",
+        type=int,
+        default=1,
+        help="target replicas (each a --tp group) behind the coordinator, which spreads sessions over them (default: 1)",
+    )
+    up.add_argument("--draft-replicas", type=int, default=1, help="draft replicas (default: 1)")
     up.add_argument(
         "--executor",
         choices=["mp", "ray"],

@@ -127,8 +127,10 @@ def run_up(
     target_args: Sequence[str] = (),
     restart: bool = True,
     ready_timeout_s: float = 600.0,
+    target_replicas: int = 1,
+    draft_replicas: int = 1,
 ) -> int:
-    """Start target, draft and coordinator; supervise them until SIGINT/SIGTERM; stop all three."""
+    """Start the targets, drafts and coordinator; supervise them until SIGINT/SIGTERM; stop them all."""
     cluster = LocalCluster(
         target,
         None if draft == "none" else draft,
@@ -142,6 +144,8 @@ def run_up(
         port=port,
         ready_timeout_s=ready_timeout_s,
         echo=True,
+        target_replicas=target_replicas,
+        draft_replicas=draft_replicas,
     )
     stop = threading.Event()
 
@@ -150,7 +154,10 @@ def run_up(
 
     previous = {sig: signal.signal(sig, interrupt) for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
-        _say("starting target" + ("" if draft == "none" else " and draft") + ", then the coordinator")
+        what = _count(target_replicas, "target") + (
+            "" if draft == "none" else " and " + _count(draft_replicas, "draft")
+        )
+        _say(f"starting {what}, then the coordinator")
         try:
             cluster.start()
         except ServiceFailed as exc:
@@ -172,3 +179,7 @@ def run_up(
         cluster.stop(grace_s=15.0)  # coordinator first: it drains its requests
         for sig, handler in previous.items():
             signal.signal(sig, handler)
+
+
+def _count(n: int, role: str) -> str:
+    return role if n == 1 else f"{n} {role} replicas"

@@ -279,6 +279,11 @@ def process_tree_peak_rss(pid: int) -> int | None:
     return total
 
 
+def _replica_name(role: str, index: int, count: int) -> str:
+    """'target' for a lone replica, 'target-1', 'target-2', ... for several."""
+    return role if count == 1 else f"{role}-{index + 1}"
+
+
 class LocalCluster:
     """target + optional draft + coordinator, each its own `specd serve` process.
 
@@ -289,6 +294,9 @@ class LocalCluster:
     *_args: extra flags appended to each service's command line (later flags win).
     host / port: where the coordinator listens (target and draft: 127.0.0.1, a free port).
     echo: relay the services' log lines to stderr, prefixed with their names.
+    target_replicas / draft_replicas: how many of each behind the one coordinator (it is
+    given all their addresses and spreads its sessions over them); `target` and `draft`
+    are the first replica of each, `targets` and `drafts` all of them.
     """
 
     def __init__(
@@ -307,21 +315,28 @@ class LocalCluster:
         port: int = 0,
         ready_timeout_s: float = READY_TIMEOUT_S,
         echo: bool = False,
+        target_replicas: int = 1,
+        draft_replicas: int = 1,
     ) -> None:
+        if target_replicas < 1 or draft_replicas < 1:
+            raise ValueError(f"need at least one replica of each (got {target_replicas}, {draft_replicas})")
         self.env = dict(os.environ, PYTHONUNBUFFERED="1")
         self.env.update(thread_environment(self.env))
         if cache_dir is not None:
             self.env["SPECD_CACHE_DIR"] = str(cache_dir)
         self.ready_timeout_s = ready_timeout_s
         common = ["--host", "127.0.0.1", "--port", "0"]
-        self.target = ServiceProcess(
-            "target",
-            ["target", "--model", str(target_model), *common, "--torch-threads", str(target_threads), *target_args],
-            echo=echo,
-        )
-        self.draft = (
+        self.targets = [
             ServiceProcess(
-                "draft",
+                _replica_name("target", i, target_replicas),
+                ["target", "--model", str(target_model), *common, "--torch-threads", str(target_threads), *target_args],
+                echo=echo,
+            )
+            for i in range(target_replicas)
+        ]
+        self.drafts = [
+            ServiceProcess(
+                _replica_name("draft", i, draft_replicas),
                 [
                     "draft",
                     "--model",
@@ -335,9 +350,10 @@ class LocalCluster:
                 ],
                 echo=echo,
             )
-            if draft_model is not None
-            else None
-        )
+            for i in range(draft_replicas if draft_model is not None else 0)
+        ]
+        self.target = self.targets[0]
+        self.draft = self.drafts[0] if self.drafts else None
         for service in self._peers:
             service.ready_timeout_s = ready_timeout_s
         self._tokenizer = str(target_model)
@@ -349,12 +365,12 @@ class LocalCluster:
 
     @property
     def _peers(self) -> list[ServiceProcess]:
-        return [self.target] + ([self.draft] if self.draft else [])
+        return [*self.targets, *self.drafts]
 
     @property
     def services(self) -> list[ServiceProcess]:
         """The services started so far, in start order."""
-        return [s for s in (self.target, self.draft, self.coordinator) if s is not None and s.proc is not None]
+        return [s for s in (*self._peers, self.coordinator) if s is not None and s.proc is not None]
 
     def start(self) -> LocalCluster:
         """Start target and draft together, then the coordinator; ServiceFailed as soon as one exits early."""
@@ -373,9 +389,9 @@ class LocalCluster:
                     "--torch-threads",
                     str(self._coordinator_threads),
                     "--target",
-                    self.target.address or "",
+                    ",".join(t.address or "" for t in self.targets),
                     "--draft",
-                    self.draft.address if self.draft and self.draft.address else "none",
+                    ",".join(d.address or "" for d in self.drafts) or "none",
                     "--tokenizer",
                     self._tokenizer,
                     *self._coordinator_args,
@@ -406,13 +422,13 @@ class LocalCluster:
 
     def logs(self, lines: int = 40) -> str:
         out = []
-        for s in (self.target, self.draft, self.coordinator):
+        for s in (*self._peers, self.coordinator):
             if s is not None:
                 out.append(f"==== {s.name}\n" + "".join(s.tail(lines)))
         return "\n".join(out)
 
     def stop(self, grace_s: float = 10.0) -> None:
-        for s in (self.coordinator, self.draft, self.target):  # coordinator first: it drains its requests
+        for s in (self.coordinator, *self.drafts, *self.targets):  # coordinator first: it drains its requests
             if s is not None:
                 s.stop(grace_s=grace_s)
 

@@ -1,0 +1,178 @@
+#!/usr/bin/env python3
+"""Scale-out on emulated accelerators: one coordinator over 1, 2, 4, 8 target replicas (emulated).
+
+For each replica count N it starts N target replicas (and N draft replicas
+unless --drafts-per-target 0) as `specd serve ... --model sim:PROFILE`
+processes on 127.0.0.1, one coordinator given all their addresses, and
+drives --streams-per-replica x N concurrent GenerateStream calls (one
+asyncio client process) for --seconds after --warmup. It reports the
+aggregate tokens/s, the split of sessions over the target replicas (the
+coordinator's specd:replica_placements_total) and the efficiency against
+linear scaling from N = 1: tokens/s(N) / (N x tokens/s(1)).
+
+Every figure is emulated: the model services' forward passes take the
+profile's modelled time (docs/performance.md), the rest (gRPC, batching,
+sessions, sampling, the coordinator) is real and runs on this machine's
+CPUs, so the coordinator's own cost per round is what limits scaling.
+
+    PYTHONPATH=. python scripts/scale_bench.py --profile h100-8b --replicas 1,2,4,8 \\
+        --streams-per-replica 16 --seconds 30 --json scale.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import random
+import sys
+import time
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+import grpc
+from prometheus_client.parser import text_string_to_metric_families
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from coordinator.client import build_request
+from specd.core.sim import EMULATED, parse_sim_spec
+from specd.tools.localcluster import LocalCluster, ServiceProcess
+from specd.v1 import coordinator_pb2_grpc
+
+READY_S = 180.0
+
+
+def metrics(address: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    text = urllib.request.urlopen(f"http://{address}/metrics", timeout=10).read().decode()
+    return {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+    }
+
+
+def metrics_address(service: ServiceProcess) -> str:
+    for line in service.lines:
+        if line.startswith("specd-coordinator metrics on "):
+            return line.split(" on ", 1)[1].strip()
+    raise RuntimeError("the coordinator printed no metrics address")
+
+
+async def drive(address: str, streams: int, args: argparse.Namespace, vocab: int) -> dict[str, Any]:
+    """streams concurrent request loops; tokens counted as they arrive inside the measured window."""
+    rng = random.Random(0)
+    window: dict[str, float] = {}
+    counted = {"tokens": 0, "requests": 0, "failures": 0}
+    stop = asyncio.Event()
+
+    async def loop(worker: int) -> None:
+        async with grpc.aio.insecure_channel(address) as channel:
+            stub = coordinator_pb2_grpc.CoordinatorStub(channel)
+            while not stop.is_set():
+                prompt = [rng.randrange(4, vocab) for _ in range(args.prompt_tokens)]
+                request = build_request(
+                    prompt,
+                    max_new_tokens=args.max_new_tokens,
+                    temperature=args.temperature,
+                    ignore_eos=True,
+                    speculation=args.speculation,
+                    draft_length=args.draft_length,
+                )
+                try:
+                    async for chunk in stub.GenerateStream(request, timeout=300):
+                        now = time.monotonic()
+                        if window.get("start", 1e18) <= now < window.get("end", 0):
+                            counted["tokens"] += len(chunk.token_ids)
+                    counted["requests"] += 1
+                except grpc.aio.AioRpcError as exc:
+                    counted["failures"] += 1
+                    print(f"  request failed: {exc.code().name}: {exc.details()}", file=sys.stderr)
+
+    tasks = [asyncio.create_task(loop(i)) for i in range(streams)]
+    await asyncio.sleep(args.warmup)
+    window["start"] = time.monotonic()
+    window["end"] = window["start"] + args.seconds
+    await asyncio.sleep(args.seconds)
+    stop.set()
+    await asyncio.wait(tasks, timeout=120)
+    return {**counted, "tokens_per_s": counted["tokens"] / args.seconds}
+
+
+def run_one(n: int, args: argparse.Namespace) -> dict[str, Any]:
+    spec = args.model
+    drafts = n * args.drafts_per_target
+    cluster = LocalCluster(
+        spec,
+        spec if drafts else None,
+        target_replicas=n,
+        draft_replicas=max(1, drafts),
+        target_args=[*args.service_args.split()],
+        draft_args=[*args.service_args.split()],
+        coordinator_args=[
+            "--metrics-port",
+            "0",
+            "--max-concurrent-requests",
+            str(max(64, 2 * n * args.streams_per_replica)),
+            *args.coordinator_args.split(),
+        ],
+        ready_timeout_s=READY_S,
+    )
+    with cluster:
+        assert cluster.coordinator is not None
+        streams = n * args.streams_per_replica
+        result = asyncio.run(drive(cluster.address, streams, args, parse_sim_spec(spec).vocab_size))
+        placed = {
+            dict(labels)["replica"]: value
+            for (name, labels), value in metrics(metrics_address(cluster.coordinator)).items()
+            if name == "specd:replica_placements_total" and dict(labels).get("role") == "target"
+        }
+    return {"target_replicas": n, "draft_replicas": drafts, "streams": streams, **result, "placements": placed}
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--profile", default="h100-8b", help="emulated profile, with overrides (e.g. h100-8b,time_scale=2)")
+    p.add_argument("--replicas", default="1,2,4,8", help="target replica counts to run")
+    p.add_argument("--streams-per-replica", type=int, default=16)
+    p.add_argument("--drafts-per-target", type=int, default=1, help="draft replicas per target replica (0: none)")
+    p.add_argument("--speculation", default="fixed", choices=["auto", "fixed", "off"])
+    p.add_argument("--draft-length", type=int, default=4)
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--prompt-tokens", type=int, default=64)
+    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--warmup", type=float, default=5.0, help="seconds before the measured window")
+    p.add_argument("--seconds", type=float, default=20.0, help="length of the measured window")
+    p.add_argument("--service-args", default="", help="extra flags for every draft and target (one string)")
+    p.add_argument("--coordinator-args", default="", help="extra flags for the coordinator (one string)")
+    p.add_argument("--json", default="", help="write the records here")
+    args = p.parse_args(argv)
+    args.model = args.profile if args.profile.startswith("sim:") else "sim:" + args.profile
+    parse_sim_spec(args.model)  # fails early on an unknown profile
+    records = []
+    for n in (int(x) for x in args.replicas.split(",")):
+        print(f"[{EMULATED}] {n} target replica(s), {n * args.streams_per_replica} streams ...", flush=True)
+        record = run_one(n, args)
+        base = records[0]["tokens_per_s"] / records[0]["target_replicas"] if records else None
+        record["efficiency"] = record["tokens_per_s"] / (n * base) if base else 1.0
+        records.append(record)
+        shares = sorted(record["placements"].values())
+        split = f"{min(shares) / sum(shares):.2f}-{max(shares) / sum(shares):.2f}" if shares and sum(shares) else "-"
+        print(
+            f"[{EMULATED}] targets {n}: {record['tokens_per_s']:.0f} tokens/s, efficiency {record['efficiency']:.2f} "
+            f"of linear, session shares {split}, requests {record['requests']}, failures {record['failures']}",
+            flush=True,
+        )
+    meta = {"label": EMULATED, "profile": args.model, "args": vars(args), "cpus": os.cpu_count()}
+    if args.json:
+        Path(args.json).write_text(json.dumps({"meta": meta, "records": records}, indent=2) + "\n")
+    print(f"\n{'targets':>8} {'streams':>8} {'tokens/s':>10} {'vs linear':>10}   ({EMULATED}, {args.model})")
+    for r in records:
+        print(f"{r['target_replicas']:>8} {r['streams']:>8} {r['tokens_per_s']:>10.0f} {r['efficiency']:>10.2f}")
+    return 0 if all(r["failures"] == 0 for r in records) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -106,7 +106,7 @@ async def create_server(
     interceptors = []
     if config.api_token_file:  # re-read when the file changes; the previous token stays valid for a grace period
         tokens = TokenFile(config.api_token_file, read_token, grace_s=config.api_token_grace_s)
-        interceptors.append(BearerTokenInterceptor(tokens.valid))
+        interceptors.append(BearerTokenInterceptor(tokens))
     server, port, health = build_server(
         config,
         lambda s: coordinator_pb2_grpc.add_CoordinatorServicer_to_server(servicer, s),

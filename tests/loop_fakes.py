@@ -152,6 +152,7 @@ class FakeDraft:
         self.calls = 0
         self.opens = 0
         self.closed: list[str] = []
+        self.final: dict[str, list[int]] = {}  # the committed tokens each close carried
         self.prefixes: list[list[int]] = []  # the prefix of every propose, in order
 
     async def available(self) -> bool:
@@ -186,8 +187,9 @@ class FakeDraft:
         self.sessions[session_id] = prefix + drafts
         return Proposal(drafts, compute_ms=self.script.latency_s * 1e3)
 
-    async def close(self, session_id: str, *, timeout: float) -> None:
+    async def close(self, session_id: str, *, timeout: float, committed: Sequence[int] = (), start: int = 0) -> None:
         self.closed.append(session_id)
+        self.final[session_id] = list(committed)
         self.sessions.pop(session_id, None)
 
 

@@ -115,7 +115,7 @@ def test_wrong_ca_is_a_tls_mismatch(secure, pki: Pki, capsys: pytest.CaptureFixt
 def test_wrong_token_is_refused(secure, pki: Pki, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     cluster, _ = secure
     wrong = tmp_path / "wrong"
-    wrong.write_text("not-the-token\n")
+    wrong.write_text("not-the-right-api-token\n")  # long enough to be sent (MIN_TOKEN_CHARS)
     code, err = generate(capsys, "--address", cluster.address, "--tls-ca", str(pki.ca), "--token-file", str(wrong))
     line = one_line(err)
     assert code == EXIT_AUTH and "--token-file" in line

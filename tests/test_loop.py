@@ -84,6 +84,8 @@ def test_every_strategy_gives_the_target_only_output(pipeline: str, speculation:
     r, records, _ = run(spec(60, pipeline=pipeline, speculation=speculation), target, draft)
     assert r.generation.generated == expected(60) and r.finish_reason == FinishReason.LENGTH
     assert target.violations == []  # nothing drafted for another prefix was ever verified
+    assert target.closed == draft.closed == ["s1"]
+    assert draft.final["s1"] == PROMPT + expected(60)  # the draft's close carries the whole answer
     check_records(r, records)
     assert r.stats.accepted_tokens > 0
     if pipeline == "off":

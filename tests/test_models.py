@@ -295,8 +295,8 @@ def test_demo_runner_matches_full_forward(demo) -> None:
         return (got - want).abs().max().item()
 
     s = r.new_session(demo.tokenizer("The quick brown fox jumps over the lazy dog. Then").input_ids)
-    diffs = [diff(1)]  # prefill: same computation as the full pass
-    assert diffs[0] <= 1e-5
+    diffs = [diff(1)]  # prefill: the full pass's computation, but the head runs on the last row alone
+    assert diffs[0] <= 1e-4  # (3.4e-5 on CI's CPU, under 1e-5 here: another matmul blocking)
     for _ in range(3):  # decode
         r.append(s, [int(r.logits(s)[-1].argmax())])
         diffs.append(diff(1))

@@ -99,7 +99,11 @@ def test_pipelining_and_auto_run_in_process_too(tiny, temperature: float) -> Non
     piped = speculative_generate(
         prompt, verifier, self_drafter, params, draft_length=3, max_new_tokens=24, pipeline="bonus-match"
     )
-    assert piped.token_ids == plain.token_ids and piped.stats.pipeline_hits > 0
+    assert piped.token_ids == plain.token_ids
+    # A bonus-match hit needs the draft's guess to equal the bonus: certain at T = 0 with the target as
+    # its own draft, but at T > 0 the two are drawn with independent coins (probability sum p^2 per
+    # round, small for a random model), so only greedy must hit.
+    assert piped.stats.pipeline_hits > 0 or temperature > 0
     assert set(piped.stats.pipeline_hits_by_outcome) <= {f"{k}:bonus" for k in range(1, 4)}
     post = [
         speculative_generate(

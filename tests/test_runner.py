@@ -15,7 +15,10 @@ from specd.core.runner import CausalLMRunner, KVSession
 
 pytestmark = pytest.mark.usefixtures("torch_single_thread")
 
-TOL = 1e-5  # max abs difference allowed between cached and no-cache logits
+# Max abs difference allowed between cached and no-cache logits. A cached pass reduces in another
+# order than a full one, and the kernels chosen differ per CPU (CI's reached 1.04e-5 where this
+# machine stays under 1e-5); a wrong cache position or a stale KV row differs by 0.1 or more.
+TOL = 5e-5
 
 
 @pytest.fixture(scope="module", params=["llama", "gpt2"])

@@ -56,11 +56,11 @@ class FileWatch:
                 out.append(None)
         return tuple(out)
 
-    def changed(self) -> bool:
-        """True once per change (throttled to one look per interval_s)."""
+    def changed(self, *, now_please: bool = False) -> bool:
+        """True once per change (throttled to one look per interval_s, unless now_please)."""
         now = time.monotonic()
         with self._lock:
-            if now - self._checked < self.interval_s:
+            if now - self._checked < self.interval_s and not now_please:
                 return False
             self._checked = now
             stamp = self._stamp()
@@ -199,9 +199,14 @@ class TokenFile:
         self._previous: str | None = None
         self._previous_until = 0.0
 
-    def valid(self) -> list[str]:
-        """The tokens a caller may send now (current first)."""
-        if self.watch.changed():
+    def valid(self, *, recheck: bool = False) -> list[str]:
+        """The tokens a caller may send now (current first).
+
+        recheck: look at the file now, not at most once a second. The interceptor asks for
+        it before refusing a token, so a client that switched to a just-rotated token is not
+        refused in the second before the throttled look would have seen the new file (a
+        stat per refused call: cheap, and nothing is read unless the file changed)."""
+        if self.watch.changed(now_please=recheck):
             try:
                 token = self._read(self.path)
             except Exception as exc:  # noqa: BLE001 - mid-rotation or a bad token: keep the current one

@@ -7,7 +7,7 @@ import inspect
 import logging
 from collections.abc import Awaitable, Callable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import grpc
 
@@ -53,15 +53,30 @@ def read_token(path: str) -> str:
     return token
 
 
+class TokenSource(Protocol):
+    """Where the valid API tokens come from (reloading.TokenFile)."""
+
+    def valid(self, *, recheck: bool = False) -> Sequence[str]: ...
+
+
 class BearerTokenInterceptor(grpc.aio.ServerInterceptor):
     """Refuses calls without `authorization: Bearer <token>` (constant-time compare).
 
-    token: the token, or a callable giving the tokens valid now (reloading.TokenFile.valid:
-    the current one and, for a grace period after a rotation, the previous one).
+    token: the token, or a TokenSource giving the tokens valid now (reloading.TokenFile: the
+    current one and, for a grace period after a rotation, the previous one). A token that
+    matches none is compared once more after the source rechecked its file.
     """
 
-    def __init__(self, token: str | Callable[[], Sequence[str]]) -> None:
-        self._tokens: Callable[[], Sequence[str]] = token if callable(token) else (lambda: (token,))
+    def __init__(self, token: str | TokenSource) -> None:
+        self._source: TokenSource | None = None if isinstance(token, str) else token
+        self._fixed = (token,) if isinstance(token, str) else ()
+
+    def _matches(self, sent: bytes, *, recheck: bool) -> bool:
+        tokens = self._fixed if self._source is None else self._source.valid(recheck=recheck)
+        ok = False
+        for token in tokens:  # every one compared, in constant time each
+            ok |= hmac.compare_digest(sent, f"Bearer {token}".encode())
+        return ok
 
     async def intercept_service(
         self,
@@ -74,10 +89,7 @@ class BearerTokenInterceptor(grpc.aio.ServerInterceptor):
         for key, value in details.invocation_metadata or ():
             if key == "authorization":
                 sent = value.encode() if isinstance(value, str) else value
-        ok = False
-        for token in self._tokens():  # every one compared, in constant time each
-            ok |= hmac.compare_digest(sent, f"Bearer {token}".encode())
-        if ok:
+        if self._matches(sent, recheck=False) or (self._source is not None and self._matches(sent, recheck=True)):
             return await continuation(details)
         return _refusal(await continuation(details), "missing or wrong API token: send 'authorization: Bearer <token>'")
 

@@ -9,7 +9,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class DraftRequest(_message.Message):
-    __slots__ = ("request_id", "session_id", "committed_length", "trace_context", "open", "propose", "close")
+    __slots__ = ("request_id", "session_id", "committed_length", "trace_context", "open", "propose", "close", "branches")
     class TraceContextEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -24,6 +24,7 @@ class DraftRequest(_message.Message):
     OPEN_FIELD_NUMBER: _ClassVar[int]
     PROPOSE_FIELD_NUMBER: _ClassVar[int]
     CLOSE_FIELD_NUMBER: _ClassVar[int]
+    BRANCHES_FIELD_NUMBER: _ClassVar[int]
     request_id: int
     session_id: str
     committed_length: int
@@ -31,7 +32,8 @@ class DraftRequest(_message.Message):
     open: DraftOpen
     propose: DraftPropose
     close: DraftClose
-    def __init__(self, request_id: _Optional[int] = ..., session_id: _Optional[str] = ..., committed_length: _Optional[int] = ..., trace_context: _Optional[_Mapping[str, str]] = ..., open: _Optional[_Union[DraftOpen, _Mapping]] = ..., propose: _Optional[_Union[DraftPropose, _Mapping]] = ..., close: _Optional[_Union[DraftClose, _Mapping]] = ...) -> None: ...
+    branches: DraftBranches
+    def __init__(self, request_id: _Optional[int] = ..., session_id: _Optional[str] = ..., committed_length: _Optional[int] = ..., trace_context: _Optional[_Mapping[str, str]] = ..., open: _Optional[_Union[DraftOpen, _Mapping]] = ..., propose: _Optional[_Union[DraftPropose, _Mapping]] = ..., close: _Optional[_Union[DraftClose, _Mapping]] = ..., branches: _Optional[_Union[DraftBranches, _Mapping]] = ...) -> None: ...
 
 class DraftClose(_message.Message):
     __slots__ = ("start", "token_ids")
@@ -61,21 +63,39 @@ class DraftPropose(_message.Message):
     num_tokens: int
     def __init__(self, start: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., num_tokens: _Optional[int] = ...) -> None: ...
 
+class DraftBranches(_message.Message):
+    __slots__ = ("start", "token_ids", "pending", "num_tokens", "budget", "acceptance")
+    START_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    PENDING_FIELD_NUMBER: _ClassVar[int]
+    NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    BUDGET_FIELD_NUMBER: _ClassVar[int]
+    ACCEPTANCE_FIELD_NUMBER: _ClassVar[int]
+    start: int
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    pending: int
+    num_tokens: int
+    budget: int
+    acceptance: _containers.RepeatedScalarFieldContainer[float]
+    def __init__(self, start: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., pending: _Optional[int] = ..., num_tokens: _Optional[int] = ..., budget: _Optional[int] = ..., acceptance: _Optional[_Iterable[float]] = ...) -> None: ...
+
 class DraftResponse(_message.Message):
-    __slots__ = ("request_id", "session_id", "committed_length", "proposal", "ack", "error")
+    __slots__ = ("request_id", "session_id", "committed_length", "proposal", "ack", "error", "branches")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     COMMITTED_LENGTH_FIELD_NUMBER: _ClassVar[int]
     PROPOSAL_FIELD_NUMBER: _ClassVar[int]
     ACK_FIELD_NUMBER: _ClassVar[int]
     ERROR_FIELD_NUMBER: _ClassVar[int]
+    BRANCHES_FIELD_NUMBER: _ClassVar[int]
     request_id: int
     session_id: str
     committed_length: int
     proposal: DraftProposal
     ack: _session_pb2.SessionAck
     error: _session_pb2.SessionError
-    def __init__(self, request_id: _Optional[int] = ..., session_id: _Optional[str] = ..., committed_length: _Optional[int] = ..., proposal: _Optional[_Union[DraftProposal, _Mapping]] = ..., ack: _Optional[_Union[_session_pb2.SessionAck, _Mapping]] = ..., error: _Optional[_Union[_session_pb2.SessionError, _Mapping]] = ...) -> None: ...
+    branches: DraftBranchSet
+    def __init__(self, request_id: _Optional[int] = ..., session_id: _Optional[str] = ..., committed_length: _Optional[int] = ..., proposal: _Optional[_Union[DraftProposal, _Mapping]] = ..., ack: _Optional[_Union[_session_pb2.SessionAck, _Mapping]] = ..., error: _Optional[_Union[_session_pb2.SessionError, _Mapping]] = ..., branches: _Optional[_Union[DraftBranchSet, _Mapping]] = ...) -> None: ...
 
 class DraftProposal(_message.Message):
     __slots__ = ("token_ids", "q", "compute_ms", "batch_size")
@@ -88,3 +108,23 @@ class DraftProposal(_message.Message):
     compute_ms: float
     batch_size: int
     def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., q: _Optional[_Iterable[_Union[_common_pb2.SparseDistribution, _Mapping]]] = ..., compute_ms: _Optional[float] = ..., batch_size: _Optional[int] = ...) -> None: ...
+
+class DraftBranch(_message.Message):
+    __slots__ = ("accepted", "token_id", "proposal")
+    ACCEPTED_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
+    PROPOSAL_FIELD_NUMBER: _ClassVar[int]
+    accepted: int
+    token_id: int
+    proposal: DraftProposal
+    def __init__(self, accepted: _Optional[int] = ..., token_id: _Optional[int] = ..., proposal: _Optional[_Union[DraftProposal, _Mapping]] = ...) -> None: ...
+
+class DraftBranchSet(_message.Message):
+    __slots__ = ("branches", "compute_ms", "batch_size")
+    BRANCHES_FIELD_NUMBER: _ClassVar[int]
+    COMPUTE_MS_FIELD_NUMBER: _ClassVar[int]
+    BATCH_SIZE_FIELD_NUMBER: _ClassVar[int]
+    branches: _containers.RepeatedCompositeFieldContainer[DraftBranch]
+    compute_ms: float
+    batch_size: int
+    def __init__(self, branches: _Optional[_Iterable[_Union[DraftBranch, _Mapping]]] = ..., compute_ms: _Optional[float] = ..., batch_size: _Optional[int] = ...) -> None: ...

@@ -11,14 +11,25 @@ from __future__ import annotations
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Protocol, Unpack
+from typing import Protocol, Unpack, runtime_checkable
 
 import torch
 from torch import Tensor, nn
 
 from specd.core import phases as ph
 from specd.core import sampling, sparse_q
-from specd.core.errors import InvalidArgument, SessionOutOfSync
+from specd.core.branching import (
+    MAX_BRANCH_BUDGET,
+    Branch,
+    BranchChoice,
+    Branches,
+    BranchRequest,
+    PositionAcceptance,
+    bonus_guess,
+    ranking_probs,
+    select_branches,
+)
+from specd.core.errors import InvalidArgument, SessionNotFound, SessionOutOfSync
 from specd.core.phases import PhaseLog
 from specd.core.proposal import Proposal
 from specd.core.runner import CausalLMRunner, KVSession
@@ -57,6 +68,43 @@ class ProposeRequest:
     num_tokens: int
 
 
+DraftWork = ProposeRequest | BranchRequest  # one step message of a draft service: a propose or a branch call
+DraftResult = Proposal | Branches
+
+
+@runtime_checkable
+class BranchingDrafter(Protocol):
+    """A drafter that drafts proposes and branch calls of many sessions in one batched pass per step."""
+
+    def draft_batch(self, requests: Sequence[DraftWork]) -> list[DraftResult | Exception]: ...
+
+
+def draft_work(drafter: Drafter, requests: Sequence[DraftWork]) -> list[DraftResult | Exception]:
+    """Proposes and branch calls of different sessions, as one batch where the drafter can.
+
+    A drafter without a distribution of its own (n-gram, suffix, hybrid)
+    answers a branch call with the all-accepted verdict only: it drafts one
+    token more after the whole prefix, the first being its guess of the bonus
+    (specd.core.branching.bonus_guess). Its sequence then runs past the prefix;
+    the next call's (start, tail) rolls it back as for any propose.
+    """
+    if isinstance(drafter, BranchingDrafter) and any(isinstance(r, BranchRequest) for r in requests):
+        return drafter.draft_batch(requests)
+    calls = [
+        r
+        if isinstance(r, ProposeRequest)
+        else ProposeRequest(r.session_id, r.committed_length, r.start, r.tail, r.num_tokens + 1)
+        for r in requests
+    ]
+    out: list[DraftResult | Exception] = []
+    for r, result in zip(requests, drafter.propose_batch(calls)):
+        if isinstance(r, BranchRequest) and not isinstance(result, Exception):
+            out.append(bonus_guess(r.pending, result))
+        else:
+            out.append(result)
+    return out
+
+
 def propose_one(
     drafter: Drafter, session_id: str, committed_length: int, start: int, tail: Sequence[int], num_tokens: int
 ) -> Proposal:
@@ -65,6 +113,16 @@ def propose_one(
     if isinstance(result, BaseException):
         raise result
     return result
+
+
+def _common(a: Sequence[int], b: Sequence[int]) -> int:
+    """Length of the common prefix of a and b."""
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
 
 
 def sync_prefix(tokens: list[int], committed_length: int, start: int, tail: Sequence[int]) -> list[int]:
@@ -86,6 +144,22 @@ class _ModelDraftSession:
     kv: KVSession
     params: SamplingParams
     q: QSettings  # how this session's sparse q is truncated and rounded
+    # A branch call's forks (each a sequence of its own), kept until the session's next call:
+    branches: list[_ModelDraftSession] = field(default_factory=list)
+    fork_at: int = 0  # tokens kv and every branch share (the committed prefix of the branch call)
+
+
+_Key = tuple[int, ...]  # a drafting row: (request index,) for a propose, (request index, branch) for a branch
+
+
+@dataclass
+class _BranchPass:
+    """One branch call in a batched draft: step 0 reads the pending positions, steps 1.. draft every branch."""
+
+    request: BranchRequest
+    steps: int  # draft tokens per branch
+    choices: list[BranchChoice] = field(default_factory=list)
+    forks: list[_ModelDraftSession] = field(default_factory=list)  # parallel to choices
 
 
 class ReducedLMHead(nn.Module):
@@ -170,67 +244,207 @@ class ModelDrafter(PooledModel[_ModelDraftSession]):
     ) -> Proposal:
         return propose_one(self, session_id, committed_length, start, tail, num_tokens)
 
-    @torch.inference_mode()
     def propose_batch(self, requests: Sequence[ProposeRequest]) -> list[Proposal | Exception]:
-        """Draft for many sessions at once: step i runs one forward over every session still drafting.
+        out: list[Proposal | Exception] = []
+        for result in self.draft_batch(requests):
+            assert not isinstance(result, Branches)
+            out.append(result)
+        return out
 
-        Per-request checks, and a row that cannot be sampled (non-finite
-        numbers), fail only that request; a failing forward fails the sessions
-        in it. A failed session is rolled back to its committed prefix. The tokens
-        do not depend on the batch: greedy is an argmax, sampling uses the
-        (seed, position) coins.
+    def close(self, session_id: str) -> None:
+        try:
+            self._drop_branches(self._pool.get(session_id))
+        except SessionNotFound:
+            return
+        self._pool.close(session_id)
+
+    def kv_bytes(self) -> int:
+        return self._pool.kv_bytes() + sum(self.runner.kv_bytes(b.kv) for s in self._pool.values() for b in s.branches)
+
+    @torch.inference_mode()
+    def draft_batch(self, requests: Sequence[DraftWork]) -> list[DraftResult | Exception]:
+        """Draft for many sessions at once: step i runs one forward over every row still drafting.
+
+        A propose is one row per step. A branch call is one row at step 0 (the
+        pending positions and the one after them, read in one go, choose the
+        branches) and one row per branch at every later step. Per-request
+        checks, and a row that cannot be sampled (non-finite numbers), fail
+        only that request; a failing forward fails the sessions in it. A failed
+        session is rolled back to its committed prefix and forgets its
+        branches. The tokens do not depend on the batch: greedy is an argmax,
+        sampling uses the (seed, position) coins, so a branch drafts what a
+        propose for its prefix would.
         """
-        drafted: dict[int, _Draft] = {}
+        drafted: dict[_Key, _Draft] = {}
+        branched: dict[int, _BranchPass] = {}
         run = self._pool.run_batch(
-            requests, self._prepare, lambda part, batch: self._draft_group(part, batch, drafted), what="drafting"
+            requests,
+            self._prepare_any,
+            lambda part, batch: self._draft_group(part, batch, requests, drafted, branched),
+            what="drafting",
         )
-        return [e if e is not None else drafted[i].proposal(run.logs[i]) for i, e in enumerate(run.errors)]
+        out: list[DraftResult | Exception] = []
+        for i, error in enumerate(run.errors):
+            if error is not None:
+                if isinstance(requests[i], BranchRequest):
+                    self._forget_branches(requests[i].session_id)
+                out.append(error)
+            elif i in branched:
+                out.append(self._branches(i, branched[i], drafted, run.logs[i]))
+            else:
+                out.append(drafted[(i,)].proposal(run.logs[i]))
+        return out
+
+    def _prepare_any(self, req: DraftWork) -> tuple[_ModelDraftSession, int]:
+        return self._prepare_branches(req) if isinstance(req, BranchRequest) else self._prepare(req)
 
     def _prepare(self, req: ProposeRequest) -> tuple[_ModelDraftSession, int]:
         """A request's checks and sync: its session, brought to the committed prefix, and the tokens to draft."""
         if req.num_tokens < 1:
             raise InvalidArgument(f"num_tokens must be >= 1 (got {req.num_tokens})")
         s = self._pool.get(req.session_id)
-        self.runner.set_tokens(s.kv, sync_prefix(s.kv.tokens, req.committed_length, req.start, req.tail))
+        self._sync(s, req.committed_length, req.start, req.tail)
         n = min(req.num_tokens, self.runner.max_context - req.committed_length)
         if n < 1:
             raise InvalidArgument("the session fills the draft model's context; nothing left to draft")
         return s, n
 
-    def _draft_group(
-        self, part: list[Ready[_ModelDraftSession]], run: BatchRun[_ModelDraftSession], drafted: dict[int, _Draft]
-    ) -> dict[int, Exception]:
-        """One forward group: step i drafts a token for every session that still wants one.
+    def _prepare_branches(self, req: BranchRequest) -> tuple[_ModelDraftSession, int]:
+        """A branch call's checks and sync; the steps it runs: 1 (read the pending positions) + tokens per branch.
 
-        Returns {request index: error} for the rows that could not be sampled: they drop out alone.
+        No room left in the context for a branch: 0 steps, no branches (not an error)."""
+        if req.num_tokens < 1:
+            raise InvalidArgument(f"num_tokens must be >= 1 (got {req.num_tokens})")
+        if not 1 <= req.budget <= MAX_BRANCH_BUDGET:
+            raise InvalidArgument(f"budget must be in 1..{MAX_BRANCH_BUDGET} branches (got {req.budget})")
+        if not 1 <= req.pending < req.committed_length:
+            raise InvalidArgument(
+                f"pending must be in 1..{req.committed_length - 1} (the prefix's tokens after the first), "
+                f"got {req.pending}"
+            )
+        if req.acceptance and (len(req.acceptance) != req.pending or not all(0.0 <= a <= 1.0 for a in req.acceptance)):
+            raise InvalidArgument(f"acceptance needs {req.pending} rates in [0, 1], one per pending token, or none")
+        s = self._pool.get(req.session_id)
+        self._sync(s, req.committed_length, req.start, req.tail)
+        n = min(req.num_tokens, self.runner.max_context - req.committed_length - 1)  # the bonus branch is longest
+        return s, (n + 1 if n >= 1 else 0)
+
+    def _sync(self, s: _ModelDraftSession, committed_length: int, start: int, tail: Sequence[int]) -> None:
+        """Bring the session to its prefix, adopting the branch that holds the most of it (no recompute).
+
+        Every branch shares the first `fork_at` tokens with the sequence, so a
+        `start` within them means the same tokens in all of them; the sequence
+        or branch agreeing longest with the prefix becomes the sequence, and
+        every other branch is dropped (branches live until the next call).
+        """
+        prefix = sync_prefix(s.kv.tokens, committed_length, start, tail)
+        if s.branches:
+            kept = s.kv
+            if start <= s.fork_at:
+                kept = max([s.kv, *(b.kv for b in s.branches)], key=lambda kv: _common(kv.tokens, prefix))
+            if kept is not s.kv:
+                self.runner.release(s.kv)
+                s.kv = kept
+            self._drop_branches(s, keep=kept)
+        self.runner.set_tokens(s.kv, prefix)
+
+    def _drop_branches(self, s: _ModelDraftSession, keep: KVSession | None = None) -> None:
+        for b in s.branches:
+            if b.kv is not keep:
+                self.runner.release(b.kv)
+        s.branches = []
+
+    def _forget_branches(self, session_id: str) -> None:
+        try:
+            self._drop_branches(self._pool.get(session_id))
+        except SessionNotFound:
+            pass
+
+    def _branch_room(self, wanted: int, tokens: int) -> int:
+        """How many branches of `tokens` tokens each fit the pool's KV budget next to what it holds."""
+        limit = self._pool.budget.max_bytes
+        if not limit or wanted <= 0:
+            return max(0, wanted)
+        held = sum(len(s.kv) + sum(len(b.kv) for b in s.branches) for s in self._pool.values())
+        free_tokens = limit // max(1, self.runner.kv_bytes_per_token) - held
+        return max(0, min(wanted, free_tokens // max(1, tokens)))
+
+    def _draft_group(
+        self,
+        part: list[Ready[_ModelDraftSession]],
+        run: BatchRun[_ModelDraftSession],
+        requests: Sequence[DraftWork],
+        drafted: dict[_Key, _Draft],
+        branched: dict[int, _BranchPass],
+    ) -> dict[int, Exception]:
+        """One forward group: at each step, one forward over every row that still drafts.
+
+        Returns {request index: error} for the requests that could not be sampled: they drop out alone.
         """
         for r in part:
-            drafted[r.index] = _Draft()
+            req = requests[r.index]
+            if isinstance(req, BranchRequest):
+                branched[r.index] = _BranchPass(req, max(0, r.extra - 1))
+            else:
+                drafted[(r.index,)] = _Draft()
         failed: dict[int, Exception] = {}
-        for step in range(max(r.extra for r in part)):
-            active = [(r.index, r.session) for r in part if r.extra > step and r.index not in failed]
-            if active:
-                failed.update(self._draft_step(active, drafted, run.logs))
+        for step in range(max((r.extra for r in part), default=0)):
+            rows: list[tuple[_Key, _ModelDraftSession]] = []
+            parents: list[tuple[int, _ModelDraftSession]] = []
+            for r in part:
+                if r.extra <= step or r.index in failed:
+                    continue
+                bp = branched.get(r.index)
+                if bp is None:
+                    rows.append(((r.index,), r.session))
+                elif step == 0:
+                    parents.append((r.index, r.session))
+                else:
+                    rows.extend(((r.index, b), fork) for b, fork in enumerate(bp.forks))
+            if rows or parents:
+                failed.update(self._draft_step(rows, parents, drafted, branched, run.logs))
         return failed
 
     def _draft_step(
-        self, active: list[tuple[int, _ModelDraftSession]], drafted: dict[int, _Draft], logs: list[PhaseLog]
+        self,
+        active: list[tuple[_Key, _ModelDraftSession]],
+        parents: list[tuple[int, _ModelDraftSession]],
+        drafted: dict[_Key, _Draft],
+        branched: dict[int, _BranchPass],
+        logs: list[PhaseLog],
     ) -> dict[int, Exception]:
-        """One token for each active session: a batched forward, then batched q and sampling.
+        """One token for each active row and the branches of each parent: a batched forward, then q and sampling.
 
-        Returns {request index: error} for the rows that could not be sampled
-        (non-finite numbers); they get no token, the others are unaffected.
+        Returns {request index: error} for the requests with a row that could not
+        be sampled (non-finite numbers); the others are unaffected.
         """
         t0 = time.time_ns()
-        rows = self.runner.logits_batch([s.kv for _, s in active], [1] * len(active))  # A x [1, V]
+        num_last = [1] * len(active) + [branched[i].request.pending + 1 for i, _ in parents]
+        out = self.runner.logits_batch([s.kv for _, s in active] + [s.kv for _, s in parents], num_last)
+        t1 = time.time_ns()
+        failed = self._sample_step(active, out[: len(active)], drafted) if active else {}
+        for (i, s), logits in zip(parents, out[len(active) :]):  # logits [pending + 1, V]
+            try:
+                self._choose_branches(i, s, logits, branched[i], drafted)
+            except Exception as exc:  # noqa: BLE001 - this request's rows could not be ranked: it alone fails
+                failed[i] = exc
+        t2 = time.time_ns()
+        for i in dict.fromkeys([key[0] for key, _ in active] + [i for i, _ in parents]):
+            logs[i].add(ph.FORWARD, t0, t1)
+            logs[i].add(ph.SAMPLING, t1, t2)
+        return failed
+
+    def _sample_step(
+        self, active: list[tuple[_Key, _ModelDraftSession]], rows: list[Tensor], drafted: dict[_Key, _Draft]
+    ) -> dict[int, Exception]:
+        """Sample one token per active row from its logits (A x [1, V]) and append it; {request: error}."""
         logits = torch.cat(rows)  # [A, V]
         if self.token_map is not None:
             logits = logits[:, self.token_map]  # [A, N]: the reduced head's own rows
-        t1 = time.time_ns()
         probs = sampling.processed_probs(logits[:, None, :], [s.params for _, s in active])  # [A, 1, V or N]
         unusable = sampling.unusable_rows(logits[:, None, :], probs)
         probs = probs[:, 0]  # [A, V or N]
-        failed: dict[int, Exception] = {active[a][0]: exc for a, exc in unusable.items()}
+        failed: dict[int, Exception] = {active[a][0][0]: exc for a, exc in unusable.items()}
         tokens: dict[int, int] = {}  # row -> token
         sampled: dict[QSettings, list[int]] = {}  # rows by q settings: each group shares one build
         for a, (_, s) in enumerate(active):
@@ -249,28 +463,63 @@ class ModelDrafter(PooledModel[_ModelDraftSession]):
                     try:
                         self._sample_rows([a], settings, probs, active, drafted, tokens)
                     except Exception as exc:  # noqa: BLE001 - this row's sampling failed: its request alone
-                        failed[active[a][0]] = exc
+                        failed[active[a][0][0]] = exc
         q_ms = (time.perf_counter_ns() - tq) / 1e6
-        for a, (i, s) in enumerate(active):
+        for a, (key, s) in enumerate(active):
             if a not in tokens:
                 continue
             self.runner.append(s.kv, [tokens[a]])
-            drafted[i].tokens.append(tokens[a])
+            drafted[key].tokens.append(tokens[a])
             if not s.params.is_greedy:
-                drafted[i].q_ms += q_ms  # a batch's shared build counts whole, like its forward
-        t2 = time.time_ns()
-        for i, _ in active:
-            logs[i].add(ph.FORWARD, t0, t1)
-            logs[i].add(ph.SAMPLING, t1, t2)
+                drafted[key].q_ms += q_ms  # a batch's shared build counts whole, like its forward
         return failed
+
+    def _choose_branches(
+        self, i: int, s: _ModelDraftSession, logits: Tensor, bp: _BranchPass, drafted: dict[_Key, _Draft]
+    ) -> None:
+        """Rank the verdicts of the pending tokens by the rule (specd.core.branching) and fork the chosen ones.
+
+        logits: [K+1, V] rows predicting each pending token and the one after them.
+        """
+        req, k = bp.request, bp.request.pending
+        if self.token_map is not None:
+            logits = logits[:, self.token_map]  # [K+1, N]
+        probs = sampling.processed_probs(logits[None], [s.params])  # [1, K+1, V or N]
+        unusable = sampling.unusable_rows(logits[None], probs)
+        if unusable:
+            raise unusable[0]
+        rank = ranking_probs(logits, s.params.is_greedy, probs[0])  # [K+1, V or N]
+        if self.token_map is not None:  # back to target ids: 0 off the map
+            rank = rank.new_zeros(k + 1, self.vocab_size).index_copy_(1, self.token_map, rank)  # [K+1, V]
+        base = len(s.kv.tokens) - k  # the committed prefix
+        pending = s.kv.tokens[base:]
+        acceptance = req.acceptance or PositionAcceptance().rates(k)
+        budget = self._branch_room(req.budget, len(s.kv.tokens) + 1 + bp.steps)
+        bp.choices = select_branches(rank, pending, acceptance, budget)
+        for b, choice in enumerate(bp.choices):
+            kv = self.runner.fork(s.kv)  # shares the cache: the crop below only narrows the fork's view
+            self.runner.truncate(kv, base + choice.accepted)
+            self.runner.append(kv, [choice.token_id])
+            bp.forks.append(_ModelDraftSession(kv, s.params, s.q))
+            drafted[(i, b)] = _Draft()
+        s.branches, s.fork_at = list(bp.forks), base
+
+    def _branches(self, i: int, bp: _BranchPass, drafted: dict[_Key, _Draft], log: PhaseLog) -> Branches:
+        compute_ms = (log.phases[-1].end_ns - log.phases[0].start_ns) / 1e6 if log.phases else 0.0
+        out = []
+        for b, choice in enumerate(bp.choices):
+            proposal = drafted[(i, b)].proposal(log)
+            if len(proposal):
+                out.append(Branch(choice.accepted, choice.token_id, proposal))
+        return Branches(tuple(out), compute_ms, log)
 
     def _sample_rows(
         self,
         group: list[int],
         settings: QSettings,
         probs: Tensor,
-        active: list[tuple[int, _ModelDraftSession]],
-        drafted: dict[int, _Draft],
+        active: list[tuple[_Key, _ModelDraftSession]],
+        drafted: dict[_Key, _Draft],
         tokens: dict[int, int],
     ) -> None:
         """Build q for rows `group` of probs [A, V or N] at once, sample from it, record token and q per row."""

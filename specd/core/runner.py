@@ -161,6 +161,27 @@ class CausalLMRunner:
         s.tokens[:] = ids
         self._crop(s, min(s.cached, common))
 
+    def fork(self, s: KVSession) -> KVSession:
+        """A second session with s's tokens and cache, sharing the cache tensors (no copy).
+
+        Sharing is safe because nothing writes a cache tensor in place: a crop
+        slices (DynamicLayer.crop: a view) and a forward concatenates
+        (DynamicLayer.update: a new tensor), so editing either session leaves
+        the other's keys and values as they were (tests/test_runner.py checks
+        this against transformers' DynamicLayer). The fork's first forward
+        gives it tensors of its own; until then it costs no memory.
+        """
+        cache = DynamicCache()
+        for layer in s.cache.layers:
+            if type(layer) is not DynamicLayer:
+                raise InvalidArgument(f"cannot fork a {type(layer).__name__} cache; sessions use DynamicLayer")
+            twin = DynamicLayer()
+            if layer.is_initialized and layer.keys is not None and layer.values is not None:
+                twin.lazy_initialization(layer.keys, layer.values)
+                twin.keys, twin.values = layer.keys, layer.values
+            cache.layers.append(twin)
+        return KVSession(tokens=list(s.tokens), cached=s.cached, cache=cache)
+
     # ---- forward ---------------------------------------------------------
 
     @torch.inference_mode()

@@ -240,6 +240,10 @@ class KVSessionPool(Generic[S]):
     def kv_bytes(self) -> int:
         return sum(self.runner.kv_bytes(s.kv) for _, s in self._table)
 
+    def values(self) -> Iterator[S]:
+        """The sessions' states (no use marked)."""
+        return (s for _, s in self._table)
+
     def run_batch(
         self,
         requests: Sequence[R],

@@ -1,0 +1,195 @@
+"""A speculation cache's branches: which verdicts of the round being verified to pre-draft for.
+
+While the target verifies K pending draft tokens d_0..d_{K-1}, its verdict
+is one of
+
+    (j, t), j < K:  d_0..d_{j-1} accepted, d_j rejected, t recovered
+    (K, t):         all accepted, t the bonus token
+
+and the next round's drafts depend on it only through the prefix it
+commits, committed + d_0..d_{j-1} + t. A *branch* is one such (j, t) with
+the draft tokens for that prefix; the loop uses a branch only when the
+verdict is exactly its (j, t) (specd.core.loop), so choosing branches is a
+matter of speed, never of exactness.
+
+The rule (SSD / Saguaro's, with a geometric-style acceptance model): cover the
+`budget` most likely verdicts,
+
+    P(j, t) = P(exactly j accepted) * P(t | j)
+    P(exactly j accepted) = a_0 ... a_{j-1} (1 - a_j),   P(K) = a_0 ... a_{K-1}
+    P(t | j < K) = q_j(t) / (1 - q_j(d_j)),  t != d_j    (the draft's own alternatives to d_j)
+    P(t | K)     = q_K(t)                                 (the draft's guess of the bonus)
+
+with a_i the measured acceptance of pending position i given the ones
+before it were accepted (`PositionAcceptance`: this request's verdicts,
+shrunk towards a prior) and q_j the draft's distribution at position j (the
+request's processed distribution; greedy requests rank by the softmax). Why
+these: the coordinator knows how often each position is accepted, the draft
+knows what it would say instead, and their product is the probability of
+the verdict under the model "the target accepts position i with probability
+a_i and, when it rejects, says what the draft would say next". At T = 0
+that model is exact in form (the recovered token is the target's argmax,
+the draft's best alternative is the best guess of it); at T > 0 the
+recovered token is drawn from normalise(max(0, p - q)), which q's
+alternatives approximate.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor
+
+from specd.core.phases import PhaseLog
+from specd.core.proposal import Proposal
+
+DEFAULT_BRANCH_BUDGET = 8  # branches per round: on a GPU draft they cost about one batch row each
+MAX_BRANCH_BUDGET = 64  # what a draft service drafts at most for one request's round
+
+
+@dataclass(frozen=True)
+class BranchRequest:
+    """A session's branch call: the prefix (committed + pending) as (start, tail), as in ProposeRequest."""
+
+    session_id: str
+    committed_length: int  # tokens of the prefix: the committed ones, then the `pending` being verified
+    start: int
+    tail: Sequence[int]
+    pending: int  # the last `pending` tokens of the prefix are being verified (>= 1)
+    num_tokens: int  # draft tokens per branch
+    budget: int = DEFAULT_BRANCH_BUDGET  # branches at most
+    acceptance: tuple[float, ...] = ()  # per pending position: P(accepted | the ones before accepted); () = default
+
+
+@dataclass(frozen=True)
+class Branch:
+    """One verdict (accepted, token_id) of the pending tokens and the next round's drafts after it."""
+
+    accepted: int  # pending tokens accepted
+    token_id: int  # then the recovered (accepted < pending) or the bonus (accepted == pending) token
+    proposal: Proposal  # draft tokens after committed + pending[:accepted] + [token_id]
+
+    def extension(self, pending: Sequence[int]) -> tuple[int, ...]:
+        """The tokens this branch assumes the round commits after the committed prefix."""
+        return (*pending[: self.accepted], self.token_id)
+
+
+@dataclass(frozen=True)
+class Branches:
+    """What a branch call returns: its branches (possibly none), likeliest first, and where the time went."""
+
+    branches: tuple[Branch, ...]
+    compute_ms: float = 0.0
+    phases: PhaseLog = field(default_factory=PhaseLog, compare=False, repr=False)
+
+    def __len__(self) -> int:
+        return len(self.branches)
+
+
+@dataclass(frozen=True)
+class BranchChoice:
+    accepted: int
+    token_id: int
+    probability: float  # the rule's estimate of P(the verdict is exactly this)
+
+
+def outcome_probabilities(acceptance: Sequence[float]) -> list[float]:
+    """P(exactly j of the K pending tokens accepted) for j = 0..K (K + 1 numbers summing to 1)."""
+    out, reach = [], 1.0
+    for a in acceptance:
+        a = min(1.0, max(0.0, float(a)))
+        out.append(reach * (1.0 - a))
+        reach *= a
+    out.append(reach)
+    return out
+
+
+def select_branches(
+    probs: Tensor, pending: Sequence[int], acceptance: Sequence[float], budget: int
+) -> list[BranchChoice]:
+    """The `budget` likeliest verdicts (module docstring), likeliest first; ties: deeper, then lower id.
+
+    probs: [K+1, V] float, row j the draft's distribution of the token after the
+    first j pending tokens (row K: after all of them, the bonus position).
+    acceptance: K per-position conditional acceptance rates.
+    """
+    k = len(pending)
+    assert probs.dim() == 2 and probs.shape[0] == k + 1, f"probs must be [K+1, V] for K={k}, got {tuple(probs.shape)}"
+    assert len(acceptance) == k, f"need one acceptance rate per pending token ({k}), got {len(acceptance)}"
+    if budget < 1:
+        return []
+    reach = outcome_probabilities(acceptance)
+    width = min(budget + 1, int(probs.shape[1]))  # + 1: a row's own draft token is not a candidate
+    top_p, top_i = probs.float().topk(width, dim=-1)  # [K+1, W] each
+    candidates: list[tuple[float, int, int]] = []  # (probability, accepted, token)
+    for j in range(k + 1):
+        if reach[j] <= 0.0:
+            continue
+        rejected = pending[j] if j < k else None
+        rest = 1.0 - float(probs[j, rejected]) if rejected is not None else 1.0  # mass of the alternatives
+        if rest <= 1e-12:
+            continue
+        for p, t in zip(top_p[j].tolist(), top_i[j].tolist()):
+            if t != rejected and p > 0.0:
+                candidates.append((reach[j] * p / rest, j, int(t)))
+    candidates.sort(key=lambda c: (-c[0], -c[1], c[2]))
+    return [BranchChoice(j, t, p) for p, j, t in candidates[:budget]]
+
+
+def ranking_probs(logits: Tensor, greedy: bool, processed: Tensor) -> Tensor:
+    """[N, V] logits -> [N, V] the distribution branches are ranked by.
+
+    processed: the request's processed distribution of the same rows; a greedy
+    request's is one-hot (nothing to rank the alternatives by), so it ranks by
+    the softmax of the logits instead.
+    """
+    return torch.softmax(logits.float(), dim=-1) if greedy else processed
+
+
+@dataclass
+class PositionAcceptance:
+    """Measured acceptance per draft position, conditional on the positions before it being accepted.
+
+    Counts a request's verdicts: position i was reached when the first i
+    drafts were accepted, and accepted when the first i + 1 were. The rate is
+    shrunk towards `prior` by `prior_weight` verdicts, so the first rounds
+    follow the prior and the request's own text takes over.
+    """
+
+    prior: float = 0.7
+    prior_weight: float = 2.0
+    reached: list[int] = field(default_factory=list)
+    accepted: list[int] = field(default_factory=list)
+
+    def observe(self, drafted: int, accepted: int) -> None:
+        """One verdict: `accepted` of `drafted` draft tokens."""
+        if drafted > len(self.reached):
+            grow = drafted - len(self.reached)
+            self.reached.extend([0] * grow)
+            self.accepted.extend([0] * grow)
+        for i in range(min(drafted, accepted + 1)):
+            self.reached[i] += 1
+            self.accepted[i] += int(i < accepted)
+
+    def rates(self, k: int) -> tuple[float, ...]:
+        """a_0 .. a_{k-1}; positions never reached take the prior."""
+        out = []
+        for i in range(k):
+            n = self.reached[i] if i < len(self.reached) else 0
+            hits = self.accepted[i] if i < len(self.accepted) else 0
+            out.append((hits + self.prior * self.prior_weight) / (n + self.prior_weight))
+        return tuple(out)
+
+
+def bonus_guess(pending: int, proposal: Proposal) -> Branches:
+    """The branch of a drafter with no distribution (n-gram, suffix): the all-accepted verdict only.
+
+    `proposal` was drafted after the whole prefix (every pending token accepted);
+    its first token is the guess of the bonus, the rest the next round's drafts.
+    """
+    if len(proposal) < 2:
+        return Branches((), proposal.compute_ms, proposal.phases)
+    rest = proposal.window(1, compute_ms=proposal.compute_ms)
+    return Branches((Branch(pending, proposal.token_ids[0], rest),), proposal.compute_ms, proposal.phases)

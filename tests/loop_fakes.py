@@ -11,9 +11,13 @@ Failures, hangs, lost sessions and latencies are scripted per call number
 from __future__ import annotations
 
 import asyncio
+import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
+import torch
+
+from specd.core.branching import Branch, Branches, select_branches
 from specd.core.drafting import sync_prefix
 from specd.core.errors import DeadlineExceeded, SessionNotFound, SessionOutOfSync, SpecdError, Unavailable
 from specd.core.phases import PhaseLog
@@ -39,6 +43,22 @@ def agree_mostly(prefix: Sequence[int]) -> bool:
 def draft_next(prefix: Sequence[int], agrees: Callable[[Sequence[int]], bool] = agree_mostly) -> int:
     t = target_next(prefix)
     return t if agrees(prefix) else (t + 1) % V
+
+
+def alternative(prefix: Sequence[int], drafted: int) -> int:
+    """The fake draft's second choice after `prefix`: the target's token when it drafted another, mostly."""
+    t = target_next(prefix)
+    return t if t != drafted and prefix[-1] % 3 != 0 else (t + 5) % V
+
+
+def draft_distribution(prefix: Sequence[int], step: Callable[[Sequence[int]], int]) -> torch.Tensor:
+    """[V] what the fake draft believes after `prefix`: its token 0.7, its alternative 0.2, another 0.1."""
+    d = step(prefix)
+    probs = torch.zeros(V)
+    probs[(d + 3) % V] += 0.1
+    probs[alternative(prefix, d)] += 0.2
+    probs[d] += 0.7
+    return probs
 
 
 def chain(prefix: Sequence[int], n: int, step: Callable[[Sequence[int]], int]) -> list[int]:
@@ -133,7 +153,9 @@ class FakeTarget:
 
 
 class FakeDraft:
-    """A DraftPort drafting with `step`; `lie` makes call n send one token more than asked."""
+    """A DraftPort drafting with `step`; `lie` makes call n send one token more than asked.
+
+    Branch calls choose with the real rule (specd.core.branching) over draft_distribution."""
 
     def __init__(
         self,
@@ -154,6 +176,10 @@ class FakeDraft:
         self.closed: list[str] = []
         self.final: dict[str, list[int]] = {}  # the committed tokens each close carried
         self.prefixes: list[list[int]] = []  # the prefix of every propose, in order
+        self.branch_calls: list[tuple[list[int], int]] = []  # (prefix, pending) of every branch call
+        self.branch_results: list[Branches] = []  # what every branch call that answered returned
+        self.shared: dict[str, int] = {}  # session -> tokens its branches share (after a branch call)
+        self.violations: list[tuple[str, int]] = []  # (session, start) of calls that started past them
 
     async def available(self) -> bool:
         return self.up
@@ -163,6 +189,7 @@ class FakeDraft:
     ) -> None:
         self.opens += 1
         self.sessions[session_id] = list(token_ids)
+        self.shared.pop(session_id, None)
 
     async def propose(
         self,
@@ -180,17 +207,59 @@ class FakeDraft:
         await self.script.before(n, timeout, self.sessions, session_id)
         if session_id not in self.sessions:
             raise SessionNotFound(f"no session {session_id}")
-        prefix = sync_prefix(self.sessions[session_id], committed_length, start, tail)
+        prefix = self._sync(session_id, committed_length, start, tail)
         self.prefixes.append(prefix)
         k = num_tokens + (1 if n in self.lie else 0) - (1 if n in self.short else 0)
         drafts = chain(prefix, max(0, k), self.step)
         self.sessions[session_id] = prefix + drafts
         return Proposal(drafts, compute_ms=self.script.latency_s * 1e3)
 
+    async def propose_branches(
+        self,
+        session_id: str,
+        committed_length: int,
+        start: int,
+        tail: Sequence[int],
+        pending: int,
+        num_tokens: int,
+        *,
+        budget: int,
+        acceptance: Sequence[float],
+        timeout: float,
+        carrier: Carrier,
+    ) -> Branches:
+        """The real branch rule over the fake's beliefs (draft_distribution); one call, like a batched pass."""
+        self.calls += 1
+        n = self.calls
+        await self.script.before(n, timeout, self.sessions, session_id)
+        if session_id not in self.sessions:
+            raise SessionNotFound(f"no session {session_id}")
+        prefix = self._sync(session_id, committed_length, start, tail)
+        self.branch_calls.append((prefix, pending))
+        base = len(prefix) - pending
+        probs = torch.stack([draft_distribution(prefix[: base + j], self.step) for j in range(pending + 1)])
+        k = num_tokens + (1 if n in self.lie else 0) - (1 if n in self.short else 0)
+        branches = []
+        for c in select_branches(probs, prefix[base:], acceptance, budget):
+            drafts = chain([*prefix[: base + c.accepted], c.token_id], max(0, k), self.step)
+            branches.append(Branch(c.accepted, c.token_id, Proposal(drafts, compute_ms=self.script.latency_s * 1e3)))
+        self.sessions[session_id] = prefix
+        self.shared[session_id] = base  # what every branch shares with the sequence
+        result = Branches(tuple(branches), compute_ms=self.script.latency_s * 1e3)
+        self.branch_results.append(result)
+        return result
+
+    def _sync(self, session_id: str, committed_length: int, start: int, tail: Sequence[int]) -> list[int]:
+        """The prefix from (start, tail); a start past what the branches share is a protocol violation."""
+        if start > self.shared.pop(session_id, math.inf):
+            self.violations.append((session_id, start))
+        return sync_prefix(self.sessions[session_id], committed_length, start, tail)
+
     async def close(self, session_id: str, *, timeout: float, committed: Sequence[int] = (), start: int = 0) -> None:
         self.closed.append(session_id)
         self.final[session_id] = list(committed)
         self.sessions.pop(session_id, None)
+        self.shared.pop(session_id, None)
 
 
 class Watch:

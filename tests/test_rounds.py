@@ -122,6 +122,29 @@ def test_pipelining_and_auto_run_in_process_too(tiny, temperature: float) -> Non
         assert [t for r in result.records for t in r.committed] == result.token_ids
 
 
+@pytest.mark.parametrize("temperature", [0.0, 0.9])
+def test_spec_cache_changes_no_token_in_process(tiny, temperature: float) -> None:
+    """The in-process oracle runs the speculation cache: a branch drafts what a fresh propose would, so the
+    output is the output without pipelining, greedy and seeded; the target as its own draft hits."""
+    loaded, verifier, drafter, self_drafter = tiny
+    prompt = loaded.tokenizer("speculation cache").input_ids
+    params = SamplingParams(temperature=temperature, seed=5)
+    for d in (drafter, self_drafter):
+        plain = speculative_generate(prompt, verifier, d, params, draft_length=3, max_new_tokens=24)
+        cached = speculative_generate(
+            prompt, verifier, d, params, draft_length=3, max_new_tokens=24, pipeline="spec-cache"
+        )
+        assert cached.token_ids == plain.token_ids
+        assert [t for r in cached.records for t in r.committed] == cached.token_ids
+    assert cached.stats.pipeline_hits > 0 or temperature > 0  # (a random model's bonus is hard to guess at T > 0)
+    ngram = NgramDrafter(verifier.vocab_size)
+    text = loaded.tokenizer("abc abc abc abc abc abc").input_ids
+    ref = speculative_generate(text, verifier, None, GREEDY, draft_length=0, max_new_tokens=24).token_ids
+    got = speculative_generate(text, verifier, ngram, GREEDY, draft_length=4, max_new_tokens=24, pipeline="spec-cache")
+    assert got.token_ids == ref and got.stats.draft_tokens > 0
+    assert set(got.stats.pipeline_hits_by_outcome) <= {f"{k}:bonus" for k in range(1, 5)}  # its bonus guess only
+
+
 def test_batched_requests_share_forward_passes(tiny) -> None:
     loaded, verifier, drafter, _ = tiny
     sizes = {"verify": [], "propose": []}

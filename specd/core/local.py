@@ -13,7 +13,8 @@ import asyncio
 from collections.abc import Callable, Sequence
 from typing import Generic, TypeVar
 
-from specd.core.drafting import Drafter, ProposeRequest
+from specd.core.branching import Branches, BranchRequest
+from specd.core.drafting import Drafter, DraftResult, DraftWork, ProposeRequest, draft_work
 from specd.core.ports import Carrier
 from specd.core.proposal import Proposal
 from specd.core.sampling import SamplingParams
@@ -62,7 +63,8 @@ class LocalDraft:
 
     def __init__(self, drafter: Drafter) -> None:
         self.drafter = drafter
-        self._batch: TurnBatcher[ProposeRequest, Proposal] = TurnBatcher(drafter.propose_batch)
+        # Proposes and branch calls of one turn: one batch, as the draft service runs them.
+        self._batch: TurnBatcher[DraftWork, DraftResult] = TurnBatcher(lambda work: draft_work(drafter, work))
 
     async def available(self) -> bool:
         return True
@@ -83,7 +85,30 @@ class LocalDraft:
         timeout: float,
         carrier: Carrier,
     ) -> Proposal:
-        return await self._batch.submit(ProposeRequest(session_id, committed_length, start, list(tail), num_tokens))
+        result = await self._batch.submit(ProposeRequest(session_id, committed_length, start, list(tail), num_tokens))
+        assert isinstance(result, Proposal)
+        return result
+
+    async def propose_branches(
+        self,
+        session_id: str,
+        committed_length: int,
+        start: int,
+        tail: Sequence[int],
+        pending: int,
+        num_tokens: int,
+        *,
+        budget: int,
+        acceptance: Sequence[float],
+        timeout: float,
+        carrier: Carrier,
+    ) -> Branches:
+        request = BranchRequest(
+            session_id, committed_length, start, list(tail), pending, num_tokens, budget, tuple(acceptance)
+        )
+        result = await self._batch.submit(request)
+        assert isinstance(result, Branches)
+        return result
 
     async def close(self, session_id: str, *, timeout: float, committed: Sequence[int] = (), start: int = 0) -> None:
         if isinstance(self.drafter, LearningDrafter) and committed:  # as the draft service's close

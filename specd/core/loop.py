@@ -24,13 +24,15 @@ import asyncio
 import logging
 import math
 import time
-from collections.abc import AsyncGenerator, Callable, Sequence
+from collections.abc import AsyncGenerator, Awaitable, Callable, Sequence
 from dataclasses import dataclass
+from typing import TypeVar
 
 from specd.core.adaptive import ServiceEstimates
+from specd.core.branching import DEFAULT_BRANCH_BUDGET
 from specd.core.errors import REQUEST_ERRORS, SpecdError
 from specd.core.generation import FinishReason, Generation, StopRule
-from specd.core.pipeline import Off, PipelineRound, make_pipeline
+from specd.core.pipeline import Off, PipelineRound, PipelineSettings, PreDraft, make_pipeline
 from specd.core.port_sessions import DraftSession, TargetSession
 from specd.core.ports import Carrier, DraftPort, NoObserver, RoundObserver, TargetPort
 from specd.core.proposal import Proposal
@@ -39,6 +41,7 @@ from specd.core.sampling import SamplingParams
 from specd.core.verification import VerifyOutcome
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 SPECULATION_MODES = ("auto", "fixed", "off")
 
@@ -66,6 +69,7 @@ class LoopSettings:
     target_timeout_s: float = 30.0  # per target call, and the retry budget after a first failure
     draft_retry_s: float = 2.0  # after a draft failure, rounds are target-only this long
     close_timeout_s: float = 2.0
+    branch_budget: int = DEFAULT_BRANCH_BUDGET  # spec-cache pipelining: verdicts pre-drafted per round
 
 
 class RoundLoop:
@@ -160,7 +164,8 @@ class RequestRun:
         self._stop = stop
         self._observer = observer
         speculating = spec.speculation != "off"
-        self._pipeline = make_pipeline(spec.pipeline) if speculating else Off()
+        pipeline_settings = PipelineSettings(branch_budget=loop.settings.branch_budget)
+        self._pipeline = make_pipeline(spec.pipeline, pipeline_settings) if speculating else Off()
         self._adaptive = loop.estimates.controller(spec.draft_length) if spec.speculation == "auto" else None
         self._target = TargetSession(loop.target, session_id, spec.params, loop.settings.target_timeout_s)
         self._draft = DraftSession(loop.draft, session_id, spec.params) if loop.draft is not None else None
@@ -210,7 +215,18 @@ class RequestRun:
         async def draft_after(extension: Sequence[int], k: int) -> Proposal:
             return (await self._propose(committed, extension, k, carrier))[0]
 
-        rnd = PipelineRound(committed, proposal, budget, wanted, draft_after)
+        async def draft_branches(branches: int, acceptance: Sequence[float], k: int) -> list[PreDraft]:
+            pending = tuple(proposal.token_ids)
+            result = await self._draft_call(
+                lambda draft, timeout: draft.propose_branches(
+                    committed, pending, k, budget=branches, acceptance=acceptance, timeout=timeout, carrier=carrier
+                )
+            )
+            if isinstance(result, TargetOnly):
+                return []
+            return [PreDraft(b.extension(pending), b.proposal) for b in result.branches]
+
+        rnd = PipelineRound(committed, proposal, budget, wanted, draft_after, draft_branches)
         defer = self._pipeline.defers_bonus(rnd)
         verify = asyncio.ensure_future(
             self._target.verify(
@@ -277,25 +293,33 @@ class RequestRun:
         self, committed: Sequence[int], extension: Sequence[int], k: int, carrier: Carrier
     ) -> tuple[Proposal, TargetOnly | None]:
         """k draft tokens after committed + extension, or none and why: speculation pauses, output stays exact."""
+        result = await self._draft_call(
+            lambda draft, timeout: draft.propose(committed, extension, k, timeout=timeout, carrier=carrier)
+        )
+        if isinstance(result, TargetOnly):
+            return Proposal([]), result
+        return result, None if len(result) else TargetOnly.DRAFT_EMPTY
+
+    async def _draft_call(self, call: Callable[[DraftSession, float], Awaitable[T]]) -> T | TargetOnly:
+        """call(draft session, timeout), or why the draft gave nothing: its failure pauses speculation."""
         if self._draft is None:
-            return Proposal([]), TargetOnly.NO_DRAFT
+            return TargetOnly.NO_DRAFT
         if self._draft_refused:
-            return Proposal([]), TargetOnly.DRAFT_REFUSED
+            return TargetOnly.DRAFT_REFUSED
         timeout = min(self._loop.settings.draft_timeout_s, max(0.0, self._deadline - time.monotonic()))
         try:
-            proposal = await self._draft.propose(committed, extension, k, timeout=timeout, carrier=carrier)
+            return await call(self._draft, timeout)
         except REQUEST_ERRORS as exc:  # this request's own problem: it alone goes target-only, nobody pauses
             self._draft_refused = True
             log.warning(
                 "draft refused session %s (%s: %s); target-only for it", self.session_id, type(exc).__name__, exc
             )
             self._observer.round_event("draft refused the request; target-only", exc)
-            return Proposal([]), TargetOnly.DRAFT_REFUSED
+            return TargetOnly.DRAFT_REFUSED
         except SpecdError as exc:  # slow, gone, lying or full: speculation pauses for every request
             self._loop.draft_failed(exc)
             self._observer.round_event("draft failed; target-only round", exc)
-            return Proposal([]), TargetOnly.DRAFT_FAILED
-        return proposal, None if len(proposal) else TargetOnly.DRAFT_EMPTY
+            return TargetOnly.DRAFT_FAILED
 
     def _target_retry(self, exc: BaseException) -> None:
         log.warning("target round failed (%s: %s); retrying", type(exc).__name__, exc)

@@ -19,10 +19,11 @@ prefix and is discarded, never verified (ARCHITECTURE §3): a strategy cannot
 bend the output whatever it launches. Coins are (seed, position, role), so a
 draft made early for the right prefix is the draft that would be made now.
 
-A speculation cache (pre-drafts for the most likely (j, t), not only the
-all-accepted outcome) is one more strategy: launch several, return them all.
 `draft_after` calls on one session run one at a time, in call order (the
-draft holds one sequence per session).
+draft holds one sequence per session), so B of them cost B drafts.
+`draft_branches` is the one call for many outcomes: the draft picks the
+likeliest verdicts by its own distribution and the measured acceptance, and
+drafts all of them in one batched pass (SpecCache, specd.core.branching).
 """
 
 from __future__ import annotations
@@ -32,12 +33,16 @@ from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
+from specd.core.branching import DEFAULT_BRANCH_BUDGET, MAX_BRANCH_BUDGET, PositionAcceptance
 from specd.core.errors import InvalidArgument
 from specd.core.proposal import Proposal
 from specd.core.verification import VerifyOutcome
 
 # k draft tokens after the round's committed prefix + extension; an empty proposal if the draft failed.
 DraftAfter = Callable[[Sequence[int], int], Awaitable[Proposal]]
+# (budget, acceptance per draft position, k): up to `budget` verdicts of this round's proposal, chosen
+# by the draft, with k draft tokens after each, as pre-drafts; none if the draft failed.
+DraftBranches = Callable[[int, Sequence[float], int], Awaitable["list[PreDraft]"]]
 
 
 @dataclass(frozen=True)
@@ -49,6 +54,7 @@ class PipelineRound:
     budget: int  # draft tokens the round asked for (len(proposal) < budget: the draft ran short)
     next_k: int  # draft tokens the next round is expected to want
     draft_after: DraftAfter
+    draft_branches: DraftBranches
 
 
 @dataclass(frozen=True)
@@ -167,17 +173,82 @@ class PostVerify(_AllAccepted):
         return [PreDraft(self._assumed, pre.window(0))]
 
 
+class SpecCache:
+    """A speculation cache (SSD / Saguaro): pre-draft the next round for the likeliest verdicts.
+
+    While the target verifies, one branch call has the draft choose up to
+    `budget` verdicts (j, t) of this round's proposal, the all-accepted one
+    with its best bonus guesses and j accepted with its best recovered guesses,
+    by P(exactly j accepted) x P(t | j) (specd.core.branching), and draft the
+    next round after each in one batched pass. Hit: the verdict is one of them;
+    the next round verifies that branch's drafts at once.
+
+    P(exactly j accepted) comes from this request's verdicts per position
+    (`PositionAcceptance`); the draft supplies P(t | j). A drafter with no
+    distribution (n-gram, suffix) covers the all-accepted verdict with its
+    own bonus guess, as bonus-match does. A hit gives the very tokens a fresh
+    draft would (the draft's coins are (seed, position)), so the output is the
+    same as without pipelining, greedy and seeded.
+    """
+
+    name = "spec-cache"
+
+    def __init__(self, budget: int = DEFAULT_BRANCH_BUDGET) -> None:
+        if not 1 <= budget <= MAX_BRANCH_BUDGET:
+            raise InvalidArgument(f"the branch budget must be in 1..{MAX_BRANCH_BUDGET}, got {budget}")
+        self.budget = budget
+        self.acceptance = PositionAcceptance()
+        self._task: asyncio.Task[list[PreDraft]] | None = None
+        self._drafted = 0  # draft tokens of the round whose verdict settle will see
+
+    def defers_bonus(self, rnd: PipelineRound) -> bool:
+        return False
+
+    def launch(self, rnd: PipelineRound) -> int:
+        """One branch call; returns the budget (the draft decides how many of them it drafts)."""
+        self._drafted = len(rnd.proposal)
+        if not self._drafted or rnd.next_k <= 0:
+            return 0
+        rates = self.acceptance.rates(self._drafted)
+        self._task = asyncio.ensure_future(rnd.draft_branches(self.budget, rates, rnd.next_k))
+        return self.budget
+
+    async def settle(self, verdict: VerifyOutcome | None) -> list[PreDraft]:
+        if verdict is not None and self._drafted:
+            self.acceptance.observe(self._drafted, verdict.accepted)
+        task, self._task = self._task, None
+        if task is None:
+            return []
+        if verdict is None:  # the request is ending: do not wait for branches nobody will use
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+            return []
+        try:
+            return await task
+        finally:
+            task.cancel()  # no-op once done; a request cancelled meanwhile cancels its branch call
+
+
+@dataclass(frozen=True)
+class PipelineSettings:
+    """What strategies are built with (the coordinator's settings)."""
+
+    branch_budget: int = DEFAULT_BRANCH_BUDGET  # spec-cache: branches per round
+
+
 # Name (as requests and the coordinator's --pipeline say it) -> a factory of fresh strategies.
-PIPELINES: dict[str, Callable[[], PipelineStrategy]] = {
-    Off.name: Off,
-    BonusMatch.name: BonusMatch,
-    PostVerify.name: PostVerify,
+PIPELINES: dict[str, Callable[[PipelineSettings], PipelineStrategy]] = {
+    Off.name: lambda _: Off(),
+    BonusMatch.name: lambda _: BonusMatch(),
+    PostVerify.name: lambda _: PostVerify(),
+    SpecCache.name: lambda settings: SpecCache(settings.branch_budget),
 }
 
 
-def make_pipeline(name: str) -> PipelineStrategy:
+def make_pipeline(name: str, settings: PipelineSettings | None = None) -> PipelineStrategy:
     """A fresh strategy (it holds one request's pre-draft state)."""
     try:
-        return PIPELINES[name]()
+        factory = PIPELINES[name]
     except KeyError:
         raise InvalidArgument(f"unknown pipeline {name!r}; use one of {sorted(PIPELINES)}") from None
+    return factory(settings or PipelineSettings())

@@ -4,13 +4,17 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
+from typing import TypeVar
 
+from specd.core.branching import Branches
 from specd.core.errors import DeadlineExceeded, SessionNotFound, SessionOutOfSync, Unavailable
 from specd.core.ports import Carrier, DraftPort, TargetPort
 from specd.core.proposal import Proposal
 from specd.core.sampling import SamplingParams
 from specd.core.verification import VerifyOutcome
+
+T = TypeVar("T")
 
 
 class DraftSession:
@@ -20,7 +24,11 @@ class DraftSession:
     tokens as of the last call, then what followed them there (an assumed
     extension and the drafts). Committed prefixes only grow, so the draft
     agrees with a later prefix on base + the common prefix of ext and the
-    rest; that is where the next propose rolls it back to (`start`).
+    rest; that is where the next propose rolls it back to (`start`). After a
+    branch call the draft holds several sequences (the prefix and its
+    branches) that share committed[:base] only: ext is empty, so the next call
+    starts within the committed prefix and the draft picks the sequence that
+    continues.
 
     Calls run one at a time, in call order: each needs the sequence the one
     before left. A failed or cancelled call forgets the sequence (the draft
@@ -50,6 +58,65 @@ class DraftSession:
         self, committed: Sequence[int], extension: Sequence[int], k: int, *, timeout: float, carrier: Carrier
     ) -> Proposal:
         """Up to k draft tokens after committed + extension; raises the port's SpecdError on failure."""
+
+        async def send(start: int, prefix: list[int]) -> tuple[Proposal, list[int]]:
+            proposal = await self.port.propose(
+                self.session_id, len(prefix), start, prefix[start:], k, timeout=timeout, carrier=carrier
+            )
+            if len(proposal) > k:
+                raise Unavailable(f"draft sent {len(proposal)} tokens for {k} asked")
+            return proposal, [*extension, *proposal.token_ids]
+
+        return await self._call(committed, extension, send, timeout=timeout, carrier=carrier)
+
+    async def propose_branches(
+        self,
+        committed: Sequence[int],
+        pending: Sequence[int],
+        k: int,
+        *,
+        budget: int,
+        acceptance: Sequence[float],
+        timeout: float,
+        carrier: Carrier,
+    ) -> Branches:
+        """Branches for the verdicts of `pending` (being verified after `committed`), k drafts each.
+
+        Afterwards the draft holds several sequences that share `committed` and
+        nothing more for sure, so the next call starts within `committed`; the
+        draft continues the sequence that holds most of that call's prefix.
+        """
+
+        async def send(start: int, prefix: list[int]) -> tuple[Branches, list[int]]:
+            branches = await self.port.propose_branches(
+                self.session_id,
+                len(prefix),
+                start,
+                prefix[start:],
+                len(pending),
+                k,
+                budget=budget,
+                acceptance=acceptance,
+                timeout=timeout,
+                carrier=carrier,
+            )
+            _check_branches(branches, len(pending), k, budget)
+            return branches, []
+
+        return await self._call(committed, pending, send, timeout=timeout, carrier=carrier)
+
+    async def _call(
+        self,
+        committed: Sequence[int],
+        extension: Sequence[int],
+        send: Callable[[int, list[int]], Awaitable[tuple[T, list[int]]]],
+        *,
+        timeout: float,
+        carrier: Carrier,
+    ) -> T:
+        """send(start, prefix) for prefix = committed + extension, opening the session first if needed.
+
+        send returns its result and what the draft then holds after `committed`."""
         async with self._lock:
             prefix = [*committed, *extension]
             self.touched = True
@@ -59,14 +126,9 @@ class DraftSession:
                         if not self.opened:
                             await self.port.open(self.session_id, prefix, self.params, timeout=timeout, carrier=carrier)
                             self.opened, self._base, self._ext = True, len(committed), list(extension)
-                        start = self.agreement(prefix)
-                        proposal = await self.port.propose(
-                            self.session_id, len(prefix), start, prefix[start:], k, timeout=timeout, carrier=carrier
-                        )
-                        if len(proposal) > k:
-                            raise Unavailable(f"draft sent {len(proposal)} tokens for {k} asked")
-                        self._base, self._ext = len(committed), [*extension, *proposal.token_ids]
-                        return proposal
+                        result, held = await send(self.agreement(prefix), prefix)
+                        self._base, self._ext = len(committed), held
+                        return result
                     except (SessionNotFound, SessionOutOfSync):
                         self.opened = False
                 raise Unavailable("draft lost the session twice in a row")
@@ -78,6 +140,17 @@ class DraftSession:
         if self.touched:
             start = self.agreement(committed) if self.opened else 0
             await self.port.close(self.session_id, timeout=timeout, committed=committed, start=start)
+
+
+def _check_branches(branches: Branches, pending: int, k: int, budget: int) -> None:
+    """Branches that cannot belong to this call mean a draft out of step: Unavailable (the round goes on)."""
+    if len(branches) > budget:
+        raise Unavailable(f"draft sent {len(branches)} branches for {budget} asked")
+    for b in branches.branches:
+        if not 0 <= b.accepted <= pending:
+            raise Unavailable(f"draft sent a branch with {b.accepted} of {pending} pending tokens accepted")
+        if len(b.proposal) > k:
+            raise Unavailable(f"draft sent a branch of {len(b.proposal)} tokens for {k} asked")
 
 
 class TargetSession:

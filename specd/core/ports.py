@@ -20,6 +20,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Protocol
 
+from specd.core.branching import Branches
 from specd.core.proposal import Proposal
 from specd.core.record import RoundRecord
 from specd.core.sampling import SamplingParams
@@ -54,6 +55,31 @@ class DraftPort(Protocol):
     ) -> Proposal:
         """Roll the sequence back to its first `start` tokens, append `tail` (giving committed_length
         tokens), then draft up to num_tokens tokens after it; the drafts join the sequence."""
+        ...
+
+    async def propose_branches(
+        self,
+        session_id: str,
+        committed_length: int,
+        start: int,
+        tail: Sequence[int],
+        pending: int,
+        num_tokens: int,
+        *,
+        budget: int,
+        acceptance: Sequence[float],
+        timeout: float,
+        carrier: Carrier,
+    ) -> Branches:
+        """A speculation cache's branch call, one batched drafting pass for all branches.
+
+        Bring the sequence to its prefix as propose does (committed_length tokens,
+        the last `pending` of them the proposal being verified), choose up to
+        `budget` verdicts of those pending tokens (specd.core.branching) and draft
+        num_tokens tokens after each. The branches are kept until the session's
+        next call, which continues the one it extends; every branch shares the
+        prefix's first committed_length - pending tokens, so that call's `start`
+        must not exceed them."""
         ...
 
     async def close(self, session_id: str, *, timeout: float, committed: Sequence[int] = (), start: int = 0) -> None:

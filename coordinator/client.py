@@ -25,6 +25,7 @@ _PIPELINES = {
     True: common_pb2.SpeculationParams.PIPELINE_BONUS_MATCH,
     "bonus-match": common_pb2.SpeculationParams.PIPELINE_BONUS_MATCH,
     "post-verify": common_pb2.SpeculationParams.PIPELINE_POST_VERIFY,
+    "spec-cache": common_pb2.SpeculationParams.PIPELINE_SPEC_CACHE,
     False: common_pb2.SpeculationParams.PIPELINE_OFF,
     "off": common_pb2.SpeculationParams.PIPELINE_OFF,
     None: common_pb2.SpeculationParams.PIPELINE_UNSPECIFIED,
@@ -74,7 +75,8 @@ def build_request(
     req.speculation.draft_length = draft_length
     if pipeline not in _PIPELINES:
         raise ValueError(
-            f"pipeline must be True / 'bonus-match', 'post-verify', False / 'off' or None (got {pipeline!r})"
+            "pipeline must be True / 'bonus-match', 'post-verify', 'spec-cache', False / 'off' or None "
+            f"(got {pipeline!r})"
         )
     req.speculation.pipeline = _PIPELINES[pipeline]
     return req

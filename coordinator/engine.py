@@ -104,6 +104,7 @@ class RoundEngine:
                 draft_timeout_s=config.draft_timeout_s,
                 target_timeout_s=config.target_timeout_s,
                 draft_retry_s=config.draft_retry_s,
+                branch_budget=config.branch_budget,
             ),
         )
         self.target_info: common_pb2.ModelInfo | None = None

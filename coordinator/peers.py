@@ -19,6 +19,7 @@ from typing import Any, Generic, Literal, Protocol, TypeVar
 
 import grpc
 
+from specd.core.branching import Branches
 from specd.core.errors import DeadlineExceeded, FailedPrecondition, InvalidArgument, Unavailable
 from specd.core.ports import Carrier
 from specd.core.proposal import Proposal
@@ -272,6 +273,27 @@ class GrpcDraft(Peer[draft_pb2.DraftRequest, draft_pb2.DraftResponse]):
             wire.propose_request(session_id, committed_length, start, tail, num_tokens, carrier), timeout
         )
         return wire.proposal_from_proto(resp.proposal, self.target_info.vocab_size)  # validates ids and q
+
+    async def propose_branches(
+        self,
+        session_id: str,
+        committed_length: int,
+        start: int,
+        tail: Sequence[int],
+        pending: int,
+        num_tokens: int,
+        *,
+        budget: int,
+        acceptance: Sequence[float],
+        timeout: float,
+        carrier: Carrier,
+    ) -> Branches:
+        assert self.target_info is not None, "target_info first"
+        req = wire.branches_request(
+            session_id, committed_length, start, tail, pending, num_tokens, budget, acceptance, carrier
+        )
+        resp = await self.call(req, timeout)
+        return wire.branches_from_proto(resp.branches, self.target_info.vocab_size)  # validates ids and q
 
     async def close(self, session_id: str, *, timeout: float, committed: Sequence[int] = (), start: int = 0) -> None:
         await self.call(wire.draft_close_request(session_id, committed, start), timeout)

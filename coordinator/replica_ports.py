@@ -21,6 +21,7 @@ from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, Generic, TypeVar
 
 from coordinator.replicas import Member, ReplicaSet
+from specd.core.branching import Branches
 from specd.core.errors import DeadlineExceeded, ResourceExhausted, SessionNotFound, Unavailable
 from specd.core.proposal import Proposal
 from specd.core.sampling import SamplingParams
@@ -150,5 +151,35 @@ class ReplicatedDraft(_Replicated[Any]):
             session_id,
             lambda peer: peer.propose(
                 session_id, committed_length, start, tail, num_tokens, timeout=timeout, carrier=carrier
+            ),
+        )
+
+    async def propose_branches(
+        self,
+        session_id: str,
+        committed_length: int,
+        start: int,
+        tail: Sequence[int],
+        pending: int,
+        num_tokens: int,
+        *,
+        budget: int,
+        acceptance: Sequence[float],
+        timeout: float,
+        carrier: Carrier,
+    ) -> Branches:
+        return await self._on_holder(
+            session_id,
+            lambda peer: peer.propose_branches(
+                session_id,
+                committed_length,
+                start,
+                tail,
+                pending,
+                num_tokens,
+                budget=budget,
+                acceptance=acceptance,
+                timeout=timeout,
+                carrier=carrier,
             ),
         )

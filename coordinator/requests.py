@@ -34,6 +34,7 @@ _PIPELINES = {
     common_pb2.SpeculationParams.PIPELINE_OFF: "off",
     common_pb2.SpeculationParams.PIPELINE_BONUS_MATCH: "bonus-match",
     common_pb2.SpeculationParams.PIPELINE_POST_VERIFY: "post-verify",
+    common_pb2.SpeculationParams.PIPELINE_SPEC_CACHE: "spec-cache",
 }
 
 

@@ -6,23 +6,31 @@ from collections.abc import Sequence
 from concurrent.futures import Executor
 from typing import Any
 
-from specd.core.drafting import Drafter, ProposeRequest
+from specd.core.branching import MAX_BRANCH_BUDGET, Branches
+from specd.core.drafting import Drafter, DraftResult, DraftWork, draft_work
 from specd.core.errors import InvalidArgument
 from specd.core.phases import PhaseLog
-from specd.core.proposal import Proposal
 from specd.core.suffix import LearningDrafter
 from specd.serving import tracing as tr
 from specd.serving.metrics import DraftMetrics
 from specd.serving.round_servicing import BatchedRoundServicer
-from specd.serving.wire import params_from_proto, proposal_to_proto, propose_request_from_proto, q_wire_bytes
+from specd.serving.wire import (
+    branch_request_from_proto,
+    branches_to_proto,
+    params_from_proto,
+    proposal_to_proto,
+    propose_request_from_proto,
+    q_wire_bytes,
+)
 from specd.v1 import common_pb2, draft_pb2, draft_pb2_grpc
 
 
 class DraftServicer(
-    BatchedRoundServicer[draft_pb2.DraftRequest, draft_pb2.DraftResponse, ProposeRequest, Proposal],
+    BatchedRoundServicer[draft_pb2.DraftRequest, draft_pb2.DraftResponse, DraftWork, DraftResult],
     draft_pb2_grpc.DraftServicer,
 ):
     step_op = "propose"
+    extra_step_ops = frozenset({"branches"})  # a speculation cache's branch calls join the propose batches
     span_prefix = tr.SPAN_DRAFT_PHASE_PREFIX
     request_type = draft_pb2.DraftRequest
     response_type = draft_pb2.DraftResponse
@@ -45,16 +53,26 @@ class DraftServicer(
         )
         self.max_draft_tokens = max_draft_tokens
 
-    def step_request(self, req: draft_pb2.DraftRequest) -> ProposeRequest:
+    def step_request(self, req: draft_pb2.DraftRequest) -> DraftWork:
+        if req.WhichOneof("op") == "branches":
+            b = req.branches
+            if not 1 <= b.num_tokens <= self.max_draft_tokens:
+                raise InvalidArgument(f"num_tokens must be in 1..{self.max_draft_tokens} (got {b.num_tokens})")
+            if not 1 <= b.budget <= MAX_BRANCH_BUDGET:
+                raise InvalidArgument(f"budget must be in 1..{MAX_BRANCH_BUDGET} branches (got {b.budget})")
+            return branch_request_from_proto(req)
         n = req.propose.num_tokens
         if not 1 <= n <= self.max_draft_tokens:
             raise InvalidArgument(f"num_tokens must be in 1..{self.max_draft_tokens} (got {n})")
         return propose_request_from_proto(req)
 
-    def run_step_batch(self, work: Sequence[ProposeRequest]) -> list[Proposal | Exception]:
-        return self.engine.propose_batch(work)
+    def run_step_batch(self, work: Sequence[DraftWork]) -> list[DraftResult | Exception]:
+        return draft_work(self.engine, work)
 
-    def fill_step(self, resp: draft_pb2.DraftResponse, result: Proposal) -> PhaseLog:
+    def fill_step(self, resp: draft_pb2.DraftResponse, result: DraftResult) -> PhaseLog:
+        if isinstance(result, Branches):
+            resp.branches.CopyFrom(branches_to_proto(result))
+            return result.phases
         resp.proposal.CopyFrom(proposal_to_proto(result))
         if self.metrics is not None and resp.proposal.q:
             self.metrics.observe_q(q_wire_bytes(resp.proposal), result.q_ms)
@@ -75,11 +93,16 @@ class DraftServicer(
     def observe_step(
         self, req: draft_pb2.DraftRequest, resp: draft_pb2.DraftResponse, batch_size: int
     ) -> dict[str, Any]:
-        tokens, compute_ms = len(resp.proposal.token_ids), resp.proposal.compute_ms
+        if req.WhichOneof("op") == "branches":  # counted as one propose of all the branches' tokens
+            branches = resp.branches.branches
+            tokens, compute_ms = sum(len(b.proposal.token_ids) for b in branches), resp.branches.compute_ms
+            asked = req.branches.num_tokens
+        else:
+            tokens, compute_ms, asked = len(resp.proposal.token_ids), resp.proposal.compute_ms, req.propose.num_tokens
         if self.metrics is not None:
             self.metrics.observe_propose(tokens, compute_ms, batch_size)
         return {
-            tr.ATTR_NUM_TOKENS: req.propose.num_tokens,
+            tr.ATTR_NUM_TOKENS: asked,
             tr.ATTR_DRAFT_TOKENS: tokens,
             tr.ATTR_COMPUTE_MS: compute_ms,
             tr.ATTR_BATCH_SIZE: batch_size,

@@ -95,6 +95,26 @@ def test_seeded_sampling_equals_in_process_loop(cluster: Cluster, tiny_pair: tup
             assert list(again.token_ids) == ref.token_ids
 
 
+def test_spec_cache_gives_the_tokens_of_no_pipelining(cluster: Cluster, tiny_pair: tuple[Path, Path]) -> None:
+    """The speculation cache through the services: greedy is target-only's output; seeded sampling is the
+    in-process loop's, which is the output without pipelining (a hit drafts what a fresh propose would)."""
+    target, draft = tiny_pair
+    options = dict(max_new_tokens=20, ignore_eos=True, speculation="fixed", draft_length=3, pipeline="spec-cache")
+    with cluster.client() as client:
+        for i, text in enumerate(PROMPTS[:3]):
+            ids = prompt_ids(target, text)
+            greedy = reference(target, None, ids, SamplingParams(temperature=0), max_new_tokens=20)
+            got = client.generate(ids, temperature=0, **options)
+            assert list(got.token_ids) == greedy.token_ids and got.stats.draft_tokens > 0
+            params = SamplingParams(temperature=0.9, top_k=40, seed=i + 5)
+            plain = reference(target, draft, ids, params, max_new_tokens=20, draft_length=3)
+            cached = reference(target, draft, ids, params, max_new_tokens=20, draft_length=3, pipeline="spec-cache")
+            assert cached.token_ids == plain.token_ids
+            for _ in range(2):  # seeded: reproducible
+                got = client.generate(ids, temperature=0.9, top_k=40, seed=i + 5, **options)
+                assert list(got.token_ids) == plain.token_ids
+
+
 def test_sixteen_concurrent_streams_do_not_cross_talk(cluster: Cluster, tiny_pair: tuple[Path, Path]) -> None:
     target, draft = tiny_pair
     cases = []
@@ -228,7 +248,7 @@ def test_pipelining_and_auto_give_the_same_tokens(tiny_pair: tuple[Path, Path], 
     tokens, and sampled, the in-process loop's tokens; automatic K is exact (greedy)."""
     target, _ = tiny_pair
     with Cluster(target, target, cache_dir=tmp_path) as c, c.client() as client:  # the target drafts for itself
-        hits = post_hits = auto_drafted = 0
+        hits = post_hits = auto_drafted = cache_hits = 0
         for seed, text in enumerate(PROMPTS[:4]):
             ids = prompt_ids(target, text)
             for temperature in (0.0, 0.8):
@@ -246,6 +266,19 @@ def test_pipelining_and_auto_give_the_same_tokens(tiny_pair: tuple[Path, Path], 
                 )
                 assert list(got.token_ids) == ref.token_ids
                 hits += got.stats.pipeline_hits
+                cached = client.generate(
+                    ids,
+                    max_new_tokens=24,
+                    temperature=temperature,
+                    seed=seed,
+                    ignore_eos=True,
+                    speculation="fixed",
+                    draft_length=3,
+                    pipeline="spec-cache",
+                )
+                assert list(cached.token_ids) == ref.token_ids
+                assert sum(cached.stats.pipeline_hits_by_outcome.values()) == cached.stats.pipeline_hits
+                cache_hits += cached.stats.pipeline_hits
             greedy = reference(target, None, ids, SamplingParams(temperature=0), max_new_tokens=24)
             post = [
                 client.generate(
@@ -274,4 +307,4 @@ def test_pipelining_and_auto_give_the_same_tokens(tiny_pair: tuple[Path, Path], 
             auto_drafted += auto.stats.draft_tokens
         # The target drafting for itself costs as much as it saves (c ~ 1), so automatic K rightly turns
         # speculation off once it has measured that; only the first request (optimistic priors) must draft.
-        assert hits > 0 and post_hits > 0 and auto_drafted > 0
+        assert hits > 0 and post_hits > 0 and auto_drafted > 0 and cache_hits > 0

@@ -2,7 +2,7 @@
 
 The three services run as processes with an emulated target and draft
 (`sim:...`); requests go through the coordinator with every pipeline
-strategy (off, bonus-match, post-verify). Because p is a known function of
+strategy (off, bonus-match, post-verify, spec-cache). Because p is a known function of
 the context (specd.core.sim), every emitted token can be scored against the
 target's processed distribution *for its own context*: its rank under that
 p falls in a bucket, and the bucket counts over all emitted tokens must fit
@@ -41,7 +41,7 @@ NEW_TOKENS = 32
 BUCKETS = [(0, 1), (1, 2), (2, 3), (3, 5), (5, 10), (10, 30), (30, None)]  # rank ranges [lo, hi)
 PASS_P = 1e-3
 FAIL_P = 1e-6
-STRATEGIES = ["off", "bonus-match", "post-verify"]
+STRATEGIES = ["off", "bonus-match", "post-verify", "spec-cache"]
 SETTINGS = [
     {"temperature": 1.0},
     {"temperature": 0.8, "top_k": 20},
@@ -144,6 +144,9 @@ def test_emitted_tokens_follow_the_emulators_p(cluster, prompts, strategy, setti
     assert sum(s.accepted_tokens for s in st) > 0.3 * sum(s.draft_tokens for s in st)  # speculation really ran
     if strategy != "off":
         assert sum(s.pipeline_hits for s in st) > 0, "the pipeline strategy never hit: it was not exercised"
+    if strategy == "spec-cache":  # both kinds of branch were used, not only the all-accepted one
+        outcomes = {o for s in st for o in s.pipeline_hits_by_outcome}
+        assert "4:bonus" in outcomes and any(o.endswith(":recovered") for o in outcomes), outcomes
     profile = parse_sim_spec(SPEC)
     contexts, tokens = rows_and_tokens(prompts, outputs)
     logits = SimLM(profile.shape).logits(contexts).numpy()
@@ -160,6 +163,9 @@ def test_greedy_is_the_argmax_chain_of_p(cluster, prompts, strategy):
     some = prompts[:24]
     outputs, st = run(cluster, some, strategy, temperature=0.0)
     assert sum(s.accepted_tokens for s in st) > 0
+    if strategy == "spec-cache":
+        outcomes = {o for s in st for o in s.pipeline_hits_by_outcome}
+        assert "4:bonus" in outcomes and any(o.endswith(":recovered") for o in outcomes), outcomes
     lm = SimLM(parse_sim_spec(SPEC).shape)
     for prompt, out in zip(some, outputs):
         chain: list[int] = []

@@ -17,8 +17,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar, get_type_hints
 
+from specd.core.branching import DEFAULT_BRANCH_BUDGET, MAX_BRANCH_BUDGET
 from specd.core.catalog import DEMO, NONE
 from specd.core.errors import InvalidArgument
+from specd.core.pipeline import PIPELINES
 from specd.core.sparse_q import MAX_BITS, QSettings
 from specd.core.suffix import SuffixSettings
 
@@ -250,7 +252,12 @@ class CoordinatorConfig(ServiceBase):
     pipeline: str = _opt(
         "off",
         "default pipelining: draft the next round during verification",
-        choices=["off", "bonus-match", "post-verify"],
+        choices=sorted(PIPELINES),
+    )
+    branch_budget: int = _opt(
+        DEFAULT_BRANCH_BUDGET,
+        "spec-cache pipelining: the likeliest verdicts of each round the draft pre-drafts the next round for "
+        f"(one batched pass; 1..{MAX_BRANCH_BUDGET})",
     )
     default_max_new_tokens: int = _opt(128, "max_new_tokens when a request sets none")
     max_new_tokens_limit: int = _opt(4096, "largest max_new_tokens a request may ask for")
@@ -295,6 +302,8 @@ class CoordinatorConfig(ServiceBase):
         super().validate()
         if self.draft_length < 1 or self.max_draft_length < self.draft_length:
             raise InvalidArgument("need 1 <= --draft-length <= --max-draft-length")
+        if not 1 <= self.branch_budget <= MAX_BRANCH_BUDGET:
+            raise InvalidArgument(f"--branch-budget must be in 1..{MAX_BRANCH_BUDGET}")
         if not 1 <= self.default_max_new_tokens <= self.max_new_tokens_limit:
             raise InvalidArgument("need 1 <= --default-max-new-tokens <= --max-new-tokens-limit")
         for name in ("max_concurrent_requests", "max_stop_strings", "max_stop_token_ids", "max_chat_messages"):

@@ -52,6 +52,7 @@ class BatchedRoundServicer(abc.ABC, Generic[Req, Resp, Work, Result]):
     """Base of DraftServicer and TargetServicer: the Rounds stream and GetModelInfo over a core engine."""
 
     step_op: str  # the batchable oneof case: "propose" | "verify"
+    extra_step_ops: frozenset[str] = frozenset()  # other oneof cases batched with it (the draft's "branches")
     span_prefix: str  # "specd.draft." | "specd.target.": + the oneof case (open, step, close) or the phase name
     request_type: Callable[..., Req]  # the stream's request message class
     response_type: Callable[..., Resp]  # the stream's response message class
@@ -179,7 +180,7 @@ class BatchedRoundServicer(abc.ABC, Generic[Req, Resp, Work, Result]):
             sid = req.session_id  # type: ignore[attr-defined]
             if sid in sessions:  # this session's earlier step must run first
                 flush()
-            if req.WhichOneof("op") == self.step_op:  # type: ignore[attr-defined]
+            if self._is_step(req.WhichOneof("op")):  # type: ignore[attr-defined]
                 group.append(i)
                 sessions.add(sid)
             else:
@@ -196,6 +197,9 @@ class BatchedRoundServicer(abc.ABC, Generic[Req, Resp, Work, Result]):
             out.append(resp)
         return out
 
+    def _is_step(self, op: str | None) -> bool:
+        return op == self.step_op or op in self.extra_step_ops
+
     def _error(self, req: Any, exc: BaseException) -> Any:
         resp: Any = self._response(req)
         resp.error.CopyFrom(session_error(exc))
@@ -208,7 +212,7 @@ class BatchedRoundServicer(abc.ABC, Generic[Req, Resp, Work, Result]):
             return None
         op = req.WhichOneof("op") or "none"
         return self.tracing.start_remote_child(
-            self.span_prefix + (op if op in ("open", "close") else self.step_op),
+            self.span_prefix + (op if op in ("open", "close") or self._is_step(op) else self.step_op),
             req.trace_context,
             {
                 tr.ATTR_SESSION_ID: tr.hashed_session_id(client_session_id(req.session_id)),
@@ -227,7 +231,7 @@ class BatchedRoundServicer(abc.ABC, Generic[Req, Resp, Work, Result]):
                 resp.error.message,
             )
         attributes = None
-        if op == self.step_op and error is None:  # a successful step always carries its phases
+        if self._is_step(op) and error is None:  # a successful step always carries its phases
             attributes = self.observe_step(req, resp, phases.batch_size if phases is not None else 1)
         if span is not None and phases is not None and span.is_recording():
             for p in phases.merged():

@@ -9,6 +9,7 @@ from collections.abc import Mapping, Sequence
 from typing import TypeVar
 
 from specd.core import sparse_q
+from specd.core.branching import Branch, Branches, BranchRequest
 from specd.core.drafting import ProposeRequest
 from specd.core.errors import InvalidArgument
 from specd.core.generation import FinishReason
@@ -159,6 +160,31 @@ def propose_request_from_proto(req: draft_pb2.DraftRequest) -> ProposeRequest:
     return ProposeRequest(req.session_id, req.committed_length, p.start, list(p.token_ids), p.num_tokens)
 
 
+def branch_request_from_proto(req: draft_pb2.DraftRequest) -> BranchRequest:
+    b = req.branches
+    return BranchRequest(
+        req.session_id,
+        req.committed_length,
+        b.start,
+        list(b.token_ids),
+        b.pending,
+        b.num_tokens,
+        b.budget,
+        tuple(float(a) for a in b.acceptance),
+    )
+
+
+def branches_to_proto(result: Branches) -> draft_pb2.DraftBranchSet:
+    return draft_pb2.DraftBranchSet(
+        branches=[
+            draft_pb2.DraftBranch(accepted=b.accepted, token_id=b.token_id, proposal=proposal_to_proto(b.proposal))
+            for b in result.branches
+        ],
+        compute_ms=result.compute_ms,
+        batch_size=result.phases.batch_size,
+    )
+
+
 def verify_request_from_proto(
     req: target_pb2.TargetRequest, vocab_size: int, *, max_draft_tokens: int, max_q_width: int, max_context: int
 ) -> VerifyRequest:
@@ -235,6 +261,38 @@ def propose_request(
     return req
 
 
+def branches_request(
+    session_id: str,
+    committed_length: int,
+    start: int,
+    tail: Sequence[int],
+    pending: int,
+    num_tokens: int,
+    budget: int,
+    acceptance: Sequence[float],
+    carrier: Mapping[str, str],
+) -> draft_pb2.DraftRequest:
+    req = draft_pb2.DraftRequest(session_id=session_id, committed_length=committed_length, trace_context=carrier)
+    b = req.branches
+    b.start = start
+    b.token_ids.extend(tail)
+    b.pending = pending
+    b.num_tokens = num_tokens
+    b.budget = budget
+    b.acceptance.extend(acceptance)
+    return req
+
+
+def branches_from_proto(msg: draft_pb2.DraftBranchSet, vocab_size: int) -> Branches:
+    """Validated branches: each proposal as proposal_from_proto checks it, each token within the vocabulary."""
+    out = []
+    for b in msg.branches:
+        if not 0 <= b.token_id < vocab_size:
+            raise InvalidArgument(f"branch token id {b.token_id} is outside the vocabulary [0, {vocab_size})")
+        out.append(Branch(b.accepted, b.token_id, proposal_from_proto(b.proposal, vocab_size)))
+    return Branches(tuple(out), msg.compute_ms, PhaseLog(batch_size=max(1, msg.batch_size)))
+
+
 def verify_request(
     session_id: str, committed_length: int, proposal: Proposal, defer_bonus: bool, carrier: Mapping[str, str]
 ) -> target_pb2.TargetRequest:
@@ -287,4 +345,5 @@ def stats_to_proto(stats: RequestStats) -> coordinator_pb2.GenerateStats:
         target_only_rounds=r.target_only_rounds,
         pipeline_hits=r.pipeline_hits,
         accepted_per_position=r.accepted_per_position,
+        pipeline_hits_by_outcome=dict(r.pipeline_hits_by_outcome),
     )

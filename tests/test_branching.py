@@ -22,6 +22,7 @@ from specd.core.branching import (
     BranchRequest,
     PositionAcceptance,
     bonus_guess,
+    calibrated_greedy,
     outcome_probabilities,
     select_branches,
 )
@@ -90,6 +91,22 @@ def test_select_branches_breaks_ties_deeper_first_then_lower_id() -> None:
     got = select_branches(probs, [1], [0.5], 4)
     assert [(c.accepted, c.token_id) for c in got] == [(1, 2), (1, 9), (0, 3), (0, 4)]
     assert select_branches(probs, [1], [0.5], 0) == []
+
+
+@pytest.mark.parametrize("measured", [0.4, 0.6, 0.85])
+def test_greedy_ranking_is_temperature_scaled_to_the_measured_acceptance(measured: float) -> None:
+    logits = torch.tensor([[2.0, 1.0, 0.0, -1.0], [0.5, 0.4, 0.0, -3.0], [3.0, 0.0, 0.0, 0.0]])  # [K+1, V], K = 2
+    pending = [0, 0]  # greedy drafts: each row's argmax
+    probs, acceptance = calibrated_greedy(logits, pending, (measured, measured))
+    assert probs.shape == logits.shape and torch.allclose(probs.sum(-1), torch.ones(3))
+    own = [float(probs[i, 0]) for i in range(2)]
+    assert sum(own) / 2 == pytest.approx(measured, abs=1e-3)  # the scaled confidence averages the measured rate
+    assert acceptance == pytest.approx(tuple(math.sqrt(measured * c) for c in own))
+    assert acceptance[0] > acceptance[1]  # the more confident position is the likelier accepted
+    order = probs[2].argsort(descending=True).tolist()
+    assert order[0] == 0  # scaling keeps each row's order
+    plain = torch.softmax(logits, -1)
+    assert (float(probs[0, 0]) > float(plain[0, 0])) == (measured > float(plain[:2, 0].mean()))
 
 
 def test_position_acceptance_counts_verdicts_per_position_with_a_prior() -> None:

@@ -26,7 +26,7 @@ from specd.core.branching import (
     BranchRequest,
     PositionAcceptance,
     bonus_guess,
-    ranking_probs,
+    calibrated_greedy,
     select_branches,
 )
 from specd.core.errors import InvalidArgument, SessionNotFound, SessionOutOfSync
@@ -437,31 +437,50 @@ class ModelDrafter(PooledModel[_ModelDraftSession]):
     def _sample_step(
         self, active: list[tuple[_Key, _ModelDraftSession]], rows: list[Tensor], drafted: dict[_Key, _Draft]
     ) -> dict[int, Exception]:
-        """Sample one token per active row from its logits (A x [1, V]) and append it; {request: error}."""
+        """Sample one token per active row from its logits (A x [1, V]) and append it; {request: error}.
+
+        Greedy rows take the argmax of their logits, all at once (what processed_probs' one-hot
+        would give, without building it: host time grows with the rows, and a branch call has many);
+        sampled rows go through processed_probs and the sparse q.
+        """
         logits = torch.cat(rows)  # [A, V]
         if self.token_map is not None:
             logits = logits[:, self.token_map]  # [A, N]: the reduced head's own rows
-        probs = sampling.processed_probs(logits[:, None, :], [s.params for _, s in active])  # [A, 1, V or N]
-        unusable = sampling.unusable_rows(logits[:, None, :], probs)
-        probs = probs[:, 0]  # [A, V or N]
-        failed: dict[int, Exception] = {active[a][0][0]: exc for a, exc in unusable.items()}
+        greedy = [a for a, (_, s) in enumerate(active) if s.params.is_greedy]
+        sampled_rows = [a for a, (_, s) in enumerate(active) if not s.params.is_greedy]
+        failed: dict[int, Exception] = {}
         tokens: dict[int, int] = {}  # row -> token
+        if greedy:
+            x = logits[greedy][:, None, :]  # [G, 1, V or N]
+            unusable = sampling.unusable_logits(x)
+            best = x[:, 0].argmax(-1).tolist()  # [G]: the lowest id on ties, as processed_probs
+            for g, a in enumerate(greedy):
+                if g in unusable:
+                    failed[active[a][0][0]] = unusable[g]
+                else:
+                    tokens[a] = self._target_id(best[g])  # q one-hot: nothing to send
+        probs = torch.empty(0)
+        at: dict[int, int] = {}  # active row -> its row of probs
         sampled: dict[QSettings, list[int]] = {}  # rows by q settings: each group shares one build
-        for a, (_, s) in enumerate(active):
-            if a in unusable:
-                continue
-            if s.params.is_greedy:
-                tokens[a] = self._target_id(probs[a].argmax())  # q one-hot: nothing to send
-            else:
-                sampled.setdefault(s.q, []).append(a)
+        if sampled_rows:
+            x = logits[sampled_rows][:, None, :]  # [S, 1, V or N]
+            processed = sampling.processed_probs(x, [active[a][1].params for a in sampled_rows])  # [S, 1, V or N]
+            unusable = sampling.unusable_rows(x, processed)
+            probs = processed[:, 0]  # [S, V or N]
+            for r, a in enumerate(sampled_rows):
+                at[a] = r
+                if r in unusable:
+                    failed[active[a][0][0]] = unusable[r]
+                else:
+                    sampled.setdefault(active[a][1].q, []).append(a)
         tq = time.perf_counter_ns()
         for settings, group in sampled.items():
             try:
-                self._sample_rows(group, settings, probs, active, drafted, tokens)
+                self._sample_rows(group, settings, probs[[at[a] for a in group]], active, drafted, tokens)
             except Exception:  # noqa: BLE001 - find the row(s) at fault: each alone, the others go on
                 for a in group:
                     try:
-                        self._sample_rows([a], settings, probs, active, drafted, tokens)
+                        self._sample_rows([a], settings, probs[[at[a]]], active, drafted, tokens)
                     except Exception as exc:  # noqa: BLE001 - this row's sampling failed: its request alone
                         failed[active[a][0][0]] = exc
         q_ms = (time.perf_counter_ns() - tq) / 1e6
@@ -484,16 +503,24 @@ class ModelDrafter(PooledModel[_ModelDraftSession]):
         req, k = bp.request, bp.request.pending
         if self.token_map is not None:
             logits = logits[:, self.token_map]  # [K+1, N]
-        probs = sampling.processed_probs(logits[None], [s.params])  # [1, K+1, V or N]
-        unusable = sampling.unusable_rows(logits[None], probs)
-        if unusable:
-            raise unusable[0]
-        rank = ranking_probs(logits, s.params.is_greedy, probs[0])  # [K+1, V or N]
-        if self.token_map is not None:  # back to target ids: 0 off the map
-            rank = rank.new_zeros(k + 1, self.vocab_size).index_copy_(1, self.token_map, rank)  # [K+1, V]
         base = len(s.kv.tokens) - k  # the committed prefix
         pending = s.kv.tokens[base:]
         acceptance = req.acceptance or PositionAcceptance().rates(k)
+        # Ranked by the request's processed distribution with the measured acceptance; a greedy
+        # request's is a one-hot, so it ranks by the calibrated softmax (specd.core.branching).
+        if s.params.is_greedy:
+            unusable = sampling.unusable_logits(logits[None])
+            if not unusable:
+                columns = pending if self.token_map is None else [self._column(t) for t in pending]
+                rank, acceptance = calibrated_greedy(logits, columns, acceptance)  # [K+1, V or N]
+        else:
+            processed = sampling.processed_probs(logits[None], [s.params])  # [1, K+1, V or N]
+            unusable = sampling.unusable_rows(logits[None], processed)
+            rank = processed[0]
+        if unusable:
+            raise unusable[0]
+        if self.token_map is not None:  # back to target ids: 0 off the map
+            rank = rank.new_zeros(k + 1, self.vocab_size).index_copy_(1, self.token_map, rank)  # [K+1, V]
         budget = self._branch_room(req.budget, len(s.kv.tokens) + 1 + bp.steps)
         bp.choices = select_branches(rank, pending, acceptance, budget)
         for b, choice in enumerate(bp.choices):
@@ -522,10 +549,11 @@ class ModelDrafter(PooledModel[_ModelDraftSession]):
         drafted: dict[_Key, _Draft],
         tokens: dict[int, int],
     ) -> None:
-        """Build q for rows `group` of probs [A, V or N] at once, sample from it, record token and q per row."""
+        """Build q for active rows `group` (probs [G, V or N], theirs in order) at once, sample from it,
+        record token and q per row."""
         seeds = torch.tensor([active[a][1].params.seed for a in group], dtype=torch.int64)  # [G]
         positions = torch.tensor([len(active[a][1].kv.tokens) for a in group], dtype=torch.int64)  # [G]
-        tok, ids, weights = sparse_q.draft(probs[group], settings, seeds, positions)  # [G], [G, W], [G, W]
+        tok, ids, weights = sparse_q.draft(probs, settings, seeds, positions)  # [G], [G, W], [G, W]
         if self.token_map is not None:  # same numbers, target ids: q(token_map[j]) = weight j, 0 off the map
             tok, ids = self.token_map[tok], torch.where(weights > 0, self.token_map[ids], 0)
         widths = (weights > 0).sum(-1).tolist()  # each row's own width (a prefix of its slots)
@@ -535,7 +563,16 @@ class ModelDrafter(PooledModel[_ModelDraftSession]):
             d.q_probs.append(weights[g, : widths[g]])
             tokens[a] = int(tok[g])
 
-    def _target_id(self, index: Tensor) -> int:
+    def _column(self, token: int) -> int:
+        """A target token id -> its logit column (a reduced head: its row in token_map)."""
+        if self.token_map is None:
+            return token
+        hit = (self.token_map == token).nonzero()
+        if not len(hit):
+            raise InvalidArgument(f"token {token} is not in the draft's reduced vocabulary")
+        return int(hit[0, 0])
+
+    def _target_id(self, index: Tensor | int) -> int:
         """A logit column index -> the target token id it stands for."""
         return int(index) if self.token_map is None else int(self.token_map[int(index)])
 

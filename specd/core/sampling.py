@@ -275,15 +275,22 @@ def unusable_rows(logits: Tensor, probs: Tensor) -> dict[int, SpecdError]:
     assert logits.shape == probs.shape and logits.dim() == 3, (
         f"logits and probs must both be [B, N, V], got {tuple(logits.shape)} and {tuple(probs.shape)}"
     )
-    x = logits.detach()
-    bad_logits = (x.isnan() | (x == math.inf)).flatten(1).any(-1) | (x.amax(-1) == -math.inf).any(-1)  # [B]
+    out = unusable_logits(logits)
     bad_probs = ~probs.isfinite().flatten(1).all(-1) | (probs.sum(-1) <= 0).any(-1)  # [B]
-    out: dict[int, SpecdError] = {}
-    for b in bad_logits.nonzero().flatten().tolist():
-        out[b] = Internal("the model's logits for this request are not finite")
     for b in bad_probs.nonzero().flatten().tolist():
         out.setdefault(b, Internal("the sampling distribution for this request is not finite"))
     return out
+
+
+def unusable_logits(logits: Tensor) -> dict[int, SpecdError]:
+    """unusable_rows' check of the logits alone (enough for greedy rows: their p is a one-hot at the argmax).
+
+    logits: [B, N, V]; returns {row: Internal} for rows with NaN, +inf or no finite value at some position.
+    """
+    assert logits.dim() == 3, f"logits must be [B, N, V], got {tuple(logits.shape)}"
+    x = logits.detach()
+    bad = (x.isnan() | (x == math.inf)).flatten(1).any(-1) | (x.amax(-1) == -math.inf).any(-1)  # [B]
+    return {b: Internal("the model's logits for this request are not finite") for b in bad.nonzero().flatten().tolist()}
 
 
 # --------------------------------------------------------------------------

@@ -205,6 +205,43 @@ def test_summarize_fixed_k_from_stream_and_stats() -> None:
     assert rec["ttft_ms_p50"] == pytest.approx(10.0) and rec["itl_ms_p50"] == pytest.approx(2.0)
 
 
+def test_speccache_mode_and_hits_per_outcome() -> None:
+    (mode,) = parse_modes("speccache-3", [4])[1:]
+    assert mode.name == "speccache-3" and mode.draft_length == 3
+    assert mode.request == {"speculation": "fixed", "draft_length": 3, "pipeline": "spec-cache"}
+    # two requests of K = 2, 4 drafting rounds each: accepted 2, 2, 1, 0 and 2, 0, 0, 1
+    stats = [
+        {
+            "rounds": 4,
+            "drafts": 4,
+            "draft_tokens": 8,
+            "accepted_tokens": acc,
+            "pipeline_hits": sum(hits.values()),
+            "pipeline_hits_by_outcome": hits,
+            "accepted_per_position": per,
+        }
+        for acc, per, hits in [
+            (5, [3, 2], {"2:bonus": 1, "0:recovered": 1}),
+            (3, [2, 1], {"2:bonus": 1, "1:recovered": 1}),
+        ]
+    ]
+    results = [_result("a", [3, 3, 2, 1], stats=stats[0]), _result("b", [3, 1, 1, 2], stats=stats[1])]
+    rec = summarize(mode, 0.0, 1, results, 1.0, max_new_tokens=9, cost=None)
+    assert rec["pipeline_hits_by_outcome"] == {"0:recovered": 1, "1:recovered": 1, "2:bonus": 2}  # in verdict order
+    assert rec["pipeline_hit_rate_by_outcome"] == pytest.approx(
+        {"0:recovered": 1 / 8, "1:recovered": 1 / 8, "2:bonus": 2 / 8}
+    )
+    assert sum(rec["pipeline_hit_rate_by_outcome"].values()) == pytest.approx(rec["pipeline_hit_rate"])
+    # verdicts: accepted 0 in 3 rounds, 1 in 2, 2 in 3 (from the per-position counts 5, 3 of 8 drafts)
+    assert rec["pipeline_coverage_by_outcome"] == pytest.approx(
+        {"0:recovered": 1 / 3, "1:recovered": 1 / 2, "2:bonus": 2 / 3}
+    )
+    fixed = summarize(parse_modes("fixed-2", [4])[1], 0.0, 1, results[:1], 1.0, max_new_tokens=9, cost=None)
+    assert fixed["pipeline_hit_rate_by_outcome"] is not None  # (the stats said so)
+    rec_no = summarize(mode, 0.0, 1, [_result("c", [3], stats={"drafts": 1})], 1.0, max_new_tokens=3, cost=None)
+    assert rec_no["pipeline_hits_by_outcome"] is None and rec_no["pipeline_coverage_by_outcome"] is None
+
+
 def test_interleave_slices_cover_the_prompts_and_keep_clients_busy() -> None:
     assert bench.interleave_slices(10, 1, 1) == [range(0, 10)]
     assert bench.interleave_slices(10, 1, 3) == [range(0, 3), range(3, 7), range(7, 10)]

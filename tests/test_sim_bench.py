@@ -84,7 +84,7 @@ def test_bench_on_an_emulated_pair_writes_the_contract_records(tmp_path):
             "--cache-dir",
             str(tmp_path / "cache"),
             "--modes",
-            "target-only,fixed-4,pipelined-4,postverify-4,auto",
+            "target-only,fixed-4,pipelined-4,postverify-4,speccache-4,auto",
             "--prompts",
             "2",
             "--max-new-tokens",
@@ -102,8 +102,15 @@ def test_bench_on_an_emulated_pair_writes_the_contract_records(tmp_path):
     assert rc == 0
     report = json.loads(out.read_text())
     records = report["records"]
-    assert {r["mode"] for r in records} == {"target-only", "fixed-4", "pipelined-4", "postverify-4", "auto"}
-    assert len(records) == 5 * 2 * 2
+    assert {r["mode"] for r in records} == {
+        "target-only",
+        "fixed-4",
+        "pipelined-4",
+        "postverify-4",
+        "speccache-4",
+        "auto",
+    }
+    assert len(records) == 6 * 2 * 2
     for r in records:
         for key in (
             "mode",
@@ -129,4 +136,7 @@ def test_bench_on_an_emulated_pair_writes_the_contract_records(tmp_path):
     md = out.with_suffix(".md").read_text()
     assert md.startswith("# specd bench (emulated: h100-8b)") and "Every figure below is emulated" in md
     assert "overhead p50 ms" in md
+    cache = [r for r in records if r["mode"] == "speccache-4"]
+    assert all(sum(r["pipeline_hits_by_outcome"].values()) == r["pipeline_hits"] for r in cache)
+    assert any(r["pipeline_hits"] for r in cache) and "Pipeline hits by the verdict" in md
     assert out.with_suffix(".png").stat().st_size > 0

@@ -53,6 +53,7 @@ SERVICE_FAMILIES: dict[str, Callable[[int], dict[str, Any]]] = {
     "fixed": lambda k: {"speculation": "fixed", "draft_length": k, "pipeline": False},
     "pipelined": lambda k: {"speculation": "fixed", "draft_length": k, "pipeline": True},  # bonus-match pipelining
     "postverify": lambda k: {"speculation": "fixed", "draft_length": k, "pipeline": "post-verify"},  # PEARL's
+    "speccache": lambda k: {"speculation": "fixed", "draft_length": k, "pipeline": "spec-cache"},  # SSD / Saguaro's
 }
 
 # The peer: transformers' assisted generation. hf-K: K assistant tokens, constant

@@ -64,6 +64,7 @@ def summarize(
         drafts, draft_tokens = sum(1 for d in drafted if d > 0), sum(drafted)
         accepted = sum(min(a, d) for a, d in zip(accepted_rounds, drafted))
         rounds, target_only_rounds, pipeline_hits = len(drafted), 0, None
+        hits_by_outcome: dict[str, int] | None = None
         per_position_source = "stream" if mode.request.get("assistant", True) else None
     else:
         stats = [r.stats or {} for r in ok]
@@ -75,6 +76,12 @@ def summarize(
         pipeline_hits = (
             sum(s.get("pipeline_hits", 0) for s in stats) if all("pipeline_hits" in s for s in stats) else None
         )
+        hits_by_outcome = None
+        if stats and all("pipeline_hits_by_outcome" in s for s in stats):
+            hits_by_outcome = {}
+            for s in stats:
+                for outcome, n in s["pipeline_hits_by_outcome"].items():
+                    hits_by_outcome[outcome] = hits_by_outcome.get(outcome, 0) + int(n)
         if mode.draft_length:  # fixed K: per-round draft sizes follow from the round sizes; check against the stats
             guess = [_drafted_for_fixed(r.round_tokens, mode.draft_length, max_new_tokens) for r in ok]
             if all(
@@ -94,6 +101,12 @@ def summarize(
         pipeline_hits=pipeline_hits,
     )
     rec["pipeline_hit_rate"] = pipeline_hits / drafts if pipeline_hits is not None and drafts else None
+    rec["pipeline_hits_by_outcome"] = (
+        dict(sorted(hits_by_outcome.items(), key=_outcome_order)) if hits_by_outcome else None
+    )
+    rec["pipeline_hit_rate_by_outcome"] = (
+        {o: n / drafts for o, n in rec["pipeline_hits_by_outcome"].items()} if hits_by_outcome and drafts else None
+    )
     speculative = drafts > 0
     rec["acceptance_rate"] = accepted / draft_tokens if draft_tokens else None
     rec["acceptance_length"] = 1.0 + accepted / drafts if drafts else None
@@ -115,6 +128,7 @@ def summarize(
         counts.extend([0] * (width - len(counts)))
     rec["accepted_per_position"] = counts if speculative else None
     rec["acceptance_per_position"] = [c / drafts for c in counts] if speculative else None
+    rec["pipeline_coverage_by_outcome"] = _coverage(rec["pipeline_hits_by_outcome"], counts, drafts)
     rec["per_position_source"] = per_position_source if speculative else None
     # -- theory: a, c, S(K), efficiency
     alpha = method = None
@@ -152,6 +166,29 @@ def summarize(
     # Coordinator-side, from its overhead histogram (specd.tools.bench.overhead); set by the cells.
     rec["round_overhead_ms_p50"] = rec["round_overhead_ms_p99"] = None
     return rec
+
+
+def _outcome_order(item: tuple[str, int]) -> tuple[int, str]:
+    accepted, _, kind = item[0].partition(":")
+    return (int(accepted) if accepted.isdigit() else 1 << 30, kind)
+
+
+def _coverage(
+    hits: Mapping[str, int] | None, accepted_per_position: Sequence[int], drafts: int
+) -> dict[str, float] | None:
+    """Per outcome 'j:kind': its hits / the rounds that accepted exactly j draft tokens (from the per-position counts).
+
+    The share of such verdicts the pipeline had pre-drafted for; rounds with a
+    shorter draft (a request's last ones) count at their own j."""
+    if not hits or not drafts:
+        return None
+    reached = [drafts, *accepted_per_position, 0]  # reached[j]: rounds that accepted >= j
+    out: dict[str, float] = {}
+    for outcome, n in hits.items():
+        j = int(outcome.partition(":")[0])
+        exactly = reached[j] - reached[j + 1] if j + 1 < len(reached) else 0
+        out[outcome] = n / exactly if exactly > 0 else float("nan")
+    return out
 
 
 def _nan_none(x: float) -> float | None:

@@ -113,6 +113,26 @@ def render_markdown(report: Mapping[str, Any]) -> str:
             lines.append(
                 f"| {_fmt(r['temperature'], 1)} | {r['concurrency']} | `{row_name(r)}` | " + " | ".join(cells) + " |"
             )
+    by_outcome = [r for r in records if r.get("pipeline_hit_rate_by_outcome")]
+    if by_outcome:
+        outcomes = sorted(
+            {o for r in by_outcome for o in r["pipeline_hit_rate_by_outcome"]},
+            key=lambda o: (int(o.partition(":")[0]), o.partition(":")[2]),
+        )
+        lines += [
+            "",
+            "Pipeline hits by the verdict they were pre-drafted for (`accepted:kind`): hits / drafts, and in "
+            "brackets hits / rounds that accepted that many (the share of those verdicts covered):",
+            "",
+            "| T | clients | mode | " + " | ".join(f"`{o}`" for o in outcomes) + " |",
+            "|---|---|---|" + "---|" * len(outcomes),
+        ]
+        for r in by_outcome:
+            rate, cover = r["pipeline_hit_rate_by_outcome"], r.get("pipeline_coverage_by_outcome") or {}
+            cells = [f"{_fmt(rate[o])} ({_fmt(cover.get(o))})" if o in rate else "" for o in outcomes]
+            lines.append(
+                f"| {_fmt(r['temperature'], 1)} | {r['concurrency']} | `{row_name(r)}` | " + " | ".join(cells) + " |"
+            )
     temps = list(dict.fromkeys(r["temperature"] for r in records))
     for t in temps:
         cols, rows = concurrency_table(records, t)

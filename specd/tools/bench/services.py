@@ -30,6 +30,8 @@ def _stats_dict(stats: Any) -> dict[str, Any]:
     out: dict[str, Any] = {k: getattr(stats, k) for k in _STATS_FIELDS if hasattr(stats, k)}
     if "accepted_per_position" in stats.DESCRIPTOR.fields_by_name:  # once the API carries it
         out["accepted_per_position"] = list(stats.accepted_per_position)
+    if "pipeline_hits_by_outcome" in stats.DESCRIPTOR.fields_by_name:
+        out["pipeline_hits_by_outcome"] = dict(stats.pipeline_hits_by_outcome)
     return out
 
 

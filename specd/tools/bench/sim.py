@@ -14,7 +14,9 @@ from typing import Any
 
 from specd.core.sim import EMULATED, SIM_PREFIX, SimProfile, list_profiles, parse_sim_spec
 
-SIM_MODES = "target-only,fixed,pipelined,postverify,auto"  # the default modes on an emulator (no in-process peer)
+SIM_MODES = (
+    "target-only,fixed,pipelined,postverify,speccache,auto"  # the default modes on an emulator (no in-process peer)
+)
 
 
 def sim_spec(text: str) -> str:

@@ -21,7 +21,12 @@ The rule (SSD / Saguaro's, with a geometric-style acceptance model): cover the
     P(t | K)     = q_K(t)                                 (the draft's guess of the bonus)
 
 with a_i the acceptance of pending position i given the ones before it were
-accepted and q_j the draft's distribution at position j. Why these: the
+accepted and q_j the draft's distribution at position j; and always the
+all-accepted verdict with the draft's best bonus guess (what bonus-match
+pre-drafts), even when the product ranks it lower: acceptance runs in
+streaks (contexts where draft and target agree), so P(all accepted) is more
+than the product of the a_i, and with one branch bonus-match's choice hits
+more often than the product's (scripts/speccache_hits.py). Why these: the
 coordinator knows how often each position is accepted (`PositionAcceptance`:
 this request's verdicts, shrunk towards a prior), the draft knows what it
 would say instead, and their product is the probability of the verdict under
@@ -145,7 +150,14 @@ def select_branches(
             if t != rejected and p > 0.0:
                 candidates.append((reach[j] * p / rest, j, int(t)))
     candidates.sort(key=lambda c: (-c[0], -c[1], c[2]))
-    return [BranchChoice(j, t, p) for p, j, t in candidates[:budget]]
+    chosen = candidates[:budget]
+    if reach[k] > 0.0 and not any(j == k for _, j, _ in chosen):
+        # Always the all-accepted verdict with the best bonus guess (bonus-match's one pre-draft):
+        # acceptance runs in streaks, so P(all accepted) exceeds the product the rule uses.
+        best = next((c for c in candidates if c[1] == k), None)
+        if best is not None:
+            chosen = [*chosen[: budget - 1], best]
+    return [BranchChoice(j, t, p) for p, j, t in chosen]
 
 
 def calibrated_greedy(

@@ -15,6 +15,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TypeVar
 
+from specd.core.branching import DEFAULT_BRANCH_BUDGET
 from specd.core.drafting import Drafter
 from specd.core.errors import InvalidArgument
 from specd.core.generation import FinishReason
@@ -48,11 +49,13 @@ def speculative_generate(
     session_id: str = "local",
     speculation: str = "fixed",
     pipeline: str = "off",
+    branch_budget: int = DEFAULT_BRANCH_BUDGET,
 ) -> GenerationResult:
     """Run one request's rounds in-process; drafter None or draft_length 0 = target-only.
 
     speculation: fixed (K = draft_length) or auto (adaptive K up to draft_length);
-    pipeline: off | bonus-match | post-verify (specd.core.pipeline).
+    pipeline: off | bonus-match | post-verify | spec-cache (specd.core.pipeline), the
+    latter with branch_budget branches per round.
     """
     return speculative_generate_batch(
         [prompt],
@@ -65,6 +68,7 @@ def speculative_generate(
         session_ids=[session_id],
         speculation=speculation,
         pipeline=pipeline,
+        branch_budget=branch_budget,
     )[0]
 
 
@@ -80,6 +84,7 @@ def speculative_generate_batch(
     session_ids: Sequence[str] | None = None,
     speculation: str = "fixed",
     pipeline: str = "off",
+    branch_budget: int = DEFAULT_BRANCH_BUDGET,
 ) -> list[GenerationResult]:
     """Many requests at once, each its own loop; their drafts and verifies batch per event-loop turn.
 
@@ -110,7 +115,8 @@ def speculative_generate_batch(
         )
 
     async def run_all() -> list[GenerationResult]:
-        loop = RoundLoop(LocalTarget(verifier), LocalDraft(drafter) if drafter is not None else None, LoopSettings())
+        settings = LoopSettings(branch_budget=branch_budget)
+        loop = RoundLoop(LocalTarget(verifier), LocalDraft(drafter) if drafter is not None else None, settings)
         runs = [loop.run(s, max_context=verifier.runner.max_context, session_id=sid) for s, sid in zip(specs, ids)]
         t0 = time.perf_counter()
         try:

@@ -63,7 +63,11 @@ def test_default_modes_expand_over_draft_lengths() -> None:
 
 
 def test_auto_may_choose_up_to_the_largest_fixed_k_of_the_run() -> None:
-    modes = {m.name: m for m in bench.cap_adaptive_modes(parse_modes("fixed-2,fixed-6,auto,auto-pipelined", [4]), [4])}
+    modes = {
+        m.name: m
+        for m in bench.cap_adaptive_modes(parse_modes("fixed-2,fixed-6,auto,auto-pipelined,auto-speccache", [4]), [4])
+    }
+    assert modes["auto-speccache"].request == {"speculation": "auto", "pipeline": "spec-cache", "draft_length": 6}
     assert modes["auto"].request == {"speculation": "auto", "draft_length": 6}
     assert modes["auto-pipelined"].request["draft_length"] == 6 and modes["auto"].draft_length is None
     assert modes["fixed-2"].request["draft_length"] == 2  # fixed modes keep their own K

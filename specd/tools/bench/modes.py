@@ -46,6 +46,7 @@ SERVICE_MODES: dict[str, dict[str, Any]] = {
     BASELINE: {"speculation": "off"},
     "auto": {"speculation": "auto"},  # adaptive K (the coordinator picks K per session); server's pipelining default
     "auto-pipelined": {"speculation": "auto", "pipeline": True},
+    "auto-speccache": {"speculation": "auto", "pipeline": "spec-cache"},
 }
 
 # Families of the services: NAME-K (or bare NAME: one mode per --draft-lengths K).

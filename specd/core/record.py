@@ -55,7 +55,7 @@ class PipelineHit:
     strategy: str  # the pipeline strategy's name
     accepted: int  # the previous round's outcome the pre-draft was made for: its accepted count ...
     kind: TokenKind  # ... and the kind of its extra token
-    launched: int  # pre-drafts the strategy launched for that outcome and others
+    launched: int  # pre-drafts the strategy launched for that outcome and others (spec-cache: the branch budget)
 
     @property
     def outcome(self) -> str:
@@ -80,7 +80,7 @@ class RoundRecord:
     verify_ms: float  # target compute of the verdict
     target_only: TargetOnly | None = None  # why no draft tokens were verified; None when some were
     pipeline_hit: PipelineHit | None = None  # the proposal came from the previous round's pre-draft
-    pipeline_launched: int = 0  # pre-drafts this round launched for the next
+    pipeline_launched: int = 0  # pre-drafts this round launched for the next (spec-cache: the branch budget)
 
     @property
     def draft_tokens(self) -> int:

@@ -67,18 +67,24 @@ def propose_one(
     return result
 
 
+def check_sync(held: int, committed_length: int, start: int, tail: Sequence[int]) -> None:
+    """OutOfSync unless a (start, tail) update of a `held`-token sequence gives committed_length tokens."""
+    if start > held:
+        raise SessionOutOfSync(f"update starts at {start} but the session holds {held} tokens; re-open")
+    if start + len(tail) != committed_length:
+        raise SessionOutOfSync(
+            f"update gives {start + len(tail)} committed tokens, message says {committed_length}; re-open"
+        )
+
+
 def sync_prefix(tokens: list[int], committed_length: int, start: int, tail: Sequence[int]) -> list[int]:
     """The committed prefix from a (start, tail) update; OutOfSync if it cannot be built.
 
     tokens: the service's current sequence, whose first `start` tokens the
     caller declares committed (its own accepted drafts among them).
     """
-    if start > len(tokens):
-        raise SessionOutOfSync(f"update starts at {start} but the session holds {len(tokens)} tokens; re-open")
-    prefix = tokens[:start] + [int(t) for t in tail]
-    if len(prefix) != committed_length:
-        raise SessionOutOfSync(f"update gives {len(prefix)} committed tokens, message says {committed_length}; re-open")
-    return prefix
+    check_sync(len(tokens), committed_length, start, tail)
+    return tokens[:start] + [int(t) for t in tail]
 
 
 @dataclass
@@ -191,7 +197,8 @@ class ModelDrafter(PooledModel[_ModelDraftSession]):
         if req.num_tokens < 1:
             raise InvalidArgument(f"num_tokens must be >= 1 (got {req.num_tokens})")
         s = self._pool.get(req.session_id)
-        self.runner.set_tokens(s.kv, sync_prefix(s.kv.tokens, req.committed_length, req.start, req.tail))
+        check_sync(len(s.kv.tokens), req.committed_length, req.start, req.tail)
+        self.runner.splice(s.kv, req.start, req.tail)
         n = min(req.num_tokens, self.runner.max_context - req.committed_length)
         if n < 1:
             raise InvalidArgument("the session fills the draft model's context; nothing left to draft")

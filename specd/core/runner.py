@@ -147,6 +147,28 @@ class CausalLMRunner:
         del s.tokens[length:]
         self._crop(s, min(s.cached, length))
 
+    def splice(self, s: KVSession, start: int, tail: Sequence[int]) -> None:
+        """Make ``s.tokens == s.tokens[:start] + tail``, keeping the cache of the common prefix.
+
+        What a round does to a session: keep what the peer agreed on, replace the rest.
+        Only `tail` is checked and compared, so a round costs O(len(tail)), not O(sequence).
+        """
+        if isinstance(start, bool) or not isinstance(start, int) or not 0 <= start <= len(s.tokens):
+            raise InvalidArgument(f"start must be an int in [0, {len(s.tokens)}] (the sequence length), got {start!r}")
+        ids = self._check_ids(tail, "token_ids")
+        n = start + len(ids)
+        if n == 0:
+            raise InvalidArgument("token_ids is empty; a session needs at least one token")
+        self._check_length(n, "the sequence")
+        common = start
+        for a, b in zip(s.tokens[start : start + len(ids)], ids):
+            if a != b:
+                break
+            common += 1
+        del s.tokens[start:]
+        s.tokens.extend(ids)
+        self._crop(s, min(s.cached, common))
+
     def set_tokens(self, s: KVSession, token_ids: Sequence[int]) -> None:
         """Make ``s.tokens == token_ids``, keeping the cache of the common prefix."""
         ids = self._check_ids(token_ids, "token_ids")

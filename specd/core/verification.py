@@ -16,13 +16,14 @@ import torch
 
 from specd.core import phases as ph
 from specd.core import sampling
-from specd.core.drafting import sync_prefix
+from specd.core.drafting import check_sync
 from specd.core.errors import InvalidArgument
 from specd.core.phases import PhaseLog
 from specd.core.proposal import DEFAULT_MAX_DRAFT_TOKENS, DEFAULT_MAX_Q_WIDTH, Proposal
 from specd.core.runner import CausalLMRunner, KVSession
 from specd.core.sampling import SamplingParams, SparseProposal
 from specd.core.sessions import PooledModel, PoolLimits, Ready
+from specd.core.transit import Transit
 
 
 @dataclass(frozen=True)
@@ -34,6 +35,7 @@ class VerifyOutcome:
     compute_ms: float  # this session's wall time in the step (a batch's forward counts whole)
     phases: PhaseLog = field(default_factory=PhaseLog, compare=False, repr=False)  # where the time went
     deferred: bool = False  # all drafts accepted, bonus not drawn (VerifyRequest.defer_bonus)
+    transit: Transit | None = field(default=None, compare=False, repr=False)  # the call's hops (a transport's port)
 
 
 @dataclass(frozen=True)
@@ -128,7 +130,8 @@ class Verifier(PooledModel[_TargetSession]):
         """Sync the session to the committed prefix and append the drafts (no forward yet)."""
         s = self._pool.get(req.session_id)
         start = len(s.kv.tokens) if req.start is None else req.start
-        self.runner.set_tokens(s.kv, sync_prefix(s.kv.tokens, req.committed_length, start, req.tail))
+        check_sync(len(s.kv.tokens), req.committed_length, start, req.tail)
+        self.runner.splice(s.kv, start, req.tail)
         k = len(req.proposal)
         if k > self.max_draft_tokens:
             raise InvalidArgument(f"{k} draft tokens; this service verifies at most {self.max_draft_tokens}")

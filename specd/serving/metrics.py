@@ -31,6 +31,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, make
 
 from specd.core.record import RoundRecord
 from specd.core.suffix_index import SharedSuffixIndex
+from specd.core.transit import HOPS
 from specd.serving import genai
 
 log = logging.getLogger(__name__)
@@ -70,6 +71,8 @@ Q_BUILD_BUCKETS = (0.00005, 0.0001, 0.0002, 0.0005, 0.001, 0.002, 0.005, 0.01, 0
 MAX_ACCEPTANCE_LENGTH_BUCKET = 33  # acceptance length of one round is accepted + 1 <= K + 1
 
 ROUND_PARTS = ("draft", "verify", "overhead")
+# Round overhead by hop (specd.core.transit): sub-millisecond resolution, where the goal is.
+HOP_BUCKETS = (0.00001, 0.000025, 0.00005, 0.0001, 0.0002, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.1, 1.0)
 
 
 class CoordinatorMetrics:
@@ -110,6 +113,16 @@ class CoordinatorMetrics:
             "Round time split: draft (draft model compute), verify (target compute), overhead (the rest: network, queues, coordinator).",
             ["part"],
             buckets=ROUND_PART_BUCKETS,
+            registry=r,
+        )
+        self.round_hop_seconds = Histogram(
+            PREFIX + "round_hop_seconds",
+            "Round overhead by hop: per peer (draft, target) queue (stream read to batch start), batch (the "
+            "batch's bookkeeping beyond the step's compute), reply (batch end to gRPC), wire (both ways between "
+            "the processes), wake (response read to the round resumed); peer coordinator, hop loop: the rest "
+            "(the loop, messages, observers). One sample per call.",
+            ["peer", "hop"],
+            buckets=HOP_BUCKETS,
             registry=r,
         )
         self.request_success = Counter(
@@ -180,6 +193,12 @@ class CoordinatorMetrics:
             registry=r,
         )
         self._parts = [self.round_seconds.labels(part=p) for p in ROUND_PARTS]
+        self._hops = {
+            (peer, hop): self.round_hop_seconds.labels(peer=peer, hop=hop)
+            for peer in ("draft", "target")
+            for hop in HOPS
+        }
+        self._loop_hop = self.round_hop_seconds.labels(peer="coordinator", hop="loop")
         self._positions: list[Any] = []  # accepted_per_pos children by position
 
     def watch_requests(self, count: Callable[[], float]) -> None:
@@ -206,6 +225,13 @@ class CoordinatorMetrics:
             child.observe(max(0.0, ms) / 1e3)
         if record.index > 0 and record.tokens > 0:  # the first round's tokens are time to first token
             self.itl.observe(record.wall_ms / 1e3 / record.tokens)
+        for peer, transit in (("draft", record.draft_transit), ("target", record.verify_transit)):
+            if transit is not None:
+                for hop, ms in transit.hops():
+                    self._hops[peer, hop].observe(ms / 1e3)
+        loop_ms = record.loop_ms
+        if loop_ms is not None:
+            self._loop_hop.observe(loop_ms / 1e3)
 
     def observe_request(self, stats: Any, finish_reason: str, e2e_s: float, *, model: str = "") -> None:
         """A finished request (specd.core.record.RequestStats); model: the target's name (gen_ai.request.model)."""

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import abc
 import logging
+import time
 from collections.abc import AsyncIterator, Callable, Sequence
 from concurrent.futures import Executor
 from typing import Any, Generic, Protocol, TypeVar
@@ -28,7 +29,7 @@ from specd.core.phases import PhaseLog
 from specd.serving import tracing as tr
 from specd.serving.batching import MicroBatcher
 from specd.serving.grpc_errors import session_error
-from specd.serving.streams import StreamSessions, client_session_id, serve_round_stream
+from specd.serving.streams import Stamped, StreamSessions, client_session_id, serve_round_stream
 from specd.v1 import common_pb2, session_pb2
 
 Req = TypeVar("Req")
@@ -71,8 +72,8 @@ class BatchedRoundServicer(abc.ABC, Generic[Req, Resp, Work, Result]):
         self.info = info
         self.tracing = tracing or tr.TRACING_OFF
         self.metrics = metrics
-        self.batcher: MicroBatcher[Req, Resp] = MicroBatcher(
-            self.handle_batch, executor, max_batch=max_batch, max_wait_s=batch_wait_s, expected=engine.active_sessions
+        self.batcher: MicroBatcher[Stamped[Req], Resp] = MicroBatcher(
+            self.handle_stamped, executor, max_batch=max_batch, max_wait_s=batch_wait_s, expected=engine.active_sessions
         )
         if metrics is not None:
             metrics.watch_sessions(engine.active_sessions, getattr(engine, "kv_bytes", None))  # NgramDrafter has none
@@ -157,6 +158,15 @@ class BatchedRoundServicer(abc.ABC, Generic[Req, Resp, Work, Result]):
         return resp
 
     # ---- the batch walk ---------------------------------------------------------------
+
+    def handle_stamped(self, items: Sequence[Stamped[Req]]) -> list[Resp]:
+        """handle_batch for messages off the stream, noting when their batch started and ended."""
+        started = time.perf_counter_ns()
+        out = self.handle_batch([item.request for item in items])
+        ended = time.perf_counter_ns()
+        for item in items:
+            item.started_ns, item.ended_ns = started, ended
+        return out
 
     def handle_batch(self, requests: Sequence[Req]) -> list[Resp]:
         spans = [self._start_span(r) for r in requests]

@@ -62,20 +62,22 @@ class DraftPropose(_message.Message):
     def __init__(self, start: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., num_tokens: _Optional[int] = ...) -> None: ...
 
 class DraftResponse(_message.Message):
-    __slots__ = ("request_id", "session_id", "committed_length", "proposal", "ack", "error")
+    __slots__ = ("request_id", "session_id", "committed_length", "proposal", "ack", "error", "timing")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     COMMITTED_LENGTH_FIELD_NUMBER: _ClassVar[int]
     PROPOSAL_FIELD_NUMBER: _ClassVar[int]
     ACK_FIELD_NUMBER: _ClassVar[int]
     ERROR_FIELD_NUMBER: _ClassVar[int]
+    TIMING_FIELD_NUMBER: _ClassVar[int]
     request_id: int
     session_id: str
     committed_length: int
     proposal: DraftProposal
     ack: _session_pb2.SessionAck
     error: _session_pb2.SessionError
-    def __init__(self, request_id: _Optional[int] = ..., session_id: _Optional[str] = ..., committed_length: _Optional[int] = ..., proposal: _Optional[_Union[DraftProposal, _Mapping]] = ..., ack: _Optional[_Union[_session_pb2.SessionAck, _Mapping]] = ..., error: _Optional[_Union[_session_pb2.SessionError, _Mapping]] = ...) -> None: ...
+    timing: _session_pb2.ServiceTiming
+    def __init__(self, request_id: _Optional[int] = ..., session_id: _Optional[str] = ..., committed_length: _Optional[int] = ..., proposal: _Optional[_Union[DraftProposal, _Mapping]] = ..., ack: _Optional[_Union[_session_pb2.SessionAck, _Mapping]] = ..., error: _Optional[_Union[_session_pb2.SessionError, _Mapping]] = ..., timing: _Optional[_Union[_session_pb2.ServiceTiming, _Mapping]] = ...) -> None: ...
 
 class DraftProposal(_message.Message):
     __slots__ = ("token_ids", "q", "compute_ms", "batch_size")

@@ -18,7 +18,8 @@ from torch import Tensor, nn
 
 from specd.core import phases as ph
 from specd.core import sampling, sparse_q
-from specd.core.errors import InvalidArgument, SessionOutOfSync
+from specd.core.errors import Internal, InvalidArgument, SessionOutOfSync
+from specd.core.greedy import greedy_tokens
 from specd.core.phases import PhaseLog
 from specd.core.proposal import Proposal
 from specd.core.runner import CausalLMRunner, KVSession
@@ -234,19 +235,33 @@ class ModelDrafter(PooledModel[_ModelDraftSession]):
         if self.token_map is not None:
             logits = logits[:, self.token_map]  # [A, N]: the reduced head's own rows
         t1 = time.time_ns()
-        probs = sampling.processed_probs(logits[:, None, :], [s.params for _, s in active])  # [A, 1, V or N]
-        unusable = sampling.unusable_rows(logits[:, None, :], probs)
-        probs = probs[:, 0]  # [A, V or N]
-        failed: dict[int, Exception] = {active[a][0]: exc for a, exc in unusable.items()}
+        failed: dict[int, Exception] = {}
         tokens: dict[int, int] = {}  # row -> token
+        greedy = [a for a, (_, s) in enumerate(active) if s.params.is_greedy]
+        if greedy:  # the argmax, off the logits (specd.core.greedy); q one-hot: nothing to send
+            best, bad = greedy_tokens(logits[greedy])
+            for a, token, unusable in zip(greedy, best.tolist(), bad.tolist()):
+                if unusable:
+                    failed[active[a][0]] = Internal("the model's logits for this request are not finite")
+                else:
+                    tokens[a] = self._target_id(token)
+        rest = [a for a in range(len(active)) if not active[a][1].params.is_greedy]
         sampled: dict[QSettings, list[int]] = {}  # rows by q settings: each group shares one build
-        for a, (_, s) in enumerate(active):
-            if a in unusable:
-                continue
-            if s.params.is_greedy:
-                tokens[a] = self._target_id(probs[a].argmax())  # q one-hot: nothing to send
-            else:
-                sampled.setdefault(s.q, []).append(a)
+        probs = logits  # [A, V or N]: the processed p of the sampled rows (greedy rows: unused)
+        if rest:
+            everyone = len(rest) == len(active)
+            rest_logits = (logits if everyone else logits[rest])[:, None, :]  # [R, 1, V or N]
+            rest_probs = sampling.processed_probs(rest_logits, [active[a][1].params for a in rest])
+            unusable = sampling.unusable_rows(rest_logits, rest_probs)
+            probs = rest_probs[:, 0]
+            if not everyone:  # back to row a of the batch
+                idx = torch.tensor(rest, dtype=torch.int64, device=probs.device)
+                probs = probs.new_zeros(logits.shape).index_copy_(0, idx, probs)
+            for r, a in enumerate(rest):
+                if r in unusable:
+                    failed[active[a][0]] = unusable[r]
+                else:
+                    sampled.setdefault(active[a][1].q, []).append(a)
         tq = time.perf_counter_ns()
         for settings, group in sampled.items():
             try:

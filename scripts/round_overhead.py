@@ -134,11 +134,17 @@ def main() -> None:
     parser.add_argument("--draft-length", type=int, default=4, help="fixed K (0: target-only rounds)")
     parser.add_argument("--temperature", type=float, default=0.0)
     parser.add_argument("--json", default="", help="also write the figures here")
+    parser.add_argument("--uvloop", action="store_true", help="run this process's event loop on uvloop")
     args = parser.parse_args()
     args.target = args.target or args.model
     args.draft = args.draft or args.model
     args.streams = [int(s) for s in args.streams.split(",")]
-    results = asyncio.run(measure(args))
+    if args.uvloop:
+        import uvloop
+
+        results = uvloop.run(measure(args))
+    else:
+        results = asyncio.run(measure(args))
     if args.json:
         Path(args.json).write_text(json.dumps({"arguments": vars(args), "results": results}, indent=2) + "\n")
 

@@ -41,8 +41,9 @@ def build_verifier(config: TargetConfig) -> tuple[Verifier, common_pb2.ModelInfo
                 "(tensor parallelism included); use --tp 1"
             )
         sim_runner, identity = catalog.load_sim_for_serving(config.model, "target", config.cache_path)
-        return _verifier(sim_runner, config), common_pb2.ModelInfo(**identity)  # type: ignore[arg-type]
+        return _verifier(sim_runner, config), common_pb2.ModelInfo(**identity)
     folder = catalog.target_folder(config.model, config.cache_path)
+    runner: CausalLMRunner
     if config.tp > 1:  # this process is rank 0 of a tensor-parallel group
         from target_service.workers import build_tp_runner
 

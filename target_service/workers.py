@@ -55,6 +55,7 @@ from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
+from transformers import PreTrainedModel
 
 from specd.core import tensor_parallel
 from specd.core.errors import FailedPrecondition, SpecdError, Unavailable
@@ -112,7 +113,8 @@ def load_shard(spec: WorkerSpec, rank: int, device: str) -> LoadedModel:
     """Load the model folder plainly, keep rank `rank`'s shard, move it to `device`."""
     loaded = load_pretrained(spec.folder)
     tensor_parallel.shard_model(loaded.model, rank, spec.tp)
-    loaded.model.to(device)
+    # transformers decorates to() with functools.wraps(nn.Module.to), so its stub takes `self` as the device
+    loaded.model.to(device)  # type: ignore[arg-type]
     return loaded
 
 
@@ -290,7 +292,7 @@ class MpExecutor:
 
     def launch(self, spec: WorkerSpec, rdv: Rendezvous) -> None:
         ctx = multiprocessing.get_context("spawn")
-        procs = []
+        procs: list[tuple[int, multiprocessing.process.BaseProcess]] = []
         for rank in range(1, spec.tp):
             p = ctx.Process(target=run_follower, args=(spec, rank, rdv, "mp"), name=f"specd-tp-rank{rank}", daemon=True)
             p.start()
@@ -726,8 +728,8 @@ class TPSession(KVSession):
 class TensorParallelRunner(CausalLMRunner):
     """`CausalLMRunner` on rank 0 of a worker group: every forward is mirrored by the followers."""
 
-    def __init__(self, model: torch.nn.Module, group: WorkerGroup, *, max_context: int | None = None) -> None:
-        super().__init__(model, max_context=max_context)  # type: ignore[arg-type]
+    def __init__(self, model: PreTrainedModel, group: WorkerGroup, *, max_context: int | None = None) -> None:
+        super().__init__(model, max_context=max_context)
         self.group = group
         self._ids = itertools.count(1)
 

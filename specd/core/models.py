@@ -356,9 +356,8 @@ def build_tiny_tokenizer() -> PreTrainedTokenizerFast:
     return tokenizer
 
 
-def _token_ids_config() -> dict[str, int]:
-    eot = 256 + _TINY_SPECIALS.index(_ENDOFTEXT)  # eos, bos and pad, as in GPT-2
-    return {"bos_token_id": eot, "eos_token_id": eot, "pad_token_id": eot}
+def _tiny_eot() -> int:
+    return 256 + _TINY_SPECIALS.index(_ENDOFTEXT)  # eos, bos and pad, as in GPT-2
 
 
 def _tiny_llama(*, layers: int, hidden: int, heads: int, kv_heads: int) -> LlamaConfig:
@@ -372,7 +371,9 @@ def _tiny_llama(*, layers: int, hidden: int, heads: int, kv_heads: int) -> Llama
         max_position_embeddings=_TINY_CONTEXT,
         initializer_range=_TINY_INIT_STD,
         tie_word_embeddings=False,
-        **_token_ids_config(),
+        bos_token_id=_tiny_eot(),
+        eos_token_id=_tiny_eot(),
+        pad_token_id=_tiny_eot(),
     )
 
 
@@ -387,7 +388,9 @@ def _tiny_gpt2() -> GPT2Config:
         resid_pdrop=0.0,
         embd_pdrop=0.0,
         attn_pdrop=0.0,
-        **_token_ids_config(),
+        bos_token_id=_tiny_eot(),
+        eos_token_id=_tiny_eot(),
+        pad_token_id=_tiny_eot(),
     )
 
 
@@ -403,7 +406,7 @@ def _build_random(final: Path, make: Callable[[], PreTrainedModel], *, seed: int
             torch.manual_seed(seed)
             model = make()
         model.eval()
-        model.generation_config.update(**_token_ids_config())
+        model.generation_config.update(bos_token_id=_tiny_eot(), eos_token_id=_tiny_eot(), pad_token_id=_tiny_eot())
         with quiet_transformers():
             model.save_pretrained(tmp)
             build_tiny_tokenizer().save_pretrained(tmp)
@@ -489,7 +492,7 @@ def demo_target_path(cache_dir: Path, *, progress: bool = True) -> Path:
         stages.set_postfix_str("save")
         # The weights are dense float32 now; without this, save_pretrained
         # refuses (and a reload would look for the GGUF file).
-        model.hf_quantizer = None
+        model.hf_quantizer = None  # type: ignore[assignment]  # set by from_pretrained, not declared on the class
         if hasattr(model.config, "quantization_config"):
             del model.config.quantization_config
         model.save_pretrained(tmp)

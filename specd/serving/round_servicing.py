@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import abc
 import logging
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence, Sized
 from concurrent.futures import Executor
 from typing import Any, Generic, Protocol, TypeVar
 
@@ -31,13 +31,33 @@ from specd.serving.grpc_errors import session_error
 from specd.serving.streams import StreamSessions, client_session_id, serve_round_stream
 from specd.v1 import common_pb2, session_pb2
 
-Req = TypeVar("Req")
 Resp = TypeVar("Resp")
 Work = TypeVar("Work")  # a step message as the core's request (ProposeRequest, VerifyRequest)
 Result = TypeVar("Result")  # the core's answer to one (Proposal, VerifyOutcome)
 Handled = tuple[Any, PhaseLog | None]  # (response message, where the core's time went)
 
 log = logging.getLogger(__name__)
+
+
+class _OpenOp(Protocol):
+    @property
+    def token_ids(self) -> Sized: ...
+
+
+class RoundRequest(Protocol):
+    """What the servicer reads on every stream message (DraftRequest, TargetRequest)."""
+
+    request_id: int
+    session_id: str
+    committed_length: int
+
+    @property
+    def open(self) -> _OpenOp: ...
+
+    def WhichOneof(self, oneof_group: Any) -> Any: ...  # as protobuf's Message types it
+
+
+Req = TypeVar("Req", bound=RoundRequest)  # the stream's request message
 
 
 class SessionEngine(Protocol):
@@ -101,7 +121,7 @@ class BatchedRoundServicer(abc.ABC, Generic[Req, Resp, Work, Result]):
 
     def close_session(self, request: Req) -> None:
         """A close message: the engine forgets the session (a service may learn from it first)."""
-        self.engine.close(request.session_id)  # type: ignore[attr-defined]
+        self.engine.close(request.session_id)
 
     # ---- one message ------------------------------------------------------------------
 
@@ -140,9 +160,9 @@ class BatchedRoundServicer(abc.ABC, Generic[Req, Resp, Work, Result]):
         """open / close (or a message with no op), on its own: per-session errors go back in-band."""
         resp: Any = self._response(req)
         try:
-            op = req.WhichOneof("op")  # type: ignore[attr-defined]
+            op = req.WhichOneof("op")
             if op == "open":
-                if len(req.open.token_ids) != req.committed_length:  # type: ignore[attr-defined]
+                if len(req.open.token_ids) != req.committed_length:
                     raise InvalidArgument("open: committed_length must equal the number of token_ids")
                 self.open_session(req)
                 resp.ack.SetInParent()
@@ -176,10 +196,10 @@ class BatchedRoundServicer(abc.ABC, Generic[Req, Resp, Work, Result]):
             sessions.clear()
 
         for i, req in enumerate(requests):
-            sid = req.session_id  # type: ignore[attr-defined]
+            sid = req.session_id
             if sid in sessions:  # this session's earlier step must run first
                 flush()
-            if req.WhichOneof("op") == self.step_op:  # type: ignore[attr-defined]
+            if req.WhichOneof("op") == self.step_op:
                 group.append(i)
                 sessions.add(sid)
             else:

@@ -30,31 +30,40 @@ _Config = TypeVar("_Config", bound=cfg.ServiceBase)
 
 def _serve(args: argparse.Namespace) -> int:
     service = args.service
-    kind = {"draft": cfg.DraftConfig, "target": cfg.TargetConfig, "coordinator": cfg.CoordinatorConfig}[service]
+    kind: type[cfg.ServiceBase] = {
+        "draft": cfg.DraftConfig,
+        "target": cfg.TargetConfig,
+        "coordinator": cfg.CoordinatorConfig,
+    }[service]
     config = cfg.from_args(kind, args)
     logging.basicConfig(
         level=config.log_level, format=f"%(asctime)s specd-{service} %(levelname)s %(name)s: %(message)s"
     )
     config = _set_threads(config)
-    from specd.serving.metrics import metrics_for, serve_metrics
+    from specd.serving.metrics import CoordinatorMetrics, DraftMetrics, TargetMetrics, serve_metrics
     from specd.serving.server import serve_until_signal
     from specd.serving.tracing import setup_tracing
 
     async def main() -> None:
         tracing = setup_tracing(service, config)  # a no-op unless an OTLP endpoint is configured
-        metrics = metrics_for(service) if config.metrics_port >= 0 else None
-        if service == "draft":
+        metrics_on = config.metrics_port >= 0
+        metrics: CoordinatorMetrics | DraftMetrics | TargetMetrics | None
+        if isinstance(config, cfg.DraftConfig):
             from draft_service.server import create_server as create_draft
 
-            handle = create_draft(config, tracing=tracing, metrics=metrics)  # type: ignore[arg-type]
-        elif service == "target":
+            metrics = draft_metrics = DraftMetrics() if metrics_on else None
+            handle = create_draft(config, tracing=tracing, metrics=draft_metrics)
+        elif isinstance(config, cfg.TargetConfig):
             from target_service.server import create_server as create_target
 
-            handle = create_target(config, tracing=tracing, metrics=metrics)  # type: ignore[arg-type]
+            metrics = target_metrics = TargetMetrics() if metrics_on else None
+            handle = create_target(config, tracing=tracing, metrics=target_metrics)
         else:
             from coordinator.server import create_server as create_coordinator
 
-            handle, _ = await create_coordinator(config, tracing=tracing, metrics=metrics)  # type: ignore[arg-type]
+            assert isinstance(config, cfg.CoordinatorConfig)
+            metrics = coordinator_metrics = CoordinatorMetrics() if metrics_on else None
+            handle, _ = await create_coordinator(config, tracing=tracing, metrics=coordinator_metrics)
         metrics_server = None
         if metrics is not None:
             metrics_server, metrics_port = serve_metrics(metrics.registry, config.host, config.metrics_port)
@@ -136,7 +145,7 @@ def _tp_args(args: argparse.Namespace) -> list[str]:
 def _generate(args: argparse.Namespace) -> int:
     from google.protobuf.json_format import MessageToDict
 
-    from coordinator.client import CoordinatorClient
+    from coordinator.client import CoordinatorClient, Prompt
 
     kwargs = dict(
         max_new_tokens=args.max_new_tokens,
@@ -151,7 +160,7 @@ def _generate(args: argparse.Namespace) -> int:
         pipeline=args.pipeline,
         ignore_eos=args.ignore_eos,
     )
-    prompt: object = [{"role": "user", "content": args.prompt}] if args.chat else args.prompt
+    prompt: Prompt = [{"role": "user", "content": args.prompt}] if args.chat else args.prompt
     token = None
     if args.token_file:
         from specd.serving.security import read_token
@@ -163,7 +172,7 @@ def _generate(args: argparse.Namespace) -> int:
         with CoordinatorClient(args.address, timeout=args.timeout, tls_ca=args.tls_ca or None, token=token) as client:
             if args.stream and not args.json:
                 final = None
-                for msg in client.generate_stream(prompt, **kwargs):  # type: ignore[arg-type]
+                for msg in client.generate_stream(prompt, **kwargs):
                     sys.stdout.write(msg.text)
                     sys.stdout.flush()
                     if msg.HasField("stats"):
@@ -172,7 +181,7 @@ def _generate(args: argparse.Namespace) -> int:
                 if final is not None:
                     print(_speculation_line(final), file=sys.stderr)
                 return 0
-            response = client.generate(prompt, **kwargs)  # type: ignore[arg-type]
+            response = client.generate(prompt, **kwargs)
     except grpc.RpcError as exc:
         code, line = explain(exc, ctx, time.monotonic() - started)
         if args.verbose:
@@ -184,9 +193,9 @@ def _generate(args: argparse.Namespace) -> int:
             response.stats, preserving_proto_field_name=True, always_print_fields_with_no_presence=True
         )
         stats["seed"] = int(stats.get("seed", 0))  # uint64 comes out of protobuf's JSON as a string
-        finish = (
-            response.DESCRIPTOR.fields_by_name["finish_reason"].enum_type.values_by_number[response.finish_reason].name
-        )
+        finish_reasons = response.DESCRIPTOR.fields_by_name["finish_reason"].enum_type
+        assert finish_reasons is not None  # an enum field
+        finish = finish_reasons.values_by_number[response.finish_reason].name
         out = {
             "text": response.text,
             "token_ids": list(response.token_ids),

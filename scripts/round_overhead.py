@@ -20,6 +20,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+import grpc
+
 from coordinator.client import build_request
 from coordinator.server import create_server
 from specd.core.models import build_tiny_pair
@@ -34,8 +36,6 @@ def percentile(values: list[float], q: float) -> float:
 
 
 async def measure(target: str, draft: str, requests: int, tokens: int, k: int, target_threads: int) -> None:
-    import grpc
-
     peers = [
         QuietService("target", ["target", "--model", target, "--port", "0", "--torch-threads", str(target_threads)]),
         QuietService(

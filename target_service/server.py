@@ -23,6 +23,7 @@ from specd.serving.server import ServiceHandle, build_server, message_limit_for_
 from specd.serving.tracing import Tracing
 from specd.v1 import common_pb2, target_pb2, target_pb2_grpc
 from target_service.servicer import TargetServicer
+from target_service.workers import EXIT_WORKER_FAILURE, WorkerGroup, build_tp_runner
 
 log = logging.getLogger(__name__)
 
@@ -45,8 +46,6 @@ def build_verifier(config: TargetConfig) -> tuple[Verifier, common_pb2.ModelInfo
     folder = catalog.target_folder(config.model, config.cache_path)
     runner: CausalLMRunner
     if config.tp > 1:  # this process is rank 0 of a tensor-parallel group
-        from target_service.workers import build_tp_runner
-
         loaded, runner = build_tp_runner(
             folder,
             tp=config.tp,
@@ -115,8 +114,6 @@ def create_server(
 
 def _follow_worker_group(handle: ServiceHandle, verifier: Verifier) -> ServiceHandle:
     """With tp > 1: health follows the worker group, and stopping the service stops its workers."""
-    from target_service.workers import EXIT_WORKER_FAILURE, WorkerGroup
-
     group = getattr(verifier.runner, "group", None)
     if not isinstance(group, WorkerGroup):
         return handle

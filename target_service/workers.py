@@ -347,7 +347,7 @@ def _check_reachable(address: str, timeout_s: float = 5.0) -> None:
 
 def _import_ray() -> Any:
     try:
-        import ray
+        import ray  # noqa: PLC0415 - an optional dependency (specd[ray]), loaded for --executor ray only
     except ImportError:
         raise FailedPrecondition("--executor ray needs Ray: pip install 'specd[ray]' (or use --executor mp)") from None
     return ray
@@ -394,8 +394,8 @@ class RayExecutor:
         return str(self._ray.util.get_node_ip_address())
 
     def launch(self, spec: WorkerSpec, rdv: Rendezvous) -> None:
-        from ray.util.placement_group import placement_group
-        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+        from ray.util.placement_group import placement_group  # noqa: PLC0415 - optional dependency
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy  # noqa: PLC0415 - optional
 
         ray = self._ray
         self._pg = placement_group([dict(self._bundle) for _ in range(1, spec.tp)], strategy="PACK")
@@ -458,7 +458,7 @@ class RayExecutor:
             except Exception as exc:  # noqa: BLE001 - already gone
                 log.debug("ray.kill: %s", exc)
         if self._pg is not None:
-            from ray.util.placement_group import remove_placement_group
+            from ray.util.placement_group import remove_placement_group  # noqa: PLC0415 - optional dependency
 
             try:
                 remove_placement_group(self._pg)

@@ -23,6 +23,7 @@ from pathlib import Path
 import grpc
 import pytest
 
+from coordinator.client import CoordinatorClient
 from specd.serving import tracing as tr
 from specd.tools.otlp_receiver import OtlpReceiver
 from tests.cluster import QuietService, metrics_address, scrape, total
@@ -44,8 +45,6 @@ def _placements(coordinator: QuietService, role: str) -> dict[str, float]:
 
 
 def _generate(address: str, target: Path, text: str) -> list[int]:
-    from coordinator.client import CoordinatorClient
-
     with CoordinatorClient(address, timeout=120) as client:
         return [
             t

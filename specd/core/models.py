@@ -35,6 +35,8 @@ from pathlib import Path
 import torch
 import transformers
 from safetensors import SafetensorError, safe_open
+from tokenizers import AddedToken, Tokenizer, decoders, pre_tokenizers
+from tokenizers.models import BPE
 from tqdm.auto import tqdm
 from transformers import (
     AutoConfig,
@@ -48,6 +50,7 @@ from transformers import (
     PreTrainedTokenizerBase,
     PreTrainedTokenizerFast,
 )
+from transformers.convert_slow_tokenizer import bytes_to_unicode
 
 from specd.core.errors import FailedPrecondition, InvalidArgument
 
@@ -333,12 +336,9 @@ def build_tiny_tokenizer() -> PreTrainedTokenizerFast:
     No merges, so any text round-trips and token id == byte value. Built
     offline with the `tokenizers` library, in milliseconds.
     """
-    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
-    from transformers.convert_slow_tokenizer import bytes_to_unicode
-
     byte_to_char = bytes_to_unicode()  # the ByteLevel pre-tokenizer's alphabet
     vocab = {byte_to_char[b]: b for b in range(256)}
-    backend = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    backend = Tokenizer(BPE(vocab=vocab, merges=[]))
     backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
     backend.decoder = decoders.ByteLevel()
     backend.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in _TINY_SPECIALS])

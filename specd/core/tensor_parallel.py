@@ -56,7 +56,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor, nn
-from transformers import AutoModelForCausalLM, PretrainedConfig, PreTrainedModel
+from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig, PreTrainedModel
 
 from specd.core.errors import InvalidArgument
 
@@ -171,8 +171,6 @@ def plan_sharding(model: PreTrainedModel, config: PretrainedConfig) -> ShardPlan
 
 def check_model_folder(folder: str, tp: int) -> PretrainedConfig:
     """Validate `tp` against a model folder without loading weights (meta-device module tree)."""
-    from transformers import AutoConfig
-
     config = AutoConfig.from_pretrained(folder, local_files_only=True)
     check_config(config, tp)
     with torch.device("meta"):

@@ -40,11 +40,18 @@ from urllib.parse import urlparse
 
 from opentelemetry import trace
 from opentelemetry.context import Context
+from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter as GrpcExporter
+from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter as HttpExporter
 from opentelemetry.propagators.textmap import TextMapPropagator
+from opentelemetry.sdk.resources import Resource
+from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.sdk.trace.export import BatchSpanProcessor
+from opentelemetry.sdk.trace.sampling import ParentBased, TraceIdRatioBased
 from opentelemetry.trace import INVALID_SPAN, NoOpTracer, Span, SpanKind, Status, StatusCode, Tracer
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
 import specd
+from specd.core.errors import InvalidArgument
 from specd.core.record import RoundRecord
 from specd.serving import genai
 
@@ -206,8 +213,6 @@ def resolve_settings(service: str, config: Any, env: Mapping[str, str] | None = 
     env = os.environ if env is None else env
     protocol = _protocol(config.otlp_protocol, env)
     if protocol not in ("grpc", "http/protobuf"):
-        from specd.core.errors import InvalidArgument
-
         raise InvalidArgument(f"OTLP protocol must be grpc or http/protobuf (got {protocol!r})")
     if config.otlp_endpoint:
         endpoint, from_flag = _flag_endpoint(config.otlp_endpoint, protocol), True
@@ -339,8 +344,6 @@ def setup_tracing(service: str, config: Any, env: Mapping[str, str] | None = Non
     Other exporter settings (headers, timeout, compression, certificates,
     batch sizes) come from the standard OTEL_* variables, read by the SDK.
     """
-    from specd.core.errors import InvalidArgument
-
     try:
         settings = resolve_settings(service, config, env)
     except InvalidArgument as exc:  # e.g. OTEL_EXPORTER_OTLP_PROTOCOL=http/json
@@ -356,18 +359,9 @@ def setup_tracing(service: str, config: Any, env: Mapping[str, str] | None = Non
 
 
 def _build(settings: TracingSettings) -> Tracing:
-    from opentelemetry.sdk.resources import Resource
-    from opentelemetry.sdk.trace import TracerProvider
-    from opentelemetry.sdk.trace.export import BatchSpanProcessor
-    from opentelemetry.sdk.trace.sampling import ParentBased, TraceIdRatioBased
-
     if settings.protocol == "http/protobuf":
-        from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter as HttpExporter
-
         exporter: Any = HttpExporter(endpoint=settings.endpoint if settings.from_flag else None)
     else:
-        from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter as GrpcExporter
-
         exporter = GrpcExporter(endpoint=settings.endpoint if settings.from_flag else None)
     resource = Resource.create(
         {

@@ -23,7 +23,8 @@ from specd.serving.server import ServiceHandle, build_server, message_limit_for_
 from specd.serving.tracing import Tracing
 from specd.v1 import common_pb2, target_pb2, target_pb2_grpc
 from target_service.servicer import TargetServicer
-from target_service.workers import EXIT_WORKER_FAILURE, WorkerGroup, build_tp_runner
+from target_service.workers.group import EXIT_WORKER_FAILURE, WorkerGroup
+from target_service.workers.runner import build_tp_runner
 
 log = logging.getLogger(__name__)
 

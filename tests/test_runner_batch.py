@@ -15,7 +15,7 @@ from torch import Tensor
 from specd.core.errors import InvalidArgument
 from specd.core.models import load_pretrained
 from specd.core.runner import CausalLMRunner, KVSession
-from target_service.workers import TensorParallelRunner
+from target_service.workers.runner import TensorParallelRunner
 
 pytestmark = pytest.mark.usefixtures("torch_single_thread")
 

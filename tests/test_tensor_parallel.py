@@ -33,7 +33,7 @@ from specd.core.verification import Verifier
 from specd.tools import cli
 from specd.v1 import common_pb2, session_pb2, target_pb2, target_pb2_grpc
 from target_service.servicer import TargetServicer
-from target_service.workers import TensorParallelRunner, build_tp_runner
+from target_service.workers.runner import TensorParallelRunner, build_tp_runner
 from tests.cluster import READY_TIMEOUT_S, Cluster, QuietService, metrics_address, scrape, total
 from tests.references import loaded, reference
 

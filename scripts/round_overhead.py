@@ -24,7 +24,7 @@ import grpc
 
 from coordinator.client import build_request
 from coordinator.server import create_server
-from specd.core.models import build_tiny_pair
+from specd.core.tiny_models import build_tiny_pair
 from specd.serving.config import CoordinatorConfig
 from specd.v1 import coordinator_pb2_grpc
 from tests.cluster import QuietService

@@ -15,7 +15,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from specd.core.models import build_tiny_gpt2, build_tiny_pair, demo_target_path
+from specd.core.demo_target import demo_target_path
+from specd.core.tiny_models import build_tiny_gpt2, build_tiny_pair
 from tests.cluster import Cluster
 
 # ---- models -------------------------------------------------------------------

@@ -14,7 +14,7 @@ from specd.serving.config import CoordinatorConfig
 from specd.v1 import common_pb2, coordinator_pb2, coordinator_pb2_grpc
 from tests.cluster import Cluster
 
-VOCAB = 259  # the tiny tokenizer's size (models.build_tiny_pair)
+VOCAB = 259  # the tiny tokenizer's size (tiny_models.build_tiny_pair)
 CONTEXT = 512
 
 

@@ -18,15 +18,9 @@ from typing import TypedDict
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
+from specd.core.demo_target import demo_target_path
 from specd.core.draft_checkpoint import COMPACT_META, COMPACT_WEIGHTS, assemble, install_reduced_head
-from specd.core.models import (
-    LoadedModel,
-    demo_target_path,
-    load_pretrained,
-    quiet_transformers,
-    share_readable,
-    vocab_fingerprint,
-)
+from specd.core.models import LoadedModel, load_pretrained, quiet_transformers, share_readable, vocab_fingerprint
 from specd.core.runner import CausalLMRunner
 from specd.core.sim import SimRunner, is_sim, parse_sim_spec
 from specd.core.sim.tokenizer import sim_tokenizer_folder

@@ -25,6 +25,7 @@ from typing import Any, Generic, Protocol, TypeVar
 
 from specd.core.errors import InvalidArgument
 from specd.core.phases import PhaseLog
+from specd.serving import trace_names, trace_spans
 from specd.serving import tracing as tr
 from specd.serving.batching import MicroBatcher
 from specd.serving.grpc_errors import session_error
@@ -231,8 +232,8 @@ class BatchedRoundServicer(abc.ABC, Generic[Req, Resp, Work, Result]):
             self.span_prefix + (op if op in ("open", "close") else self.step_op),
             req.trace_context,
             {
-                tr.ATTR_SESSION_ID: tr.hashed_session_id(client_session_id(req.session_id)),
-                tr.ATTR_COMMITTED_LENGTH: req.committed_length,
+                trace_names.ATTR_SESSION_ID: trace_spans.hashed_session_id(client_session_id(req.session_id)),
+                trace_names.ATTR_COMMITTED_LENGTH: req.committed_length,
             },
         )
 
@@ -255,10 +256,10 @@ class BatchedRoundServicer(abc.ABC, Generic[Req, Resp, Work, Result]):
                     self.span_prefix + p.name,
                     span,
                     start_time=p.start_ns,
-                    attributes={tr.ATTR_PHASE_MS: round(phases.total_ms(p.name), 3)},
+                    attributes={trace_names.ATTR_PHASE_MS: round(phases.total_ms(p.name), 3)},
                 )
                 child.end(end_time=p.end_ns)
-        tr.end_message_span(span, attributes, error)
+        trace_spans.end_message_span(span, attributes, error)
         if self.metrics is not None:
             self.metrics.observe_message(op, "ok" if error is None else error[0])
 

@@ -140,7 +140,7 @@ def main() -> None:
     args.draft = args.draft or args.model
     args.streams = [int(s) for s in args.streams.split(",")]
     if args.uvloop:
-        import uvloop
+        import uvloop  # noqa: PLC0415 - optional: only for A/B runs of the event loop
 
         results = uvloop.run(measure(args))
     else:

@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from specd.core.greedy import greedy_tokens, greedy_verdict
-from specd.core.sampling import SamplingParams, processed_probs, rejection_sample, unusable_rows
+from specd.core.rejection import rejection_sample
+from specd.core.sampling import SamplingParams, processed_probs, unusable_rows
 
 GREEDY = SamplingParams(temperature=0.0, seed=3)
 

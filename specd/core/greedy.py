@@ -21,7 +21,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from specd.core.sampling import Verdict
+from specd.core.rejection import Verdict
 
 __all__ = ["greedy_tokens", "greedy_verdict"]
 

@@ -2,7 +2,7 @@
 
 Every consumer of a round's numbers reads them from here: the request's
 `RoundStats` (added up from records), the round span's attributes
-(specd.serving.tracing.round_attributes) and the metrics
+(specd.serving.trace_spans.round_attributes) and the metrics
 (specd.serving.metrics.CoordinatorMetrics.observe_round).
 
 Words are vLLM's: *drafts* are rounds that verified >= 1 draft token,

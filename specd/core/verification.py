@@ -21,8 +21,9 @@ from specd.core.errors import Internal, InvalidArgument
 from specd.core.greedy import greedy_verdict
 from specd.core.phases import PhaseLog
 from specd.core.proposal import DEFAULT_MAX_DRAFT_TOKENS, DEFAULT_MAX_Q_WIDTH, Proposal
+from specd.core.rejection import SparseProposal, rejection_sample
 from specd.core.runner import CausalLMRunner, KVSession
-from specd.core.sampling import SamplingParams, SparseProposal
+from specd.core.sampling import SamplingParams
 from specd.core.sessions import PooledModel, PoolLimits, Ready
 from specd.core.transit import Transit
 
@@ -244,7 +245,7 @@ class Verifier(PooledModel[_TargetSession]):
         for r, b in enumerate(rows):
             drafts[r, : ks[b]] = torch.tensor(requests[ready[b][0]].proposal.token_ids, dtype=torch.int64)
         try:
-            v = sampling.rejection_sample(
+            v = rejection_sample(
                 p[idx],
                 drafts,
                 _sparse_batch([requests[ready[b][0]].proposal for b in rows], k_max),

@@ -22,8 +22,6 @@ from specd.core.errors import InvalidArgument
 from specd.core.sparse_q import MAX_BITS, QSettings
 from specd.core.suffix import SuffixSettings
 
-C = TypeVar("C")
-
 
 def default_cache_dir() -> Path:
     """Where converted and assembled models live (SPECD_CACHE_DIR or ~/.cache/specd)."""
@@ -392,9 +390,12 @@ def add_arguments(parser: argparse.ArgumentParser, cls: type, *, skip: tuple[str
         )
 
 
+C = TypeVar("C", bound=ServiceBase)  # a service's config class
+
+
 def from_args(cls: type[C], args: argparse.Namespace, **overrides: Any) -> C:
     values = {f.name: getattr(args, f.name) for f in dataclasses.fields(cls) if hasattr(args, f.name)}
     values.update(overrides)
     config = cls(**values)
-    config.validate()  # type: ignore[attr-defined]
+    config.validate()
     return config

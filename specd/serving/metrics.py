@@ -415,7 +415,12 @@ def _read_while_changing(read: Callable[[], float], tries: int = 3) -> Callable[
 
 
 def metrics_for(service: str) -> CoordinatorMetrics | DraftMetrics | TargetMetrics:
-    return {"coordinator": CoordinatorMetrics, "draft": DraftMetrics, "target": TargetMetrics}[service]()
+    classes: dict[str, type[CoordinatorMetrics | DraftMetrics | TargetMetrics]] = {
+        "coordinator": CoordinatorMetrics,
+        "draft": DraftMetrics,
+        "target": TargetMetrics,
+    }
+    return classes[service]()
 
 
 class _TextOnlyServer(ThreadingMixIn, WSGIServer):

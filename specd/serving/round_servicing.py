@@ -20,25 +20,46 @@ from __future__ import annotations
 import abc
 import logging
 import time
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence, Sized
 from concurrent.futures import Executor
 from typing import Any, Generic, Protocol, TypeVar
 
 from specd.core.errors import InvalidArgument
 from specd.core.phases import PhaseLog
+from specd.serving import trace_names, trace_spans
 from specd.serving import tracing as tr
 from specd.serving.batching import MicroBatcher
 from specd.serving.grpc_errors import session_error
-from specd.serving.streams import Stamped, StreamSessions, client_session_id, serve_round_stream
+from specd.serving.streams import Stamped, StreamSessions, TimedResponse, client_session_id, serve_round_stream
 from specd.v1 import common_pb2, session_pb2
 
-Req = TypeVar("Req")
-Resp = TypeVar("Resp")
+Resp = TypeVar("Resp", bound=TimedResponse)
 Work = TypeVar("Work")  # a step message as the core's request (ProposeRequest, VerifyRequest)
 Result = TypeVar("Result")  # the core's answer to one (Proposal, VerifyOutcome)
 Handled = tuple[Any, PhaseLog | None]  # (response message, where the core's time went)
 
 log = logging.getLogger(__name__)
+
+
+class _OpenOp(Protocol):
+    @property
+    def token_ids(self) -> Sized: ...
+
+
+class RoundRequest(Protocol):
+    """What the servicer reads on every stream message (DraftRequest, TargetRequest)."""
+
+    request_id: int
+    session_id: str
+    committed_length: int
+
+    @property
+    def open(self) -> _OpenOp: ...
+
+    def WhichOneof(self, oneof_group: Any) -> Any: ...  # as protobuf's Message types it
+
+
+Req = TypeVar("Req", bound=RoundRequest)  # the stream's request message
 
 
 class SessionEngine(Protocol):
@@ -102,7 +123,7 @@ class BatchedRoundServicer(abc.ABC, Generic[Req, Resp, Work, Result]):
 
     def close_session(self, request: Req) -> None:
         """A close message: the engine forgets the session (a service may learn from it first)."""
-        self.engine.close(request.session_id)  # type: ignore[attr-defined]
+        self.engine.close(request.session_id)
 
     # ---- one message ------------------------------------------------------------------
 
@@ -141,9 +162,9 @@ class BatchedRoundServicer(abc.ABC, Generic[Req, Resp, Work, Result]):
         """open / close (or a message with no op), on its own: per-session errors go back in-band."""
         resp: Any = self._response(req)
         try:
-            op = req.WhichOneof("op")  # type: ignore[attr-defined]
+            op = req.WhichOneof("op")
             if op == "open":
-                if len(req.open.token_ids) != req.committed_length:  # type: ignore[attr-defined]
+                if len(req.open.token_ids) != req.committed_length:
                     raise InvalidArgument("open: committed_length must equal the number of token_ids")
                 self.open_session(req)
                 resp.ack.SetInParent()
@@ -186,10 +207,10 @@ class BatchedRoundServicer(abc.ABC, Generic[Req, Resp, Work, Result]):
             sessions.clear()
 
         for i, req in enumerate(requests):
-            sid = req.session_id  # type: ignore[attr-defined]
+            sid = req.session_id
             if sid in sessions:  # this session's earlier step must run first
                 flush()
-            if req.WhichOneof("op") == self.step_op:  # type: ignore[attr-defined]
+            if req.WhichOneof("op") == self.step_op:
                 group.append(i)
                 sessions.add(sid)
             else:
@@ -221,8 +242,8 @@ class BatchedRoundServicer(abc.ABC, Generic[Req, Resp, Work, Result]):
             self.span_prefix + (op if op in ("open", "close") else self.step_op),
             req.trace_context,
             {
-                tr.ATTR_SESSION_ID: tr.hashed_session_id(client_session_id(req.session_id)),
-                tr.ATTR_COMMITTED_LENGTH: req.committed_length,
+                trace_names.ATTR_SESSION_ID: trace_spans.hashed_session_id(client_session_id(req.session_id)),
+                trace_names.ATTR_COMMITTED_LENGTH: req.committed_length,
             },
         )
 
@@ -245,10 +266,10 @@ class BatchedRoundServicer(abc.ABC, Generic[Req, Resp, Work, Result]):
                     self.span_prefix + p.name,
                     span,
                     start_time=p.start_ns,
-                    attributes={tr.ATTR_PHASE_MS: round(phases.total_ms(p.name), 3)},
+                    attributes={trace_names.ATTR_PHASE_MS: round(phases.total_ms(p.name), 3)},
                 )
                 child.end(end_time=p.end_ns)
-        tr.end_message_span(span, attributes, error)
+        trace_spans.end_message_span(span, attributes, error)
         if self.metrics is not None:
             self.metrics.observe_message(op, "ok" if error is None else error[0])
 

@@ -24,12 +24,14 @@ from specd.v1 import session_pb2
 Req = TypeVar("Req")
 
 
-class _TimedResponse(Protocol):
+class TimedResponse(Protocol):
+    """A round-stream response (DraftResponse, TargetResponse): it carries the service's timing."""
+
     @property
     def timing(self) -> session_pb2.ServiceTiming: ...
 
 
-Resp = TypeVar("Resp", bound=_TimedResponse)
+Resp = TypeVar("Resp", bound=TimedResponse)
 
 
 @dataclass(slots=True)

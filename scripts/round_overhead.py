@@ -34,6 +34,7 @@ from coordinator.server import create_server
 from specd.core.record import RoundRecord
 from specd.core.transit import HOPS
 from specd.serving.config import CoordinatorConfig
+from specd.serving.server import run_event_loop
 from specd.tools.localcluster import ServiceProcess
 from specd.v1 import coordinator_pb2_grpc
 
@@ -77,9 +78,10 @@ async def run_streams(stub: coordinator_pb2_grpc.CoordinatorStub, streams: int, 
 
 
 async def measure(args: argparse.Namespace) -> list[dict[str, object]]:
-    target_args = ["target", "--model", args.target, "--port", "0", "--log-level", "WARNING"]
-    draft_args = ["draft", "--model", args.draft, "--target-model", args.target, "--port", "0"]
-    peers = [ServiceProcess("target", target_args), ServiceProcess("draft", [*draft_args, "--log-level", "WARNING"])]
+    common = ["--port", "0", "--log-level", "WARNING", "--event-loop", args.event_loop]
+    target_args = ["target", "--model", args.target, *common]
+    draft_args = ["draft", "--model", args.draft, "--target-model", args.target, *common]
+    peers = [ServiceProcess("target", target_args), ServiceProcess("draft", draft_args)]
     for p in peers:
         p.start()
     out: list[dict[str, object]] = []
@@ -109,7 +111,8 @@ async def measure(args: argparse.Namespace) -> list[dict[str, object]]:
                     }
                 )
                 print(
-                    f"\n{args.target} K={args.draft_length} T={args.temperature} streams={streams}: "
+                    f"\n{args.target} K={args.draft_length} T={args.temperature} streams={streams} "
+                    f"event loop {args.event_loop}: "
                     f"{len(records)} rounds, coordinator event-loop CPU "
                     f"{out[-1]['loop_cpu_ms_per_round']:.3f} ms per round"
                 )
@@ -134,17 +137,14 @@ def main() -> None:
     parser.add_argument("--draft-length", type=int, default=4, help="fixed K (0: target-only rounds)")
     parser.add_argument("--temperature", type=float, default=0.0)
     parser.add_argument("--json", default="", help="also write the figures here")
-    parser.add_argument("--uvloop", action="store_true", help="run this process's event loop on uvloop")
+    parser.add_argument(
+        "--event-loop", default="auto", choices=["auto", "uvloop", "asyncio"], help="every process's event loop"
+    )
     args = parser.parse_args()
     args.target = args.target or args.model
     args.draft = args.draft or args.model
     args.streams = [int(s) for s in args.streams.split(",")]
-    if args.uvloop:
-        import uvloop  # noqa: PLC0415 - optional: only for A/B runs of the event loop
-
-        results = uvloop.run(measure(args))
-    else:
-        results = asyncio.run(measure(args))
+    results = run_event_loop(measure(args), args.event_loop)
     if args.json:
         Path(args.json).write_text(json.dumps({"arguments": vars(args), "results": results}, indent=2) + "\n")
 

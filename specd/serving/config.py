@@ -55,6 +55,12 @@ class ServiceBase:
     )
     max_concurrent_rpcs: int = _opt(1024, "calls served at once, all kinds; more get RESOURCE_EXHAUSTED at once")
     max_streams_per_connection: int = _opt(128, "streams one client connection may hold open at once")
+    event_loop: str = _opt(
+        "auto",
+        "the service's event loop: uvloop (libuv, a loop in C: less CPU per stream message), asyncio, or auto "
+        "(uvloop where it is installed)",
+        choices=["auto", "uvloop", "asyncio"],
+    )
 
     def validate(self) -> None:
         if not 0 <= self.port <= 65535:

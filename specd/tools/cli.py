@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import asyncio
 import dataclasses
 import json
 import logging
@@ -27,7 +26,7 @@ from specd.core.errors import InvalidArgument, SpecdError
 from specd.serving import config as cfg
 from specd.serving.metrics import CoordinatorMetrics, DraftMetrics, TargetMetrics, serve_metrics
 from specd.serving.security import read_token
-from specd.serving.server import serve_until_signal
+from specd.serving.server import run_event_loop, serve_until_signal
 from specd.serving.tracing import setup_tracing
 from specd.tools import distill
 from specd.tools.bench import add_arguments as add_bench_arguments
@@ -82,7 +81,7 @@ def _serve(args: argparse.Namespace) -> int:
                 metrics_server.shutdown()
             tracing.shutdown(timeout_s=3.0)  # bounded: a dead collector must not hold up exit
 
-    asyncio.run(main())
+    run_event_loop(main(), config.event_loop)
     return 0
 
 

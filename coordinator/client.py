@@ -7,7 +7,7 @@ with CoordinatorClient("127.0.0.1:50051") as client:
 from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
-from typing import Any
+from typing import Any, cast
 
 import grpc
 
@@ -55,10 +55,10 @@ def build_request(
     if isinstance(prompt, str):
         req.text = prompt
     elif prompt and isinstance(prompt[0], dict):
-        for m in prompt:
-            req.chat.messages.add(role=m["role"], content=m["content"])  # type: ignore[index]
+        for m in cast(Sequence[dict[str, str]], prompt):  # chat messages: the first one says so
+            req.chat.messages.add(role=m["role"], content=m["content"])
     else:
-        req.token_ids.ids.extend(int(t) for t in prompt)  # type: ignore[arg-type]
+        req.token_ids.ids.extend(int(t) for t in cast(Sequence[int], prompt))
         if not prompt:
             req.token_ids.SetInParent()
     if temperature is not None:

@@ -9,6 +9,7 @@ string is held back.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import cast
 
 from transformers import PreTrainedTokenizerBase
 
@@ -30,8 +31,9 @@ class IncrementalDetokenizer:
         self._emitted = 0  # chars of self.text handed out
         self.stopped = False
 
-    def _decode(self, ids: Sequence[int]) -> str:
-        return self._tok.decode(ids, skip_special_tokens=True, clean_up_tokenization_spaces=False)
+    def _decode(self, ids: list[int]) -> str:
+        text = self._tok.decode(ids, skip_special_tokens=True, clean_up_tokenization_spaces=False)
+        return cast(str, text)  # one flat list of ids decodes to one string (a batch would give a list)
 
     def push(self, token_ids: Sequence[int]) -> int | None:
         """Add committed tokens. If a stop string completed, return how many of these tokens to keep."""

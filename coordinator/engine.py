@@ -25,6 +25,7 @@ from specd.core.generation import FinishReason
 from specd.core.loop import GenerateSpec, LoopSettings, RoundLoop
 from specd.core.ports import Carrier
 from specd.core.record import RequestStats, RoundRecord
+from specd.serving import trace_names, trace_spans
 from specd.serving import tracing as tr
 from specd.serving.config import CoordinatorConfig
 from specd.serving.metrics import CoordinatorMetrics
@@ -67,11 +68,11 @@ class _RoundWatch:
 
     def round_event(self, message: str, error: BaseException) -> None:
         if self._span.is_recording():
-            self._span.add_event(message, {tr.ATTR_ERROR_TYPE: type(error).__name__})
+            self._span.add_event(message, {trace_names.ATTR_ERROR_TYPE: type(error).__name__})
 
     def round_ended(self, record: RoundRecord) -> None:
         if self._span.is_recording():
-            self._span.set_attributes(tr.round_attributes(record))
+            self._span.set_attributes(trace_spans.round_attributes(record))
             self._span.set_attributes(self._replicas())
         self._span.end()
         self._span = tr.INVALID_SPAN
@@ -80,7 +81,7 @@ class _RoundWatch:
             self._metrics.observe_round(record)
 
     def round_failed(self, error: BaseException) -> None:
-        tr.record_error(self._span, error)
+        trace_spans.record_error(self._span, error)
         self._span.end()  # a round cut short by an error or cancellation
         self._span = tr.INVALID_SPAN
 
@@ -145,7 +146,7 @@ class RoundEngine:
     def replica_attributes(self, session_id: str) -> dict[str, str]:
         """Span attributes naming the replicas that hold the session now."""
         out = {}
-        for key, port in ((tr.ATTR_TARGET_REPLICA, self.target), (tr.ATTR_DRAFT_REPLICA, self.draft)):
+        for key, port in ((trace_names.ATTR_TARGET_REPLICA, self.target), (trace_names.ATTR_DRAFT_REPLICA, self.draft)):
             replica = port.replica_of(session_id) if port is not None else None
             if replica is not None:
                 out[key] = replica
@@ -204,7 +205,7 @@ class RoundEngine:
             arrival = time.monotonic() if arrival is None else arrival
             sid = uuid.uuid4().hex
             if span is not None and span.is_recording():
-                span.set_attribute(tr.ATTR_SESSION_ID, tr.hashed_session_id(sid))
+                span.set_attribute(trace_names.ATTR_SESSION_ID, trace_spans.hashed_session_id(sid))
             detok = IncrementalDetokenizer(self.tokenizer, spec.prompt_ids, spec.stop_strings)
             run = self.loop.run(
                 spec,

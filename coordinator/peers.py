@@ -14,7 +14,9 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
+import time
 from collections.abc import AsyncIterator, Callable, Sequence
+from dataclasses import dataclass
 from typing import Any, Generic, Literal, Protocol, TypeVar
 
 import grpc
@@ -44,6 +46,15 @@ Resp = TypeVar("Resp", bound=_Message)
 _CLOSE = object()  # tells the outgoing iterator of a stream to end
 
 
+@dataclass(frozen=True)
+class Answer(Generic[Resp]):
+    """A response, with how long its round trip took and how long the caller took to resume (ms)."""
+
+    response: Resp
+    round_trip_ms: float  # sent -> read off the stream (this process's clock)
+    wake_ms: float  # read off the stream -> the waiting caller resumed
+
+
 class PeerStream(Generic[Req, Resp]):
     """Request/response over one bidi stream, matched by request_id."""
 
@@ -58,7 +69,7 @@ class PeerStream(Generic[Req, Resp]):
         self.name = name
         self._open_call = open_call
         self._ids = itertools.count(1)
-        self._pending: dict[int, asyncio.Future[Resp]] = {}
+        self._pending: dict[int, asyncio.Future[tuple[Resp, int]]] = {}  # request_id -> (response, read at)
         self._outbox: asyncio.Queue[Any] | None = None
         self._task: asyncio.Task[None] | None = None
         self._connected = asyncio.Event()
@@ -81,7 +92,7 @@ class PeerStream(Generic[Req, Resp]):
             self._task = None
         self._fail_pending(f"{self.name} stream closed")
 
-    async def request(self, msg: Req, timeout: float) -> Resp:
+    async def request(self, msg: Req, timeout: float) -> Answer[Resp]:
         """Send msg, wait for its response; Unavailable if the stream breaks, DeadlineExceeded on timeout."""
         self.start()
         if len(self._pending) >= self._max_outstanding:
@@ -90,15 +101,23 @@ class PeerStream(Generic[Req, Resp]):
         if outbox is None or not self._connected.is_set():
             raise Unavailable(f"{self.name} is not connected ({self.last_error or 'connecting'})")
         msg.request_id = next(self._ids)
-        future: asyncio.Future[Resp] = asyncio.get_running_loop().create_future()
+        loop = asyncio.get_running_loop()
+        future: asyncio.Future[tuple[Resp, int]] = loop.create_future()
         self._pending[msg.request_id] = future
+        # A timer, not asyncio.wait_for: that wraps every call in a task of its own.
+        expiry = loop.call_later(timeout, self._expire, future, timeout)
+        sent = time.perf_counter_ns()
         try:
             outbox.put_nowait(msg)
-            return await asyncio.wait_for(future, timeout)
-        except TimeoutError as exc:
-            raise DeadlineExceeded(f"{self.name} did not answer within {timeout:.2f} s") from exc
+            resp, received = await future
         finally:
+            expiry.cancel()
             self._pending.pop(msg.request_id, None)
+        return Answer(resp, (received - sent) / 1e6, (time.perf_counter_ns() - received) / 1e6)
+
+    def _expire(self, future: asyncio.Future[Any], timeout: float) -> None:
+        if not future.done():
+            future.set_exception(DeadlineExceeded(f"{self.name} did not answer within {timeout:.2f} s"))
 
     async def wait_connected(self, timeout: float) -> bool:
         self.start()
@@ -134,7 +153,7 @@ class PeerStream(Generic[Req, Resp]):
                 async for resp in call:
                     future = self._pending.get(resp.request_id)
                     if future is not None and not future.done():
-                        future.set_result(resp)
+                        future.set_result((resp, time.perf_counter_ns()))
                 self.last_error = "stream ended by the peer"
             except asyncio.CancelledError:
                 if call is not None:
@@ -183,12 +202,12 @@ class Peer(Generic[Req, Resp_]):
     async def model_info(self, timeout: float) -> common_pb2.ModelInfo:
         return await self._stub.GetModelInfo(common_pb2.GetModelInfoRequest(), timeout=timeout)
 
-    async def call(self, req: Req, timeout: float) -> Resp_:
+    async def call(self, req: Req, timeout: float) -> Answer[Resp_]:
         """Send one stream message; the peer's in-band SessionError is raised as its domain exception."""
-        resp = await self.stream.request(req, timeout)
-        if resp.WhichOneof("result") == "error":
-            raise exception_from_session_error(resp.error)
-        return resp
+        answer = await self.stream.request(req, timeout)
+        if answer.response.WhichOneof("result") == "error":
+            raise exception_from_session_error(answer.response.error)
+        return answer
 
     async def open(
         self, session_id: str, token_ids: Sequence[int], params: SamplingParams, *, timeout: float, carrier: Carrier
@@ -229,7 +248,8 @@ class GrpcTarget(Peer[target_pb2.TargetRequest, target_pb2.TargetResponse]):
     ) -> VerifyOutcome:
         req = wire.verify_request(session_id, committed_length, proposal, defer_bonus, carrier)
         try:
-            return wire.verdict_from_proto(await self.call(req, timeout))
+            answer = await self.call(req, timeout)
+            return wire.verdict_from_proto(answer.response, answer.round_trip_ms, answer.wake_ms)
         except InvalidArgument as exc:
             raise FailedPrecondition(f"the target refused a round: {exc}") from exc
 
@@ -269,10 +289,13 @@ class GrpcDraft(Peer[draft_pb2.DraftRequest, draft_pb2.DraftResponse]):
         carrier: Carrier,
     ) -> Proposal:
         assert self.target_info is not None, "target_info first"
-        resp = await self.call(
+        answer = await self.call(
             wire.propose_request(session_id, committed_length, start, tail, num_tokens, carrier), timeout
         )
-        return wire.proposal_from_proto(resp.proposal, self.target_info.vocab_size)  # validates ids and q
+        # Validates ids and q against the target's vocabulary.
+        return wire.proposal_from_answer(
+            answer.response, self.target_info.vocab_size, answer.round_trip_ms, answer.wake_ms
+        )
 
     async def propose_branches(
         self,
@@ -292,8 +315,8 @@ class GrpcDraft(Peer[draft_pb2.DraftRequest, draft_pb2.DraftResponse]):
         req = wire.branches_request(
             session_id, committed_length, start, tail, pending, num_tokens, budget, acceptance, carrier
         )
-        resp = await self.call(req, timeout)
-        return wire.branches_from_proto(resp.branches, self.target_info.vocab_size)  # validates ids and q
+        answer = await self.call(req, timeout)
+        return wire.branches_from_proto(answer.response.branches, self.target_info.vocab_size)  # validates ids and q
 
     async def close(self, session_id: str, *, timeout: float, committed: Sequence[int] = (), start: int = 0) -> None:
         await self.call(wire.draft_close_request(session_id, committed, start), timeout)

@@ -59,33 +59,36 @@ async def create_server(
         )
 
     def target_peer(ch: grpc.aio.Channel | ReloadingChannel, name: str) -> GrpcTarget:
-        peer = GrpcTarget(ch)  # type: ignore[arg-type]
+        peer = GrpcTarget(ch)
         peer.stream.name = name
         return peer
 
     def draft_peer(ch: grpc.aio.Channel | ReloadingChannel, name: str) -> GrpcDraft:
-        peer = GrpcDraft(ch)  # type: ignore[arg-type]
+        peer = GrpcDraft(ch)
         peer.stream.name = name
         peer.target_info = engine.target_info  # known before draft replicas are looked for
         return peer
 
-    common = {"open_channel": channel, "poll_s": config.replica_poll_s, "resolve_interval_s": config.resolve_interval_s}
     targets = ReplicaSet(
         "target",
         parse_peer_address(config.target),
+        open_channel=channel,
         make_peer=target_peer,
         service_name=TARGET_SERVICE,
         check=SameModel(),
-        **common,  # type: ignore[arg-type]
+        poll_s=config.replica_poll_s,
+        resolve_interval_s=config.resolve_interval_s,
     )
     drafts = (
         ReplicaSet(
             "draft",
             parse_peer_address(config.draft_address),
+            open_channel=channel,
             make_peer=draft_peer,
             service_name=DRAFT_SERVICE,
-            **common,
-        )  # type: ignore[arg-type]
+            poll_s=config.replica_poll_s,
+            resolve_interval_s=config.resolve_interval_s,
+        )
         if config.draft_address is not None
         else None
     )

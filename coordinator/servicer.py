@@ -10,6 +10,7 @@ import grpc
 
 from coordinator.engine import Chunk, RoundEngine
 from coordinator.requests import spec_from_request
+from specd.serving import trace_spans
 from specd.serving import tracing as tr
 from specd.serving.grpc_errors import status_code
 from specd.serving.wire import FINISH_REASONS, stats_to_proto
@@ -42,7 +43,7 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
             engine.config.request_timeout_s if remaining is None else min(remaining, engine.config.request_timeout_s)
         )
         if span.is_recording():
-            span.set_attributes(tr.request_attributes(spec))
+            span.set_attributes(trace_spans.request_attributes(spec))
         return engine.generate(spec, deadline=arrival + budget, arrival=arrival, span=span)
 
     async def _observed(
@@ -58,17 +59,17 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
             async with aclosing(self._chunks(request, context, span)) as chunks:
                 async for chunk in chunks:
                     if chunk.stats is not None and chunk.finish_reason is not None:
-                        tr.finish_generate(span, chunk.stats, chunk.finish_reason.value)
+                        trace_spans.finish_generate(span, chunk.stats, chunk.finish_reason.value)
                         if engine.metrics is not None:
                             engine.metrics.observe_request(
                                 chunk.stats, chunk.finish_reason.value, time.monotonic() - arrival, model=model
                             )
                     yield chunk
         except BaseException as exc:
-            tr.record_error(span, exc)
+            trace_spans.record_error(span, exc)
             if engine.metrics is not None:
                 engine.metrics.observe_failure(
-                    tr.error_name(exc), status_code(exc).name, time.monotonic() - arrival, model=model
+                    trace_spans.error_name(exc), status_code(exc).name, time.monotonic() - arrival, model=model
                 )
             raise
         finally:

@@ -38,19 +38,19 @@ def build_drafter(config: DraftConfig) -> tuple[Drafter, common_pb2.ModelInfo]:
     if config.model in MODEL_FREE_DRAFTS:
         # The n-gram and suffix drafters only repeat tokens they have seen, so they fit any
         # target; they report the target's token space.
-        identity = catalog.token_space(catalog.target_folder(config.target_model, config.cache_path))
-        info = common_pb2.ModelInfo(name=config.model, kind=config.model, **identity)
+        space = catalog.token_space(catalog.target_folder(config.target_model, config.cache_path))
+        info = common_pb2.ModelInfo(name=config.model, kind=config.model, **space)
         drafter: Drafter
         if config.model == SUFFIX:
             drafter = SuffixDrafter(
-                int(identity["vocab_size"]),
+                space["vocab_size"],
                 config.suffix_settings(),
                 max_sessions=config.max_sessions,
                 idle_timeout_s=config.idle_timeout_s,
             )
         else:
             drafter = NgramDrafter(
-                int(identity["vocab_size"]),
+                space["vocab_size"],
                 max_sessions=config.max_sessions,
                 idle_timeout_s=config.idle_timeout_s,
                 cap_at_match=config.ngram_cap_at_match,
@@ -59,9 +59,8 @@ def build_drafter(config: DraftConfig) -> tuple[Drafter, common_pb2.ModelInfo]:
     hybrid = catalog.hybrid_model(config.model)
     base = hybrid or config.model
     if catalog.is_sim(base):  # an emulated accelerator: q from the profile, the real ModelDrafter
-        sim_runner, sim_identity = catalog.load_sim_for_serving(base, "draft", config.cache_path)
+        sim_runner, identity = catalog.load_sim_for_serving(base, "draft", config.cache_path)
         model = _model_drafter(sim_runner, config, None)
-        identity: dict = dict(sim_identity)
     else:
         folder = catalog.draft_folder(base, config.target_model, config.cache_path)
         # A draft folder may carry a reduced-vocabulary head (specd distill --vocab N): the

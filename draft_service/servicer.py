@@ -11,6 +11,7 @@ from specd.core.drafting import Drafter, DraftResult, DraftWork, draft_work
 from specd.core.errors import InvalidArgument
 from specd.core.phases import PhaseLog
 from specd.core.suffix import LearningDrafter
+from specd.serving import trace_names
 from specd.serving import tracing as tr
 from specd.serving.metrics import DraftMetrics
 from specd.serving.round_servicing import BatchedRoundServicer
@@ -31,7 +32,7 @@ class DraftServicer(
 ):
     step_op = "propose"
     extra_step_ops = frozenset({"branches"})  # a speculation cache's branch calls join the propose batches
-    span_prefix = tr.SPAN_DRAFT_PHASE_PREFIX
+    span_prefix = trace_names.SPAN_DRAFT_PHASE_PREFIX
     request_type = draft_pb2.DraftRequest
     response_type = draft_pb2.DraftResponse
     engine: Drafter
@@ -102,8 +103,8 @@ class DraftServicer(
         if self.metrics is not None:
             self.metrics.observe_propose(tokens, compute_ms, batch_size)
         return {
-            tr.ATTR_NUM_TOKENS: asked,
-            tr.ATTR_DRAFT_TOKENS: tokens,
-            tr.ATTR_COMPUTE_MS: compute_ms,
-            tr.ATTR_BATCH_SIZE: batch_size,
+            trace_names.ATTR_NUM_TOKENS: asked,
+            trace_names.ATTR_DRAFT_TOKENS: tokens,
+            trace_names.ATTR_COMPUTE_MS: compute_ms,
+            trace_names.ATTR_BATCH_SIZE: batch_size,
         }

@@ -19,6 +19,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
 from specd.core.drafting import lookup_continuation
 from specd.tools.bench.prompts import load_prompts, select_prompts, shipped_prompt_file, tokenize_prompt
 
@@ -28,9 +31,6 @@ Lookup = Callable[[list[int]], list[int]]
 def greedy_answers(
     target: str, prompt_file: str, n: int, max_new_tokens: int, threads: int
 ) -> list[tuple[list[int], list[int]]]:
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
     torch.set_num_threads(threads)
     tok = AutoTokenizer.from_pretrained(target)
     model = AutoModelForCausalLM.from_pretrained(target).eval()

@@ -1,94 +1,152 @@
 #!/usr/bin/env python
-"""Measure the coordinator's per-round overhead on loopback.
+"""The coordinator's per-round overhead on loopback, hop by hop.
 
 Overhead of a round = its wall time at the coordinator minus the draft's and
-the target's own compute time (as they report it). Draft and target run as
-separate processes; the coordinator runs in this process so that its round
-timings can be read directly.
+the target's own compute (as they report it). Draft and target run as their
+own processes (`specd serve`); the coordinator runs in this process, so its
+round records (with each call's hops, specd.core.transit) and the CPU time of
+its event-loop thread can be read directly. Every stream runs fixed-K rounds
+(or target-only with --draft-length 0) at the given temperature.
 
-    .venv/bin/python scripts/round_overhead.py [--target DIR --draft DIR] [--requests N]
+    .venv/bin/python scripts/round_overhead.py                       # emulated h100-tp2-70b, 1 and 32 streams
+    .venv/bin/python scripts/round_overhead.py --model sim:h100-8b --streams 1 --rounds 400
+    .venv/bin/python scripts/round_overhead.py --target DIR --draft DIR   # real models
+
+With an emulated model (sim:...) every figure is emulated: the services, the
+batching and the sampler are real, the forward passes take the profile's time.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
-import statistics
+import json
 import sys
-import tempfile
+import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+import grpc
+
 from coordinator.client import build_request
 from coordinator.server import create_server
-from specd.core.models import build_tiny_pair
+from specd.core.record import RoundRecord
+from specd.core.transit import HOPS
 from specd.serving.config import CoordinatorConfig
+from specd.serving.server import run_event_loop
+from specd.tools.localcluster import ServiceProcess
 from specd.v1 import coordinator_pb2_grpc
-from tests.cluster import QuietService
 
 
-def percentile(values: list[float], q: float) -> float:
+def quantile(values: list[float], q: float) -> float:
     ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))] if ordered else float("nan")
 
 
-async def measure(target: str, draft: str, requests: int, tokens: int, k: int, target_threads: int) -> None:
-    import grpc
+def summary(records: list[RoundRecord]) -> dict[str, dict[str, float]]:
+    """p50 / p99 of the round's wall, compute, overhead and each hop, in ms."""
+    series: dict[str, list[float]] = {
+        "wall": [r.wall_ms for r in records],
+        "draft compute": [r.draft_ms for r in records if r.draft_tokens],
+        "verify compute": [r.verify_ms for r in records],
+        "overhead": [r.overhead_ms for r in records],
+        "coordinator loop": [r.loop_ms for r in records if r.loop_ms is not None],
+    }
+    for peer, get in (("draft", lambda r: r.draft_transit), ("target", lambda r: r.verify_transit)):
+        transits = [t for t in (get(r) for r in records) if t is not None]
+        for hop in HOPS:
+            series[f"{peer} {hop}"] = [getattr(t, f"{hop}_ms") for t in transits]
+    return {name: {"p50": quantile(v, 0.5), "p99": quantile(v, 0.99), "n": len(v)} for name, v in series.items()}
 
-    peers = [
-        QuietService("target", ["target", "--model", target, "--port", "0", "--torch-threads", str(target_threads)]),
-        QuietService(
-            "draft", ["draft", "--model", draft, "--target-model", target, "--port", "0", "--torch-threads", "1"]
-        ),
-    ]
+
+async def run_streams(stub: coordinator_pb2_grpc.CoordinatorStub, streams: int, tokens: int, k: int, t: float) -> None:
+    async def one(i: int) -> None:
+        await stub.Generate(
+            build_request(
+                f"stream {i}: the quick brown fox",
+                max_new_tokens=tokens,
+                temperature=t,
+                seed=i,
+                ignore_eos=True,
+                speculation="fixed" if k else "off",
+                draft_length=k or 4,
+            )
+        )
+
+    await asyncio.gather(*(one(i) for i in range(streams)))
+
+
+async def measure(args: argparse.Namespace) -> list[dict[str, object]]:
+    common = ["--port", "0", "--log-level", "WARNING", "--event-loop", args.event_loop]
+    target_args = ["target", "--model", args.target, *common]
+    draft_args = ["draft", "--model", args.draft, "--target-model", args.target, *common]
+    peers = [ServiceProcess("target", target_args), ServiceProcess("draft", draft_args)]
     for p in peers:
         p.start()
+    out: list[dict[str, object]] = []
     try:
         addresses = [p.wait_ready(300) for p in peers]
-        config = CoordinatorConfig(target=addresses[0], draft=addresses[1], tokenizer=target, port=0)
+        config = CoordinatorConfig(target=addresses[0], draft=addresses[1], tokenizer=args.target, port=0)
         handle, engine = await create_server(config)
         await handle.server.start()
         async with grpc.aio.insecure_channel(f"127.0.0.1:{handle.port}") as channel:
             stub = coordinator_pb2_grpc.CoordinatorStub(channel)
-            for i in range(requests):
-                await stub.Generate(
-                    build_request(
-                        f"request {i}: the quick brown fox",
-                        max_new_tokens=tokens,
-                        temperature=0.0,
-                        ignore_eos=True,
-                        speculation="fixed",
-                        draft_length=k,
-                    )
+            await run_streams(stub, 1, 16, args.draft_length, args.temperature)  # warm-up
+            for streams in args.streams:
+                tokens = max(8, args.rounds * max(1, args.draft_length) // streams)
+                engine.round_records.clear()
+                cpu0, wall0 = time.thread_time(), time.perf_counter()
+                await run_streams(stub, streams, tokens, args.draft_length, args.temperature)
+                cpu, wall = time.thread_time() - cpu0, time.perf_counter() - wall0
+                records = [r for r in engine.round_records if r.index > 0]  # the first round opens sessions
+                stats = summary(records)
+                out.append(
+                    {
+                        "streams": streams,
+                        "rounds": len(records),
+                        "loop_cpu_ms_per_round": cpu / max(1, len(engine.round_records)) * 1e3,
+                        "wall_s": wall,
+                        "ms": stats,
+                    }
                 )
-        timings = list(engine.round_records)
+                print(
+                    f"\n{args.target} K={args.draft_length} T={args.temperature} streams={streams} "
+                    f"event loop {args.event_loop}: "
+                    f"{len(records)} rounds, coordinator event-loop CPU "
+                    f"{out[-1]['loop_cpu_ms_per_round']:.3f} ms per round"
+                )
+                print(f"{'':18s} {'p50 ms':>9s} {'p99 ms':>9s}")
+                for name, s in stats.items():
+                    if s["n"]:
+                        print(f"{name:18s} {s['p50']:9.3f} {s['p99']:9.3f}")
         await handle.stop(1.0)
     finally:
         for p in peers:
             p.stop(10)
-    overhead = [t.overhead_ms for t in timings]
-    wall = [t.wall_ms for t in timings]
-    print(f"rounds measured: {len(timings)} (K={k}, {requests} requests x {tokens} tokens)")
-    print(f"round wall ms      p50 {percentile(wall, 0.5):.3f}  p99 {percentile(wall, 0.99):.3f}")
-    print(f"draft compute ms   p50 {statistics.median(t.draft_ms for t in timings):.3f}")
-    print(f"target compute ms  p50 {statistics.median(t.verify_ms for t in timings):.3f}")
-    print(f"overhead ms        p50 {percentile(overhead, 0.5):.3f}  p99 {percentile(overhead, 0.99):.3f}")
+    return out
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--target", default="")
-    parser.add_argument("--draft", default="")
-    parser.add_argument("--requests", type=int, default=20)
-    parser.add_argument("--tokens", type=int, default=64)
-    parser.add_argument("--draft-length", type=int, default=4)
-    parser.add_argument("--target-threads", type=int, default=1, help="torch threads of the target service")
+    parser.add_argument("--model", default="sim:h100-tp2-70b", help="both services' model (sim:PROFILE or a folder)")
+    parser.add_argument("--target", default="", help="target model (default: --model)")
+    parser.add_argument("--draft", default="", help="draft model (default: --model)")
+    parser.add_argument("--streams", default="1,32", help="concurrent streams, comma-separated")
+    parser.add_argument("--rounds", type=int, default=300, help="about this many rounds per setting")
+    parser.add_argument("--draft-length", type=int, default=4, help="fixed K (0: target-only rounds)")
+    parser.add_argument("--temperature", type=float, default=0.0)
+    parser.add_argument("--json", default="", help="also write the figures here")
+    parser.add_argument(
+        "--event-loop", default="auto", choices=["auto", "uvloop", "asyncio"], help="every process's event loop"
+    )
     args = parser.parse_args()
-    target, draft = args.target, args.draft
-    if not target:
-        target, draft = (str(p) for p in build_tiny_pair(Path(tempfile.mkdtemp(prefix="specd-overhead-"))))
-    asyncio.run(measure(target, draft, args.requests, args.tokens, args.draft_length, args.target_threads))
+    args.target = args.target or args.model
+    args.draft = args.draft or args.model
+    args.streams = [int(s) for s in args.streams.split(",")]
+    results = run_event_loop(measure(args), args.event_loop)
+    if args.json:
+        Path(args.json).write_text(json.dumps({"arguments": vars(args), "results": results}, indent=2) + "\n")
 
 
 if __name__ == "__main__":

@@ -29,9 +29,16 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
 from specd.core.drafting import Drafter, NgramDrafter
+from specd.core.rounds import speculative_generate
+from specd.core.runner import CausalLMRunner
 from specd.core.sampling import SamplingParams
 from specd.core.suffix import LearningDrafter, SuffixDrafter, SuffixSettings
+from specd.core.verification import Verifier
+from specd.tools.bench import load_prompts, select_prompts, tokenize_prompt
 
 Answers = list[tuple[list[int], list[int]]]
 GREEDY = SamplingParams(temperature=0.0)
@@ -39,14 +46,6 @@ GREEDY = SamplingParams(temperature=0.0)
 
 def greedy_answers(target: str, prompt_file: str, n: int, max_new_tokens: int, threads: int, cache: Path) -> Answers:
     """The first n prompts (the bench's order) with the target's greedy answers; cached per prompt."""
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    from specd.core.rounds import speculative_generate
-    from specd.core.runner import CausalLMRunner
-    from specd.core.verification import Verifier
-    from specd.tools.bench import load_prompts, select_prompts, tokenize_prompt
-
     done: dict[str, dict] = {}
     if cache.exists():
         done = {r["id"]: r for r in json.loads(cache.read_text())}

@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
-# Set up (scripts/setup.sh) and run the whole test suite. Extra args go to pytest.
+# Set up (scripts/setup.sh), run the code checks (scripts/lint.sh), then the whole
+# test suite. Extra args go to pytest.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
+bash scripts/lint.sh
 set +e
 .venv/bin/python -m pytest -q -ra --durations=15 "$@"
 status=$?

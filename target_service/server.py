@@ -23,6 +23,8 @@ from specd.serving.server import ServiceHandle, build_server, message_limit_for_
 from specd.serving.tracing import Tracing
 from specd.v1 import common_pb2, target_pb2, target_pb2_grpc
 from target_service.servicer import TargetServicer
+from target_service.workers.group import EXIT_WORKER_FAILURE, WorkerGroup
+from target_service.workers.runner import build_tp_runner
 
 log = logging.getLogger(__name__)
 
@@ -41,11 +43,10 @@ def build_verifier(config: TargetConfig) -> tuple[Verifier, common_pb2.ModelInfo
                 "(tensor parallelism included); use --tp 1"
             )
         sim_runner, identity = catalog.load_sim_for_serving(config.model, "target", config.cache_path)
-        return _verifier(sim_runner, config), common_pb2.ModelInfo(**identity)  # type: ignore[arg-type]
+        return _verifier(sim_runner, config), common_pb2.ModelInfo(**identity)
     folder = catalog.target_folder(config.model, config.cache_path)
+    runner: CausalLMRunner
     if config.tp > 1:  # this process is rank 0 of a tensor-parallel group
-        from target_service.workers import build_tp_runner
-
         loaded, runner = build_tp_runner(
             folder,
             tp=config.tp,
@@ -114,8 +115,6 @@ def create_server(
 
 def _follow_worker_group(handle: ServiceHandle, verifier: Verifier) -> ServiceHandle:
     """With tp > 1: health follows the worker group, and stopping the service stops its workers."""
-    from target_service.workers import EXIT_WORKER_FAILURE, WorkerGroup
-
     group = getattr(verifier.runner, "group", None)
     if not isinstance(group, WorkerGroup):
         return handle

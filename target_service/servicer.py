@@ -8,7 +8,7 @@ from typing import Any
 from specd.core.errors import InvalidArgument
 from specd.core.phases import PhaseLog
 from specd.core.verification import Verifier, VerifyOutcome, VerifyRequest
-from specd.serving import tracing as tr
+from specd.serving import trace_names, trace_spans
 from specd.serving.round_servicing import BatchedRoundServicer
 from specd.serving.wire import params_from_proto, token_ids_from_wire, verdict_to_proto, verify_request_from_proto
 from specd.v1 import target_pb2, target_pb2_grpc
@@ -19,7 +19,7 @@ class TargetServicer(
     target_pb2_grpc.TargetServicer,
 ):
     step_op = "verify"
-    span_prefix = tr.SPAN_TARGET_PHASE_PREFIX
+    span_prefix = trace_names.SPAN_TARGET_PHASE_PREFIX
     request_type = target_pb2.TargetRequest
     response_type = target_pb2.TargetResponse
     engine: Verifier  # TargetServicer(verifier, executor, info, *, tracing, metrics, max_batch, batch_wait_s)
@@ -51,14 +51,14 @@ class TargetServicer(
         self, req: target_pb2.TargetRequest, resp: target_pb2.TargetResponse, batch_size: int
     ) -> dict[str, Any]:
         v = resp.verdict
-        kind = tr.token_kind(v.kind == target_pb2.TOKEN_KIND_BONUS, v.kind == target_pb2.TOKEN_KIND_DEFERRED)
+        kind = trace_spans.token_kind(v.kind == target_pb2.TOKEN_KIND_BONUS, v.kind == target_pb2.TOKEN_KIND_DEFERRED)
         drafts = len(req.verify.draft_token_ids)
         if self.metrics is not None:
             self.metrics.observe_verify(drafts, v.accepted, kind, v.compute_ms, batch_size)
         return {
-            tr.ATTR_DRAFT_TOKENS: drafts,
-            tr.ATTR_ACCEPTED: v.accepted,
-            tr.ATTR_TOKEN_KIND: kind,
-            tr.ATTR_COMPUTE_MS: v.compute_ms,
-            tr.ATTR_BATCH_SIZE: batch_size,
+            trace_names.ATTR_DRAFT_TOKENS: drafts,
+            trace_names.ATTR_ACCEPTED: v.accepted,
+            trace_names.ATTR_TOKEN_KIND: kind,
+            trace_names.ATTR_COMPUTE_MS: v.compute_ms,
+            trace_names.ATTR_BATCH_SIZE: batch_size,
         }

@@ -15,7 +15,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from specd.core.models import build_tiny_gpt2, build_tiny_pair, demo_target_path
+from specd.core.demo_target import demo_target_path
+from specd.core.tiny_models import build_tiny_gpt2, build_tiny_pair
+from tests.cluster import Cluster
 
 # ---- models -------------------------------------------------------------------
 
@@ -76,7 +78,6 @@ def torch_single_thread() -> Iterator[None]:
 @pytest.fixture(scope="session")
 def tiny_cluster(tiny_pair: tuple[Path, Path], tmp_path_factory: pytest.TempPathFactory):
     """target + draft + coordinator processes on the tiny pair, shared by the tests that do not break them."""
-    from tests.cluster import Cluster
 
     target, draft = tiny_pair
     with Cluster(target, draft, cache_dir=tmp_path_factory.mktemp("cluster-cache")) as cluster:

@@ -6,7 +6,14 @@ import random
 
 import pytest
 
-from specd.core.adaptive import AdaptiveDraftLength, Estimate, LinearCost, best_draft_length, expected_speedup
+from specd.core.adaptive import (
+    AdaptiveDraftLength,
+    Estimate,
+    LinearCost,
+    ProbeBudget,
+    best_draft_length,
+    expected_speedup,
+)
 
 
 def test_speedup_formula_matches_known_values() -> None:
@@ -122,8 +129,6 @@ def test_a_bad_draft_is_switched_off_for_concurrent_sessions_within_a_few_rounds
 
 
 def test_sessions_sharing_a_probe_budget_take_turns_and_back_off() -> None:
-    from specd.core.adaptive import ProbeBudget
-
     shared = ProbeBudget(16, max_every=64)
     bad = [
         AdaptiveDraftLength(k_max=4, acceptance=Estimate(0.0, 32), cost_ratio=Estimate(0.2, 32), probes=shared)

@@ -9,10 +9,12 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from coordinator.requests import spec_from_request
+from specd.serving.config import CoordinatorConfig
 from specd.v1 import common_pb2, coordinator_pb2, coordinator_pb2_grpc
 from tests.cluster import Cluster
 
-VOCAB = 259  # the tiny tokenizer's size (models.build_tiny_pair)
+VOCAB = 259  # the tiny tokenizer's size (tiny_models.build_tiny_pair)
 CONTEXT = 512
 
 
@@ -152,9 +154,6 @@ def test_fuzzed_requests_never_crash(stub, fields) -> None:
 
 @pytest.mark.parametrize("mode, asked, expected", [(AUTO, 12, 12), (AUTO, 0, 4), (FIXED, 6, 6), (FIXED, 0, 4)])
 def test_draft_length_is_fixed_k_or_autos_largest_k(mode: int, asked: int, expected: int) -> None:
-    from coordinator.requests import spec_from_request
-    from specd.serving.config import CoordinatorConfig
-
     r = req(token_ids=[1, 2, 3], speculation={"mode": mode, "draft_length": asked})
     spec = spec_from_request(
         r,

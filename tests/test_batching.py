@@ -20,6 +20,8 @@ from specd.core.sampling import SamplingParams
 from specd.core.sessions import KVBudget
 from specd.core.verification import Verifier, VerifyOutcome, VerifyRequest
 from specd.serving.batching import MicroBatcher
+from specd.v1 import common_pb2, session_pb2, target_pb2
+from target_service.servicer import TargetServicer
 
 pytestmark = pytest.mark.usefixtures("torch_single_thread")
 
@@ -182,9 +184,6 @@ def test_verify_batch_is_one_forward(tiny, monkeypatch: pytest.MonkeyPatch) -> N
 
 
 def test_servicer_batch_walk_keeps_session_order_and_turns_failures_into_in_band_errors(tiny) -> None:
-    from specd.v1 import common_pb2, session_pb2, target_pb2
-    from target_service.servicer import TargetServicer
-
     t, _ = tiny
     verifier = Verifier(CausalLMRunner(t.model))
     with ThreadPoolExecutor(max_workers=1) as pool:

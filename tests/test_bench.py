@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 
+from specd.core.models import load_pretrained
 from specd.tools import bench
 from specd.tools.bench import (
     BASELINE,
@@ -33,6 +34,7 @@ from specd.tools.bench import (
     theoretical_speedup,
 )
 from specd.tools.bench.cost import measure_cost, measure_ngram_ms
+from specd.tools.cli import main
 from specd.tools.localcluster import process_tree_peak_rss
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -254,8 +256,6 @@ def test_interleave_slices_cover_the_prompts_and_keep_clients_busy() -> None:
 
 
 def test_ngram_cost_is_timed_per_proposed_token(tiny_pair: tuple[Path, Path]) -> None:
-    from specd.core.models import load_pretrained
-
     target, _ = tiny_pair
     prompt = [5, 6, 7, 8, 9, 10, 11] * 12 + [5, 6]  # the lookup finds 7, 8, 9, 10 after "5 6"
     ngram_ms = measure_ngram_ms(prompt, samples=5)
@@ -365,8 +365,6 @@ def test_peak_rss_of_this_process() -> None:
 
 
 def test_bench_smoke_on_the_tiny_pair(tiny_cluster, tiny_pair: tuple[Path, Path], tmp_path: Path) -> None:
-    from specd.tools.cli import main
-
     target, draft = tiny_pair
     out = tmp_path / "bench.json"
     rc = main(
@@ -454,7 +452,6 @@ def test_bench_smoke_on_the_tiny_pair(tiny_cluster, tiny_pair: tuple[Path, Path]
 
 def test_bench_batching_both_and_tracing_overhead(tiny_pair: tuple[Path, Path], tmp_path: Path) -> None:
     """Its own services, twice (batched, --max-batch 1), tracing to an in-process OTLP receiver."""
-    from specd.tools.cli import main
 
     target, draft = tiny_pair
     out = tmp_path / "bench.json"

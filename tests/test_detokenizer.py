@@ -5,9 +5,10 @@ from __future__ import annotations
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from transformers import AutoTokenizer
 
 from coordinator.detokenizer import IncrementalDetokenizer
-from specd.core.models import build_tiny_tokenizer
+from specd.core.tiny_models import build_tiny_tokenizer
 
 
 @pytest.fixture(scope="module")
@@ -64,8 +65,6 @@ def test_text_that_only_might_become_a_stop_string_is_released_at_the_end(tok) -
 
 
 def test_demo_tokenizer_merged_tokens(demo_target_dir) -> None:
-    from transformers import AutoTokenizer
-
     demo = AutoTokenizer.from_pretrained(demo_target_dir)
     text = " Hello, world! naïve café — 日本語 🎉 def f(x):\n    return x"
     whole, pieces, _ = stream(demo, "Say:", text)

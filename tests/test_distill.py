@@ -15,7 +15,7 @@ from transformers import AutoConfig
 
 from specd.core.catalog import demo_draft_path, load_draft_for_serving
 from specd.core.draft_checkpoint import COMPACT_META, assemble, install_reduced_head
-from specd.core.drafting import ModelDrafter, ReducedLMHead
+from specd.core.drafting import ModelDrafter, NgramDrafter, ReducedLMHead
 from specd.core.errors import FailedPrecondition, InvalidArgument
 from specd.core.models import load_pretrained
 from specd.core.proposal import Proposal
@@ -25,6 +25,7 @@ from specd.core.sampling import SamplingParams
 from specd.core.verification import Verifier
 from specd.tools import cli
 from specd.tools.distill import DistillConfig, build_draft, builtin_prompts, render_prompt, run_distill
+from tests.cluster import Cluster
 
 pytestmark = pytest.mark.usefixtures("torch_single_thread")
 
@@ -240,7 +241,6 @@ def test_cli_rejects_bad_settings(tiny_pair: tuple[Path, Path], tmp_path: Path, 
 
 def test_ngram_drafter_through_the_services(tiny_pair: tuple[Path, Path], tmp_path: Path) -> None:
     """`--draft ngram`: the services give exactly the in-process target-only tokens, with drafts verified."""
-    from tests.cluster import Cluster
 
     target, _ = tiny_pair
     loaded = load_pretrained(target)
@@ -259,7 +259,6 @@ def test_ngram_drafter_through_the_services(tiny_pair: tuple[Path, Path], tmp_pa
 
 def test_ngram_drafts_that_are_accepted_keep_the_drafter_in_step(tiny_pair: tuple[Path, Path]) -> None:
     """Rounds after accepted n-gram drafts: the drafter's sequence holds its drafts (no SessionOutOfSync)."""
-    from specd.core.drafting import NgramDrafter
 
     target, _ = tiny_pair
     loaded = load_pretrained(target)

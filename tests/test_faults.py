@@ -13,7 +13,7 @@ import grpc
 import pytest
 
 from specd.core.sampling import SamplingParams
-from tests.cluster import Cluster
+from tests.cluster import Cluster, metrics_address, scrape, total
 from tests.faults import InProcessDraftServer, LyingDrafter, SlowDrafter
 from tests.references import loaded, reference
 
@@ -193,7 +193,6 @@ def test_overload_gets_resource_exhausted_quickly(tiny_pair, tmp_path: Path) -> 
 
 def test_cancelled_requests_free_their_sessions(tiny_pair, tmp_path: Path) -> None:
     """100 requests cancelled mid-stream: the draft's and target's session counts return to 0."""
-    from tests.cluster import metrics_address, scrape, total
 
     target, draft = tiny_pair
     ids = _ids(target, PROMPTS[2])

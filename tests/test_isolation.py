@@ -12,11 +12,14 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+import grpc
 import pytest
 import torch
 
+from specd.core import errors
 from specd.core.drafting import ModelDrafter, ProposeRequest
 from specd.core.errors import Internal, InvalidArgument
 from specd.core.models import load_pretrained
@@ -24,6 +27,10 @@ from specd.core.proposal import Proposal
 from specd.core.runner import CausalLMRunner
 from specd.core.sampling import MAX_TEMPERATURE, TEMPERATURE_FLOOR, SamplingParams, processed_probs
 from specd.core.verification import Verifier, VerifyOutcome, VerifyRequest
+from specd.serving.grpc_errors import INTERNAL_MESSAGE, exception_from_session_error, session_error, status_for
+from specd.serving.wire import params_to_proto
+from specd.v1 import common_pb2, session_pb2, target_pb2
+from target_service.servicer import TargetServicer
 
 pytestmark = pytest.mark.usefixtures("torch_single_thread")
 
@@ -256,11 +263,6 @@ def test_a_hostile_row_fails_alone_in_a_draft_batch(models) -> None:
 
 
 def test_a_requests_own_errors_are_never_read_as_retryable() -> None:
-    import grpc
-
-    from specd.core import errors
-    from specd.serving.grpc_errors import INTERNAL_MESSAGE, exception_from_session_error, session_error, status_for
-
     for exc in (InvalidArgument("bad settings"), Internal("row 3 is NaN")):
         back = exception_from_session_error(session_error(exc))
         assert type(back) is type(exc) and isinstance(back, errors.REQUEST_ERRORS)
@@ -301,12 +303,6 @@ def test_a_proposal_over_the_limits_is_refused_from_its_lengths_alone() -> None:
 
 
 def test_hostile_internal_verifies_fail_alone_beside_eight_ordinary_ones(models) -> None:
-    from concurrent.futures import ThreadPoolExecutor
-
-    from specd.serving.wire import params_to_proto
-    from specd.v1 import common_pb2, session_pb2, target_pb2
-    from target_service.servicer import TargetServicer
-
     t, _, ids = models
     runner = CausalLMRunner(t.model)
     proposals = _proposals(ids)
@@ -357,11 +353,6 @@ def test_hostile_internal_verifies_fail_alone_beside_eight_ordinary_ones(models)
 
 
 def test_errors_about_peers_reach_clients_as_generic_messages() -> None:
-    import grpc
-
-    from specd.core import errors
-    from specd.serving.grpc_errors import status_for
-
     code, message = status_for(errors.Unavailable("target stream broke: UNAVAILABLE: ipv4:10.0.0.5:50053 refused"))
     assert code == grpc.StatusCode.UNAVAILABLE and "10.0.0.5" not in message and "retry" in message
     code, message = status_for(errors.DeadlineExceeded("target did not answer within 2.00 s"))

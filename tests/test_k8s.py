@@ -42,8 +42,12 @@ from typing import Any
 
 import pytest
 import yaml
+from google.protobuf import json_format
 
 from coordinator.discovery import parse_peer_address
+from specd.serving.metrics import CoordinatorMetrics, DraftMetrics, TargetMetrics
+from specd.tools.cli import build_parser
+from specd.v1 import coordinator_pb2
 
 ROOT = Path(__file__).resolve().parent.parent
 CHART = ROOT / "k8s" / "helm" / "specd"
@@ -381,7 +385,6 @@ def test_service_monitor_scrapes_the_three_services(objects: dict[str, list[dict
 
 def exported_metric_names() -> set[str]:
     """Every sample name the three services' registries can expose (histogram and counter suffixes included)."""
-    from specd.serving.metrics import CoordinatorMetrics, DraftMetrics, TargetMetrics
 
     names = set()
     for metrics in (CoordinatorMetrics(), DraftMetrics(), TargetMetrics()):
@@ -474,7 +477,6 @@ def test_kustomize_overlay_is_the_chart_rendering(tools: Path, overlay: str) -> 
 
 def service_options(service: str) -> dict[str, Any]:
     """Option dest -> argparse action of `specd serve <service>`, from the real parser."""
-    from specd.tools.cli import build_parser
 
     def sub(parser: Any, name: str) -> Any:
         action = next(a for a in parser._actions if a.__class__.__name__ == "_SubParsersAction")
@@ -493,7 +495,6 @@ def specd_containers(objs: list[dict[str, Any]], command: str = "serve") -> Iter
 
 def container_problems(objs: list[dict[str, Any]], monkeypatch: pytest.MonkeyPatch) -> list[str]:
     """Why the `specd` containers of a rendering would not start as meant (empty: they would)."""
-    from specd.tools.cli import build_parser
 
     problems, services = [], set()
     for workload, container in specd_containers(objs):
@@ -547,8 +548,6 @@ def test_a_container_the_cli_would_refuse_is_caught(tools: Path, monkeypatch: py
 
 
 def test_helm_test_pod_makes_a_generate_call(objects: dict[str, list[dict[str, Any]]]) -> None:
-    from specd.tools.cli import build_parser
-
     for name, objs in objects.items():
         ((workload, container),) = specd_containers(objs, "generate")
         pod = one(objs, "Pod", workload)
@@ -717,9 +716,6 @@ def deployment_commands(path: Path) -> list[list[str]]:
 
 def check_documented_steps(path: Path, objects: dict[str, list[dict[str, Any]]]) -> None:
     """Assert that the Deployment section of `path` names what the chart renders."""
-    from google.protobuf import json_format
-
-    from specd.v1 import coordinator_pb2
 
     doc = path.name
     commands = deployment_commands(path)
@@ -798,7 +794,6 @@ def test_a_wrong_documented_step_is_caught(
     assert wrong in text
     path = tmp_path / "deploy.md"
     path.write_text(text.replace(wrong, right))
-    from google.protobuf import json_format
 
     with pytest.raises((AssertionError, json_format.ParseError)):
         check_documented_steps(path, objects)
@@ -806,10 +801,6 @@ def test_a_wrong_documented_step_is_caught(
 
 @pytest.mark.parametrize("name", list(VALUES))
 def test_install_notes_give_working_next_commands(objects: dict[str, list[dict[str, Any]]], name: str) -> None:
-    from google.protobuf import json_format
-
-    from specd.v1 import coordinator_pb2
-
     values = VALUES[name]
     out = helm(
         "install",

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import threading
 from pathlib import Path
+from queue import Queue
 
 import grpc
 import pytest
@@ -19,7 +20,7 @@ from coordinator.requests import CHARS_PER_TOKEN, public_message_limit
 from specd.core.errors import InvalidArgument
 from specd.serving.config import CoordinatorConfig
 from specd.serving.security import MIN_TOKEN_CHARS, read_token
-from specd.v1 import coordinator_pb2_grpc
+from specd.v1 import coordinator_pb2_grpc, session_pb2, target_pb2, target_pb2_grpc
 from tests.cluster import Cluster
 
 TOKEN = "a-token-of-enough-characters"
@@ -225,10 +226,6 @@ def test_float_settings_must_be_finite() -> None:
 
 
 def test_a_session_belongs_to_the_stream_that_opened_it(cluster: Cluster) -> None:
-    from queue import Queue
-
-    from specd.v1 import session_pb2, target_pb2, target_pb2_grpc
-
     def opening(sid: str) -> target_pb2.TargetRequest:
         req = target_pb2.TargetRequest(request_id=1, session_id=sid, committed_length=3)
         req.open.token_ids.extend([104, 105, 33])

@@ -19,7 +19,8 @@ import pytest
 
 from specd.core import catalog
 from specd.core.errors import InvalidArgument
-from specd.core.models import build_tiny_pair, load_pretrained
+from specd.core.models import load_pretrained
+from specd.core.tiny_models import build_tiny_pair
 
 pytestmark = pytest.mark.usefixtures("torch_single_thread")
 

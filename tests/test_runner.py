@@ -114,6 +114,26 @@ def test_set_tokens_keeps_common_prefix(runner: CausalLMRunner) -> None:
     check(r, s, num_last=7)
 
 
+def test_splice_keeps_the_cache_of_the_common_prefix(runner: CausalLMRunner) -> None:
+    r = runner
+    rng = random.Random(5)
+    base = random_ids(rng, r, 10)
+    s = r.new_session(base)
+    check(r, s)
+    r.splice(s, 6, base[6:8] + [(base[8] + 1) % r.vocab_size])  # agrees up to 8, diverges at 8
+    assert s.tokens == base[:8] + [(base[8] + 1) % r.vocab_size] and s.cached == 8
+    check(r, s, num_last=2)
+    r.splice(s, 4, [])  # a pure prefix
+    assert s.tokens == base[:4] and s.cached == 4
+    with pytest.raises(InvalidArgument, match="start must be"):
+        r.splice(s, 5, [1])
+    with pytest.raises(InvalidArgument, match="outside the vocabulary"):
+        r.splice(s, 2, [r.vocab_size])
+    with pytest.raises(InvalidArgument, match="empty"):
+        r.splice(s, 0, [])
+    assert s.tokens == base[:4]  # a refused splice changes nothing
+
+
 def test_random_walk_matches_full_forward(runner: CausalLMRunner) -> None:
     """Seeded random sequences of every edit; each logits call checked against a full forward."""
     r = runner
@@ -122,7 +142,7 @@ def test_random_walk_matches_full_forward(runner: CausalLMRunner) -> None:
         s = r.new_session(random_ids(rng, r, rng.randint(1, 8)))
         checks = 0
         for _ in range(40):
-            op = rng.choice(["append", "append", "truncate", "set_tokens", "logits", "logits"])
+            op = rng.choice(["append", "append", "truncate", "set_tokens", "splice", "logits", "logits"])
             n = len(s.tokens)
             if op == "append" and n < 90:
                 r.append(s, random_ids(rng, r, rng.randint(0, 6)))
@@ -131,6 +151,15 @@ def test_random_walk_matches_full_forward(runner: CausalLMRunner) -> None:
             elif op == "set_tokens":
                 keep = rng.randint(0, n)
                 r.set_tokens(s, s.tokens[:keep] + random_ids(rng, r, rng.randint(1 if keep == 0 else 0, 5)))
+            elif op == "splice":
+                keep = rng.randint(0, n)
+                # Sometimes a tail that repeats what follows `keep` (the cache of that part stays).
+                tail = s.tokens[keep : keep + rng.randint(0, 3)] + random_ids(
+                    rng, r, rng.randint(1 if keep == 0 else 0, 4)
+                )
+                want = s.tokens[:keep] + tail
+                r.splice(s, keep, tail)
+                assert s.tokens == want
             else:
                 check(r, s, num_last=rng.randint(1, min(len(s.tokens), 8)))
                 checks += 1

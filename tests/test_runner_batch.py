@@ -15,6 +15,7 @@ from torch import Tensor
 from specd.core.errors import InvalidArgument
 from specd.core.models import load_pretrained
 from specd.core.runner import CausalLMRunner, KVSession
+from target_service.workers.runner import TensorParallelRunner
 
 pytestmark = pytest.mark.usefixtures("torch_single_thread")
 
@@ -246,8 +247,6 @@ class _FakeGroup:
 def test_tensor_parallel_runner_sends_one_batch_command(
     tiny_pair: tuple[Path, Path], llama_runner: CausalLMRunner
 ) -> None:
-    from target_service.workers import TensorParallelRunner
-
     group = _FakeGroup()
     tp = TensorParallelRunner(llama_runner.model, group)  # type: ignore[arg-type]
     a, b = tp.new_session([1, 2, 3]), tp.new_session([4, 5])

@@ -10,15 +10,13 @@ import torch
 from scipy import stats
 
 from specd.core.errors import InvalidArgument
+from specd.core.rejection import SparseProposal, Verdict, rejection_sample
 from specd.core.sampling import (
     Role,
     SamplingParams,
-    SparseProposal,
-    Verdict,
     coins,
     draft_token,
     processed_probs,
-    rejection_sample,
     sample_from_probs,
     sample_sparse,
     sparse_proposal,

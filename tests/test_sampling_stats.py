@@ -21,14 +21,13 @@ from scipy import stats
 
 from specd.core import sparse_q
 from specd.core.errors import InvalidArgument
+from specd.core.rejection import SparseProposal, rejection_sample
 from specd.core.sampling import (
     Role,
     SamplingParams,
-    SparseProposal,
     coins,
     draft_token,
     processed_probs,
-    rejection_sample,
     sample_from_probs,
     sample_sparse,
     sparse_proposal,

@@ -23,7 +23,8 @@ from pathlib import Path
 import grpc
 import pytest
 
-from specd.serving import tracing as tr
+from coordinator.client import CoordinatorClient
+from specd.serving import trace_names
 from specd.tools.otlp_receiver import OtlpReceiver
 from tests.cluster import QuietService, metrics_address, scrape, total
 from tests.test_faults import PROMPTS, _ids, _references
@@ -44,8 +45,6 @@ def _placements(coordinator: QuietService, role: str) -> dict[str, float]:
 
 
 def _generate(address: str, target: Path, text: str) -> list[int]:
-    from coordinator.client import CoordinatorClient
-
     with CoordinatorClient(address, timeout=120) as client:
         return [
             t
@@ -133,17 +132,21 @@ def test_two_targets_two_drafts_split_heal_and_grow(tiny_pair, tmp_path: Path, r
 
         # Round spans name the replicas that held their sessions.
         def named(spans: list, key: str) -> set:
-            return {s.attributes.get(key) for s in spans if s.name == tr.SPAN_ROUND and s.attributes.get(key)}
+            return {s.attributes.get(key) for s in spans if s.name == trace_names.SPAN_ROUND and s.attributes.get(key)}
 
         # spans arrive in export batches: wait (bounded) until both roles' replicas have shown up
         spans = receiver.wait_for(
-            lambda spans: len(named(spans, tr.ATTR_TARGET_REPLICA)) >= 2
-            and len(named(spans, tr.ATTR_DRAFT_REPLICA)) >= 2,
+            lambda spans: len(named(spans, trace_names.ATTR_TARGET_REPLICA)) >= 2
+            and len(named(spans, trace_names.ATTR_DRAFT_REPLICA)) >= 2,
             timeout=60,
         )
-        rounds = [s for s in spans if s.name == tr.SPAN_ROUND]
-        assert {r.attributes.get(tr.ATTR_TARGET_REPLICA) for r in rounds} == {t.address for t in targets}
-        drafted = {r.attributes.get(tr.ATTR_DRAFT_REPLICA) for r in rounds if r.attributes[tr.ATTR_ROUND_DRAFT_TOKENS]}
+        rounds = [s for s in spans if s.name == trace_names.SPAN_ROUND]
+        assert {r.attributes.get(trace_names.ATTR_TARGET_REPLICA) for r in rounds} == {t.address for t in targets}
+        drafted = {
+            r.attributes.get(trace_names.ATTR_DRAFT_REPLICA)
+            for r in rounds
+            if r.attributes[trace_names.ATTR_ROUND_DRAFT_TOKENS]
+        }
         assert drafted == {d.address for d in drafts}
 
         # ---- the same load while a target replica dies and a new one appears -----------------

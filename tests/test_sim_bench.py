@@ -6,6 +6,7 @@ import json
 import math
 import subprocess
 import sys
+from argparse import Namespace
 from pathlib import Path
 
 import pytest
@@ -13,6 +14,7 @@ import pytest
 from specd.core.sim import list_profiles, load_profile, parse_sim_spec
 from specd.tools.bench.overhead import add, difference, metrics_address, quantile_ms
 from specd.tools.bench.sim import SIM_MODES, apply_sim, sim_cost, sim_spec
+from specd.tools.cli import main
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -30,14 +32,10 @@ def test_list_sim_profiles_prints_one_name_per_line():
 
 
 def test_bad_profile_is_a_setup_error(tmp_path):
-    from specd.tools.cli import main
-
     assert main(["bench", "--sim", "no-such-profile", "--json", str(tmp_path / "b.json")]) == 2
 
 
 def test_apply_sim_points_both_services_at_the_profile():
-    from argparse import Namespace
-
     args = Namespace(sim="h100-8b,agreement=0.6", target="demo", draft="demo", target_threads=2, draft_threads=1,
                      no_inprocess=False, modes="DEFAULT")  # fmt: skip
     profile = apply_sim(args, "DEFAULT")
@@ -72,7 +70,6 @@ def test_overhead_quantiles_interpolate_within_buckets_like_prometheus():
 
 def test_bench_on_an_emulated_pair_writes_the_contract_records(tmp_path):
     """End to end: three services on sim:PROFILE, every mode of the contract, records and labels."""
-    from specd.tools.cli import main
 
     out = tmp_path / "bench.json"
     spec = "h100-8b,vocab_size=2048,time_scale=0.5"

@@ -13,6 +13,7 @@ import torch
 from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
+from draft_service.servicer import DraftServicer
 from specd.core import sparse_q
 from specd.core.drafting import ModelDrafter, ProposeRequest
 from specd.core.errors import InvalidArgument
@@ -236,8 +237,6 @@ def _samples(registry) -> dict[str, float]:
 
 
 def test_draft_service_exports_q_bytes_and_build_time(tiny_target) -> None:
-    from draft_service.servicer import DraftServicer
-
     metrics = DraftMetrics()
     drafter = ModelDrafter(CausalLMRunner(tiny_target.model))
     prompt = tiny_target.tokenizer("metrics").input_ids

@@ -9,6 +9,7 @@ from specd.core import catalog
 from specd.tools.bench import load_prompts, select_prompts
 from specd.tools.bench import plan as bench_plan
 from specd.tools.bench.learning import warmup_curve
+from specd.tools.cli import build_parser, main
 from specd.tools.workloads import REPETITIVE_FILE, repetitive_prompts, to_jsonl
 
 
@@ -67,8 +68,6 @@ def test_warmup_curve_groups_requests_in_order() -> None:
 def test_bench_runs_the_repetitive_set_in_sequence_with_a_fresh_suffix_draft_per_mode(
     tiny_pair: tuple[Path, Path], tmp_path: Path
 ) -> None:
-    from specd.tools.cli import main
-
     target, _ = tiny_pair
     out = tmp_path / "bench.json"
     rc = main(
@@ -119,8 +118,6 @@ def test_bench_runs_the_repetitive_set_in_sequence_with_a_fresh_suffix_draft_per
 
 
 def test_specd_up_serves_suffix_until_a_trained_demo_draft_ships(tmp_path: Path) -> None:
-    from specd.tools.cli import build_parser
-
     assert build_parser().parse_args(["up"]).draft == catalog.default_up_draft()
     assert catalog.default_up_draft(tmp_path) == catalog.SUFFIX  # no weights shipped
     (tmp_path / "draft-weights.safetensors").write_bytes(b"")

@@ -30,9 +30,10 @@ from specd.core.proposal import Proposal
 from specd.core.runner import CausalLMRunner
 from specd.core.sampling import SamplingParams
 from specd.core.verification import Verifier
+from specd.tools import cli
 from specd.v1 import common_pb2, session_pb2, target_pb2, target_pb2_grpc
 from target_service.servicer import TargetServicer
-from target_service.workers import TensorParallelRunner, build_tp_runner
+from target_service.workers.runner import TensorParallelRunner, build_tp_runner
 from tests.cluster import READY_TIMEOUT_S, Cluster, QuietService, metrics_address, scrape, total
 from tests.references import loaded, reference
 
@@ -297,11 +298,9 @@ def test_exit_on_worker_failure_hands_over_instead_of_restarting(tp_runner: Tens
 
 
 def test_specd_up_passes_tp_flags_to_the_target() -> None:
-    from specd.tools.cli import _tp_args, build_parser
-
-    args = build_parser().parse_args(["up", "--tp", "3", "--executor", "ray", "--ray-address", "head:6379"])
-    assert _tp_args(args) == ["--tp", "3", "--executor", "ray", "--ray-address", "head:6379"]
-    assert _tp_args(build_parser().parse_args(["up"])) == ["--tp", "1", "--executor", "mp"]
+    args = cli.build_parser().parse_args(["up", "--tp", "3", "--executor", "ray", "--ray-address", "head:6379"])
+    assert cli._tp_args(args) == ["--tp", "3", "--executor", "ray", "--ray-address", "head:6379"]
+    assert cli._tp_args(cli.build_parser().parse_args(["up"])) == ["--tp", "1", "--executor", "mp"]
 
 
 # ---- the three services, target with --tp 2 ------------------------------------------------

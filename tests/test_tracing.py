@@ -24,7 +24,7 @@ from opentelemetry.sdk.trace.sampling import ParentBased, TraceIdRatioBased
 from opentelemetry.trace import INVALID_SPAN, SpanKind
 
 from coordinator.client import build_request
-from specd.serving import genai
+from specd.serving import genai, trace_names, trace_spans
 from specd.serving import tracing as tr
 from specd.serving.config import CoordinatorConfig, DraftConfig
 from specd.tools.otlp_receiver import OtlpReceiver, ReceivedSpan
@@ -41,7 +41,9 @@ def test_tracing_is_off_without_an_endpoint() -> None:
     assert t.start_round(INVALID_SPAN, 0, 5) is INVALID_SPAN
     assert t.inject(INVALID_SPAN) == {}
     assert (
-        t.start_remote_child(tr.SPAN_DRAFT_PROPOSE, {"traceparent": "00-" + "1" * 32 + "-" + "2" * 16 + "-01"}, {})
+        t.start_remote_child(
+            trace_names.SPAN_DRAFT_PROPOSE, {"traceparent": "00-" + "1" * 32 + "-" + "2" * 16 + "-01"}, {}
+        )
         is None
     )
     t.shutdown()  # nothing to do
@@ -92,20 +94,24 @@ def test_round_context_rides_in_messages() -> None:
     carriers = [coordinator.inject(r) for r in rounds]
     assert all(set(c) == {"traceparent"} for c in carriers)
     for carrier in carriers:
-        child = draft.start_remote_child(tr.SPAN_DRAFT_PROPOSE, carrier, {tr.ATTR_SESSION_ID: "s"})
-        tr.end_message_span(child, {tr.ATTR_DRAFT_TOKENS: 4}, None)
+        child = draft.start_remote_child(trace_names.SPAN_DRAFT_PROPOSE, carrier, {trace_names.ATTR_SESSION_ID: "s"})
+        trace_spans.end_message_span(child, {trace_names.ATTR_DRAFT_TOKENS: 4}, None)
     for r in rounds:
         r.end()
     try:
         raise RuntimeError("boom")
     except RuntimeError as exc:
-        tr.record_error(generate, exc)
+        trace_spans.record_error(generate, exc)
     generate.end()
     spans = {s.context.span_id: s for s in exported.get_finished_spans()}
-    gen = next(s for s in spans.values() if s.name == tr.SPAN_GENERATE)
+    gen = next(s for s in spans.values() if s.name == trace_names.SPAN_GENERATE)
     assert f"{gen.context.trace_id:032x}" == client_trace and f"{gen.parent.span_id:016x}" == client_span
-    assert gen.kind == SpanKind.SERVER and not gen.status.is_ok and gen.attributes[tr.ATTR_ERROR_TYPE] == "RuntimeError"
-    round_spans = [s for s in spans.values() if s.name == tr.SPAN_ROUND]
+    assert (
+        gen.kind == SpanKind.SERVER
+        and not gen.status.is_ok
+        and gen.attributes[trace_names.ATTR_ERROR_TYPE] == "RuntimeError"
+    )
+    round_spans = [s for s in spans.values() if s.name == trace_names.SPAN_ROUND]
     assert [s.parent.span_id for s in round_spans] == [gen.context.span_id] * 2
     children = draft_exported.get_finished_spans()
     assert [c.parent.span_id for c in children] == [r.context.span_id for r in round_spans]
@@ -197,34 +203,37 @@ def generate(cluster: Cluster | str, *, stream: bool = False, traceparent: bool 
 
 def is_generate(span: ReceivedSpan) -> bool:
     """The Generate span: named "text_completion MODEL" by the GenAI conventions."""
-    return span.service == tr.SERVICE_COORDINATOR and span.attributes.get(tr.ATTR_GENAI_OPERATION) == genai.OPERATION
+    return (
+        span.service == trace_names.SERVICE_COORDINATOR
+        and span.attributes.get(trace_names.ATTR_GENAI_OPERATION) == genai.OPERATION
+    )
 
 
 def trace_of(spans: list[ReceivedSpan], call: Call) -> list[ReceivedSpan]:
     if call.trace_id is not None:
         return [s for s in spans if s.trace_id == call.trace_id]
-    roots = [s for s in spans if is_generate(s) and s.attributes.get(tr.ATTR_SEED) == call.seed]
+    roots = [s for s in spans if is_generate(s) and s.attributes.get(trace_names.ATTR_SEED) == call.seed]
     return [s for s in spans if roots and s.trace_id == roots[0].trace_id]
 
 
 MESSAGE_SPANS = {
-    tr.SPAN_DRAFT_OPEN,
-    tr.SPAN_DRAFT_PROPOSE,
-    tr.SPAN_DRAFT_CLOSE,
-    tr.SPAN_TARGET_OPEN,
-    tr.SPAN_TARGET_VERIFY,
-    tr.SPAN_TARGET_CLOSE,
+    trace_names.SPAN_DRAFT_OPEN,
+    trace_names.SPAN_DRAFT_PROPOSE,
+    trace_names.SPAN_DRAFT_CLOSE,
+    trace_names.SPAN_TARGET_OPEN,
+    trace_names.SPAN_TARGET_VERIFY,
+    trace_names.SPAN_TARGET_CLOSE,
 }
 
 
 def complete(trace: list[ReceivedSpan], call: Call) -> bool:
     rounds = call.response.stats.rounds
-    verifies = [s for s in trace if s.name == tr.SPAN_TARGET_VERIFY]
+    verifies = [s for s in trace if s.name == trace_names.SPAN_TARGET_VERIFY]
     return (
         sum(is_generate(s) for s in trace) == 1
-        and sum(s.name == tr.SPAN_ROUND for s in trace) == rounds
+        and sum(s.name == trace_names.SPAN_ROUND for s in trace) == rounds
         and len(verifies) == rounds
-        and sum(s.name == tr.SPAN_DRAFT_PROPOSE for s in trace) == call.response.stats.drafts
+        and sum(s.name == trace_names.SPAN_DRAFT_PROPOSE for s in trace) == call.response.stats.drafts
     )
 
 
@@ -245,54 +254,62 @@ def test_each_generate_is_one_trace_with_a_span_per_round(traced: Cluster, recei
         assert complete(trace, call), (call, sorted(s.name for s in trace), traced.logs())
         by_id = {s.span_id: s for s in trace}
         (gen,) = [s for s in trace if is_generate(s)]
-        rounds = sorted((s for s in trace if s.name == tr.SPAN_ROUND), key=lambda s: s.attributes[tr.ATTR_ROUND_INDEX])
+        rounds = sorted(
+            (s for s in trace if s.name == trace_names.SPAN_ROUND),
+            key=lambda s: s.attributes[trace_names.ATTR_ROUND_INDEX],
+        )
         # One trace across the three services, rooted at the Generate span (or the client's span).
-        expected = {tr.SERVICE_COORDINATOR, tr.SERVICE_TARGET} | ({tr.SERVICE_DRAFT} if call.speculative else set())
+        expected = {trace_names.SERVICE_COORDINATOR, trace_names.SERVICE_TARGET} | (
+            {trace_names.SERVICE_DRAFT} if call.speculative else set()
+        )
         assert {s.service for s in trace} == expected
-        assert gen.service == tr.SERVICE_COORDINATOR and gen.status_code != 2
+        assert gen.service == trace_names.SERVICE_COORDINATOR and gen.status_code != 2
         assert (gen.parent_span_id != "") == (call.trace_id is not None)
         assert all(s.resource["service.version"] for s in trace)
         # One round span per round, children of the Generate span, in order.
         assert len(rounds) == stats.rounds
-        assert [r.attributes[tr.ATTR_ROUND_INDEX] for r in rounds] == list(range(stats.rounds))
-        assert all(r.parent_span_id == gen.span_id and r.service == tr.SERVICE_COORDINATOR for r in rounds)
-        lengths = [r.attributes[tr.ATTR_COMMITTED_LENGTH] for r in rounds]
+        assert [r.attributes[trace_names.ATTR_ROUND_INDEX] for r in rounds] == list(range(stats.rounds))
+        assert all(r.parent_span_id == gen.span_id and r.service == trace_names.SERVICE_COORDINATOR for r in rounds)
+        lengths = [r.attributes[trace_names.ATTR_COMMITTED_LENGTH] for r in rounds]
         assert lengths == sorted(set(lengths))
         # Every draft and target message span hangs under the round its message belonged to;
         # their phase spans (sync, forward, sampling, rollback) under the message span.
         children: dict[str, list[ReceivedSpan]] = defaultdict(list)
         phases: dict[str, list[ReceivedSpan]] = defaultdict(list)
         for s in trace:
-            if s.service in (tr.SERVICE_DRAFT, tr.SERVICE_TARGET) and s.name not in MESSAGE_SPANS:
+            if s.service in (trace_names.SERVICE_DRAFT, trace_names.SERVICE_TARGET) and s.name not in MESSAGE_SPANS:
                 parent = by_id.get(s.parent_span_id)
                 assert parent is not None and parent.name in MESSAGE_SPANS and parent.service == s.service, s
                 assert parent.start_ns <= s.start_ns <= s.end_ns <= parent.end_ns, s
                 phases[parent.span_id].append(s)
         for s in trace:
-            if s.service in (tr.SERVICE_DRAFT, tr.SERVICE_TARGET) and s.name in MESSAGE_SPANS:
+            if s.service in (trace_names.SERVICE_DRAFT, trace_names.SERVICE_TARGET) and s.name in MESSAGE_SPANS:
                 parent = by_id.get(s.parent_span_id)
-                assert parent is not None and parent.name == tr.SPAN_ROUND, s
-                assert s.attributes[tr.ATTR_COMMITTED_LENGTH] == parent.attributes[tr.ATTR_COMMITTED_LENGTH], s
-                assert s.attributes[tr.ATTR_SESSION_ID] == gen.attributes[tr.ATTR_SESSION_ID]
+                assert parent is not None and parent.name == trace_names.SPAN_ROUND, s
+                assert (
+                    s.attributes[trace_names.ATTR_COMMITTED_LENGTH]
+                    == parent.attributes[trace_names.ATTR_COMMITTED_LENGTH]
+                ), s
+                assert s.attributes[trace_names.ATTR_SESSION_ID] == gen.attributes[trace_names.ATTR_SESSION_ID]
                 children[parent.span_id].append(s)
         for r in rounds:
             names = sorted(c.name for c in children[r.span_id])
-            verify = [c for c in children[r.span_id] if c.name == tr.SPAN_TARGET_VERIFY]
+            verify = [c for c in children[r.span_id] if c.name == trace_names.SPAN_TARGET_VERIFY]
             assert len(verify) == 1, names
-            assert verify[0].attributes[tr.ATTR_ACCEPTED] == r.attributes[tr.ATTR_ROUND_ACCEPTED]
-            assert verify[0].attributes[tr.ATTR_TOKEN_KIND] == r.attributes[tr.ATTR_ROUND_TOKEN_KIND]
+            assert verify[0].attributes[trace_names.ATTR_ACCEPTED] == r.attributes[trace_names.ATTR_ROUND_ACCEPTED]
+            assert verify[0].attributes[trace_names.ATTR_TOKEN_KIND] == r.attributes[trace_names.ATTR_ROUND_TOKEN_KIND]
             assert [p.name for p in sorted(phases[verify[0].span_id], key=lambda p: p.start_ns)] == [
-                tr.SPAN_TARGET_PHASE_PREFIX + name for name in ("sync", "forward", "sampling", "rollback")
+                trace_names.SPAN_TARGET_PHASE_PREFIX + name for name in ("sync", "forward", "sampling", "rollback")
             ]
-            proposes = [c for c in children[r.span_id] if c.name == tr.SPAN_DRAFT_PROPOSE]
-            assert len(proposes) == (1 if r.attributes[tr.ATTR_ROUND_DRAFT_TOKENS] else 0), names
+            proposes = [c for c in children[r.span_id] if c.name == trace_names.SPAN_DRAFT_PROPOSE]
+            assert len(proposes) == (1 if r.attributes[trace_names.ATTR_ROUND_DRAFT_TOKENS] else 0), names
             for p in proposes:
-                assert p.attributes[tr.ATTR_DRAFT_TOKENS] == r.attributes[tr.ATTR_ROUND_DRAFT_TOKENS]
+                assert p.attributes[trace_names.ATTR_DRAFT_TOKENS] == r.attributes[trace_names.ATTR_ROUND_DRAFT_TOKENS]
                 assert {c.name for c in phases[p.span_id]} == {
-                    tr.SPAN_DRAFT_PHASE_PREFIX + name for name in ("sync", "forward", "sampling")
+                    trace_names.SPAN_DRAFT_PHASE_PREFIX + name for name in ("sync", "forward", "sampling")
                 }
-        assert sum(c.name == tr.SPAN_TARGET_OPEN for cs in children.values() for c in cs) == 1
-        assert rounds[0].attributes[tr.ATTR_ROUND_PIPELINE_HIT] is False
+        assert sum(c.name == trace_names.SPAN_TARGET_OPEN for cs in children.values() for c in cs) == 1
+        assert rounds[0].attributes[trace_names.ATTR_ROUND_PIPELINE_HIT] is False
 
 
 def test_round_spans_add_up_to_the_response_stats(traced: Cluster, receiver: OtlpReceiver) -> None:
@@ -301,24 +318,44 @@ def test_round_spans_add_up_to_the_response_stats(traced: Cluster, receiver: Otl
     for call in calls:
         stats = call.response.stats
         trace = trace_of(spans, call)
-        rounds = [s.attributes for s in trace if s.name == tr.SPAN_ROUND]
+        rounds = [s.attributes for s in trace if s.name == trace_names.SPAN_ROUND]
         assert len(rounds) == stats.rounds
-        assert sum(r[tr.ATTR_ROUND_ACCEPTED] for r in rounds) == stats.accepted_tokens
-        assert sum(r[tr.ATTR_ROUND_DRAFT_TOKENS] for r in rounds) == stats.draft_tokens
-        assert sum(r[tr.ATTR_ROUND_TOKENS] for r in rounds) == stats.completion_tokens == len(call.response.token_ids)
-        assert sum(r[tr.ATTR_ROUND_DRAFT_TOKENS] > 0 for r in rounds) == stats.drafts
-        assert sum(r[tr.ATTR_ROUND_TARGET_ONLY] for r in rounds) == stats.target_only_rounds
+        assert sum(r[trace_names.ATTR_ROUND_ACCEPTED] for r in rounds) == stats.accepted_tokens
+        assert sum(r[trace_names.ATTR_ROUND_DRAFT_TOKENS] for r in rounds) == stats.draft_tokens
+        assert (
+            sum(r[trace_names.ATTR_ROUND_TOKENS] for r in rounds)
+            == stats.completion_tokens
+            == len(call.response.token_ids)
+        )
+        assert sum(r[trace_names.ATTR_ROUND_DRAFT_TOKENS] > 0 for r in rounds) == stats.drafts
+        assert sum(r[trace_names.ATTR_ROUND_TARGET_ONLY] for r in rounds) == stats.target_only_rounds
         for r in rounds:
-            assert r[tr.ATTR_ROUND_ACCEPTED] <= r[tr.ATTR_ROUND_DRAFT_TOKENS] <= r[tr.ATTR_ROUND_DRAFT_LENGTH]
-            assert r[tr.ATTR_ROUND_TOKEN_KIND] in (tr.TOKEN_KIND_BONUS, tr.TOKEN_KIND_RECOVERED)
-            assert r[tr.ATTR_ROUND_WALL_MS] >= r[tr.ATTR_ROUND_DRAFT_MS] + r[tr.ATTR_ROUND_VERIFY_MS] - 1e-6
+            assert (
+                r[trace_names.ATTR_ROUND_ACCEPTED]
+                <= r[trace_names.ATTR_ROUND_DRAFT_TOKENS]
+                <= r[trace_names.ATTR_ROUND_DRAFT_LENGTH]
+            )
+            assert r[trace_names.ATTR_ROUND_TOKEN_KIND] in (
+                trace_names.TOKEN_KIND_BONUS,
+                trace_names.TOKEN_KIND_RECOVERED,
+            )
+            assert (
+                r[trace_names.ATTR_ROUND_WALL_MS]
+                >= r[trace_names.ATTR_ROUND_DRAFT_MS] + r[trace_names.ATTR_ROUND_VERIFY_MS] - 1e-6
+            )
         (gen,) = [s.attributes for s in trace if is_generate(s)]
-        assert gen[tr.ATTR_ROUNDS] == stats.rounds and gen[tr.ATTR_DRAFTS] == stats.drafts
-        assert gen[tr.ATTR_ACCEPTED_TOKENS] == stats.accepted_tokens and gen[tr.ATTR_DRAFT_TOKENS] == stats.draft_tokens
-        assert gen[tr.ATTR_COMPLETION_TOKENS] == stats.completion_tokens and gen[tr.ATTR_FINISH_REASON] == "length"
-        assert gen[tr.ATTR_SEED] == call.seed and gen[tr.ATTR_PROMPT_TOKENS] == 6
-        assert gen[tr.ATTR_ACCEPTANCE_LENGTH] == pytest.approx(stats.acceptance_length)
-        assert gen[tr.ATTR_DRAFT_MS] == pytest.approx(sum(r[tr.ATTR_ROUND_DRAFT_MS] for r in rounds))
+        assert gen[trace_names.ATTR_ROUNDS] == stats.rounds and gen[trace_names.ATTR_DRAFTS] == stats.drafts
+        assert (
+            gen[trace_names.ATTR_ACCEPTED_TOKENS] == stats.accepted_tokens
+            and gen[trace_names.ATTR_DRAFT_TOKENS] == stats.draft_tokens
+        )
+        assert (
+            gen[trace_names.ATTR_COMPLETION_TOKENS] == stats.completion_tokens
+            and gen[trace_names.ATTR_FINISH_REASON] == "length"
+        )
+        assert gen[trace_names.ATTR_SEED] == call.seed and gen[trace_names.ATTR_PROMPT_TOKENS] == 6
+        assert gen[trace_names.ATTR_ACCEPTANCE_LENGTH] == pytest.approx(stats.acceptance_length)
+        assert gen[trace_names.ATTR_DRAFT_MS] == pytest.approx(sum(r[trace_names.ATTR_ROUND_DRAFT_MS] for r in rounds))
 
 
 def test_generate_span_follows_the_genai_conventions(traced: Cluster, receiver: OtlpReceiver) -> None:
@@ -349,8 +386,8 @@ def test_generate_span_follows_the_genai_conventions(traced: Cluster, receiver: 
     assert a["gen_ai.request.temperature"] == pytest.approx(0.8) and a["gen_ai.request.top_p"] == pytest.approx(0.9)
     assert a["gen_ai.request.top_k"] == 40.0
     assert a["gen_ai.request.stop_sequences"] == ["never-produced-1", "never-produced-2"]
-    assert a["gen_ai.response.id"] == a[tr.ATTR_SESSION_ID] and len(a["gen_ai.response.id"]) == 32
-    assert a["gen_ai.response.finish_reasons"] == ["length"] and a[tr.ATTR_FINISH_REASON] == "length"
+    assert a["gen_ai.response.id"] == a[trace_names.ATTR_SESSION_ID] and len(a["gen_ai.response.id"]) == 32
+    assert a["gen_ai.response.finish_reasons"] == ["length"] and a[trace_names.ATTR_FINISH_REASON] == "length"
     assert a["gen_ai.usage.input_tokens"] == 6
     assert a["gen_ai.usage.output_tokens"] == stats.completion_tokens == len(call.response.token_ids) == 12
     # specd's own: the speculation settings and results stay under specd.*
@@ -366,9 +403,9 @@ def test_generate_span_follows_the_genai_conventions(traced: Cluster, receiver: 
         generate(traced, seed=seed + 1, max_new_tokens=4, temperature=-1.0)
     assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     spans = receiver.wait_for(
-        lambda spans: any(is_generate(s) and s.attributes.get(tr.ATTR_ERROR_TYPE) for s in spans), timeout=30
+        lambda spans: any(is_generate(s) and s.attributes.get(trace_names.ATTR_ERROR_TYPE) for s in spans), timeout=30
     )
-    failed = [s for s in spans if is_generate(s) and s.attributes.get(tr.ATTR_ERROR_TYPE) == "InvalidArgument"]
+    failed = [s for s in spans if is_generate(s) and s.attributes.get(trace_names.ATTR_ERROR_TYPE) == "InvalidArgument"]
     assert failed and all(f.name == f"text_completion {model}" and f.status_code == 2 for f in failed)
 
 

@@ -13,19 +13,14 @@ from __future__ import annotations
 import logging
 import shutil
 from pathlib import Path
+from typing import TypedDict
 
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
+from specd.core.demo_target import demo_target_path
 from specd.core.draft_checkpoint import COMPACT_META, COMPACT_WEIGHTS, assemble, install_reduced_head
-from specd.core.models import (
-    LoadedModel,
-    demo_target_path,
-    load_pretrained,
-    quiet_transformers,
-    share_readable,
-    vocab_fingerprint,
-)
+from specd.core.models import LoadedModel, load_pretrained, quiet_transformers, share_readable, vocab_fingerprint
 from specd.core.runner import CausalLMRunner
 from specd.core.sim import SimRunner, is_sim, parse_sim_spec
 from specd.core.sim.tokenizer import sim_tokenizer_folder
@@ -119,11 +114,27 @@ def _untrained_cut(target: Path, final: Path) -> Path:
     return final
 
 
+class TokenSpace(TypedDict):
+    """What a draft and a target must agree on: logits width, tokenizer size and hash."""
+
+    vocab_size: int
+    tokenizer_size: int
+    vocab_hash: str
+
+
+class ModelIdentity(TokenSpace):
+    """The fields of a service's ModelInfo message but `kind` (kept free of protobuf here)."""
+
+    name: str
+    max_context: int
+    eos_token_ids: list[int]
+
+
 def draft_folder(spec: str, target_spec: str, cache_dir: Path) -> Path:
     return demo_draft_path(cache_dir, target_spec) if spec == DEMO else Path(spec)
 
 
-def load_sim_for_serving(spec: str, role: str, cache_dir: Path) -> tuple[SimRunner, dict[str, object]]:
+def load_sim_for_serving(spec: str, role: str, cache_dir: Path) -> tuple[SimRunner, ModelIdentity]:
     """An emulated model for the target (role 'target': p) or draft service ('draft': q): (runner, ModelInfo fields).
 
     Both services given the same spec agree on p and on the token space (the
@@ -142,14 +153,14 @@ def load_sim_for_serving(spec: str, role: str, cache_dir: Path) -> tuple[SimRunn
         profile.spec,
         profile.agreement,
     )
-    identity: dict[str, object] = {
-        "name": profile.spec,
-        "vocab_size": runner.vocab_size,
-        "tokenizer_size": size,
-        "vocab_hash": digest,
-        "max_context": runner.max_context,
-        "eos_token_ids": [],
-    }
+    identity = ModelIdentity(
+        name=profile.spec,
+        vocab_size=runner.vocab_size,
+        tokenizer_size=size,
+        vocab_hash=digest,
+        max_context=runner.max_context,
+        eos_token_ids=[],
+    )
     return runner, identity
 
 
@@ -181,20 +192,20 @@ def eos_token_ids(loaded: LoadedModel) -> list[int]:
     return sorted(ids)
 
 
-def model_identity(loaded: LoadedModel, runner: CausalLMRunner) -> dict[str, object]:
+def model_identity(loaded: LoadedModel, runner: CausalLMRunner) -> ModelIdentity:
     """Fields of the ModelInfo message (kept free of protobuf here)."""
     size, digest = vocab_fingerprint(loaded.tokenizer)
-    return {
-        "name": loaded.name,
-        "vocab_size": runner.vocab_size,
-        "tokenizer_size": size,
-        "vocab_hash": digest,
-        "max_context": runner.max_context,
-        "eos_token_ids": eos_token_ids(loaded),
-    }
+    return ModelIdentity(
+        name=loaded.name,
+        vocab_size=runner.vocab_size,
+        tokenizer_size=size,
+        vocab_hash=digest,
+        max_context=runner.max_context,
+        eos_token_ids=eos_token_ids(loaded),
+    )
 
 
-def token_space(folder: Path) -> dict[str, object]:
+def token_space(folder: Path) -> TokenSpace:
     """vocab_size, tokenizer_size and vocab_hash of a model folder, without loading weights.
 
     A folder with a tokenizer only (an emulated model's) has as many logits as tokens.
@@ -202,4 +213,4 @@ def token_space(folder: Path) -> dict[str, object]:
     size, digest = vocab_fingerprint(AutoTokenizer.from_pretrained(folder, local_files_only=True))
     has_config = (Path(folder) / "config.json").is_file()
     vocab = int(AutoConfig.from_pretrained(folder, local_files_only=True).vocab_size) if has_config else size
-    return {"vocab_size": vocab, "tokenizer_size": size, "vocab_hash": digest}
+    return TokenSpace(vocab_size=vocab, tokenizer_size=size, vocab_hash=digest)

@@ -29,7 +29,8 @@ from specd.core.branching import (
     calibrated_greedy,
     select_branches,
 )
-from specd.core.errors import InvalidArgument, SessionNotFound, SessionOutOfSync
+from specd.core.errors import Internal, InvalidArgument, SessionNotFound, SessionOutOfSync
+from specd.core.greedy import greedy_tokens
 from specd.core.phases import PhaseLog
 from specd.core.proposal import Proposal
 from specd.core.runner import CausalLMRunner, KVSession
@@ -125,18 +126,24 @@ def _common(a: Sequence[int], b: Sequence[int]) -> int:
     return n
 
 
+def check_sync(held: int, committed_length: int, start: int, tail: Sequence[int]) -> None:
+    """OutOfSync unless a (start, tail) update of a `held`-token sequence gives committed_length tokens."""
+    if start > held:
+        raise SessionOutOfSync(f"update starts at {start} but the session holds {held} tokens; re-open")
+    if start + len(tail) != committed_length:
+        raise SessionOutOfSync(
+            f"update gives {start + len(tail)} committed tokens, message says {committed_length}; re-open"
+        )
+
+
 def sync_prefix(tokens: list[int], committed_length: int, start: int, tail: Sequence[int]) -> list[int]:
     """The committed prefix from a (start, tail) update; OutOfSync if it cannot be built.
 
     tokens: the service's current sequence, whose first `start` tokens the
     caller declares committed (its own accepted drafts among them).
     """
-    if start > len(tokens):
-        raise SessionOutOfSync(f"update starts at {start} but the session holds {len(tokens)} tokens; re-open")
-    prefix = tokens[:start] + [int(t) for t in tail]
-    if len(prefix) != committed_length:
-        raise SessionOutOfSync(f"update gives {len(prefix)} committed tokens, message says {committed_length}; re-open")
-    return prefix
+    check_sync(len(tokens), committed_length, start, tail)
+    return tokens[:start] + [int(t) for t in tail]
 
 
 @dataclass
@@ -334,19 +341,22 @@ class ModelDrafter(PooledModel[_ModelDraftSession]):
 
         Every branch shares the first `fork_at` tokens with the sequence, so a
         `start` within them means the same tokens in all of them; the sequence
-        or branch agreeing longest with the prefix becomes the sequence, and
-        every other branch is dropped (branches live until the next call).
+        or branch agreeing longest with `tail` becomes the sequence, and every
+        other branch is dropped (branches live until the next call).
         """
-        prefix = sync_prefix(s.kv.tokens, committed_length, start, tail)
+        check_sync(len(s.kv.tokens), committed_length, start, tail)
         if s.branches:
             kept = s.kv
             if start <= s.fork_at:
-                kept = max([s.kv, *(b.kv for b in s.branches)], key=lambda kv: _common(kv.tokens, prefix))
+                kept = max(
+                    [s.kv, *(b.kv for b in s.branches)],
+                    key=lambda kv: _common(kv.tokens[start : start + len(tail)], tail),
+                )
             if kept is not s.kv:
                 self.runner.release(s.kv)
                 s.kv = kept
             self._drop_branches(s, keep=kept)
-        self.runner.set_tokens(s.kv, prefix)
+        self.runner.splice(s.kv, start, tail)
 
     def _drop_branches(self, s: _ModelDraftSession, keep: KVSession | None = None) -> None:
         for b in s.branches:
@@ -437,38 +447,33 @@ class ModelDrafter(PooledModel[_ModelDraftSession]):
     def _sample_step(
         self, active: list[tuple[_Key, _ModelDraftSession]], rows: list[Tensor], drafted: dict[_Key, _Draft]
     ) -> dict[int, Exception]:
-        """Sample one token per active row from its logits (A x [1, V]) and append it; {request: error}.
-
-        Greedy rows take the argmax of their logits, all at once (what processed_probs' one-hot
-        would give, without building it: host time grows with the rows, and a branch call has many);
-        sampled rows go through processed_probs and the sparse q.
-        """
+        """Sample one token per active row from its logits (A x [1, V]) and append it; {request: error}."""
         logits = torch.cat(rows)  # [A, V]
         if self.token_map is not None:
             logits = logits[:, self.token_map]  # [A, N]: the reduced head's own rows
-        greedy = [a for a, (_, s) in enumerate(active) if s.params.is_greedy]
-        sampled_rows = [a for a, (_, s) in enumerate(active) if not s.params.is_greedy]
         failed: dict[int, Exception] = {}
         tokens: dict[int, int] = {}  # row -> token
-        if greedy:
-            x = logits[greedy][:, None, :]  # [G, 1, V or N]
-            unusable = sampling.unusable_logits(x)
-            best = x[:, 0].argmax(-1).tolist()  # [G]: the lowest id on ties, as processed_probs
-            for g, a in enumerate(greedy):
-                if g in unusable:
-                    failed[active[a][0][0]] = unusable[g]
+        greedy = [a for a, (_, s) in enumerate(active) if s.params.is_greedy]
+        if greedy:  # the argmax, off the logits (specd.core.greedy); q one-hot: nothing to send
+            best, bad = greedy_tokens(logits[greedy])
+            for a, token, unusable in zip(greedy, best.tolist(), bad.tolist()):
+                if unusable:
+                    failed[active[a][0][0]] = Internal("the model's logits for this request are not finite")
                 else:
-                    tokens[a] = self._target_id(best[g])  # q one-hot: nothing to send
-        probs = torch.empty(0)
-        at: dict[int, int] = {}  # active row -> its row of probs
+                    tokens[a] = self._target_id(token)
+        rest = [a for a in range(len(active)) if not active[a][1].params.is_greedy]
         sampled: dict[QSettings, list[int]] = {}  # rows by q settings: each group shares one build
-        if sampled_rows:
-            x = logits[sampled_rows][:, None, :]  # [S, 1, V or N]
-            processed = sampling.processed_probs(x, [active[a][1].params for a in sampled_rows])  # [S, 1, V or N]
-            unusable = sampling.unusable_rows(x, processed)
-            probs = processed[:, 0]  # [S, V or N]
-            for r, a in enumerate(sampled_rows):
-                at[a] = r
+        probs = logits  # [A, V or N]: the processed p of the sampled rows (greedy rows: unused)
+        if rest:
+            everyone = len(rest) == len(active)
+            rest_logits = (logits if everyone else logits[rest])[:, None, :]  # [R, 1, V or N]
+            rest_probs = sampling.processed_probs(rest_logits, [active[a][1].params for a in rest])
+            unusable = sampling.unusable_rows(rest_logits, rest_probs)
+            probs = rest_probs[:, 0]
+            if not everyone:  # back to row a of the batch
+                idx = torch.tensor(rest, dtype=torch.int64, device=probs.device)
+                probs = probs.new_zeros(logits.shape).index_copy_(0, idx, probs)
+            for r, a in enumerate(rest):
                 if r in unusable:
                     failed[active[a][0][0]] = unusable[r]
                 else:
@@ -476,11 +481,11 @@ class ModelDrafter(PooledModel[_ModelDraftSession]):
         tq = time.perf_counter_ns()
         for settings, group in sampled.items():
             try:
-                self._sample_rows(group, settings, probs[[at[a] for a in group]], active, drafted, tokens)
+                self._sample_rows(group, settings, probs, active, drafted, tokens)
             except Exception:  # noqa: BLE001 - find the row(s) at fault: each alone, the others go on
                 for a in group:
                     try:
-                        self._sample_rows([a], settings, probs[[at[a]]], active, drafted, tokens)
+                        self._sample_rows([a], settings, probs, active, drafted, tokens)
                     except Exception as exc:  # noqa: BLE001 - this row's sampling failed: its request alone
                         failed[active[a][0][0]] = exc
         q_ms = (time.perf_counter_ns() - tq) / 1e6
@@ -509,16 +514,16 @@ class ModelDrafter(PooledModel[_ModelDraftSession]):
         # Ranked by the request's processed distribution with the measured acceptance; a greedy
         # request's is a one-hot, so it ranks by the calibrated softmax (specd.core.branching).
         if s.params.is_greedy:
-            unusable = sampling.unusable_logits(logits[None])
-            if not unusable:
-                columns = pending if self.token_map is None else [self._column(t) for t in pending]
-                rank, acceptance = calibrated_greedy(logits, columns, acceptance)  # [K+1, V or N]
+            if bool(greedy_tokens(logits)[1].any()):
+                raise Internal("the model's logits for this request are not finite")
+            columns = pending if self.token_map is None else [self._column(t) for t in pending]
+            rank, acceptance = calibrated_greedy(logits, columns, acceptance)  # [K+1, V or N]
         else:
             processed = sampling.processed_probs(logits[None], [s.params])  # [1, K+1, V or N]
             unusable = sampling.unusable_rows(logits[None], processed)
+            if unusable:
+                raise unusable[0]
             rank = processed[0]
-        if unusable:
-            raise unusable[0]
         if self.token_map is not None:  # back to target ids: 0 off the map
             rank = rank.new_zeros(k + 1, self.vocab_size).index_copy_(1, self.token_map, rank)  # [K+1, V]
         budget = self._branch_room(req.budget, len(s.kv.tokens) + 1 + bp.steps)
@@ -549,11 +554,10 @@ class ModelDrafter(PooledModel[_ModelDraftSession]):
         drafted: dict[_Key, _Draft],
         tokens: dict[int, int],
     ) -> None:
-        """Build q for active rows `group` (probs [G, V or N], theirs in order) at once, sample from it,
-        record token and q per row."""
+        """Build q for rows `group` of probs [A, V or N] at once, sample from it, record token and q per row."""
         seeds = torch.tensor([active[a][1].params.seed for a in group], dtype=torch.int64)  # [G]
         positions = torch.tensor([len(active[a][1].kv.tokens) for a in group], dtype=torch.int64)  # [G]
-        tok, ids, weights = sparse_q.draft(probs, settings, seeds, positions)  # [G], [G, W], [G, W]
+        tok, ids, weights = sparse_q.draft(probs[group], settings, seeds, positions)  # [G], [G, W], [G, W]
         if self.token_map is not None:  # same numbers, target ids: q(token_map[j]) = weight j, 0 off the map
             tok, ids = self.token_map[tok], torch.where(weights > 0, self.token_map[ids], 0)
         widths = (weights > 0).sum(-1).tolist()  # each row's own width (a prefix of its slots)

@@ -24,9 +24,9 @@ import asyncio
 import logging
 import math
 import time
-from collections.abc import AsyncGenerator, Awaitable, Callable, Sequence
+from collections.abc import AsyncGenerator, Awaitable, Callable, Coroutine, Sequence
 from dataclasses import dataclass
-from typing import TypeVar
+from typing import Any, TypeVar
 
 from specd.core.adaptive import ServiceEstimates
 from specd.core.branching import DEFAULT_BRANCH_BUDGET
@@ -227,25 +227,19 @@ class RequestRun:
             return [PreDraft(b.extension(pending), b.proposal) for b in result.branches]
 
         rnd = PipelineRound(committed, proposal, budget, wanted, draft_after, draft_branches)
-        defer = self._pipeline.defers_bonus(rnd)
-        verify = asyncio.ensure_future(
-            self._target.verify(
-                committed,
-                proposal,
-                defer_bonus=defer,
-                deadline=self._deadline,
-                carrier=carrier,
-                on_retry=self._target_retry,
-            )
+        verify = self._target.verify(
+            committed,
+            proposal,
+            defer_bonus=self._pipeline.defers_bonus(rnd),
+            deadline=self._deadline,
+            carrier=carrier,
+            on_retry=self._target_retry,
         )
-        launched = self._pipeline.launch(rnd)  # after the verify: it goes out first
-        outcome: VerifyOutcome | None = None
-        try:
-            outcome = await verify
-        finally:
-            verify.cancel()  # no-op once done; stops the round if the request was cancelled
-            pre_drafts = await self._pipeline.settle(outcome)
-        assert outcome is not None
+        pre_drafts: list[PreDraft] = []
+        if isinstance(self._pipeline, Off):  # nothing runs beside the verify: await it here (no task, no loop turn)
+            outcome, launched = await verify, 0
+        else:
+            outcome, launched, pre_drafts = await self._verify_beside_pipeline(verify, rnd)
         kind = _kind(outcome)
         token = None if outcome.deferred else outcome.token_id
         extension = (*proposal.token_ids[: outcome.accepted], *(() if token is None else (token,)))
@@ -275,10 +269,26 @@ class RequestRun:
             target_only=None if len(proposal) else why,
             pipeline_hit=hit,
             pipeline_launched=launched,
+            draft_transit=proposal.transit,
+            verify_transit=outcome.transit,
         )
         self.stats.add(record)
         self._observer.round_ended(record)
         return record
+
+    async def _verify_beside_pipeline(
+        self, verify: Coroutine[Any, Any, VerifyOutcome], rnd: PipelineRound
+    ) -> tuple[VerifyOutcome, int, list[PreDraft]]:
+        """The verdict, with the pre-drafts the strategy made while the target verified."""
+        task = asyncio.ensure_future(verify)
+        launched = self._pipeline.launch(rnd)  # after the verify: it goes out first
+        outcome: VerifyOutcome | None = None
+        try:
+            outcome = await task
+        finally:
+            task.cancel()  # no-op once done; stops the round if the request was cancelled
+            pre_drafts = await self._pipeline.settle(outcome)
+        return outcome, launched, pre_drafts
 
     def _wanted(self) -> tuple[int, TargetOnly | None]:
         """K this round would like (before the budget), or 0 and why not."""

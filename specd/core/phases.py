@@ -15,7 +15,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
-# Phase names (also the suffix of the span names, see specd.serving.tracing).
+# Phase names (also the suffix of the span names, see specd.serving.trace_names).
 SYNC = "sync"  # bring the session to the committed prefix (may crop the KV cache)
 FORWARD = "forward"  # model forward pass(es)
 SAMPLING = "sampling"  # processed probabilities, draft sampling or the rejection sampler

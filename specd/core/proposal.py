@@ -9,6 +9,7 @@ import torch
 
 from specd.core.errors import InvalidArgument
 from specd.core.phases import PhaseLog
+from specd.core.transit import Transit
 
 # What a proposal from the wire may hold unless the service says otherwise: K draft
 # tokens, and entries per q row (also capped by the vocabulary). Together they bound
@@ -34,6 +35,7 @@ class Proposal:
     compute_ms: float = 0.0
     phases: PhaseLog = field(default_factory=PhaseLog, compare=False, repr=False)  # where the time went
     q_ms: float = field(default=0.0, compare=False)  # draft time building q and sampling from it (part of compute_ms)
+    transit: Transit | None = field(default=None, compare=False, repr=False)  # the call's hops (a transport's port)
 
     def __len__(self) -> int:
         return len(self.token_ids)

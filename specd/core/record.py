@@ -2,7 +2,7 @@
 
 Every consumer of a round's numbers reads them from here: the request's
 `RoundStats` (added up from records), the round span's attributes
-(specd.serving.tracing.round_attributes) and the metrics
+(specd.serving.trace_spans.round_attributes) and the metrics
 (specd.serving.metrics.CoordinatorMetrics.observe_round).
 
 Words are vLLM's: *drafts* are rounds that verified >= 1 draft token,
@@ -17,6 +17,8 @@ from __future__ import annotations
 import enum
 from collections import Counter
 from dataclasses import dataclass, field
+
+from specd.core.transit import Transit
 
 
 class TokenKind(enum.Enum):
@@ -81,6 +83,8 @@ class RoundRecord:
     target_only: TargetOnly | None = None  # why no draft tokens were verified; None when some were
     pipeline_hit: PipelineHit | None = None  # the proposal came from the previous round's pre-draft
     pipeline_launched: int = 0  # pre-drafts this round launched for the next (spec-cache: the branch budget)
+    draft_transit: Transit | None = None  # hops of this round's propose call (None: none made, or in-process)
+    verify_transit: Transit | None = None  # hops of its verify call
 
     @property
     def draft_tokens(self) -> int:
@@ -94,6 +98,15 @@ class RoundRecord:
     def overhead_ms(self) -> float:
         """Wall time minus both peers' compute: network, queues, the loop itself."""
         return self.wall_ms - self.draft_ms - self.verify_ms
+
+    @property
+    def loop_ms(self) -> float | None:
+        """The caller's own part of the overhead: what the calls' hops leave unexplained (the loop,
+        message building and parsing, waiting for a pre-draft); None without hops."""
+        if self.verify_transit is None:
+            return None
+        hops = self.verify_transit.total_ms + (self.draft_transit.total_ms if self.draft_transit else 0.0)
+        return max(0.0, self.overhead_ms - hops)
 
     @property
     def fallback(self) -> bool:

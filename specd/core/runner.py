@@ -20,6 +20,7 @@ from __future__ import annotations
 import operator
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import cast
 
 import torch
 from torch import Tensor
@@ -44,6 +45,17 @@ class KVSession:
 
     def __len__(self) -> int:
         return len(self.tokens)
+
+
+def _layers(cache: DynamicCache) -> list[DynamicLayer]:
+    """The layers of a plain DynamicCache: all DynamicLayer (transformers types them as any layer kind)."""
+    return cast(list[DynamicLayer], cache.layers)
+
+
+def _kv(layer: DynamicLayer) -> tuple[Tensor, Tensor]:
+    """(keys, values) of a layer that holds cached positions, each [B, H, T, D]."""
+    assert layer.keys is not None and layer.values is not None  # set by the first update
+    return layer.keys, layer.values
 
 
 def _context_limit(model: PreTrainedModel) -> int | None:
@@ -146,6 +158,28 @@ class CausalLMRunner:
             )
         del s.tokens[length:]
         self._crop(s, min(s.cached, length))
+
+    def splice(self, s: KVSession, start: int, tail: Sequence[int]) -> None:
+        """Make ``s.tokens == s.tokens[:start] + tail``, keeping the cache of the common prefix.
+
+        What a round does to a session: keep what the peer agreed on, replace the rest.
+        Only `tail` is checked and compared, so a round costs O(len(tail)), not O(sequence).
+        """
+        if isinstance(start, bool) or not isinstance(start, int) or not 0 <= start <= len(s.tokens):
+            raise InvalidArgument(f"start must be an int in [0, {len(s.tokens)}] (the sequence length), got {start!r}")
+        ids = self._check_ids(tail, "token_ids")
+        n = start + len(ids)
+        if n == 0:
+            raise InvalidArgument("token_ids is empty; a session needs at least one token")
+        self._check_length(n, "the sequence")
+        common = start
+        for a, b in zip(s.tokens[start : start + len(ids)], ids):
+            if a != b:
+                break
+            common += 1
+        del s.tokens[start:]
+        s.tokens.extend(ids)
+        self._crop(s, min(s.cached, common))
 
     def set_tokens(self, s: KVSession, token_ids: Sequence[int]) -> None:
         """Make ``s.tokens == token_ids``, keeping the cache of the common prefix."""
@@ -318,15 +352,16 @@ class CausalLMRunner:
         cache = DynamicCache()
         if L > 0:
             ref = pairs[starts.index(L)][0].cache
-            for layer_idx, ref_layer in enumerate(ref.layers):
-                _, H, _, D = ref_layer.keys.shape
-                keys = ref_layer.keys.new_zeros(B, H, L, D)
-                values = ref_layer.values.new_zeros(B, H, L, ref_layer.values.shape[-1])
+            for layer_idx, ref_layer in enumerate(_layers(ref)):
+                ref_keys, ref_values = _kv(ref_layer)
+                _, H, _, D = ref_keys.shape
+                keys = ref_keys.new_zeros(B, H, L, D)
+                values = ref_values.new_zeros(B, H, L, ref_values.shape[-1])
                 for b, ((s, _), start) in enumerate(zip(pairs, starts)):
                     if start:
-                        layer = s.cache.layers[layer_idx]
-                        keys[b, :, L - start :] = layer.keys[0]
-                        values[b, :, L - start :] = layer.values[0]
+                        layer_keys, layer_values = _kv(_layers(s.cache)[layer_idx])
+                        keys[b, :, L - start :] = layer_keys[0]
+                        values[b, :, L - start :] = layer_values[0]
                 batch_layer = DynamicLayer()
                 batch_layer.lazy_initialization(keys, values)
                 batch_layer.keys, batch_layer.values = keys, values
@@ -355,11 +390,12 @@ class CausalLMRunner:
         # Write back only the new positions: each session's cache already holds
         # [0, start_b) exactly, and `update` concatenates, so the result is a
         # fresh contiguous tensor and the padded batch cache is freed below.
-        for layer_idx, batch_layer in enumerate(cache.layers):
+        for layer_idx, layer in enumerate(_layers(cache)):
+            batch_keys, batch_values = _kv(layer)
             for b, ((s, _), new) in enumerate(zip(pairs, news)):
                 s.cache.update(
-                    batch_layer.keys[b : b + 1, :, L : L + new],
-                    batch_layer.values[b : b + 1, :, L : L + new],
+                    batch_keys[b : b + 1, :, L : L + new],
+                    batch_values[b : b + 1, :, L : L + new],
                     layer_idx,
                 )
         del cache
@@ -404,7 +440,7 @@ class CausalLMRunner:
     @torch.inference_mode()
     def _crop(s: KVSession, length: int) -> None:
         """Drop cached positions >= length, layer by layer (DynamicCache.crop takes -count)."""
-        for layer in s.cache.layers:
+        for layer in _layers(s.cache):
             extra = layer.get_seq_length() - length
             if extra > 0:
                 layer.crop(-extra)

@@ -56,7 +56,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor, nn
-from transformers import AutoModelForCausalLM, PretrainedConfig, PreTrainedModel
+from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig, PreTrainedModel
 
 from specd.core.errors import InvalidArgument
 
@@ -126,7 +126,7 @@ def check_config(config: PretrainedConfig, tp: int) -> None:
         )
 
 
-def plan_sharding(model: nn.Module, config: PretrainedConfig) -> ShardPlan:
+def plan_sharding(model: PreTrainedModel, config: PretrainedConfig) -> ShardPlan:
     """Find the modules to shard; InvalidArgument if the architecture is not Llama-shaped."""
     c = _text_config(config)
     attention, mlp = [], []
@@ -152,8 +152,8 @@ def plan_sharding(model: nn.Module, config: PretrainedConfig) -> ShardPlan:
             f"tensor parallelism supports Llama-family models (Llama, Mistral, Qwen2, SmolLM, ...); "
             f"model_type {model_type!r} cannot be sharded: {why}. Serve it with --tp 1"
         )
-    emb = model.get_input_embeddings()  # type: ignore[operator]
-    head = model.get_output_embeddings()  # type: ignore[operator]
+    emb = model.get_input_embeddings()
+    head = model.get_output_embeddings()
     if not isinstance(emb, nn.Embedding) or not isinstance(head, nn.Linear):
         raise InvalidArgument(
             f"tensor parallelism needs an nn.Embedding input embedding and an nn.Linear LM head; "
@@ -171,8 +171,6 @@ def plan_sharding(model: nn.Module, config: PretrainedConfig) -> ShardPlan:
 
 def check_model_folder(folder: str, tp: int) -> PretrainedConfig:
     """Validate `tp` against a model folder without loading weights (meta-device module tree)."""
-    from transformers import AutoConfig
-
     config = AutoConfig.from_pretrained(folder, local_files_only=True)
     check_config(config, tp)
     with torch.device("meta"):
@@ -255,7 +253,7 @@ def _row(linear: nn.Linear, rank: int, world: int, group: dist.ProcessGroup | No
     linear.weight = _mark(nn.Parameter(_rows(w.t(), rank, world).t().contiguous(), requires_grad=False), "row")
     linear.in_features = linear.weight.shape[1]
     if linear.bias is not None and rank != 0:
-        linear.bias = None  # added once (by rank 0) before the sum
+        linear.register_parameter("bias", None)  # added once (by rank 0) before the sum
 
     def all_reduce(_module: nn.Module, _inputs: object, output: Tensor) -> Tensor:
         dist.all_reduce(output, group=group)  # sum of the ranks' partial products: [B, T, D]
@@ -266,6 +264,12 @@ def _row(linear: nn.Linear, rank: int, world: int, group: dist.ProcessGroup | No
 
 def _get(model: nn.Module, path: str) -> nn.Module:
     return model.get_submodule(path) if path else model
+
+
+def _linear(parent: nn.Module, name: str) -> nn.Linear:
+    linear = parent.get_submodule(name)
+    assert isinstance(linear, nn.Linear)  # plan_sharding found every projection to be one
+    return linear
 
 
 def _set(model: nn.Module, path: str, module: nn.Module) -> None:
@@ -291,13 +295,13 @@ def shard_model(
     for path in plan.attention:
         attn = _get(model, path)
         for name in ("q_proj", "k_proj", "v_proj"):
-            _column(getattr(attn, name), rank, world)
-        _row(attn.o_proj, rank, world, group)
+            _column(_linear(attn, name), rank, world)
+        _row(_linear(attn, "o_proj"), rank, world, group)
     for path in plan.mlp:
         mlp = _get(model, path)
-        _column(mlp.gate_proj, rank, world)
-        _column(mlp.up_proj, rank, world)
-        _row(mlp.down_proj, rank, world, group)
+        _column(_linear(mlp, "gate_proj"), rank, world)
+        _column(_linear(mlp, "up_proj"), rank, world)
+        _row(_linear(mlp, "down_proj"), rank, world, group)
 
     emb = _get(model, plan.embedding)
     head = _get(model, plan.head)
@@ -344,7 +348,7 @@ def weight_bytes(model: nn.Module) -> tuple[int, int]:
 def shardable_bytes(model: PreTrainedModel) -> int:
     """Bytes of the parameters `shard_model` would split, in an unsharded model."""
     plan = plan_sharding(model, model.config)
-    params: dict[int, nn.Parameter] = {}
+    params: dict[int, Tensor] = {}
     for path in plan.attention:
         for name in _ATTN:
             for p in _get(model, f"{path}.{name}" if path else name).parameters():
@@ -354,5 +358,7 @@ def shardable_bytes(model: PreTrainedModel) -> int:
             for p in _get(model, f"{path}.{name}" if path else name).parameters():
                 params[id(p)] = p
     for path in (plan.embedding, plan.head):
-        params[id(_get(model, path).weight)] = _get(model, path).weight
+        weight = _get(model, path).weight
+        assert isinstance(weight, Tensor)  # an Embedding's or a Linear's weight
+        params[id(weight)] = weight
     return sum(p.numel() * p.element_size() for p in params.values())

@@ -16,13 +16,16 @@ import torch
 
 from specd.core import phases as ph
 from specd.core import sampling
-from specd.core.drafting import sync_prefix
-from specd.core.errors import InvalidArgument
+from specd.core.drafting import check_sync
+from specd.core.errors import Internal, InvalidArgument
+from specd.core.greedy import greedy_verdict
 from specd.core.phases import PhaseLog
 from specd.core.proposal import DEFAULT_MAX_DRAFT_TOKENS, DEFAULT_MAX_Q_WIDTH, Proposal
+from specd.core.rejection import SparseProposal, rejection_sample
 from specd.core.runner import CausalLMRunner, KVSession
-from specd.core.sampling import SamplingParams, SparseProposal
+from specd.core.sampling import SamplingParams
 from specd.core.sessions import PooledModel, PoolLimits, Ready
+from specd.core.transit import Transit
 
 
 @dataclass(frozen=True)
@@ -34,6 +37,7 @@ class VerifyOutcome:
     compute_ms: float  # this session's wall time in the step (a batch's forward counts whole)
     phases: PhaseLog = field(default_factory=PhaseLog, compare=False, repr=False)  # where the time went
     deferred: bool = False  # all drafts accepted, bonus not drawn (VerifyRequest.defer_bonus)
+    transit: Transit | None = field(default=None, compare=False, repr=False)  # the call's hops (a transport's port)
 
 
 @dataclass(frozen=True)
@@ -128,7 +132,8 @@ class Verifier(PooledModel[_TargetSession]):
         """Sync the session to the committed prefix and append the drafts (no forward yet)."""
         s = self._pool.get(req.session_id)
         start = len(s.kv.tokens) if req.start is None else req.start
-        self.runner.set_tokens(s.kv, sync_prefix(s.kv.tokens, req.committed_length, start, req.tail))
+        check_sync(len(s.kv.tokens), req.committed_length, start, req.tail)
+        self.runner.splice(s.kv, start, req.tail)
         k = len(req.proposal)
         if k > self.max_draft_tokens:
             raise InvalidArgument(f"{k} draft tokens; this service verifies at most {self.max_draft_tokens}")
@@ -171,10 +176,14 @@ class Verifier(PooledModel[_TargetSession]):
         rows = torch.stack(
             [torch.cat([lg, lg[-1:].expand(k_max - k, -1)]) if k < k_max else lg for lg, k in zip(logits, ks)]
         )  # [B, K_max+1, V]
-        p = sampling.processed_probs(rows, [s.params for _, s in ready])  # [B, K_max+1, V]
-        # A row whose numbers are not finite fails its own request only; the others go on.
-        verdicts: dict[int, tuple[int, int, bool] | Exception] = dict(sampling.unusable_rows(rows, p))
-        verdicts.update(self._sample([b for b in range(len(ready)) if b not in verdicts], p, ready, requests, ks))
+        verdicts: dict[int, tuple[int, int, bool] | Exception]
+        if all(s.params.is_greedy for _, s in ready):  # p one-hot: the verdict comes off the logits (greedy.py)
+            verdicts = self._greedy(rows, ready, requests, ks)
+        else:
+            p = sampling.processed_probs(rows, [s.params for _, s in ready])  # [B, K_max+1, V]
+            # A row whose numbers are not finite fails its own request only; the others go on.
+            verdicts = dict(sampling.unusable_rows(rows, p))
+            verdicts.update(self._sample([b for b in range(len(ready)) if b not in verdicts], p, ready, requests, ks))
         t2 = time.time_ns()
         failed: dict[int, Exception] = {}
         for b, (i, s) in enumerate(ready):
@@ -195,6 +204,23 @@ class Verifier(PooledModel[_TargetSession]):
                 accepted, -1 if deferred else token, is_bonus and not deferred, len(s.kv.tokens), 0.0, deferred=deferred
             )
         return failed
+
+    @staticmethod
+    def _greedy(
+        rows: torch.Tensor, ready: list[tuple[int, _TargetSession]], requests: Sequence[VerifyRequest], ks: list[int]
+    ) -> dict[int, tuple[int, int, bool] | Exception]:
+        """The verdicts of an all-greedy batch, rows [B, K_max+1, V]: what _sample gives for one-hot p."""
+        drafts = torch.zeros(len(ready), rows.shape[1] - 1, dtype=torch.int64)  # [B, K_max]
+        for b, (i, _) in enumerate(ready):
+            drafts[b, : ks[b]] = torch.tensor(requests[i].proposal.token_ids, dtype=torch.int64)
+        v, bad = greedy_verdict(rows, drafts, torch.tensor(ks, dtype=torch.int64))
+        out: dict[int, tuple[int, int, bool] | Exception] = {}
+        for b, unusable in enumerate(bad.tolist()):
+            if unusable:
+                out[b] = Internal("the model's logits for this request are not finite")
+            else:
+                out[b] = (int(v.num_accepted[b]), int(v.next_token[b]), bool(v.is_bonus[b]))
+        return out
 
     @staticmethod
     def _sample(
@@ -219,7 +245,7 @@ class Verifier(PooledModel[_TargetSession]):
         for r, b in enumerate(rows):
             drafts[r, : ks[b]] = torch.tensor(requests[ready[b][0]].proposal.token_ids, dtype=torch.int64)
         try:
-            v = sampling.rejection_sample(
+            v = rejection_sample(
                 p[idx],
                 drafts,
                 _sparse_batch([requests[ready[b][0]].proposal for b in rows], k_max),

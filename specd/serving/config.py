@@ -24,8 +24,6 @@ from specd.core.pipeline import PIPELINES
 from specd.core.sparse_q import MAX_BITS, QSettings
 from specd.core.suffix import SuffixSettings
 
-C = TypeVar("C")
-
 
 def default_cache_dir() -> Path:
     """Where converted and assembled models live (SPECD_CACHE_DIR or ~/.cache/specd)."""
@@ -59,6 +57,12 @@ class ServiceBase:
     )
     max_concurrent_rpcs: int = _opt(1024, "calls served at once, all kinds; more get RESOURCE_EXHAUSTED at once")
     max_streams_per_connection: int = _opt(128, "streams one client connection may hold open at once")
+    event_loop: str = _opt(
+        "auto",
+        "the service's event loop: uvloop (libuv, a loop in C: less CPU per stream message), asyncio, or auto "
+        "(uvloop where it is installed)",
+        choices=["auto", "uvloop", "asyncio"],
+    )
 
     def validate(self) -> None:
         if not 0 <= self.port <= 65535:
@@ -401,9 +405,12 @@ def add_arguments(parser: argparse.ArgumentParser, cls: type, *, skip: tuple[str
         )
 
 
+C = TypeVar("C", bound=ServiceBase)  # a service's config class
+
+
 def from_args(cls: type[C], args: argparse.Namespace, **overrides: Any) -> C:
     values = {f.name: getattr(args, f.name) for f in dataclasses.fields(cls) if hasattr(args, f.name)}
     values.update(overrides)
     config = cls(**values)
-    config.validate()  # type: ignore[attr-defined]
+    config.validate()
     return config

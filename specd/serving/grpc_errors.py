@@ -36,7 +36,7 @@ _STATUS: dict[type[errors.SpecdError], grpc.StatusCode] = {
     errors.Internal: grpc.StatusCode.INTERNAL,
 }
 
-_SESSION_CODE: dict[type[errors.SpecdError], int] = {
+_SESSION_CODE: dict[type[errors.SpecdError], session_pb2.SessionError.Code] = {
     errors.InvalidArgument: session_pb2.SessionError.CODE_INVALID_ARGUMENT,
     errors.SessionNotFound: session_pb2.SessionError.CODE_SESSION_NOT_FOUND,
     errors.SessionOutOfSync: session_pb2.SessionError.CODE_OUT_OF_SYNC,
@@ -86,7 +86,7 @@ def session_error(exc: BaseException) -> session_pb2.SessionError:
     """The in-band SessionError for an exception raised while serving a session."""
     for kind in type(exc).__mro__:
         if kind in _SESSION_CODE:
-            return session_pb2.SessionError(code=_SESSION_CODE[kind], message=str(exc))  # type: ignore[arg-type]
+            return session_pb2.SessionError(code=_SESSION_CODE[kind], message=str(exc))
     log.exception("internal error in a session", exc_info=exc)
     return session_pb2.SessionError(code=session_pb2.SessionError.CODE_INTERNAL, message=INTERNAL_MESSAGE)
 

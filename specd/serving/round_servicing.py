@@ -19,25 +19,47 @@ from __future__ import annotations
 
 import abc
 import logging
-from collections.abc import AsyncIterator, Callable, Sequence
+import time
+from collections.abc import AsyncIterator, Callable, Sequence, Sized
 from concurrent.futures import Executor
 from typing import Any, Generic, Protocol, TypeVar
 
 from specd.core.errors import InvalidArgument
 from specd.core.phases import PhaseLog
+from specd.serving import trace_names, trace_spans
 from specd.serving import tracing as tr
 from specd.serving.batching import MicroBatcher
 from specd.serving.grpc_errors import session_error
-from specd.serving.streams import StreamSessions, client_session_id, serve_round_stream
+from specd.serving.streams import Stamped, StreamSessions, TimedResponse, client_session_id, serve_round_stream
 from specd.v1 import common_pb2, session_pb2
 
-Req = TypeVar("Req")
-Resp = TypeVar("Resp")
+Resp = TypeVar("Resp", bound=TimedResponse)
 Work = TypeVar("Work")  # a step message as the core's request (ProposeRequest, VerifyRequest)
 Result = TypeVar("Result")  # the core's answer to one (Proposal, VerifyOutcome)
 Handled = tuple[Any, PhaseLog | None]  # (response message, where the core's time went)
 
 log = logging.getLogger(__name__)
+
+
+class _OpenOp(Protocol):
+    @property
+    def token_ids(self) -> Sized: ...
+
+
+class RoundRequest(Protocol):
+    """What the servicer reads on every stream message (DraftRequest, TargetRequest)."""
+
+    request_id: int
+    session_id: str
+    committed_length: int
+
+    @property
+    def open(self) -> _OpenOp: ...
+
+    def WhichOneof(self, oneof_group: Any) -> Any: ...  # as protobuf's Message types it
+
+
+Req = TypeVar("Req", bound=RoundRequest)  # the stream's request message
 
 
 class SessionEngine(Protocol):
@@ -72,8 +94,8 @@ class BatchedRoundServicer(abc.ABC, Generic[Req, Resp, Work, Result]):
         self.info = info
         self.tracing = tracing or tr.TRACING_OFF
         self.metrics = metrics
-        self.batcher: MicroBatcher[Req, Resp] = MicroBatcher(
-            self.handle_batch, executor, max_batch=max_batch, max_wait_s=batch_wait_s, expected=engine.active_sessions
+        self.batcher: MicroBatcher[Stamped[Req], Resp] = MicroBatcher(
+            self.handle_stamped, executor, max_batch=max_batch, max_wait_s=batch_wait_s, expected=engine.active_sessions
         )
         if metrics is not None:
             metrics.watch_sessions(engine.active_sessions, getattr(engine, "kv_bytes", None))  # NgramDrafter has none
@@ -102,7 +124,7 @@ class BatchedRoundServicer(abc.ABC, Generic[Req, Resp, Work, Result]):
 
     def close_session(self, request: Req) -> None:
         """A close message: the engine forgets the session (a service may learn from it first)."""
-        self.engine.close(request.session_id)  # type: ignore[attr-defined]
+        self.engine.close(request.session_id)
 
     # ---- one message ------------------------------------------------------------------
 
@@ -141,9 +163,9 @@ class BatchedRoundServicer(abc.ABC, Generic[Req, Resp, Work, Result]):
         """open / close (or a message with no op), on its own: per-session errors go back in-band."""
         resp: Any = self._response(req)
         try:
-            op = req.WhichOneof("op")  # type: ignore[attr-defined]
+            op = req.WhichOneof("op")
             if op == "open":
-                if len(req.open.token_ids) != req.committed_length:  # type: ignore[attr-defined]
+                if len(req.open.token_ids) != req.committed_length:
                     raise InvalidArgument("open: committed_length must equal the number of token_ids")
                 self.open_session(req)
                 resp.ack.SetInParent()
@@ -158,6 +180,15 @@ class BatchedRoundServicer(abc.ABC, Generic[Req, Resp, Work, Result]):
         return resp
 
     # ---- the batch walk ---------------------------------------------------------------
+
+    def handle_stamped(self, items: Sequence[Stamped[Req]]) -> list[Resp]:
+        """handle_batch for messages off the stream, noting when their batch started and ended."""
+        started = time.perf_counter_ns()
+        out = self.handle_batch([item.request for item in items])
+        ended = time.perf_counter_ns()
+        for item in items:
+            item.started_ns, item.ended_ns = started, ended
+        return out
 
     def handle_batch(self, requests: Sequence[Req]) -> list[Resp]:
         spans = [self._start_span(r) for r in requests]
@@ -177,10 +208,10 @@ class BatchedRoundServicer(abc.ABC, Generic[Req, Resp, Work, Result]):
             sessions.clear()
 
         for i, req in enumerate(requests):
-            sid = req.session_id  # type: ignore[attr-defined]
+            sid = req.session_id
             if sid in sessions:  # this session's earlier step must run first
                 flush()
-            if self._is_step(req.WhichOneof("op")):  # type: ignore[attr-defined]
+            if self._is_step(req.WhichOneof("op")):
                 group.append(i)
                 sessions.add(sid)
             else:
@@ -215,8 +246,8 @@ class BatchedRoundServicer(abc.ABC, Generic[Req, Resp, Work, Result]):
             self.span_prefix + (op if op in ("open", "close") or self._is_step(op) else self.step_op),
             req.trace_context,
             {
-                tr.ATTR_SESSION_ID: tr.hashed_session_id(client_session_id(req.session_id)),
-                tr.ATTR_COMMITTED_LENGTH: req.committed_length,
+                trace_names.ATTR_SESSION_ID: trace_spans.hashed_session_id(client_session_id(req.session_id)),
+                trace_names.ATTR_COMMITTED_LENGTH: req.committed_length,
             },
         )
 
@@ -239,10 +270,10 @@ class BatchedRoundServicer(abc.ABC, Generic[Req, Resp, Work, Result]):
                     self.span_prefix + p.name,
                     span,
                     start_time=p.start_ns,
-                    attributes={tr.ATTR_PHASE_MS: round(phases.total_ms(p.name), 3)},
+                    attributes={trace_names.ATTR_PHASE_MS: round(phases.total_ms(p.name), 3)},
                 )
                 child.end(end_time=p.end_ns)
-        tr.end_message_span(span, attributes, error)
+        trace_spans.end_message_span(span, attributes, error)
         if self.metrics is not None:
             self.metrics.observe_message(op, "ok" if error is None else error[0])
 

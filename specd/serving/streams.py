@@ -12,13 +12,41 @@ says so; sessions heal).
 from __future__ import annotations
 
 import asyncio
+import time
 import uuid
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import Future
-from typing import Any, TypeVar
+from dataclasses import dataclass
+from typing import Any, Generic, Protocol, TypeVar
+
+from specd.v1 import session_pb2
 
 Req = TypeVar("Req")
-Resp = TypeVar("Resp")
+
+
+class TimedResponse(Protocol):
+    """A round-stream response (DraftResponse, TargetResponse): it carries the service's timing."""
+
+    @property
+    def timing(self) -> session_pb2.ServiceTiming: ...
+
+
+Resp = TypeVar("Resp", bound=TimedResponse)
+
+
+@dataclass(slots=True)
+class Stamped(Generic[Req]):
+    """A stream message on its way through the service, with the times it passed each stage.
+
+    perf_counter_ns of this process: read from the stream, its batch started and ended
+    on the model thread (the batch runner sets those two); the stream turns them into
+    the response's ServiceTiming when it hands the response to gRPC.
+    """
+
+    request: Req
+    arrived_ns: int
+    started_ns: int = 0
+    ended_ns: int = 0
 
 
 SCOPE_SEPARATOR = "/"
@@ -67,13 +95,16 @@ class StreamSessions:
 
 async def serve_round_stream(
     requests: AsyncIterator[Req],
-    submit: Callable[[Req], Future[Resp]],
+    submit: Callable[[Stamped[Req]], Future[Resp]],
     *,
     max_pending: int = 256,
     sessions: StreamSessions | None = None,
     make_request: Callable[[], Req] | None = None,
 ) -> AsyncIterator[Resp]:
     """Hand each request to `submit` (the model thread's batcher), yield responses in order.
+
+    Each request goes in stamped with its arrival; each response comes out with its
+    ServiceTiming filled in (queued, batch, reply), so the caller can split its round trip.
 
     At most max_pending requests wait at once; beyond that the stream stops
     reading, so gRPC flow control pushes back on the sender (no unbounded queue).
@@ -82,25 +113,38 @@ async def serve_round_stream(
     namespace; its open sessions are closed when the stream ends, however it ends.
     """
     loop = asyncio.get_running_loop()
-    pending: asyncio.Queue[asyncio.Future[Resp] | None] = asyncio.Queue(max_pending)
+    pending: asyncio.Queue[tuple[Stamped[Req], asyncio.Future[Resp]] | None] = asyncio.Queue(max_pending)
+    clock = time.perf_counter_ns
 
     async def read() -> None:
         try:
             async for request in requests:
+                stamped = Stamped(request, clock())
                 if sessions is not None:
-                    request = sessions.inbound(request)
-                await pending.put(asyncio.wrap_future(submit(request), loop=loop))
+                    stamped.request = sessions.inbound(request)
+                await pending.put((stamped, asyncio.wrap_future(submit(stamped), loop=loop)))
         finally:
             await pending.put(None)
 
     reader = asyncio.create_task(read())
     try:
-        while (future := await pending.get()) is not None:
+        while (item := await pending.get()) is not None:
+            stamped, future = item
             response = await future
+            _fill_timing(response.timing, stamped, clock())
             yield sessions.outbound(response) if sessions is not None else response
         await reader  # re-raise a broken stream's error, if any
     finally:
         reader.cancel()
         if sessions is not None and make_request is not None:
             for close in sessions.closes(make_request):
-                submit(close)  # frees their KV now; nobody waits for the answers
+                submit(Stamped(close, clock()))  # frees their KV now; nobody waits for the answers
+
+
+def _fill_timing(timing: session_pb2.ServiceTiming, stamped: Stamped[Any], now_ns: int) -> None:
+    """queued / batch / reply in microseconds (0 for a stage a message skipped)."""
+    if not stamped.started_ns:
+        return
+    timing.queued_us = max(0, stamped.started_ns - stamped.arrived_ns) // 1000
+    timing.batch_us = max(0, stamped.ended_ns - stamped.started_ns) // 1000
+    timing.reply_us = max(0, now_ns - stamped.ended_ns) // 1000

@@ -1,8 +1,10 @@
-"""OpenTelemetry for specd: set-up, span names, attribute names, context in messages.
+"""OpenTelemetry for specd: set-up, exporters, the Tracing a service hands around, context in messages.
 
-One place for all of it. Each service builds one `Tracing` at start
-(`setup_tracing`) and hands it to what it creates; nothing here is global
-(no `trace.set_tracer_provider`, no module-level mutable state).
+Each service builds one `Tracing` at start (`setup_tracing`) and hands it to
+what it creates; nothing here is global (no `trace.set_tracer_provider`, no
+module-level mutable state). The names in a trace are in
+specd.serving.trace_names; what specd puts on its spans (errors, request,
+round and message attributes) in specd.serving.trace_spans.
 
 Tracing is on when an OTLP endpoint is configured: the service's
 --otlp-endpoint flag (SPECD_OTLP_ENDPOINT), else the standard
@@ -27,8 +29,6 @@ queue: a slow or unreachable collector drops spans, never requests.
 
 from __future__ import annotations
 
-import asyncio
-import hashlib
 import logging
 import os
 import threading
@@ -40,126 +40,33 @@ from urllib.parse import urlparse
 
 from opentelemetry import trace
 from opentelemetry.context import Context
+from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter as GrpcExporter
+from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter as HttpExporter
 from opentelemetry.propagators.textmap import TextMapPropagator
-from opentelemetry.trace import INVALID_SPAN, NoOpTracer, Span, SpanKind, Status, StatusCode, Tracer
+from opentelemetry.sdk.resources import Resource
+from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.sdk.trace.export import BatchSpanProcessor
+from opentelemetry.sdk.trace.sampling import ParentBased, TraceIdRatioBased
+from opentelemetry.trace import INVALID_SPAN, NoOpTracer, Span, SpanKind, Tracer
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
 import specd
-from specd.core.record import RoundRecord
+from specd.core.errors import InvalidArgument
 from specd.serving import genai
+from specd.serving.trace_names import (
+    ATTR_COMMITTED_LENGTH,
+    ATTR_ROUND_INDEX,
+    ATTR_RPC_METHOD,
+    ATTR_RPC_SERVICE,
+    ATTR_RPC_SYSTEM,
+    INSTRUMENTATION_NAME,
+    SERVICE_NAMES,
+    SPAN_ROUND,
+)
 
 log = logging.getLogger(__name__)
 
-# ---- service names (resource service.name) ------------------------------------
-
-SERVICE_COORDINATOR = "specd-coordinator"
-SERVICE_DRAFT = "specd-draft"
-SERVICE_TARGET = "specd-target"
-SERVICE_NAMES = {"coordinator": SERVICE_COORDINATOR, "draft": SERVICE_DRAFT, "target": SERVICE_TARGET}
-INSTRUMENTATION_NAME = "specd"
-
-# ---- span names ------------------------------------------------------------------
-
-# The Generate span follows the GenAI conventions: "text_completion MODEL" (genai.span_name).
-SPAN_GENERATE = genai.OPERATION  # its name without the model, and its gen_ai.operation.name
-SPAN_ROUND = "specd.round"
-SPAN_DRAFT_OPEN = "specd.draft.open"
-SPAN_DRAFT_PROPOSE = "specd.draft.propose"
-SPAN_DRAFT_CLOSE = "specd.draft.close"
-SPAN_TARGET_OPEN = "specd.target.open"
-SPAN_TARGET_VERIFY = "specd.target.verify"
-SPAN_TARGET_CLOSE = "specd.target.close"
-# Phase spans, children of a propose / verify span (see specd.core.phases): PREFIX + phase name,
-# e.g. specd.target.forward, specd.draft.sampling, specd.target.rollback.
-SPAN_DRAFT_PHASE_PREFIX = "specd.draft."
-SPAN_TARGET_PHASE_PREFIX = "specd.target."
-
-# ---- attribute names (vLLM's words: drafts, draft tokens, accepted, recovered, bonus) ----
-
-# generic RPC attributes (OpenTelemetry semantic conventions)
-ATTR_RPC_SYSTEM = "rpc.system"
-ATTR_RPC_SERVICE = "rpc.service"
-ATTR_RPC_METHOD = "rpc.method"
-
-ATTR_SESSION_ID = "specd.session_id"  # hashed (hashed_session_id): a span reader cannot name a live session
-ATTR_COMMITTED_LENGTH = "specd.committed_length"  # tokens committed before this round / message
-ATTR_ERROR_TYPE = "error.type"  # semconv: the exception class that failed the operation
-ATTR_CANCELLED = "specd.cancelled"
-
-# Generate span: request settings. Where the GenAI conventions name a setting, that name
-# (gen_ai.request.*); specd's own settings keep specd.request.*.
-ATTR_GENAI_OPERATION = genai.ATTR_OPERATION
-ATTR_MODEL = genai.ATTR_REQUEST_MODEL
-ATTR_PROMPT_TOKENS = genai.ATTR_USAGE_INPUT_TOKENS
-ATTR_MAX_NEW_TOKENS = genai.ATTR_REQUEST_MAX_TOKENS
-ATTR_TEMPERATURE = genai.ATTR_REQUEST_TEMPERATURE
-ATTR_TOP_K = genai.ATTR_REQUEST_TOP_K
-ATTR_TOP_P = genai.ATTR_REQUEST_TOP_P
-ATTR_SEED = genai.ATTR_REQUEST_SEED
-ATTR_STOP_SEQUENCES = genai.ATTR_REQUEST_STOP_SEQUENCES  # the stop strings themselves (only when given)
-ATTR_MIN_P = "specd.request.min_p"
-ATTR_SPECULATION = "specd.request.speculation"  # auto | fixed | off
-ATTR_REQUEST_DRAFT_LENGTH = "specd.request.draft_length"  # K the request runs with
-ATTR_STOP_STRINGS = "specd.request.stop_strings"  # how many
-# Generate span: the response (GenAI) and the final stats (the response's GenerateStats)
-ATTR_RESPONSE_ID = genai.ATTR_RESPONSE_ID  # = specd.session_id
-ATTR_RESPONSE_MODEL = genai.ATTR_RESPONSE_MODEL
-ATTR_FINISH_REASONS = genai.ATTR_RESPONSE_FINISH_REASONS  # ["stop"] or ["length"]
-ATTR_COMPLETION_TOKENS = genai.ATTR_USAGE_OUTPUT_TOKENS
-ATTR_FINISH_REASON = "specd.finish_reason"  # the exact reason: length, stop_token, stop_string, context_full
-ATTR_ROUNDS = "specd.rounds"
-ATTR_DRAFTS = "specd.drafts"  # rounds that verified >= 1 draft token
-ATTR_DRAFT_TOKENS = "specd.draft_tokens"
-ATTR_ACCEPTED_TOKENS = "specd.accepted_tokens"
-ATTR_ACCEPTANCE_LENGTH = "specd.acceptance_length"  # 1 + accepted / drafts
-ATTR_ACCEPTANCE_RATE = "specd.acceptance_rate"  # accepted / draft tokens
-ATTR_TARGET_ONLY_ROUNDS = "specd.target_only_rounds"
-ATTR_PIPELINE_HITS = "specd.pipeline_hits"  # rounds whose drafts were made during the previous verify
-ATTR_TTFT_MS = "specd.time_to_first_token_ms"
-ATTR_TOKENS_PER_S = "specd.tokens_per_s"
-ATTR_DRAFT_MS = "specd.draft_ms"  # draft model compute (reported by the draft)
-ATTR_VERIFY_MS = "specd.verify_ms"  # target model compute (reported by the target)
-ATTR_OVERHEAD_MS = "specd.overhead_ms"  # wall time minus both: network, queues, coordinator
-
-# Round span
-ATTR_ROUND_INDEX = "specd.round.index"  # 0-based within the request
-ATTR_ROUND_DRAFT_LENGTH = "specd.round.draft_length"  # K asked of the draft (0: target-only round)
-ATTR_ROUND_DRAFT_TOKENS = "specd.round.draft_tokens"  # draft tokens verified
-ATTR_ROUND_ACCEPTED = "specd.round.accepted"  # draft tokens accepted
-ATTR_ROUND_TOKEN_KIND = "specd.round.token_kind"  # the extra token: "recovered", "bonus" or "deferred"
-ATTR_ROUND_TOKENS = "specd.round.tokens"  # tokens committed (accepted + 1, cut at a stop)
-ATTR_ROUND_TARGET_ONLY = "specd.round.target_only"  # wanted draft tokens, got none (draft down or failing)
-ATTR_ROUND_PIPELINE_HIT = "specd.round.pipeline_hit"  # the round's draft came from pipelining
-ATTR_ROUND_TARGET_ONLY_REASON = "specd.round.target_only_reason"  # why no draft tokens were verified ("" if some were)
-ATTR_ROUND_PIPELINE_OUTCOME = "specd.round.pipeline_outcome"  # the hit's outcome "accepted:kind" ("" if no hit)
-ATTR_ROUND_PIPELINE_LAUNCHED = "specd.round.pipeline_launched"  # pre-drafts launched for the next round
-ATTR_ROUND_DRAFT_MS = "specd.round.draft_ms"
-ATTR_ROUND_VERIFY_MS = "specd.round.verify_ms"
-ATTR_ROUND_OVERHEAD_MS = "specd.round.overhead_ms"
-ATTR_ROUND_WALL_MS = "specd.round.wall_ms"
-ATTR_TARGET_REPLICA = "specd.target.replica"  # the target replica (address) holding the session
-ATTR_DRAFT_REPLICA = "specd.draft.replica"  # the draft replica holding the session (absent: none yet)
-
-# Draft and target spans
-ATTR_NUM_TOKENS = "specd.draft.num_tokens"  # K asked (propose)
-ATTR_COMPUTE_MS = "specd.compute_ms"  # model time of this message
-ATTR_ACCEPTED = "specd.accepted"  # target verify: draft tokens accepted
-ATTR_TOKEN_KIND = "specd.token_kind"  # target verify: "recovered" or "bonus"
-ATTR_SESSION_ERROR = "specd.session_error"  # in-band error code sent back to the coordinator
-ATTR_BATCH_SIZE = "specd.batch_size"  # sessions that shared this step's forward pass
-ATTR_PHASE_MS = "specd.phase_ms"  # phase span: time spent in the phase (a draft's K steps summed)
-
-TOKEN_KIND_BONUS = "bonus"
-TOKEN_KIND_RECOVERED = "recovered"
-TOKEN_KIND_DEFERRED = "deferred"  # post-verify pipelining: all accepted, the bonus left to the next round
-
 _W3C = TraceContextTextMapPropagator()  # stateless
-
-
-def hashed_session_id(session_id: str) -> str:
-    """What spans record for a session: 32 hex digits of its SHA-256 (shaped like the ID). The same on every
-    service, so the coordinator's and the peers' spans of one session still match."""
-    return hashlib.sha256(session_id.encode()).hexdigest()[:32]
 
 
 def _endpoint_from_env(env: Mapping[str, str]) -> str:
@@ -206,8 +113,6 @@ def resolve_settings(service: str, config: Any, env: Mapping[str, str] | None = 
     env = os.environ if env is None else env
     protocol = _protocol(config.otlp_protocol, env)
     if protocol not in ("grpc", "http/protobuf"):
-        from specd.core.errors import InvalidArgument
-
         raise InvalidArgument(f"OTLP protocol must be grpc or http/protobuf (got {protocol!r})")
     if config.otlp_endpoint:
         endpoint, from_flag = _flag_endpoint(config.otlp_endpoint, protocol), True
@@ -339,8 +244,6 @@ def setup_tracing(service: str, config: Any, env: Mapping[str, str] | None = Non
     Other exporter settings (headers, timeout, compression, certificates,
     batch sizes) come from the standard OTEL_* variables, read by the SDK.
     """
-    from specd.core.errors import InvalidArgument
-
     try:
         settings = resolve_settings(service, config, env)
     except InvalidArgument as exc:  # e.g. OTEL_EXPORTER_OTLP_PROTOCOL=http/json
@@ -356,18 +259,9 @@ def setup_tracing(service: str, config: Any, env: Mapping[str, str] | None = Non
 
 
 def _build(settings: TracingSettings) -> Tracing:
-    from opentelemetry.sdk.resources import Resource
-    from opentelemetry.sdk.trace import TracerProvider
-    from opentelemetry.sdk.trace.export import BatchSpanProcessor
-    from opentelemetry.sdk.trace.sampling import ParentBased, TraceIdRatioBased
-
     if settings.protocol == "http/protobuf":
-        from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter as HttpExporter
-
         exporter: Any = HttpExporter(endpoint=settings.endpoint if settings.from_flag else None)
     else:
-        from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter as GrpcExporter
-
         exporter = GrpcExporter(endpoint=settings.endpoint if settings.from_flag else None)
     resource = Resource.create(
         {
@@ -391,122 +285,3 @@ def _build(settings: TracingSettings) -> Tracing:
         settings.sample_ratio,
     )
     return Tracing(provider.get_tracer(INSTRUMENTATION_NAME, specd.__version__), provider, _W3C, settings)
-
-
-# ---- errors and attribute sets ----------------------------------------------------------
-
-
-def error_name(exc: BaseException) -> str:
-    """A short, bounded name for what ended an operation ("cancelled" for a cancellation)."""
-    return "cancelled" if isinstance(exc, (asyncio.CancelledError, GeneratorExit)) else type(exc).__name__
-
-
-def record_error(span: Span, exc: BaseException) -> None:
-    """Mark `span` failed by `exc` (a cancellation is marked as such, without a stack)."""
-    if not span.is_recording():
-        return
-    if isinstance(exc, (asyncio.CancelledError, GeneratorExit)):
-        span.set_attribute(ATTR_CANCELLED, True)
-        span.set_status(Status(StatusCode.ERROR, "cancelled"))
-        return
-    span.set_attribute(ATTR_ERROR_TYPE, type(exc).__name__)
-    span.record_exception(exc)
-    span.set_status(Status(StatusCode.ERROR, f"{type(exc).__name__}: {exc}"))
-
-
-def end_message_span(span: Span | None, attributes: Mapping[str, Any] | None, error: tuple[str, str] | None) -> None:
-    """End a draft/target message span: its result attributes, or the in-band error (code, message)."""
-    if span is None:
-        return
-    if span.is_recording():
-        if attributes:
-            span.set_attributes(attributes)
-        if error is not None:
-            span.set_attribute(ATTR_SESSION_ERROR, error[0])
-            span.set_status(Status(StatusCode.ERROR, f"{error[0]}: {error[1]}"))
-    span.end()
-
-
-def token_kind(is_bonus: bool, deferred: bool = False) -> str:
-    if deferred:
-        return TOKEN_KIND_DEFERRED
-    return TOKEN_KIND_BONUS if is_bonus else TOKEN_KIND_RECOVERED
-
-
-def request_attributes(spec: Any) -> dict[str, Any]:
-    """Generate-span attributes of a validated request (specd.core.loop.GenerateSpec)."""
-    p = spec.params
-    attributes: dict[str, Any] = {
-        ATTR_PROMPT_TOKENS: len(spec.prompt_ids),
-        ATTR_MAX_NEW_TOKENS: spec.max_new_tokens,
-        ATTR_TEMPERATURE: float(p.temperature),
-        ATTR_TOP_K: float(p.top_k),  # a double in the conventions; 0 = off
-        ATTR_TOP_P: float(p.top_p),
-        ATTR_MIN_P: float(p.min_p),
-        ATTR_SEED: int(p.seed),
-        ATTR_SPECULATION: spec.speculation,
-        ATTR_REQUEST_DRAFT_LENGTH: 0 if spec.speculation == "off" else int(spec.draft_length),
-        ATTR_STOP_STRINGS: len(spec.stop_strings),
-    }
-    if spec.stop_strings:
-        attributes[ATTR_STOP_SEQUENCES] = list(spec.stop_strings)
-    return attributes
-
-
-def stats_attributes(stats: Any, finish_reason: str) -> dict[str, Any]:
-    """Generate-span attributes of a finished request (specd.core.record.RequestStats)."""
-    r = stats.rounds
-    return {
-        ATTR_FINISH_REASON: finish_reason,
-        ATTR_FINISH_REASONS: genai.finish_reasons(finish_reason),
-        ATTR_ROUNDS: r.rounds,
-        ATTR_DRAFTS: r.drafts,
-        ATTR_DRAFT_TOKENS: r.draft_tokens,
-        ATTR_ACCEPTED_TOKENS: r.accepted_tokens,
-        ATTR_ACCEPTANCE_LENGTH: float(r.acceptance_length),
-        ATTR_ACCEPTANCE_RATE: float(r.acceptance_rate),
-        ATTR_TARGET_ONLY_ROUNDS: r.target_only_rounds,
-        ATTR_PIPELINE_HITS: r.pipeline_hits,
-        ATTR_COMPLETION_TOKENS: stats.completion_tokens,
-        ATTR_TTFT_MS: float(stats.time_to_first_token_ms),
-        ATTR_TOKENS_PER_S: float(stats.tokens_per_s),
-        ATTR_DRAFT_MS: float(stats.draft_ms),
-        ATTR_VERIFY_MS: float(stats.verify_ms),
-        ATTR_OVERHEAD_MS: float(stats.overhead_ms),
-    }
-
-
-def finish_generate(span: Span, stats: Any, finish_reason: str) -> None:
-    """Set a finished request's attributes on its Generate span.
-
-    gen_ai.response.id is the request's session ID, which the engine set on
-    the span as specd.session_id when the request started.
-    """
-    if not span.is_recording():
-        return
-    attributes = stats_attributes(stats, finish_reason)
-    session_id = (getattr(span, "attributes", None) or {}).get(ATTR_SESSION_ID)  # an SDK span's attributes
-    if session_id:
-        attributes[ATTR_RESPONSE_ID] = session_id
-    span.set_attributes(attributes)
-
-
-def round_attributes(record: RoundRecord) -> dict[str, Any]:
-    """Round-span attributes, set once when the round has committed (all from its record)."""
-    hit = record.pipeline_hit
-    return {
-        ATTR_ROUND_DRAFT_LENGTH: record.draft_length,
-        ATTR_ROUND_DRAFT_TOKENS: record.draft_tokens,
-        ATTR_ROUND_ACCEPTED: record.accepted,
-        ATTR_ROUND_TOKEN_KIND: record.token_kind.value,
-        ATTR_ROUND_TOKENS: record.tokens,
-        ATTR_ROUND_TARGET_ONLY: record.fallback,
-        ATTR_ROUND_TARGET_ONLY_REASON: record.target_only.value if record.target_only is not None else "",
-        ATTR_ROUND_PIPELINE_HIT: hit is not None,
-        ATTR_ROUND_PIPELINE_OUTCOME: hit.outcome if hit is not None else "",
-        ATTR_ROUND_PIPELINE_LAUNCHED: record.pipeline_launched,
-        ATTR_ROUND_DRAFT_MS: float(record.draft_ms),
-        ATTR_ROUND_VERIFY_MS: float(record.verify_ms),
-        ATTR_ROUND_OVERHEAD_MS: float(record.overhead_ms),
-        ATTR_ROUND_WALL_MS: float(record.wall_ms),
-    }

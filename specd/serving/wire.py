@@ -17,8 +17,9 @@ from specd.core.phases import PhaseLog
 from specd.core.proposal import DEFAULT_MAX_DRAFT_TOKENS, DEFAULT_MAX_Q_WIDTH, Proposal
 from specd.core.record import RequestStats
 from specd.core.sampling import SamplingParams
+from specd.core.transit import Transit
 from specd.core.verification import VerifyOutcome, VerifyRequest
-from specd.v1 import common_pb2, coordinator_pb2, draft_pb2, target_pb2
+from specd.v1 import common_pb2, coordinator_pb2, draft_pb2, session_pb2, target_pb2
 
 
 def params_from_proto(msg: common_pb2.SamplingParams, *, seed: int | None = None) -> SamplingParams:
@@ -95,12 +96,20 @@ def token_ids_from_wire(ids: Sequence[int], limit: int, what: str) -> list[int]:
     return list(ids)
 
 
+def transit(timing: session_pb2.ServiceTiming, compute_ms: float, round_trip_ms: float, wake_ms: float) -> Transit:
+    """A call's hops: the caller's round trip split by the service's own ServiceTiming."""
+    return Transit.of_round_trip(
+        round_trip_ms, compute_ms, timing.queued_us / 1e3, timing.batch_us / 1e3, timing.reply_us / 1e3, wake_ms
+    )
+
+
 def proposal_from_proto(
     msg: draft_pb2.DraftProposal,
     vocab_size: int,
     *,
     max_draft_tokens: int = DEFAULT_MAX_DRAFT_TOKENS,
     max_q_width: int = DEFAULT_MAX_Q_WIDTH,
+    transit: Transit | None = None,
 ) -> Proposal:
     """Validated proposal (InvalidArgument on out-of-range IDs, bad probabilities or sizes over the limits)."""
     proposal = Proposal.from_wire(
@@ -116,6 +125,7 @@ def proposal_from_proto(
         proposal.q_probs,
         msg.compute_ms,
         phases=PhaseLog(batch_size=max(1, msg.batch_size)),
+        transit=transit,
     )
 
 
@@ -304,7 +314,18 @@ def verify_request(
     return req
 
 
-def verdict_from_proto(resp: target_pb2.TargetResponse) -> VerifyOutcome:
+def proposal_from_answer(
+    resp: draft_pb2.DraftResponse, vocab_size: int, round_trip_ms: float, wake_ms: float
+) -> Proposal:
+    """A DraftResponse's validated proposal, with the call's hops."""
+    msg = resp.proposal
+    return proposal_from_proto(msg, vocab_size, transit=transit(resp.timing, msg.compute_ms, round_trip_ms, wake_ms))
+
+
+def verdict_from_proto(
+    resp: target_pb2.TargetResponse, round_trip_ms: float | None = None, wake_ms: float = 0.0
+) -> VerifyOutcome:
+    """The verdict; with the caller's round trip (ms), also the call's hops."""
     v = resp.verdict
     deferred = v.kind == target_pb2.TOKEN_KIND_DEFERRED
     return VerifyOutcome(
@@ -315,6 +336,7 @@ def verdict_from_proto(resp: target_pb2.TargetResponse) -> VerifyOutcome:
         committed_length=resp.committed_length,
         compute_ms=v.compute_ms,
         phases=PhaseLog(batch_size=max(1, v.batch_size), batch_tokens=v.batch_tokens),
+        transit=None if round_trip_ms is None else transit(resp.timing, v.compute_ms, round_trip_ms, wake_ms),
     )
 
 

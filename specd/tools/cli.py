@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import asyncio
 import dataclasses
 import json
 import logging
@@ -17,12 +16,25 @@ from typing import Any, TypeVar
 
 import grpc
 import torch
+from google.protobuf.json_format import MessageToDict
 
+from coordinator.client import CoordinatorClient, Prompt
+from coordinator.server import create_server as create_coordinator
+from draft_service.server import create_server as create_draft
 from specd.core import catalog
 from specd.core.errors import InvalidArgument, SpecdError
 from specd.serving import config as cfg
+from specd.serving.metrics import CoordinatorMetrics, DraftMetrics, TargetMetrics, serve_metrics
+from specd.serving.security import read_token
+from specd.serving.server import run_event_loop, serve_until_signal
+from specd.serving.tracing import setup_tracing
+from specd.tools import distill
+from specd.tools.bench import add_arguments as add_bench_arguments
+from specd.tools.bench.main import run as run_bench
 from specd.tools.client_errors import CallContext, explain
+from specd.tools.launcher import run_up
 from specd.tools.threads import cpu_budget, default_torch_threads
+from target_service.server import create_server as create_target
 
 log = logging.getLogger("specd")
 _Config = TypeVar("_Config", bound=cfg.ServiceBase)
@@ -30,31 +42,31 @@ _Config = TypeVar("_Config", bound=cfg.ServiceBase)
 
 def _serve(args: argparse.Namespace) -> int:
     service = args.service
-    kind = {"draft": cfg.DraftConfig, "target": cfg.TargetConfig, "coordinator": cfg.CoordinatorConfig}[service]
+    kind: type[cfg.ServiceBase] = {
+        "draft": cfg.DraftConfig,
+        "target": cfg.TargetConfig,
+        "coordinator": cfg.CoordinatorConfig,
+    }[service]
     config = cfg.from_args(kind, args)
     logging.basicConfig(
         level=config.log_level, format=f"%(asctime)s specd-{service} %(levelname)s %(name)s: %(message)s"
     )
     config = _set_threads(config)
-    from specd.serving.metrics import metrics_for, serve_metrics
-    from specd.serving.server import serve_until_signal
-    from specd.serving.tracing import setup_tracing
 
     async def main() -> None:
         tracing = setup_tracing(service, config)  # a no-op unless an OTLP endpoint is configured
-        metrics = metrics_for(service) if config.metrics_port >= 0 else None
-        if service == "draft":
-            from draft_service.server import create_server as create_draft
-
-            handle = create_draft(config, tracing=tracing, metrics=metrics)  # type: ignore[arg-type]
-        elif service == "target":
-            from target_service.server import create_server as create_target
-
-            handle = create_target(config, tracing=tracing, metrics=metrics)  # type: ignore[arg-type]
+        metrics_on = config.metrics_port >= 0
+        metrics: CoordinatorMetrics | DraftMetrics | TargetMetrics | None
+        if isinstance(config, cfg.DraftConfig):
+            metrics = draft_metrics = DraftMetrics() if metrics_on else None
+            handle = create_draft(config, tracing=tracing, metrics=draft_metrics)
+        elif isinstance(config, cfg.TargetConfig):
+            metrics = target_metrics = TargetMetrics() if metrics_on else None
+            handle = create_target(config, tracing=tracing, metrics=target_metrics)
         else:
-            from coordinator.server import create_server as create_coordinator
-
-            handle, _ = await create_coordinator(config, tracing=tracing, metrics=metrics)  # type: ignore[arg-type]
+            assert isinstance(config, cfg.CoordinatorConfig)
+            metrics = coordinator_metrics = CoordinatorMetrics() if metrics_on else None
+            handle, _ = await create_coordinator(config, tracing=tracing, metrics=coordinator_metrics)
         metrics_server = None
         if metrics is not None:
             metrics_server, metrics_port = serve_metrics(metrics.registry, config.host, config.metrics_port)
@@ -69,7 +81,7 @@ def _serve(args: argparse.Namespace) -> int:
                 metrics_server.shutdown()
             tracing.shutdown(timeout_s=3.0)  # bounded: a dead collector must not hold up exit
 
-    asyncio.run(main())
+    run_event_loop(main(), config.event_loop)
     return 0
 
 
@@ -99,8 +111,6 @@ def _set_threads(config: _Config) -> _Config:
 
 
 def _up(args: argparse.Namespace) -> int:
-    from specd.tools.launcher import run_up
-
     return run_up(
         target=args.target,
         draft=args.draft,
@@ -134,10 +144,6 @@ def _tp_args(args: argparse.Namespace) -> list[str]:
 
 
 def _generate(args: argparse.Namespace) -> int:
-    from google.protobuf.json_format import MessageToDict
-
-    from coordinator.client import CoordinatorClient
-
     kwargs = dict(
         max_new_tokens=args.max_new_tokens,
         temperature=args.temperature,
@@ -151,11 +157,9 @@ def _generate(args: argparse.Namespace) -> int:
         pipeline=args.pipeline,
         ignore_eos=args.ignore_eos,
     )
-    prompt: object = [{"role": "user", "content": args.prompt}] if args.chat else args.prompt
+    prompt: Prompt = [{"role": "user", "content": args.prompt}] if args.chat else args.prompt
     token = None
     if args.token_file:
-        from specd.serving.security import read_token
-
         token = read_token(args.token_file)
     ctx = CallContext(address=args.address, tls=bool(args.tls_ca), token=token is not None, timeout_s=args.timeout)
     started = time.monotonic()
@@ -163,7 +167,7 @@ def _generate(args: argparse.Namespace) -> int:
         with CoordinatorClient(args.address, timeout=args.timeout, tls_ca=args.tls_ca or None, token=token) as client:
             if args.stream and not args.json:
                 final = None
-                for msg in client.generate_stream(prompt, **kwargs):  # type: ignore[arg-type]
+                for msg in client.generate_stream(prompt, **kwargs):
                     sys.stdout.write(msg.text)
                     sys.stdout.flush()
                     if msg.HasField("stats"):
@@ -172,7 +176,7 @@ def _generate(args: argparse.Namespace) -> int:
                 if final is not None:
                     print(_speculation_line(final), file=sys.stderr)
                 return 0
-            response = client.generate(prompt, **kwargs)  # type: ignore[arg-type]
+            response = client.generate(prompt, **kwargs)
     except grpc.RpcError as exc:
         code, line = explain(exc, ctx, time.monotonic() - started)
         if args.verbose:
@@ -184,9 +188,9 @@ def _generate(args: argparse.Namespace) -> int:
             response.stats, preserving_proto_field_name=True, always_print_fields_with_no_presence=True
         )
         stats["seed"] = int(stats.get("seed", 0))  # uint64 comes out of protobuf's JSON as a string
-        finish = (
-            response.DESCRIPTOR.fields_by_name["finish_reason"].enum_type.values_by_number[response.finish_reason].name
-        )
+        finish_reasons = response.DESCRIPTOR.fields_by_name["finish_reason"].enum_type
+        assert finish_reasons is not None  # an enum field
+        finish = finish_reasons.values_by_number[response.finish_reason].name
         out = {
             "text": response.text,
             "token_ids": list(response.token_ids),
@@ -223,8 +227,6 @@ def _prepare(args: argparse.Namespace) -> int:
 
 
 def _distill(args: argparse.Namespace) -> int:
-    from specd.tools import distill
-
     parser = argparse.ArgumentParser(
         prog="specd distill", description="Train a draft model for a target (KL to its distributions)."
     )
@@ -233,9 +235,7 @@ def _distill(args: argparse.Namespace) -> int:
 
 
 def _bench(args: argparse.Namespace) -> int:
-    from specd.tools.bench import run
-
-    return run(args)
+    return run_bench(args)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -327,8 +327,6 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("-v", "--verbose", action="store_true", help="print the traceback of an error, too")
     gen.set_defaults(func=_generate)
 
-    from specd.tools.bench import add_arguments as add_bench_arguments  # stdlib imports only
-
     bench = sub.add_parser(
         "bench",
         help="benchmark decoding modes side by side (target-only baseline, fixed K, "
@@ -341,8 +339,8 @@ def build_parser() -> argparse.ArgumentParser:
     prep.add_argument("--cache-dir", default="")
     prep.set_defaults(func=_prepare)
 
-    # `specd distill` parses its own flags (specd.tools.distill.add_arguments), so
-    # that other commands do not import torch just to build this parser.
+    # `specd distill` parses its own flags (specd.tools.distill.add_arguments) from
+    # the rest of the command line.
     dist = sub.add_parser("distill", help="train a draft model for a target (see docs/distill.md)", add_help=False)
     dist.set_defaults(func=_distill, distill_args=[])  # main() hands it the rest of the command line
     return parser

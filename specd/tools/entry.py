@@ -24,7 +24,7 @@ _GRPC_DEFAULTS = {"GRPC_VERBOSITY": "ERROR"}
 def main(argv: Sequence[str] | None = None) -> int:
     os.environ.update(thread_environment(os.environ))
     os.environ.update({k: v for k, v in _GRPC_DEFAULTS.items() if k not in os.environ})
-    from specd.tools import cli  # after the environment is set: this import loads torch
+    from specd.tools import cli  # noqa: PLC0415 - after the environment is set: this import loads torch
 
     return cli.main(argv)
 

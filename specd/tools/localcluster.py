@@ -24,6 +24,7 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
+from coordinator.client import CoordinatorClient
 from specd.tools.threads import thread_environment
 
 __all__ = [
@@ -411,9 +412,7 @@ class LocalCluster:
         assert self.coordinator is not None and self.coordinator.address
         return self.coordinator.address
 
-    def client(self, timeout: float = 120.0):
-        from coordinator.client import CoordinatorClient
-
+    def client(self, timeout: float = 120.0) -> CoordinatorClient:
         return CoordinatorClient(self.address, timeout=timeout)
 
     def peak_rss_bytes(self) -> dict[str, int | None]:

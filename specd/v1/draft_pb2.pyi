@@ -80,7 +80,7 @@ class DraftBranches(_message.Message):
     def __init__(self, start: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., pending: _Optional[int] = ..., num_tokens: _Optional[int] = ..., budget: _Optional[int] = ..., acceptance: _Optional[_Iterable[float]] = ...) -> None: ...
 
 class DraftResponse(_message.Message):
-    __slots__ = ("request_id", "session_id", "committed_length", "proposal", "ack", "error", "branches")
+    __slots__ = ("request_id", "session_id", "committed_length", "proposal", "ack", "error", "branches", "timing")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     COMMITTED_LENGTH_FIELD_NUMBER: _ClassVar[int]
@@ -88,6 +88,7 @@ class DraftResponse(_message.Message):
     ACK_FIELD_NUMBER: _ClassVar[int]
     ERROR_FIELD_NUMBER: _ClassVar[int]
     BRANCHES_FIELD_NUMBER: _ClassVar[int]
+    TIMING_FIELD_NUMBER: _ClassVar[int]
     request_id: int
     session_id: str
     committed_length: int
@@ -95,7 +96,8 @@ class DraftResponse(_message.Message):
     ack: _session_pb2.SessionAck
     error: _session_pb2.SessionError
     branches: DraftBranchSet
-    def __init__(self, request_id: _Optional[int] = ..., session_id: _Optional[str] = ..., committed_length: _Optional[int] = ..., proposal: _Optional[_Union[DraftProposal, _Mapping]] = ..., ack: _Optional[_Union[_session_pb2.SessionAck, _Mapping]] = ..., error: _Optional[_Union[_session_pb2.SessionError, _Mapping]] = ..., branches: _Optional[_Union[DraftBranchSet, _Mapping]] = ...) -> None: ...
+    timing: _session_pb2.ServiceTiming
+    def __init__(self, request_id: _Optional[int] = ..., session_id: _Optional[str] = ..., committed_length: _Optional[int] = ..., proposal: _Optional[_Union[DraftProposal, _Mapping]] = ..., ack: _Optional[_Union[_session_pb2.SessionAck, _Mapping]] = ..., error: _Optional[_Union[_session_pb2.SessionError, _Mapping]] = ..., branches: _Optional[_Union[DraftBranchSet, _Mapping]] = ..., timing: _Optional[_Union[_session_pb2.ServiceTiming, _Mapping]] = ...) -> None: ...
 
 class DraftProposal(_message.Message):
     __slots__ = ("token_ids", "q", "compute_ms", "batch_size")

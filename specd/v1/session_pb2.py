@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16specd/v1/session.proto\x12\x08specd.v1\"\x0e\n\x0cSessionClose\"\x0c\n\nSessionAck\"\xfc\x01\n\x0cSessionError\x12)\n\x04\x63ode\x18\x01 \x01(\x0e\x32\x1b.specd.v1.SessionError.Code\x12\x0f\n\x07message\x18\x02 \x01(\t\"\xaf\x01\n\x04\x43ode\x12\x14\n\x10\x43ODE_UNSPECIFIED\x10\x00\x12\x1a\n\x16\x43ODE_SESSION_NOT_FOUND\x10\x01\x12\x14\n\x10\x43ODE_OUT_OF_SYNC\x10\x02\x12\x19\n\x15\x43ODE_INVALID_ARGUMENT\x10\x03\x12\x1b\n\x17\x43ODE_RESOURCE_EXHAUSTED\x10\x04\x12\x11\n\rCODE_INTERNAL\x10\x05\x12\x14\n\x10\x43ODE_UNAVAILABLE\x10\x06\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16specd/v1/session.proto\x12\x08specd.v1\"\x0e\n\x0cSessionClose\"\x0c\n\nSessionAck\"\xfc\x01\n\x0cSessionError\x12)\n\x04\x63ode\x18\x01 \x01(\x0e\x32\x1b.specd.v1.SessionError.Code\x12\x0f\n\x07message\x18\x02 \x01(\t\"\xaf\x01\n\x04\x43ode\x12\x14\n\x10\x43ODE_UNSPECIFIED\x10\x00\x12\x1a\n\x16\x43ODE_SESSION_NOT_FOUND\x10\x01\x12\x14\n\x10\x43ODE_OUT_OF_SYNC\x10\x02\x12\x19\n\x15\x43ODE_INVALID_ARGUMENT\x10\x03\x12\x1b\n\x17\x43ODE_RESOURCE_EXHAUSTED\x10\x04\x12\x11\n\rCODE_INTERNAL\x10\x05\x12\x14\n\x10\x43ODE_UNAVAILABLE\x10\x06\"F\n\rServiceTiming\x12\x11\n\tqueued_us\x18\x01 \x01(\r\x12\x10\n\x08\x62\x61tch_us\x18\x02 \x01(\r\x12\x10\n\x08reply_us\x18\x03 \x01(\rb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -39,4 +39,6 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_SESSIONERROR']._serialized_end=319
   _globals['_SESSIONERROR_CODE']._serialized_start=144
   _globals['_SESSIONERROR_CODE']._serialized_end=319
+  _globals['_SERVICETIMING']._serialized_start=321
+  _globals['_SERVICETIMING']._serialized_end=391
 # @@protoc_insertion_point(module_scope)

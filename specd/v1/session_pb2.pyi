@@ -36,3 +36,13 @@ class SessionError(_message.Message):
     code: SessionError.Code
     message: str
     def __init__(self, code: _Optional[_Union[SessionError.Code, str]] = ..., message: _Optional[str] = ...) -> None: ...
+
+class ServiceTiming(_message.Message):
+    __slots__ = ("queued_us", "batch_us", "reply_us")
+    QUEUED_US_FIELD_NUMBER: _ClassVar[int]
+    BATCH_US_FIELD_NUMBER: _ClassVar[int]
+    REPLY_US_FIELD_NUMBER: _ClassVar[int]
+    queued_us: int
+    batch_us: int
+    reply_us: int
+    def __init__(self, queued_us: _Optional[int] = ..., batch_us: _Optional[int] = ..., reply_us: _Optional[int] = ...) -> None: ...

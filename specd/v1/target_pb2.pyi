@@ -84,17 +84,19 @@ class Verdict(_message.Message):
     def __init__(self, accepted: _Optional[int] = ..., token_id: _Optional[int] = ..., kind: _Optional[_Union[TokenKind, str]] = ..., compute_ms: _Optional[float] = ..., batch_size: _Optional[int] = ..., batch_tokens: _Optional[int] = ...) -> None: ...
 
 class TargetResponse(_message.Message):
-    __slots__ = ("request_id", "session_id", "committed_length", "verdict", "ack", "error")
+    __slots__ = ("request_id", "session_id", "committed_length", "verdict", "ack", "error", "timing")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     COMMITTED_LENGTH_FIELD_NUMBER: _ClassVar[int]
     VERDICT_FIELD_NUMBER: _ClassVar[int]
     ACK_FIELD_NUMBER: _ClassVar[int]
     ERROR_FIELD_NUMBER: _ClassVar[int]
+    TIMING_FIELD_NUMBER: _ClassVar[int]
     request_id: int
     session_id: str
     committed_length: int
     verdict: Verdict
     ack: _session_pb2.SessionAck
     error: _session_pb2.SessionError
-    def __init__(self, request_id: _Optional[int] = ..., session_id: _Optional[str] = ..., committed_length: _Optional[int] = ..., verdict: _Optional[_Union[Verdict, _Mapping]] = ..., ack: _Optional[_Union[_session_pb2.SessionAck, _Mapping]] = ..., error: _Optional[_Union[_session_pb2.SessionError, _Mapping]] = ...) -> None: ...
+    timing: _session_pb2.ServiceTiming
+    def __init__(self, request_id: _Optional[int] = ..., session_id: _Optional[str] = ..., committed_length: _Optional[int] = ..., verdict: _Optional[_Union[Verdict, _Mapping]] = ..., ack: _Optional[_Union[_session_pb2.SessionAck, _Mapping]] = ..., error: _Optional[_Union[_session_pb2.SessionError, _Mapping]] = ..., timing: _Optional[_Union[_session_pb2.ServiceTiming, _Mapping]] = ...) -> None: ...

@@ -16,7 +16,10 @@ import shutil
 import tempfile
 from pathlib import Path
 
+from tokenizers import AddedToken, Tokenizer, decoders, pre_tokenizers
+from tokenizers.models import BPE
 from transformers import AutoTokenizer, PreTrainedTokenizerBase, PreTrainedTokenizerFast
+from transformers.convert_slow_tokenizer import bytes_to_unicode
 
 from specd.core.errors import InvalidArgument
 
@@ -48,9 +51,6 @@ def _word(i: int) -> str:
 
 def build_sim_tokenizer(vocab_size: int) -> PreTrainedTokenizerFast:
     """The tokenizer of an emulated model with `vocab_size` tokens (len(tokenizer) == vocab_size)."""
-    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
-    from transformers.convert_slow_tokenizer import bytes_to_unicode
-
     base = 256 + len(SPECIALS)
     if vocab_size < base:
         raise InvalidArgument(f"an emulated model needs vocab_size >= {base} (bytes + specials), got {vocab_size}")
@@ -62,7 +62,7 @@ def build_sim_tokenizer(vocab_size: int) -> PreTrainedTokenizerFast:
     vocab.update({t: 256 + j for j, t in enumerate(SPECIALS)})
     for i in range(vocab_size - base):
         vocab[space + _word(i)] = base + i
-    backend = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    backend = Tokenizer(BPE(vocab=vocab, merges=[]))
     backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
     backend.decoder = decoders.ByteLevel()
     backend.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in SPECIALS])

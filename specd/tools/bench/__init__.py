@@ -128,7 +128,7 @@ __all__ = [
 def __getattr__(name: str) -> Any:
     """`specd.tools.bench.run`, loaded on first use (PEP 562): it needs torch, transformers and gRPC."""
     if name == "run":
-        from specd.tools.bench.main import run as main_run  # the one deferred import: keeps `specd --help` fast
+        from specd.tools.bench.main import run as main_run  # noqa: PLC0415 - PEP 562: the package stays cheap to import
 
         return main_run
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -6,8 +6,9 @@ thread hops; metric specd:round_seconds{part="overhead"}). The bench starts
 the coordinator with a metrics port, reads the histogram before and after
 each mode's requests, and turns the difference into p50 / p99 the way
 Prometheus' histogram_quantile does (linear within a bucket), so the
-figures are as fine as the histogram's buckets (0.2, 0.5, 1, 2.5, 5, 10,
-25 ms, ...). Services the bench did not start (--address) give none.
+figures are as fine as the histogram's buckets (every 0.1 ms up to 0.5 ms,
+then 0.75, 1, 1.5, 2, 3, 5, 10, 25 ms, ...). Services the bench did not
+start (--address) give none.
 """
 
 from __future__ import annotations

@@ -16,10 +16,10 @@ def write_plot(records: Sequence[Mapping[str, Any]], path: Path, label: str = ""
     has several concurrency levels, tokens/s against concurrent clients."""
     # matplotlib is the optional `bench` extra (pyproject): imported here, so the rest of the bench
     # (and the CLI, which imports this package to build its parser) works without it.
-    import matplotlib
+    import matplotlib  # noqa: PLC0415 - the optional `bench` extra
 
     matplotlib.use("Agg")  # files only, no display
-    import matplotlib.pyplot as plt
+    import matplotlib.pyplot as plt  # noqa: PLC0415 - after matplotlib.use
 
     levels = sorted({r["concurrency"] for r in records})
     panels = 3 if len(levels) > 1 else 2

@@ -1,0 +1,167 @@
+#!/usr/bin/env python3
+"""Efficiency and adaptivity on the emulated profiles (issue #16, item 5): a grid of `specd bench --sim` runs.
+
+For every profile and draft agreement (the knob that sets acceptance, from a
+useless draft at 0 to a near-perfect one) it runs one bench with target-only,
+fixed-K for several K and auto, side by side, and reports per cell:
+
+- each fixed K's speed-up and its efficiency at the measured verify cost
+  (speed-up / S(K) with the measured K+1-token verify in S(K)'s denominator);
+- the best fixed K and auto's speed-up against it (auto / best fixed);
+- auto against target-only where the draft is useless.
+
+Every figure is emulated (the services, batching and sampler are real; the
+forward passes take the profile's modelled time).
+
+    PYTHONPATH=$PWD .venv/bin/python scripts/sim_efficiency.py \\
+        --profiles h100-tp2-70b,h100-8b --agreements 0,0.5,0.7,0.85,0.95 \\
+        --json docs/results/emulated/efficiency.json --markdown docs/results/emulated/efficiency.md
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+
+def bench(profile: str, agreement: float, args: argparse.Namespace, out: Path) -> list[dict[str, Any]]:
+    modes = ["target-only", *(f"fixed-{k}" for k in args.draft_lengths), "auto"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "specd.tools.entry",
+        "bench",
+        "--sim",
+        f"{profile},agreement={agreement}",
+        "--modes",
+        ",".join(modes),
+        "--draft-lengths",
+        ",".join(str(k) for k in args.draft_lengths),
+        "--concurrency",
+        str(args.concurrency),
+        "--temperatures",
+        args.temperature,
+        "--prompts",
+        str(args.prompts),
+        "--max-new-tokens",
+        str(args.max_new_tokens),
+        "--interleave",
+        str(args.interleave),
+        "--no-progress",
+        "--json",
+        str(out),
+    ]
+    print(f"sim_efficiency: {profile} agreement {agreement}: {' '.join(cmd[3:])}", flush=True)
+    subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
+    return json.loads(out.read_text())["records"]
+
+
+def summarise(profile: str, agreement: float, records: list[dict[str, Any]]) -> dict[str, Any]:
+    by_mode = {r["mode"]: r for r in records}
+    fixed = {m: r for m, r in by_mode.items() if m.startswith("fixed-")}
+    best_mode = max(fixed, key=lambda m: fixed[m]["speedup"])
+    auto = by_mode["auto"]
+    return {
+        "profile": profile,
+        "agreement": agreement,
+        "acceptance_rate": {m: r.get("acceptance_rate") for m, r in fixed.items()},
+        "alpha": by_mode[best_mode].get("alpha"),
+        "speedup": {m: r["speedup"] for m, r in by_mode.items()},
+        "efficiency_measured_verify": {m: r.get("efficiency_measured_verify") for m, r in fixed.items()},
+        "best_fixed": best_mode,
+        "best_fixed_speedup": fixed[best_mode]["speedup"],
+        "auto_speedup": auto["speedup"],
+        "auto_over_best_fixed": auto["speedup"] / fixed[best_mode]["speedup"],
+        "auto_mean_draft_length": auto.get("mean_draft_length"),
+        "overhead_ms_p50": {m: r.get("round_overhead_ms_p50") for m, r in by_mode.items()},
+    }
+
+
+def markdown(rows: list[dict[str, Any]], args: argparse.Namespace, seconds: float) -> str:
+    ks = [f"fixed-{k}" for k in args.draft_lengths]
+    out = [
+        "# Efficiency and adaptive K on emulated accelerators (issue #16, item 5)",
+        "",
+        "**Emulated**: the services, batching, sessions and sampler are real; the models' logits and "
+        "forward-pass times come from each profile (docs/performance.md). Every figure below is emulated.",
+        "",
+        f"`{' '.join(sys.argv)}` ({seconds:.0f} s). T = {args.temperature}, {args.concurrency} client(s), "
+        f"{args.prompts} prompts x {args.max_new_tokens} tokens per mode, interleave {args.interleave}.",
+        "",
+        "Speed-up against target-only in the same run; efficiency = speed-up / S(K) with the measured "
+        "verify cost (docs/bench.md).",
+        "",
+        "| profile | agreement | a | "
+        + " | ".join(f"{k} speed-up (eff.)" for k in ks)
+        + " | best fixed | auto | auto / best fixed | auto mean K |",
+        "|---|---|---|" + "---|" * len(ks) + "---|---|---|---|",
+    ]
+    for r in rows:
+        cells = []
+        for k in ks:
+            eff = r["efficiency_measured_verify"].get(k)
+            cells.append(f"{r['speedup'][k]:.2f}x ({eff:.2f})" if eff is not None else f"{r['speedup'][k]:.2f}x")
+        alpha = f"{r['alpha']:.2f}" if r["alpha"] is not None else "–"
+        mean_k = f"{r['auto_mean_draft_length']:.1f}" if r["auto_mean_draft_length"] is not None else "–"
+        out.append(
+            f"| {r['profile']} | {r['agreement']} | {alpha} | "
+            + " | ".join(cells)
+            + f" | `{r['best_fixed']}` {r['best_fixed_speedup']:.2f}x | {r['auto_speedup']:.2f}x | "
+            f"{r['auto_over_best_fixed']:.3f} | {mean_k} |"
+        )
+    return "\n".join(out) + "\n"
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--profiles", default="h100-tp2-70b,h100-8b")
+    ap.add_argument("--agreements", default="0,0.5,0.7,0.85,0.95")
+    ap.add_argument("--draft-lengths", default="1,2,3,4,6,8")
+    ap.add_argument("--temperature", default="0")
+    ap.add_argument("--concurrency", type=int, default=1)
+    ap.add_argument("--prompts", type=int, default=8)
+    ap.add_argument("--max-new-tokens", type=int, default=64)
+    ap.add_argument("--interleave", type=int, default=2)
+    ap.add_argument("--json", default="")
+    ap.add_argument("--markdown", default="")
+    args = ap.parse_args()
+    args.draft_lengths = [int(k) for k in args.draft_lengths.split(",")]
+    started = time.monotonic()
+    rows = []
+    with tempfile.TemporaryDirectory(prefix="specd-efficiency-") as tmp:
+        for profile in args.profiles.split(","):
+            for agreement in (float(a) for a in args.agreements.split(",")):
+                records = bench(profile, agreement, args, Path(tmp) / f"{profile}-{agreement}.json")
+                rows.append(summarise(profile, agreement, records))
+                print(
+                    json.dumps(
+                        {
+                            k: rows[-1][k]
+                            for k in (
+                                "profile",
+                                "agreement",
+                                "best_fixed",
+                                "best_fixed_speedup",
+                                "auto_speedup",
+                                "auto_over_best_fixed",
+                            )
+                        }
+                    ),
+                    flush=True,
+                )
+    text = markdown(rows, args, time.monotonic() - started)
+    print(text)
+    if args.json:
+        Path(args.json).write_text(json.dumps(rows, indent=1) + "\n")
+    if args.markdown:
+        Path(args.markdown).write_text(text)
+
+
+if __name__ == "__main__":
+    main()

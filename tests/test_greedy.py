@@ -1,0 +1,70 @@
+"""The greedy fast path gives exactly the general sampler's answers (specd.core.greedy)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from specd.core.greedy import greedy_tokens, greedy_verdict
+from specd.core.rejection import rejection_sample
+from specd.core.sampling import SamplingParams, processed_probs, unusable_rows
+
+GREEDY = SamplingParams(temperature=0.0, seed=3)
+
+
+def general(logits: torch.Tensor, drafts: torch.Tensor, num_draft: torch.Tensor):
+    """The verdict and unusable rows by the general path: processed p (one-hot), then the rejection sampler."""
+    B = logits.shape[0]
+    p = processed_probs(logits, [GREEDY] * B)
+    bad = unusable_rows(logits, p)
+    ok = [b for b in range(B) if b not in bad]
+    v = rejection_sample(
+        p[ok],
+        drafts[ok],
+        None,
+        seeds=torch.full((len(ok),), 3, dtype=torch.int64),
+        start_positions=torch.arange(len(ok), dtype=torch.int64) * 7,
+        num_draft=num_draft[ok],
+    )
+    return ok, v, set(bad)
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_greedy_verdict_equals_the_rejection_sampler_on_one_hot_p(seed: int) -> None:
+    g = torch.Generator().manual_seed(seed)
+    B, K, V = 16, 5, 40
+    logits = torch.randn(B, K + 1, V, generator=g)
+    logits[:, :, 7] = logits[:, :, 3]  # ties: the lower id wins on both paths
+    best = logits.argmax(-1)
+    # Drafts that agree with the argmax for a random leading run, then differ (or run to the end).
+    drafts = best[:, :K].clone()
+    for b in range(B):
+        cut = int(torch.randint(0, K + 1, (1,), generator=g))
+        if cut < K:
+            drafts[b, cut] = (drafts[b, cut] + 1) % V
+    num_draft = torch.randint(0, K + 1, (B,), generator=g)
+    logits[2, 1, 5] = math.nan
+    logits[4, 0, :] = -math.inf  # no finite logit at one position
+    logits[6, 3, 0] = math.inf
+    logits[8, 2, 9] = -math.inf  # one -inf is fine
+    ok, want, want_bad = general(logits, drafts, num_draft)
+    got, bad = greedy_verdict(logits, drafts, num_draft)
+    assert {b for b, is_bad in enumerate(bad.tolist()) if is_bad} == want_bad == {2, 4, 6}
+    assert torch.equal(got.num_accepted[ok], want.num_accepted)
+    assert torch.equal(got.next_token[ok], want.next_token)
+    assert torch.equal(got.is_bonus[ok], want.is_bonus)
+
+
+def test_greedy_tokens_are_the_argmax_of_the_processed_p() -> None:
+    g = torch.Generator().manual_seed(9)
+    logits = torch.randn(12, 50, generator=g)
+    logits[3, 10] = logits[3, 40] = logits[3].max() + 1  # a tie
+    logits[5, 2] = math.nan
+    tokens, bad = greedy_tokens(logits)
+    p = processed_probs(logits[:, None, :], [GREEDY] * 12)
+    assert bad.tolist() == [b == 5 for b in range(12)]
+    keep = [b for b in range(12) if b != 5]
+    assert torch.equal(tokens[keep], p[keep, 0].argmax(-1))
+    assert int(tokens[3]) == 10

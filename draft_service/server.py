@@ -11,8 +11,9 @@ import torch
 from draft_service.servicer import DraftServicer
 from specd.core import catalog
 from specd.core.catalog import MODEL_FREE_DRAFTS, SUFFIX
-from specd.core.drafting import Drafter, ModelDrafter, NgramDrafter
+from specd.core.drafting import Drafter, NgramDrafter
 from specd.core.hybrid import HybridDrafter
+from specd.core.model_drafter import ModelDrafter
 from specd.core.runner import CausalLMRunner
 from specd.core.suffix import SuffixDrafter
 from specd.core.suffix_index import SharedSuffixIndex

@@ -19,7 +19,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import torch
 
-from specd.core.drafting import ModelDrafter, ProposeRequest
+from specd.core.drafting import ProposeRequest
+from specd.core.model_drafter import ModelDrafter
 from specd.core.sampling import SamplingParams
 from specd.core.sim import parse_sim_spec
 from specd.core.verification import Verifier, VerifyRequest

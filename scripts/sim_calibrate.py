@@ -40,7 +40,7 @@ import numpy as np
 import torch
 
 from specd.core import catalog
-from specd.core.drafting import ModelDrafter
+from specd.core.model_drafter import ModelDrafter
 from specd.core.phases import FORWARD
 from specd.core.proposal import Proposal
 from specd.core.runner import CausalLMRunner, KVSession

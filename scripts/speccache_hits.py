@@ -23,7 +23,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import torch
 
-from specd.core.drafting import ModelDrafter
+from specd.core.model_drafter import ModelDrafter
 from specd.core.rounds import speculative_generate_batch
 from specd.core.sampling import SamplingParams
 from specd.core.sim import parse_sim_spec

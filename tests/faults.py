@@ -13,7 +13,8 @@ import torch
 
 from draft_service.server import create_server
 from specd.core import catalog
-from specd.core.drafting import ModelDrafter, ProposeRequest
+from specd.core.drafting import ProposeRequest
+from specd.core.model_drafter import ModelDrafter
 from specd.core.proposal import Proposal
 from specd.core.sampling import SamplingParams
 from specd.serving.config import DraftConfig

@@ -5,7 +5,7 @@ from __future__ import annotations
 from functools import lru_cache
 from pathlib import Path
 
-from specd.core.drafting import ModelDrafter
+from specd.core.model_drafter import ModelDrafter
 from specd.core.models import LoadedModel, load_pretrained
 from specd.core.rounds import GenerationResult, speculative_generate
 from specd.core.runner import CausalLMRunner

@@ -10,8 +10,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from specd.core.drafting import ModelDrafter, NgramDrafter, ProposeRequest
+from specd.core.drafting import NgramDrafter, ProposeRequest
 from specd.core.errors import SessionNotFound
+from specd.core.model_drafter import ModelDrafter
 from specd.core.models import load_pretrained
 from specd.core.proposal import Proposal
 from specd.core.rounds import speculative_generate, speculative_generate_batch

@@ -26,8 +26,9 @@ from specd.core.branching import (
     outcome_probabilities,
     select_branches,
 )
-from specd.core.drafting import ModelDrafter, NgramDrafter, ProposeRequest, draft_work
+from specd.core.drafting import NgramDrafter, ProposeRequest, draft_work
 from specd.core.errors import InvalidArgument
+from specd.core.model_drafter import ModelDrafter
 from specd.core.models import load_pretrained
 from specd.core.proposal import Proposal
 from specd.core.runner import CausalLMRunner

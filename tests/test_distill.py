@@ -15,8 +15,9 @@ from transformers import AutoConfig
 
 from specd.core.catalog import demo_draft_path, load_draft_for_serving
 from specd.core.draft_checkpoint import COMPACT_META, assemble, install_reduced_head
-from specd.core.drafting import ModelDrafter, NgramDrafter, ReducedLMHead
+from specd.core.drafting import NgramDrafter, ReducedLMHead
 from specd.core.errors import FailedPrecondition, InvalidArgument
+from specd.core.model_drafter import ModelDrafter
 from specd.core.models import load_pretrained
 from specd.core.proposal import Proposal
 from specd.core.rounds import speculative_generate

@@ -22,7 +22,7 @@ import pytest
 import torch
 
 from coordinator.client import CoordinatorClient
-from specd.core.drafting import ModelDrafter
+from specd.core.model_drafter import ModelDrafter
 from specd.core.models import load_pretrained
 from specd.core.rounds import speculative_generate
 from specd.core.runner import CausalLMRunner

@@ -20,8 +20,9 @@ import pytest
 import torch
 
 from specd.core import errors
-from specd.core.drafting import ModelDrafter, ProposeRequest
+from specd.core.drafting import ProposeRequest
 from specd.core.errors import Internal, InvalidArgument
+from specd.core.model_drafter import ModelDrafter
 from specd.core.models import load_pretrained
 from specd.core.proposal import Proposal
 from specd.core.runner import CausalLMRunner

@@ -8,9 +8,10 @@ import pytest
 import torch
 from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
 
-from specd.core.drafting import ModelDrafter, NgramDrafter, lookup_continuation
+from specd.core.drafting import NgramDrafter, lookup_continuation
 from specd.core.errors import InvalidArgument, SessionOutOfSync
 from specd.core.generation import FinishReason, Generation, StopRule
+from specd.core.model_drafter import ModelDrafter
 from specd.core.models import load_pretrained
 from specd.core.proposal import Proposal
 from specd.core.rounds import speculative_generate, speculative_generate_batch

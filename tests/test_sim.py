@@ -18,8 +18,9 @@ import time
 import pytest
 import torch
 
-from specd.core.drafting import ModelDrafter, ProposeRequest
+from specd.core.drafting import ProposeRequest
 from specd.core.errors import InvalidArgument
+from specd.core.model_drafter import ModelDrafter
 from specd.core.sampling import SamplingParams
 from specd.core.sim import CostModel, SimLM, SimRunner, SimShape, list_profiles, load_profile, parse_sim_spec
 from specd.core.sim.lm import DRAFT_NOISE_ROLE, TARGET_ROLE

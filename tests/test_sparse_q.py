@@ -15,8 +15,9 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from draft_service.servicer import DraftServicer
 from specd.core import sparse_q
-from specd.core.drafting import ModelDrafter, ProposeRequest
+from specd.core.drafting import ProposeRequest
 from specd.core.errors import InvalidArgument
+from specd.core.model_drafter import ModelDrafter
 from specd.core.models import load_pretrained
 from specd.core.proposal import Proposal
 from specd.core.runner import CausalLMRunner

@@ -10,9 +10,9 @@ from pathlib import Path
 
 import pytest
 
-from specd.core.drafting import ModelDrafter
 from specd.core.errors import InvalidArgument, SessionOutOfSync
 from specd.core.hybrid import HybridDrafter, common_prefix_length
+from specd.core.model_drafter import ModelDrafter
 from specd.core.models import load_pretrained
 from specd.core.rounds import speculative_generate
 from specd.core.runner import CausalLMRunner

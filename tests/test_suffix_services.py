@@ -15,8 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from specd.core.drafting import ModelDrafter
 from specd.core.hybrid import HybridDrafter
+from specd.core.model_drafter import ModelDrafter
 from specd.core.rounds import speculative_generate
 from specd.core.runner import CausalLMRunner
 from specd.core.sampling import SamplingParams

@@ -11,7 +11,8 @@ import torch
 from tqdm.auto import tqdm
 
 from specd.core.draft_checkpoint import install_reduced_head
-from specd.core.drafting import Drafter, ModelDrafter, NgramDrafter
+from specd.core.drafting import Drafter, NgramDrafter
+from specd.core.model_drafter import ModelDrafter
 from specd.core.models import load_pretrained
 from specd.core.rounds import speculative_generate
 from specd.core.runner import CausalLMRunner

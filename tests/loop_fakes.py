@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from specd.core.branching import Branch, Branches, select_branches
+from specd.core.branching import Branch, Branches, select_branches, top_ranking
 from specd.core.drafting import sync_prefix
 from specd.core.errors import DeadlineExceeded, SessionNotFound, SessionOutOfSync, SpecdError, Unavailable
 from specd.core.phases import PhaseLog
@@ -240,7 +240,8 @@ class FakeDraft:
         probs = torch.stack([draft_distribution(prefix[: base + j], self.step) for j in range(pending + 1)])
         k = num_tokens + (1 if n in self.lie else 0) - (1 if n in self.short else 0)
         branches = []
-        for c in select_branches(probs, prefix[base:], acceptance, budget):
+        ranking = top_ranking(probs, prefix[base:], budget + 1)
+        for c in select_branches(ranking, prefix[base:], acceptance, budget):
             drafts = chain([*prefix[: base + c.accepted], c.token_id], max(0, k), self.step)
             branches.append(Branch(c.accepted, c.token_id, Proposal(drafts, compute_ms=self.script.latency_s * 1e3)))
         self.sessions[session_id] = prefix

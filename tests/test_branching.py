@@ -25,6 +25,7 @@ from specd.core.branching import (
     calibrated_greedy,
     outcome_probabilities,
     select_branches,
+    top_ranking,
 )
 from specd.core.drafting import NgramDrafter, ProposeRequest, draft_work
 from specd.core.errors import InvalidArgument
@@ -79,7 +80,7 @@ def test_outcome_probabilities_are_the_truncated_geometric() -> None:
 def test_select_branches_takes_the_likeliest_verdicts(acceptance, budget, want) -> None:
     pending = [1, 7]
     probs = rows({1: 0.4, 3: 0.36, 2: 0.24}, {7: 0.5, 4: 0.3, 8: 0.2}, {5: 0.6, 6: 0.4})
-    got = select_branches(probs, pending, acceptance, budget)
+    got = select_branches(top_ranking(probs, pending, budget + 1), pending, acceptance, budget)
     assert [(c.accepted, c.token_id) for c in got] == want
     assert all(a.probability >= b.probability for a, b in itertools.pairwise(got[:-1]))
     reach = outcome_probabilities(acceptance)
@@ -91,25 +92,28 @@ def test_select_branches_takes_the_likeliest_verdicts(acceptance, budget, want) 
 
 def test_select_branches_breaks_ties_deeper_first_then_lower_id() -> None:
     probs = rows({1: 0.5, 4: 0.25, 3: 0.25}, {2: 0.5, 9: 0.5})  # P(0 acc) = P(1 acc) = 0.5
-    got = select_branches(probs, [1], [0.5], 4)
+    got = select_branches(top_ranking(probs, [1], 5), [1], [0.5], 4)
     assert [(c.accepted, c.token_id) for c in got] == [(1, 2), (1, 9), (0, 3), (0, 4)]
-    assert select_branches(probs, [1], [0.5], 0) == []
+    assert select_branches(top_ranking(probs, [1], 5), [1], [0.5], 0) == []
 
 
 @pytest.mark.parametrize("measured", [0.4, 0.6, 0.85])
 def test_greedy_ranking_is_temperature_scaled_to_the_measured_acceptance(measured: float) -> None:
     logits = torch.tensor([[2.0, 1.0, 0.0, -1.0], [0.5, 0.4, 0.0, -3.0], [3.0, 0.0, 0.0, 0.0]])  # [K+1, V], K = 2
     pending = [0, 0]  # greedy drafts: each row's argmax
-    probs, acceptance = calibrated_greedy(logits, pending, (measured, measured))
-    assert probs.shape == logits.shape and torch.allclose(probs.sum(-1), torch.ones(3))
-    own = [float(probs[i, 0]) for i in range(2)]
-    assert sum(own) / 2 == pytest.approx(measured, abs=1e-3)  # the scaled confidence averages the measured rate
+    ranking, acceptance = calibrated_greedy(logits, pending, (measured, measured), width=4)
+    assert ranking.ids[:, 0].tolist() == [0, 0, 0]  # scaling keeps each row's order
+    assert torch.allclose(ranking.probs.sum(-1), torch.ones(3), atol=1e-5)  # all 4 tokens: whole rows
+    own = list(ranking.own)
+    assert own == pytest.approx(ranking.probs[:2, 0].tolist())
+    assert sum(own) / 2 == pytest.approx(measured, abs=0.05)  # the scaled confidence reaches the measured rate
+    assert sum(own) / 2 >= measured
     assert acceptance == pytest.approx(tuple(math.sqrt(measured * c) for c in own))
     assert acceptance[0] > acceptance[1]  # the more confident position is the likelier accepted
-    order = probs[2].argsort(descending=True).tolist()
-    assert order[0] == 0  # scaling keeps each row's order
     plain = torch.softmax(logits, -1)
-    assert (float(probs[0, 0]) > float(plain[0, 0])) == (measured > float(plain[:2, 0].mean()))
+    assert (own[0] > float(plain[0, 0])) == (measured > float(plain[:2, 0].mean()))
+    narrow, _ = calibrated_greedy(logits, pending, (measured, measured), width=2)
+    assert narrow.ids.shape == (3, 2) and torch.equal(narrow.probs, ranking.probs[:, :2])
 
 
 def test_position_acceptance_counts_verdicts_per_position_with_a_prior() -> None:

@@ -110,6 +110,24 @@ class BranchChoice:
     probability: float  # the rule's estimate of P(the verdict is exactly this)
 
 
+@dataclass(frozen=True)
+class Ranking:
+    """The draft's likeliest tokens at the K pending positions and the bonus position (row K)."""
+
+    ids: Tensor  # [K+1, W] int64 token ids, likeliest first
+    probs: Tensor  # [K+1, W] float32 their probabilities
+    own: tuple[float, ...]  # K: each pending token's probability at its own row (it need not be among ids)
+
+
+def top_ranking(probs: Tensor, pending: Sequence[int], width: int) -> Ranking:
+    """[K+1, V] distributions -> their `width` likeliest tokens per row, and the pending tokens' own mass."""
+    k = len(pending)
+    assert probs.dim() == 2 and probs.shape[0] == k + 1, f"probs must be [K+1, V] for K={k}, got {tuple(probs.shape)}"
+    top_p, top_i = probs.float().topk(min(width, int(probs.shape[1])), dim=-1)  # [K+1, W] each
+    own = probs[torch.arange(k), torch.tensor(list(pending), dtype=torch.int64)].tolist() if k else []
+    return Ranking(top_i, top_p, tuple(float(x) for x in own))
+
+
 def outcome_probabilities(acceptance: Sequence[float]) -> list[float]:
     """P(exactly j of the K pending tokens accepted) for j = 0..K (K + 1 numbers summing to 1)."""
     out, reach = [], 1.0
@@ -122,31 +140,30 @@ def outcome_probabilities(acceptance: Sequence[float]) -> list[float]:
 
 
 def select_branches(
-    probs: Tensor, pending: Sequence[int], acceptance: Sequence[float], budget: int
+    ranking: Ranking, pending: Sequence[int], acceptance: Sequence[float], budget: int
 ) -> list[BranchChoice]:
     """The `budget` likeliest verdicts (module docstring), likeliest first; ties: deeper, then lower id.
 
-    probs: [K+1, V] float, row j the draft's distribution of the token after the
-    first j pending tokens (row K: after all of them, the bonus position).
-    acceptance: K per-position conditional acceptance rates.
+    ranking: per row j, the draft's likeliest tokens after the first j pending
+    tokens (row K: after all of them, the bonus position); acceptance: K
+    per-position conditional acceptance rates.
     """
     k = len(pending)
-    assert probs.dim() == 2 and probs.shape[0] == k + 1, f"probs must be [K+1, V] for K={k}, got {tuple(probs.shape)}"
+    assert ranking.ids.shape[0] == k + 1 and len(ranking.own) == k, f"need a ranking of K+1 rows for K={k}"
     assert len(acceptance) == k, f"need one acceptance rate per pending token ({k}), got {len(acceptance)}"
     if budget < 1:
         return []
     reach = outcome_probabilities(acceptance)
-    width = min(budget + 1, int(probs.shape[1]))  # + 1: a row's own draft token is not a candidate
-    top_p, top_i = probs.float().topk(width, dim=-1)  # [K+1, W] each
+    ids, probs = ranking.ids.tolist(), ranking.probs.tolist()
     candidates: list[tuple[float, int, int]] = []  # (probability, accepted, token)
     for j in range(k + 1):
         if reach[j] <= 0.0:
             continue
         rejected = pending[j] if j < k else None
-        rest = 1.0 - float(probs[j, rejected]) if rejected is not None else 1.0  # mass of the alternatives
+        rest = 1.0 - ranking.own[j] if j < k else 1.0  # mass of the alternatives to the rejected token
         if rest <= 1e-12:
             continue
-        for p, t in zip(top_p[j].tolist(), top_i[j].tolist()):
+        for p, t in zip(probs[j], ids[j]):
             if t != rejected and p > 0.0:
                 candidates.append((reach[j] * p / rest, j, int(t)))
     candidates.sort(key=lambda c: (-c[0], -c[1], c[2]))
@@ -160,32 +177,36 @@ def select_branches(
     return [BranchChoice(j, t, p) for p, j, t in chosen]
 
 
+_FIT_WIDTH = 64  # logits per row the calibration's fit normalises over
+
+
 def calibrated_greedy(
-    logits: Tensor, pending: Sequence[int], acceptance: Sequence[float]
-) -> tuple[Tensor, tuple[float, ...]]:
-    """A greedy request's ranking: temperature-scaled draft distribution and per-position acceptance.
+    logits: Tensor, pending: Sequence[int], acceptance: Sequence[float], width: int
+) -> tuple[Ranking, tuple[float, ...]]:
+    """A greedy request's ranking: the temperature-scaled draft distribution, and per-position acceptance.
 
     logits: [K+1, V] the draft's logits at the pending positions and the one
-    after them. Returns (probs [K+1, V] = softmax(g * logits), a) where g in
-    [1/4, 16] makes the mean of probs[i, pending[i]] over the K pending
-    positions equal the mean measured acceptance (bisection; the fit reads
-    each row's 256 largest logits), and a_i = sqrt(acceptance_i x
-    probs[i, pending[i]]).
+    after them. The ranking is softmax(g * logits) (the `width` likeliest per
+    row) for the smallest g on a grid over [1/4, 16] at which the mean of the
+    pending tokens' own probabilities reaches the mean measured acceptance (the
+    fit normalises over each row's 64 largest logits, the result over the whole
+    row); a_i = sqrt(acceptance_i x own_i).
     """
     k = len(pending)
     assert logits.dim() == 2 and logits.shape[0] == k + 1 and k >= 1, f"logits must be [K+1, V], K={k}"
     x = logits.float()
-    want = sum(acceptance) / k
-    top = x[:k].topk(min(256, int(x.shape[1])), dim=-1).values  # [K, W]
-    own = x[torch.arange(k), torch.tensor(list(pending))]  # [K]
-    lo, hi = 0.25, 16.0
-    for _ in range(24):  # geometric bisection: confidence in a drafted argmax grows with g
-        g = math.sqrt(lo * hi)
-        conf = float(torch.exp(g * own - torch.logsumexp(g * top, dim=-1)).mean())
-        lo, hi = (g, hi) if conf < want else (lo, g)
-    probs = torch.softmax(math.sqrt(lo * hi) * x, dim=-1)  # [K+1, V]
-    mine = probs[torch.arange(k), torch.tensor(list(pending))].tolist()
-    return probs, tuple(math.sqrt(max(0.0, a) * c) for a, c in zip(acceptance, mine))
+    top, ids = x.topk(min(max(width, _FIT_WIDTH), int(x.shape[1])), dim=-1)  # [K+1, W'] each
+    mine = x[torch.arange(k), torch.tensor(list(pending), dtype=torch.int64)]  # [K]
+    grid = torch.logspace(-2.0, 4.0, 49, base=2.0)  # [G] inverse temperatures 1/4 .. 16, steps of 2^(1/8)
+    g_top = grid[:, None, None] * top[None, :k]  # [G, K, W']
+    conf = torch.exp(grid[:, None] * mine[None] - torch.logsumexp(g_top, dim=-1)).mean(-1)  # [G]
+    reached = (conf >= sum(acceptance) / k).nonzero()
+    g = float(grid[int(reached[0, 0])] if len(reached) else grid[-1])
+    lse = torch.logsumexp(g * x, dim=-1)  # [K+1] over the whole rows
+    probs = torch.exp(g * top[:, :width] - lse[:, None])  # [K+1, W]
+    own = torch.exp(g * mine - lse[:k]).tolist()
+    ranking = Ranking(ids[:, :width], probs, tuple(own))
+    return ranking, tuple(math.sqrt(max(0.0, a) * c) for a, c in zip(acceptance, own))
 
 
 @dataclass

@@ -26,8 +26,10 @@ from specd.core.branching import (
     Branches,
     BranchRequest,
     PositionAcceptance,
+    Ranking,
     calibrated_greedy,
     select_branches,
+    top_ranking,
 )
 from specd.core.drafting import (
     DraftResult,
@@ -381,24 +383,25 @@ class ModelDrafter(PooledModel[_ModelDraftSession]):
             logits = logits[:, self.token_map]  # [K+1, N]
         base = len(s.kv.tokens) - k  # the committed prefix
         pending = s.kv.tokens[base:]
+        columns = pending if self.token_map is None else [self._column(t) for t in pending]
         acceptance = req.acceptance or PositionAcceptance().rates(k)
+        width = req.budget + 1  # a row's own token is no alternative to itself
         # Ranked by the request's processed distribution with the measured acceptance; a greedy
         # request's is a one-hot, so it ranks by the calibrated softmax (specd.core.branching).
         if s.params.is_greedy:
             if bool(greedy_tokens(logits)[1].any()):
                 raise Internal("the model's logits for this request are not finite")
-            columns = pending if self.token_map is None else [self._column(t) for t in pending]
-            rank, acceptance = calibrated_greedy(logits, columns, acceptance)  # [K+1, V or N]
+            ranking, acceptance = calibrated_greedy(logits, columns, acceptance, width)
         else:
             processed = sampling.processed_probs(logits[None], [s.params])  # [1, K+1, V or N]
             unusable = sampling.unusable_rows(logits[None], processed)
             if unusable:
                 raise unusable[0]
-            rank = processed[0]
-        if self.token_map is not None:  # back to target ids: 0 off the map
-            rank = rank.new_zeros(k + 1, self.vocab_size).index_copy_(1, self.token_map, rank)  # [K+1, V]
+            ranking = top_ranking(processed[0], columns, width)
+        if self.token_map is not None:  # the reduced head's columns -> target ids
+            ranking = Ranking(self.token_map[ranking.ids], ranking.probs, ranking.own)
         budget = self._branch_room(req.budget, len(s.kv.tokens) + 1 + bp.steps)
-        bp.choices = select_branches(rank, pending, acceptance, budget)
+        bp.choices = select_branches(ranking, pending, acceptance, budget)
         for b, choice in enumerate(bp.choices):
             kv = self.runner.fork(s.kv)  # shares the cache: the crop below only narrows the fork's view
             self.runner.truncate(kv, base + choice.accepted)

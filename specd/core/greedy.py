@@ -28,9 +28,10 @@ __all__ = ["greedy_tokens", "greedy_verdict"]
 
 def greedy_tokens(logits: Tensor) -> tuple[Tensor, Tensor]:
     """logits [..., V] -> (argmax [...] int64, unusable [...] bool: NaN, +inf, or no finite logit)."""
-    x = logits.to(torch.float32)
-    top = x.amax(-1)  # NaN if any logit is NaN, +inf if any is +inf, -inf if all are
-    return x.argmax(-1), ~top.isfinite()
+    # One pass: the max (NaN if any logit is NaN, +inf if any is +inf, -inf if all are) and
+    # where it is (the first maximal index: the lowest id on ties, as argmax).
+    top, best = logits.to(torch.float32).max(-1)
+    return best, ~top.isfinite()
 
 
 def greedy_verdict(logits: Tensor, draft_token_ids: Tensor, num_draft: Tensor) -> tuple[Verdict, Tensor]:

@@ -8,20 +8,34 @@ string is held back.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import cast
 
-from transformers import PreTrainedTokenizerBase
+from transformers import PreTrainedTokenizerBase, PreTrainedTokenizerFast
 
 _CONTEXT_TOKENS = 6  # tokens decoded before the new ones, for merges and leading spaces
 _INCOMPLETE = "\ufffd"
+
+
+def _decoder(tokenizer: PreTrainedTokenizerBase) -> Callable[[list[int]], str]:
+    """ids -> text with special tokens skipped and no clean-up of spaces.
+
+    A fast (Rust) tokenizer's decode with clean-up off is exactly its backend's
+    decode: call that directly, without transformers' per-call conversions (the
+    coordinator decodes on every round's critical path).
+    """
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if isinstance(tokenizer, PreTrainedTokenizerFast) and backend is not None:
+        return lambda ids: cast(str, backend.decode(ids, skip_special_tokens=True))
+    # One flat list of ids decodes to one string (a batch would give a list).
+    return lambda ids: cast(str, tokenizer.decode(ids, skip_special_tokens=True, clean_up_tokenization_spaces=False))
 
 
 class IncrementalDetokenizer:
     def __init__(
         self, tokenizer: PreTrainedTokenizerBase, prompt_ids: Sequence[int], stop_strings: Sequence[str] = ()
     ) -> None:
-        self._tok = tokenizer
+        self._decode = _decoder(tokenizer)
         self._ids = list(prompt_ids[-_CONTEXT_TOKENS:])
         self._prefix = 0  # ids[prefix:read] were decoded into the text already emitted
         self._read = len(self._ids)
@@ -31,12 +45,33 @@ class IncrementalDetokenizer:
         self._emitted = 0  # chars of self.text handed out
         self.stopped = False
 
-    def _decode(self, ids: list[int]) -> str:
-        text = self._tok.decode(ids, skip_special_tokens=True, clean_up_tokenization_spaces=False)
-        return cast(str, text)  # one flat list of ids decodes to one string (a batch would give a list)
-
     def push(self, token_ids: Sequence[int]) -> int | None:
-        """Add committed tokens. If a stop string completed, return how many of these tokens to keep."""
+        """Add committed tokens. If a stop string completed, return how many of these tokens to keep.
+
+        A round's tokens are decoded together (two decodes, not two per token)
+        when they end on a whole character and complete no stop string, the
+        usual case; otherwise one token at a time, to find where the text stops.
+        """
+        held = len(self._ids)
+        self._ids.extend(int(t) for t in token_ids)
+        if len(token_ids) > 1:
+            prefix_text = self._decode(self._ids[self._prefix : self._read])
+            full_text = self._decode(self._ids[self._prefix :])
+            if not full_text.endswith(_INCOMPLETE) and len(full_text) > len(prefix_text):
+                new = full_text[len(prefix_text) :]
+                if not self._stops_in(self.text + new, len(self.text)):
+                    self.text += new
+                    self._prefix, self._read = self._read, len(self._ids)
+                    return None
+        del self._ids[held:]
+        return self._push_each(token_ids)
+
+    def _stops_in(self, text: str, old_len: int) -> list[int]:
+        """Where stop strings begin in text, looking from just before old_len (a stop may span the join)."""
+        search_from = max(0, old_len - self._holdback)
+        return [at for s in self._stops if (at := text.find(s, search_from)) >= 0]
+
+    def _push_each(self, token_ids: Sequence[int]) -> int | None:
         for i, token in enumerate(token_ids):
             self._ids.append(int(token))
             prefix_text = self._decode(self._ids[self._prefix : self._read])
@@ -46,13 +81,11 @@ class IncrementalDetokenizer:
             old_len = len(self.text)
             self.text += full_text[len(prefix_text) :]
             self._prefix, self._read = self._read, len(self._ids)
-            if self._stops:
-                search_from = max(0, old_len - self._holdback)
-                hits = [at for s in self._stops if (at := self.text.find(s, search_from)) >= 0]
-                if hits:
-                    self.text = self.text[: min(hits)]
-                    self.stopped = True
-                    return i + 1
+            hits = self._stops_in(self.text, old_len)
+            if hits:
+                self.text = self.text[: min(hits)]
+                self.stopped = True
+                return i + 1
         return None
 
     def take(self, final: bool = False) -> str:

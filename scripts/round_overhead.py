@@ -79,6 +79,7 @@ async def run_streams(stub: coordinator_pb2_grpc.CoordinatorStub, streams: int, 
 
 async def measure(args: argparse.Namespace) -> list[dict[str, object]]:
     common = ["--port", "0", "--log-level", "WARNING", "--event-loop", args.event_loop]
+    common += ["--gil-switch-ms", str(args.gil_switch_ms)]
     target_args = ["target", "--model", args.target, *common]
     draft_args = ["draft", "--model", args.draft, "--target-model", args.target, *common]
     peers = [ServiceProcess("target", target_args), ServiceProcess("draft", draft_args)]
@@ -112,7 +113,7 @@ async def measure(args: argparse.Namespace) -> list[dict[str, object]]:
                 )
                 print(
                     f"\n{args.target} K={args.draft_length} T={args.temperature} streams={streams} "
-                    f"event loop {args.event_loop}: "
+                    f"event loop {args.event_loop}, GIL switch {args.gil_switch_ms} ms: "
                     f"{len(records)} rounds, coordinator event-loop CPU "
                     f"{out[-1]['loop_cpu_ms_per_round']:.3f} ms per round"
                 )
@@ -137,6 +138,7 @@ def main() -> None:
     parser.add_argument("--draft-length", type=int, default=4, help="fixed K (0: target-only rounds)")
     parser.add_argument("--temperature", type=float, default=0.0)
     parser.add_argument("--json", default="", help="also write the figures here")
+    parser.add_argument("--gil-switch-ms", type=float, default=1.0, help="every process's GIL switch interval")
     parser.add_argument(
         "--event-loop", default="auto", choices=["auto", "uvloop", "asyncio"], help="every process's event loop"
     )
@@ -144,6 +146,7 @@ def main() -> None:
     args.target = args.target or args.model
     args.draft = args.draft or args.model
     args.streams = [int(s) for s in args.streams.split(",")]
+    sys.setswitchinterval(args.gil_switch_ms / 1e3)  # as the services do (--gil-switch-ms)
     results = run_event_loop(measure(args), args.event_loop)
     if args.json:
         Path(args.json).write_text(json.dumps({"arguments": vars(args), "results": results}, indent=2) + "\n")

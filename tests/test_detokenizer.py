@@ -70,3 +70,16 @@ def test_demo_tokenizer_merged_tokens(demo_target_dir) -> None:
     whole, pieces, _ = stream(demo, "Say:", text)
     assert whole == text
     assert all("\ufffd" not in p for p in pieces)
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    text=st.text(alphabet="ab STOP\n", min_size=1, max_size=40),
+    stops=st.lists(st.sampled_from(["STOP", "\n\n", "b a", "TO"]), max_size=2),
+    step=st.integers(2, 6),
+)
+def test_a_rounds_tokens_pushed_together_stop_where_one_at_a_time_would(tok, text: str, stops, step: int) -> None:
+    """The multi-token fast path cuts at the same token and keeps the same text as pushing one by one."""
+    one = stream(tok, "p ", text, stops=stops, step=1)
+    many = stream(tok, "p ", text, stops=stops, step=step)
+    assert many[0] == one[0] and many[2] == one[2]

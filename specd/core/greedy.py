@@ -18,38 +18,36 @@ other numbers are meaningless.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 from torch import Tensor
-
-from specd.core.rejection import Verdict
 
 __all__ = ["greedy_tokens", "greedy_verdict"]
 
 
 def greedy_tokens(logits: Tensor) -> tuple[Tensor, Tensor]:
     """logits [..., V] -> (argmax [...] int64, unusable [...] bool: NaN, +inf, or no finite logit)."""
-    x = logits.to(torch.float32)
-    # max(-1) gives the first maximal index, as argmax does, in a third of its time on a CPU
-    # (one reduction for both); the value: NaN if any logit is NaN, +inf if any is, -inf if all are.
-    top, best = x.max(-1)
+    # One pass: the max (NaN if any logit is NaN, +inf if any is +inf, -inf if all are) and
+    # where it is (the first maximal index: the lowest id on ties, as argmax).
+    top, best = logits.to(torch.float32).max(-1)
     return best, ~top.isfinite()
 
 
-def greedy_verdict(logits: Tensor, draft_token_ids: Tensor, num_draft: Tensor) -> tuple[Verdict, Tensor]:
-    """rejection_sample's verdict for rows that are all greedy, from their logits.
+def greedy_verdict(logits: Tensor, draft_token_ids: Sequence[int]) -> tuple[int, int, bool] | None:
+    """One session's verdict when it is greedy, from its logits alone (no padded batch tensor needed).
 
-    logits:          [B, K+1, V] the target's logits at each draft position and one more
-    draft_token_ids: [B, K] int64 (slots >= num_draft[b] are padding)
-    num_draft:       [B] int64 real drafts per row
-    returns:         (Verdict, unusable [B] bool: a row whose logits cannot be sampled)
+    logits:          [k+1, V] the target's logits at the session's k draft positions and one more
+    draft_token_ids: its k draft tokens
+    returns:         (accepted, recovered or bonus token, is_bonus), or None if its logits cannot be sampled
     """
-    B, K1, _ = logits.shape
-    K = K1 - 1
-    assert draft_token_ids.shape == (B, K) and num_draft.shape == (B,)
-    best, bad = greedy_tokens(logits)  # [B, K+1] each
-    real = torch.arange(K)[None, :] < num_draft[:, None]  # [B, K]
-    accepted = real & (draft_token_ids == best[:, :K])  # [B, K]
-    num_accepted = accepted.to(torch.int64).cumprod(-1).sum(-1)  # [B] leading run of accepts
-    next_token = best.gather(1, num_accepted[:, None]).squeeze(1)  # [B] argmax where the run stops
-    verdict = Verdict(num_accepted=num_accepted, next_token=next_token, is_bonus=num_accepted == num_draft)
-    return verdict, bad.any(-1)
+    k = len(draft_token_ids)
+    assert logits.dim() == 2 and logits.shape[0] == k + 1, f"logits must be [k+1, V] for k={k}"
+    best, bad = greedy_tokens(logits)  # [k+1] each
+    if bool(bad.any()):
+        return None
+    argmax = best.tolist()
+    j = 0  # the leading run of drafts that are the argmax at their position
+    while j < k and int(draft_token_ids[j]) == argmax[j]:
+        j += 1
+    return j, argmax[j], j == k

@@ -39,6 +39,7 @@ from specd.core.errors import Internal, InvalidArgument, SpecdError
 __all__ = [
     "MAX_TEMPERATURE",
     "TEMPERATURE_FLOOR",
+    "UNUSABLE_LOGITS",
     "Role",
     "SamplingParams",
     "coins",
@@ -242,6 +243,10 @@ def processed_probs(logits: Tensor, params: Sequence[SamplingParams]) -> Tensor:
     return probs
 
 
+# What a request whose logits cannot be sampled is told (its own failure: the batch goes on).
+UNUSABLE_LOGITS = "the model's logits for this request are not finite"
+
+
 def unusable_rows(logits: Tensor, probs: Tensor) -> dict[int, SpecdError]:
     """The rows of a batch that cannot be sampled, each with the error its request gets.
 
@@ -259,7 +264,7 @@ def unusable_rows(logits: Tensor, probs: Tensor) -> dict[int, SpecdError]:
     bad_probs = ~probs.isfinite().flatten(1).all(-1) | (probs.sum(-1) <= 0).any(-1)  # [B]
     out: dict[int, SpecdError] = {}
     for b in bad_logits.nonzero().flatten().tolist():
-        out[b] = Internal("the model's logits for this request are not finite")
+        out[b] = Internal(UNUSABLE_LOGITS)
     for b in bad_probs.nonzero().flatten().tolist():
         out.setdefault(b, Internal("the sampling distribution for this request is not finite"))
     return out

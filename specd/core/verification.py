@@ -23,7 +23,7 @@ from specd.core.phases import PhaseLog
 from specd.core.proposal import DEFAULT_MAX_DRAFT_TOKENS, DEFAULT_MAX_Q_WIDTH, Proposal
 from specd.core.rejection import SparseProposal, rejection_sample
 from specd.core.runner import CausalLMRunner, KVSession
-from specd.core.sampling import SamplingParams
+from specd.core.sampling import UNUSABLE_LOGITS, SamplingParams
 from specd.core.sessions import PooledModel, PoolLimits, Ready
 from specd.core.transit import Transit
 
@@ -171,15 +171,18 @@ class Verifier(PooledModel[_TargetSession]):
         t0 = time.time_ns()
         logits = self.runner.logits_batch([s.kv for _, s in ready], [k + 1 for k in ks])  # B x [K_b+1, V]
         t1 = time.time_ns()
-        # Pad each row to K_max + 1 positions (repeating its last row: never read, the
-        # sampler stops at num_draft) and each q to the widest W; q = 0 on padding.
-        rows = torch.stack(
-            [torch.cat([lg, lg[-1:].expand(k_max - k, -1)]) if k < k_max else lg for lg, k in zip(logits, ks)]
-        )  # [B, K_max+1, V]
         verdicts: dict[int, tuple[int, int, bool] | Exception]
         if all(s.params.is_greedy for _, s in ready):  # p one-hot: the verdict comes off the logits (greedy.py)
-            verdicts = self._greedy(rows, ready, requests, ks)
+            verdicts = {}
+            for b, (lg, (i, _)) in enumerate(zip(logits, ready)):
+                greedy = greedy_verdict(lg, requests[i].proposal.token_ids)
+                verdicts[b] = greedy if greedy is not None else Internal(UNUSABLE_LOGITS)
         else:
+            # Pad each row to K_max + 1 positions (repeating its last row: never read, the
+            # sampler stops at num_draft) and each q to the widest W; q = 0 on padding.
+            rows = torch.stack(
+                [torch.cat([lg, lg[-1:].expand(k_max - k, -1)]) if k < k_max else lg for lg, k in zip(logits, ks)]
+            )  # [B, K_max+1, V]
             p = sampling.processed_probs(rows, [s.params for _, s in ready])  # [B, K_max+1, V]
             # A row whose numbers are not finite fails its own request only; the others go on.
             verdicts = dict(sampling.unusable_rows(rows, p))
@@ -204,23 +207,6 @@ class Verifier(PooledModel[_TargetSession]):
                 accepted, -1 if deferred else token, is_bonus and not deferred, len(s.kv.tokens), 0.0, deferred=deferred
             )
         return failed
-
-    @staticmethod
-    def _greedy(
-        rows: torch.Tensor, ready: list[tuple[int, _TargetSession]], requests: Sequence[VerifyRequest], ks: list[int]
-    ) -> dict[int, tuple[int, int, bool] | Exception]:
-        """The verdicts of an all-greedy batch, rows [B, K_max+1, V]: what _sample gives for one-hot p."""
-        drafts = torch.zeros(len(ready), rows.shape[1] - 1, dtype=torch.int64)  # [B, K_max]
-        for b, (i, _) in enumerate(ready):
-            drafts[b, : ks[b]] = torch.tensor(requests[i].proposal.token_ids, dtype=torch.int64)
-        v, bad = greedy_verdict(rows, drafts, torch.tensor(ks, dtype=torch.int64))
-        out: dict[int, tuple[int, int, bool] | Exception] = {}
-        for b, unusable in enumerate(bad.tolist()):
-            if unusable:
-                out[b] = Internal("the model's logits for this request are not finite")
-            else:
-                out[b] = (int(v.num_accepted[b]), int(v.next_token[b]), bool(v.is_bonus[b]))
-        return out
 
     @staticmethod
     def _sample(

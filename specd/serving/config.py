@@ -57,6 +57,11 @@ class ServiceBase:
     )
     max_concurrent_rpcs: int = _opt(1024, "calls served at once, all kinds; more get RESOURCE_EXHAUSTED at once")
     max_streams_per_connection: int = _opt(128, "streams one client connection may hold open at once")
+    gil_switch_ms: float = _opt(
+        1.0,
+        "how long a Python thread may hold the GIL while another waits for it (sys.setswitchinterval; Python's "
+        "default is 5): the gRPC poller and the event loop wait at most this for a busy model or loop thread",
+    )
     event_loop: str = _opt(
         "auto",
         "the service's event loop: uvloop (libuv, a loop in C: less CPU per stream message), asyncio, or auto "
@@ -71,6 +76,8 @@ class ServiceBase:
             raise InvalidArgument(f"--torch-threads must be >= 0 (got {self.torch_threads})")
         if self.grace_s < 0:
             raise InvalidArgument("--grace-s must be >= 0")
+        if not 0.01 <= self.gil_switch_ms <= 100:
+            raise InvalidArgument(f"--gil-switch-ms must be in [0.01, 100] (got {self.gil_switch_ms})")
         if not -1 <= self.metrics_port <= 65535:
             raise InvalidArgument(f"--metrics-port must be -1 (off) or in 0..65535 (got {self.metrics_port})")
         if self.max_concurrent_rpcs < 1 or self.max_streams_per_connection < 1:

@@ -52,6 +52,7 @@ def _serve(args: argparse.Namespace) -> int:
         level=config.log_level, format=f"%(asctime)s specd-{service} %(levelname)s %(name)s: %(message)s"
     )
     config = _set_threads(config)
+    sys.setswitchinterval(config.gil_switch_ms / 1e3)
 
     async def main() -> None:
         tracing = setup_tracing(service, config)  # a no-op unless an OTLP endpoint is configured

@@ -44,7 +44,7 @@ from specd.core.greedy import greedy_tokens
 from specd.core.phases import PhaseLog
 from specd.core.proposal import Proposal
 from specd.core.runner import CausalLMRunner, KVSession
-from specd.core.sampling import SamplingParams
+from specd.core.sampling import UNUSABLE_LOGITS, SamplingParams
 from specd.core.sessions import BatchRun, PooledModel, PoolLimits, Ready
 from specd.core.sparse_q import QSettings
 
@@ -331,7 +331,7 @@ class ModelDrafter(PooledModel[_ModelDraftSession]):
             best, bad = greedy_tokens(logits[greedy])
             for a, token, unusable in zip(greedy, best.tolist(), bad.tolist()):
                 if unusable:
-                    failed[active[a][0][0]] = Internal("the model's logits for this request are not finite")
+                    failed[active[a][0][0]] = Internal(UNUSABLE_LOGITS)
                 else:
                     tokens[a] = self._target_id(token)
         rest = [a for a in range(len(active)) if not active[a][1].params.is_greedy]
@@ -390,7 +390,7 @@ class ModelDrafter(PooledModel[_ModelDraftSession]):
         # request's is a one-hot, so it ranks by the calibrated softmax (specd.core.branching).
         if s.params.is_greedy:
             if bool(greedy_tokens(logits)[1].any()):
-                raise Internal("the model's logits for this request are not finite")
+                raise Internal(UNUSABLE_LOGITS)
             ranking, acceptance = calibrated_greedy(logits, columns, acceptance, width)
         else:
             processed = sampling.processed_probs(logits[None], [s.params])  # [1, K+1, V or N]

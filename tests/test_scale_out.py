@@ -26,7 +26,7 @@ import pytest
 from coordinator.client import CoordinatorClient
 from specd.serving import trace_names
 from specd.tools.otlp_receiver import OtlpReceiver
-from tests.cluster import QuietService, metrics_address, scrape, total
+from tests.cluster import QuietService, metrics_address, scrape, stop_together, total
 from tests.test_faults import PROMPTS, _ids, _references
 
 pytestmark = pytest.mark.slow
@@ -84,6 +84,7 @@ def test_two_targets_two_drafts_split_heal_and_grow(tiny_pair, tmp_path: Path, r
     drafts = [draft_service(), draft_service()]
     spare_port = _free_port()  # where the third target replica will appear
     services = [*targets, *drafts]
+    third: list[QuietService] = []  # the replica started under load
     coordinator = None
     try:
         for s in services:
@@ -167,7 +168,6 @@ def test_two_targets_two_drafts_split_heal_and_grow(tiny_pair, tmp_path: Path, r
                     failures.append(f"wrong output for {text!r}")
                 done[0] += 1
 
-        third: list[QuietService] = []
         timeline: dict[str, float] = {}
 
         def chaos() -> None:
@@ -207,11 +207,10 @@ def test_two_targets_two_drafts_split_heal_and_grow(tiny_pair, tmp_path: Path, r
             f"{timeline['third placed'] - timeline['third ready']:.1f} s after it was ready; placements {placed}"
         )
         assert total(scrape(metrics_address(coordinator)), "specd:replica_session_moves_total", role="target") > 0
-        services.extend(third)
     finally:
-        for s in [coordinator, *services]:
-            if s is not None and s.proc is not None and s.proc.poll() is None:
-                s.stop(grace_s=5)
+        if coordinator is not None:
+            coordinator.stop(grace_s=5)  # first: it drains its requests
+        stop_together([*services, *third], grace_s=5)  # the replicas at once
 
 
 def _free_port() -> int:
@@ -295,6 +294,6 @@ def test_a_frozen_target_replica_loses_its_sessions_to_the_other(tiny_pair, tmp_
         assert any("restarting its stream" in line for line in coordinator.lines), "".join(coordinator.lines[-30:])
         assert total(scrape(metrics_address(coordinator)), "specd:replica_session_moves_total", role="target") > 0
     finally:
-        for s in [coordinator, *targets]:
-            if s is not None and s.proc is not None and s.proc.poll() is None:
-                s.stop(grace_s=5)
+        if coordinator is not None:
+            coordinator.stop(grace_s=5)
+        stop_together(targets, grace_s=5)

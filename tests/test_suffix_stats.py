@@ -38,9 +38,7 @@ SETTINGS = SuffixSettings(min_token_prob=0.05, fallback="ngram")
 
 def _probs_batch(table: torch.Tensor, seqs: Sequence[Sequence[int]], params: SamplingParams) -> torch.Tensor:
     """[N, V] processed probabilities after each prefix (each shorter than MAXLEN)."""
-    s = torch.zeros(len(seqs), MAXLEN, dtype=I64)
-    for i, seq in enumerate(seqs):
-        s[i, : len(seq)] = torch.tensor(list(seq), dtype=I64)
+    s = torch.tensor([[*seq, *[0] * (MAXLEN - len(seq))] for seq in seqs], dtype=I64).reshape(len(seqs), MAXLEN)
     logits = model_logits(table, s, torch.tensor([len(q) for q in seqs], dtype=I64))  # [N, V]
     return processed_probs(logits[None], [params])[0]  # rows share settings: one call as [1, N, V]
 
@@ -68,20 +66,36 @@ class TableDrafter:
         return len(self.sessions)
 
     def propose_batch(self, requests: Sequence[ProposeRequest]) -> list[Proposal | Exception]:
+        """Every request's drafts, one position at a time across the batch (as the model drafter batches).
+
+        Each row's q comes from its own prefix and its coin from its own (seed, position), so a
+        row's tokens do not depend on its batch-mates: the same as drafting the rows one by one.
+        """
+        seqs = [self.sessions[r.session_id][0][: r.start] + list(r.tail) for r in requests]
+        params = [self.sessions[r.session_id][1] for r in requests]
+        drafted: list[list[int]] = [[] for _ in requests]
+        ids: list[list[torch.Tensor]] = [[] for _ in requests]
+        wires: list[list[torch.Tensor]] = [[] for _ in requests]
+        for step in range(max((r.num_tokens for r in requests), default=0)):
+            groups: dict[tuple, list[int]] = {}  # rows with the same settings (seeds aside) share one call
+            for b, r in enumerate(requests):
+                if r.num_tokens > step:
+                    p = params[b]
+                    groups.setdefault((p.temperature, p.top_k, p.top_p, p.min_p), []).append(b)
+            for rows in groups.values():
+                q = _probs_batch(D_TABLE, [seqs[b] for b in rows], params[rows[0]])  # [n, V]
+                seeds = torch.tensor([params[b].seed for b in rows], dtype=I64)
+                positions = torch.tensor([len(seqs[b]) for b in rows], dtype=I64)
+                tok, i, w = draft_token(q, V3, 16, seeds, positions)
+                for n, b in enumerate(rows):
+                    drafted[b].append(int(tok[n]))
+                    ids[b].append(i[n])
+                    wires[b].append(w[n])
+                    seqs[b].append(int(tok[n]))
         out: list[Proposal | Exception] = []
-        for r in requests:
-            tokens, params = self.sessions[r.session_id]
-            seq = tokens[: r.start] + list(r.tail)
-            drafted, ids, wires = [], [], []
-            for _ in range(r.num_tokens):
-                q = _probs(D_TABLE, seq, params)
-                tok, i, w = draft_token(q[None], V3, 16, torch.tensor([params.seed]), torch.tensor([len(seq)]))
-                drafted.append(int(tok[0]))
-                ids.append(i[0])
-                wires.append(w[0])
-                seq.append(int(tok[0]))
-            self.sessions[r.session_id] = (seq, params)
-            out.append(Proposal(drafted, torch.stack(ids), torch.stack(wires)))
+        for b, r in enumerate(requests):
+            self.sessions[r.session_id] = (seqs[b], params[b])
+            out.append(Proposal(drafted[b], torch.stack(ids[b]), torch.stack(wires[b])))
         return out
 
 
@@ -109,6 +123,7 @@ def generate3(drafter, params: SamplingParams, seeds: list[int], *, mislabel_q: 
         q_ids = torch.zeros(m, K, V3, dtype=I64)
         q_probs = torch.zeros(m, K, V3, dtype=torch.float32)
         prefixes: list[list[int]] = []
+        mislabelled: list[tuple[int, int, list[int]]] = []  # (row, position, prefix) given the model's q
         for row, (i, prop) in enumerate(zip(live, proposals)):
             assert isinstance(prop, Proposal)
             toks = prop.token_ids[:K]
@@ -119,12 +134,15 @@ def generate3(drafter, params: SamplingParams, seeds: list[int], *, mislabel_q: 
                     q_ids[row, j, : prop.q_ids.shape[1]] = prop.q_ids[j]
                     q_probs[row, j, : prop.q_probs.shape[1]] = prop.q_probs[j]
                 elif mislabel_q:  # BUG under test: a suffix token sent with the model's q at that position
-                    q = _probs(D_TABLE, committed[i] + toks[:j], params)
-                    q_ids[row, j] = torch.arange(V3)
-                    q_probs[row, j] = torch.where(q > 0, q, torch.full_like(q, 1e-3))
+                    mislabelled.append((row, j, committed[i] + toks[:j]))
                 else:  # one-hot (what a suffix proposal means)
                     q_ids[row, j, 0], q_probs[row, j, 0] = t, 1.0
             prefixes += [(committed[i] + toks)[: len(committed[i]) + j] for j in range(K + 1)]
+        if mislabelled:  # the model's q after each prefix (rows never mix: one batched call)
+            qs = _probs_batch(D_TABLE, [prefix for _, _, prefix in mislabelled], params)
+            for (row, j, _), q in zip(mislabelled, qs):
+                q_ids[row, j] = torch.arange(V3)
+                q_probs[row, j] = torch.where(q > 0, q, torch.full_like(q, 1e-3))
         p = _probs_batch(T_TABLE, prefixes, params).reshape(m, K + 1, V3)  # [m, K+1, V]
         start = torch.tensor([len(committed[i]) for i in live], dtype=I64)
         v = rejection_sample(

@@ -24,16 +24,19 @@ import json
 import logging
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from safetensors.torch import load_file, save_file
 from torch import Tensor
-from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel, PreTrainedTokenizerBase
+from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedTokenizerBase
 
 from specd.core.drafting import ReducedLMHead, check_token_map
 from specd.core.errors import FailedPrecondition
 from specd.core.models import atomic_folder, load_pretrained, read_build_marker, vocab_fingerprint
+
+if TYPE_CHECKING:  # annotations only: importing it loads transformers' modeling code (seconds per process)
+    from transformers import PreTrainedModel
 
 log = logging.getLogger(__name__)
 

@@ -29,13 +29,17 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 import transformers
 from safetensors import SafetensorError, safe_open
-from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerBase
 
 from specd.core.errors import FailedPrecondition, InvalidArgument
+
+if TYPE_CHECKING:  # annotations only: importing it loads transformers' modeling code (seconds per process)
+    from transformers import PreTrainedModel
 
 __all__ = [
     "LoadedModel",

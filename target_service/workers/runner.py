@@ -9,9 +9,9 @@ import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
-from transformers import PreTrainedModel
 
 from specd.core import tensor_parallel
 from specd.core.errors import SpecdError, Unavailable
@@ -22,6 +22,9 @@ from target_service.workers.executor import make_executor
 from target_service.workers.follower import load_shard
 from target_service.workers.group import WorkerGroup
 from target_service.workers.rendezvous import COLLECTIVE_TIMEOUT_S, WorkerSpec
+
+if TYPE_CHECKING:  # annotations only: importing it loads transformers' modeling code (seconds per process)
+    from transformers import PreTrainedModel
 
 log = logging.getLogger(__name__)
 

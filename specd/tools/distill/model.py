@@ -4,13 +4,17 @@ from __future__ import annotations
 
 import copy
 import random
+from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor, nn
-from transformers import AutoModelForCausalLM, PreTrainedModel
+from transformers import AutoModelForCausalLM
 
 from specd.core.errors import InvalidArgument
 from specd.tools.distill.packing import Packed, make_batch
+
+if TYPE_CHECKING:  # annotations only: importing it loads transformers' modeling code (seconds per process)
+    from transformers import PreTrainedModel
 
 
 def layers_key(config) -> str:

@@ -11,16 +11,20 @@ import random
 import time
 from collections.abc import Iterator, Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor
 from tqdm.auto import tqdm
-from transformers import AutoModelForCausalLM, LogitsProcessor, LogitsProcessorList, PreTrainedModel
+from transformers import AutoModelForCausalLM, LogitsProcessor, LogitsProcessorList
 
 from specd.core.errors import FailedPrecondition
 from specd.tools.distill.config import SOURCES, DistillConfig, is_generated
 from specd.tools.distill.prompts import builtin_continuations, read_prompts, render_prompt
 from specd.tools.distill.texts import source_texts
+
+if TYPE_CHECKING:  # annotations only: importing it loads transformers' modeling code (seconds per process)
+    from transformers import PreTrainedModel
 
 log = logging.getLogger(__name__)
 

@@ -9,12 +9,11 @@ import math
 import random
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import Tensor
 from tqdm.auto import tqdm
-from transformers import PreTrainedModel
 
 from specd.core.draft_checkpoint import target_fingerprint
 from specd.core.errors import FailedPrecondition
@@ -24,6 +23,9 @@ from specd.tools.distill.model import DraftTrainer, agreement, build_draft, kl_l
 from specd.tools.distill.output import save_draft_folder
 from specd.tools.distill.packing import choose_vocab, make_batch, pack
 from specd.tools.distill.teacher import atomic_save, build_data, eos_ids
+
+if TYPE_CHECKING:  # annotations only: importing it loads transformers' modeling code (seconds per process)
+    from transformers import PreTrainedModel
 
 log = logging.getLogger(__name__)
 

@@ -186,17 +186,7 @@ class CausalLMRunner:
 
     def set_tokens(self, s: KVSession, token_ids: Sequence[int]) -> None:
         """Make ``s.tokens == token_ids``, keeping the cache of the common prefix."""
-        ids = self._check_ids(token_ids, "token_ids")
-        if not ids:
-            raise InvalidArgument("token_ids is empty; a session needs at least one token")
-        self._check_length(len(ids), "the sequence")
-        common = 0
-        for a, b in zip(s.tokens, ids):
-            if a != b:
-                break
-            common += 1
-        s.tokens[:] = ids
-        self._crop(s, min(s.cached, common))
+        self.splice(s, 0, token_ids)
 
     def fork(self, s: KVSession) -> KVSession:
         """A second session with s's tokens and cache, sharing the cache tensors (no copy).

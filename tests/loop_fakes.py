@@ -73,6 +73,9 @@ class Script:
     """What happens at call n (1-based) of a port."""
 
     latency_s: float = 0.001
+    # The compute the ports report, whatever the short sleep above: a draft token takes
+    # compute_ms, a verify 20 times that (a cheap draft, as on the hardware speculation is for).
+    compute_ms: float = 1.0
     fail: dict[int, SpecdError] = field(default_factory=dict)  # raise this at call n
     hang: set[int] = field(default_factory=set)  # never answer call n (the transport times out)
     forget: set[int] = field(default_factory=set)  # lose the session just before call n
@@ -142,7 +145,7 @@ class FakeTarget:
             token_id=token,
             is_bonus=accepted == len(drafts) and not deferred,
             committed_length=len(self.sessions[session_id]),
-            compute_ms=self.script.latency_s * 1e3,
+            compute_ms=20.0 * self.script.compute_ms,
             phases=PhaseLog(batch_size=1, batch_tokens=len(drafts) + 1),
             deferred=deferred,
         )
@@ -212,7 +215,7 @@ class FakeDraft:
         k = num_tokens + (1 if n in self.lie else 0) - (1 if n in self.short else 0)
         drafts = chain(prefix, max(0, k), self.step)
         self.sessions[session_id] = prefix + drafts
-        return Proposal(drafts, compute_ms=self.script.latency_s * 1e3)
+        return Proposal(drafts, compute_ms=self.script.compute_ms * max(1, len(drafts)))
 
     async def propose_branches(
         self,
@@ -243,10 +246,10 @@ class FakeDraft:
         ranking = top_ranking(probs, prefix[base:], budget + 1)
         for c in select_branches(ranking, prefix[base:], acceptance, budget):
             drafts = chain([*prefix[: base + c.accepted], c.token_id], max(0, k), self.step)
-            branches.append(Branch(c.accepted, c.token_id, Proposal(drafts, compute_ms=self.script.latency_s * 1e3)))
+            branches.append(Branch(c.accepted, c.token_id, Proposal(drafts, compute_ms=self.script.compute_ms)))
         self.sessions[session_id] = prefix
         self.shared[session_id] = base  # what every branch shares with the sequence
-        result = Branches(tuple(branches), compute_ms=self.script.latency_s * 1e3)
+        result = Branches(tuple(branches), compute_ms=self.script.compute_ms)
         self.branch_results.append(result)
         return result
 

@@ -11,6 +11,7 @@ from specd.core.adaptive import (
     Estimate,
     LinearCost,
     ProbeBudget,
+    ServiceEstimates,
     best_draft_length,
     expected_speedup,
 )
@@ -142,3 +143,57 @@ def test_sessions_sharing_a_probe_budget_take_turns_and_back_off() -> None:
     assert sum(bad[0].next_k() for _ in range(16)) == 1
     alone = AdaptiveDraftLength(k_max=4, acceptance=Estimate(0.0, 32), cost_ratio=Estimate(0.2, 32))
     assert [i for i in range(100) if alone.next_k()] == [15, 47]  # after 16, then 32 more rounds
+
+
+def test_a_drafting_rounds_fixed_overhead_lowers_s_whatever_k() -> None:
+    assert expected_speedup(0.5, 0.0, 1, overhead=0.25) == pytest.approx(1.5 / 1.25)
+    # a cheap, rarely right drafter: free it would pay, with a 5% hop and a 13% extra token it does not
+    assert best_draft_length(0.15, 0.0, 8) >= 1
+    assert best_draft_length(0.15, 0.13, 8, overhead=0.05) == 0
+    # a predicted 2% gain is within the estimates' noise: not worth drafting for
+    assert best_draft_length(0.2, 0.13, 8, overhead=0.05) == 1
+    assert best_draft_length(0.2, 0.13, 8, overhead=0.05, min_gain=1.05) == 0
+
+
+def test_linear_cost_keeps_its_last_fit_when_the_counts_stop_varying() -> None:
+    cost = LinearCost()
+    for i in range(100):
+        n = 1 + i % 2
+        cost.observe(n, 30.0 + 4.0 * n)
+    fitted = cost.fit()
+    assert fitted is not None and fitted[1] == pytest.approx(4.0, rel=0.01)
+    for _ in range(500):  # nobody drafts any more: one-token steps only
+        cost.observe(1, 34.0)
+    assert cost.fit() == fitted and cost.share(1) == pytest.approx(4.0 / 34.0, rel=0.01)
+
+
+def test_the_cost_fit_sees_decode_steps_not_prefills() -> None:
+    """A prefill's per-token cost (a quarter of a decode token's on a CPU) must not set sigma."""
+    rng = random.Random(1)
+    estimates = ServiceEstimates()
+    for _request in range(6):
+        estimates.observe_target(100, 1, 34.0 + 1.1 * 100, max_decode_tokens=5)  # the prompt's prefill
+        for _ in range(30):
+            n = rng.choice([1, 1, 1, 2, 3])
+            estimates.observe_target(n, 1, (30.0 + 4.5 * n) * rng.uniform(0.98, 1.02), max_decode_tokens=5)
+    assert estimates.batch_share() == pytest.approx(4.5 / 34.5, rel=0.15)
+
+
+def test_a_cheap_draft_that_is_rarely_right_is_switched_off_once_its_hop_is_measured() -> None:
+    """Suffix-like: no compute, a 3 ms hop on a 35 ms verify, one draft token in four accepted."""
+    rng = random.Random(2)
+    estimates = ServiceEstimates()
+    ctl = estimates.controller(k_max=4)
+    ks = []
+    for _ in range(400):
+        share = estimates.batch_share()
+        k = ctl.next_k(share)
+        ks.append(k)
+        accepted = 0
+        while accepted < k and rng.random() < 0.22:
+            accepted += 1
+        verify_ms = 30.0 + 4.5 * (k + 1)
+        estimates.observe_target(k + 1, 1, verify_ms, max_decode_tokens=5)
+        estimates.observe(ctl, k, accepted, 0.05 * k, verify_ms, draft_wall_ms=3.0 if k else 0.0)
+    assert estimates.overhead.value == pytest.approx(3.0 / 39.0, rel=0.35)
+    assert ks[-200:].count(0) >= 180  # target-only, but for the probes

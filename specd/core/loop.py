@@ -201,6 +201,7 @@ class RequestRun:
         if why is None and budget == 0:
             why = TargetOnly.BUDGET
         proposal, hit = Proposal([]), None
+        draft_wall_ms = 0.0  # how long this round waited for a draft call (0: pipelined, or none made)
         ready, self._ready = self._ready, None
         if budget > 0:
             if ready is not None:
@@ -210,7 +211,9 @@ class RequestRun:
             elif not await self._loop.draft_usable():
                 why = TargetOnly.DRAFT_UNAVAILABLE
             else:
+                t_draft = time.perf_counter()
                 proposal, why = await self._propose(committed, (), budget, carrier)
+                draft_wall_ms = (time.perf_counter() - t_draft) * 1e3
 
         async def draft_after(extension: Sequence[int], k: int) -> Proposal:
             return (await self._propose(committed, extension, k, carrier))[0]
@@ -247,7 +250,7 @@ class RequestRun:
             if pre.extension == extension and len(pre.proposal) > 0:
                 self._ready = (pre.proposal, PipelineHit(self._pipeline.name, outcome.accepted, kind, launched))
                 break
-        self._learn(proposal, outcome)
+        self._learn(proposal, outcome, draft_wall_ms)
         new = gen.commit(proposal.token_ids, outcome.accepted, token)
         if self._stop is not None:
             keep = self._stop(new)
@@ -335,11 +338,14 @@ class RequestRun:
         log.warning("target round failed (%s: %s); retrying", type(exc).__name__, exc)
         self._observer.round_event("target failed; retrying", exc)
 
-    def _learn(self, proposal: Proposal, outcome: VerifyOutcome) -> None:
+    def _learn(self, proposal: Proposal, outcome: VerifyOutcome, draft_wall_ms: float) -> None:
         estimates = self._loop.estimates
-        estimates.observe_target(outcome.phases.batch_tokens, outcome.phases.batch_size, outcome.compute_ms)
+        phases = outcome.phases
+        estimates.observe_target(phases.batch_tokens, phases.batch_size, outcome.compute_ms, self.spec.draft_length + 1)
         if self._adaptive is not None:
-            estimates.observe(self._adaptive, len(proposal), outcome.accepted, proposal.compute_ms, outcome.compute_ms)
+            estimates.observe(
+                self._adaptive, len(proposal), outcome.accepted, proposal.compute_ms, outcome.compute_ms, draft_wall_ms
+            )
 
 
 def _kind(outcome: VerifyOutcome) -> TokenKind:

@@ -1,0 +1,84 @@
+#!/usr/bin/env python
+"""Time the demo target's verify forward against the tokens it runs: T(n) for n = 1 .. N.
+
+What the adaptive controller has to know: what one more draft token costs a
+round (specd.core.adaptive, sigma). One session with a prompt of about 100
+tokens; each sample appends n tokens, times the forward over them (n rows of
+logits, as a verify of K = n - 1 draft tokens), and rolls back to keep one,
+as a round does. The token counts are interleaved sample by sample so that
+a noisy machine slows them all alike. Prints the median ms per n and
+T(n) - T(1) as a share of T(1); --json writes them.
+
+    .venv/bin/python scripts/verify_cost.py [--tokens 1,2,3,5,9] [--samples 40] [--threads 2]
+
+Exits 0 with a message when the demo target is not available.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import torch
+
+from scripts.batch_forward_speed import find_demo_target
+from specd.core.models import load_pretrained
+from specd.core.runner import CausalLMRunner
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--tokens", default="1,2,3,5,9", help="token counts n to time (comma-separated)")
+    ap.add_argument("--samples", type=int, default=40, help="samples per n (after 3 warm-up rounds)")
+    ap.add_argument("--threads", type=int, default=2, help="torch threads (the target service's default)")
+    ap.add_argument("--prompt", type=int, default=100, help="prompt tokens in the KV cache")
+    ap.add_argument("--json", default="", help="write the figures here")
+    args = ap.parse_args()
+    counts = sorted({int(x) for x in args.tokens.split(",")})
+    path = find_demo_target()
+    if path is None:
+        return 0
+    torch.set_num_threads(args.threads)
+    runner = CausalLMRunner(load_pretrained(path).model)
+    rng = random.Random(0)
+    session = runner.new_session([rng.randrange(runner.vocab_size) for _ in range(args.prompt)])
+    runner.logits(session)  # prefill
+    times: dict[int, list[float]] = {n: [] for n in counts}
+    for i in range(args.samples + 3):
+        for n in rng.sample(counts, len(counts)):
+            runner.append(session, [rng.randrange(runner.vocab_size) for _ in range(n)])
+            t0 = time.perf_counter()
+            runner.logits(session, n)
+            dt = (time.perf_counter() - t0) * 1e3
+            runner.truncate(session, len(session) - n + 1)
+            if len(session) > args.prompt + 64:  # keep the cache length about constant
+                runner.truncate(session, args.prompt)
+            if i >= 3:
+                times[n].append(dt)
+    medians = {n: statistics.median(v) for n, v in times.items()}
+    base = medians[counts[0]]
+    print(f"demo target, {args.threads} threads, prompt {args.prompt} tokens, {args.samples} samples per n")
+    for n in counts:
+        print(
+            f"  n={n:3d}: {medians[n]:7.2f} ms   (T(n) - T({counts[0]})) / T({counts[0]}) = {medians[n] / base - 1:+.3f}"
+        )
+    if args.json:
+        out = {
+            "threads": args.threads,
+            "prompt_tokens": args.prompt,
+            "samples": args.samples,
+            "median_ms": {str(n): m for n, m in medians.items()},
+        }
+        Path(args.json).write_text(json.dumps(out, indent=2) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -2,13 +2,18 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 from pathlib import Path
+
+import pytest
 
 from specd.core import catalog
 from specd.tools.bench import load_prompts, select_prompts
 from specd.tools.bench import plan as bench_plan
+from specd.tools.bench.args import add_arguments
 from specd.tools.bench.learning import warmup_curve
+from specd.tools.bench.plan import make_plan
 from specd.tools.cli import build_parser, main
 from specd.tools.workloads import REPETITIVE_FILE, repetitive_prompts, to_jsonl
 
@@ -122,3 +127,15 @@ def test_specd_up_serves_suffix_until_a_trained_demo_draft_ships(tmp_path: Path)
     assert catalog.default_up_draft(tmp_path) == catalog.SUFFIX  # no weights shipped
     (tmp_path / "draft-weights.safetensors").write_bytes(b"")
     assert catalog.default_up_draft(tmp_path) == catalog.DEMO
+
+
+def test_a_learning_drafter_interleaves_one_drafting_mode_with_target_only_not_two() -> None:
+    """Target-only requests never reach the draft, so auto may take turns with them (drift evened out);
+    auto and fixed-4 would each learn from the other's outputs."""
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    common = ["--draft", "suffix", "--prompt-file", "bench", "--prompts", "6", "--interleave", "3"]
+    plan = make_plan(parser.parse_args([*common, "--modes", "target-only,auto"]))
+    assert [m.name for m in plan.modes] == ["target-only", "auto"] and plan.concurrency == [1]
+    with pytest.raises(ValueError, match="one drafting mode at a time"):
+        make_plan(parser.parse_args([*common, "--modes", "target-only,auto,fixed-4", "--draft-lengths", "4"]))

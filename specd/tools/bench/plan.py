@@ -100,10 +100,13 @@ def make_plan(args: argparse.Namespace) -> Plan:
     if args.interleave < 1:
         raise ValueError(f"--interleave must be >= 1 (got {args.interleave})")
     learning = learns_across_requests(args.draft)
-    if learning and args.interleave > 1:
+    drafting = [m.name for m in modes if not m.peer and m.request.get("speculation") != "off"]
+    if learning and args.interleave > 1 and len(drafting) > 1:
+        # Target-only requests never reach the draft: one drafting mode may take turns with them, its
+        # index learning from its own requests only. Two would learn from each other's outputs.
         raise ValueError(
-            f"--draft {args.draft} learns across requests: each mode runs its requests in one sequence "
-            "(drop --interleave)"
+            f"--draft {args.draft} learns across requests: with --interleave, run one drafting mode at a time "
+            f"(got {', '.join(drafting)})"
         )
     concurrency = args.concurrency if args.concurrency is not None or not learning else "1"
     if not 0 <= args.warm_requests < prompts_n:

@@ -129,4 +129,4 @@ def create_server(
         add_load_service(s, load)
 
     server, port, health = build_server(config, register, [SERVICE_NAME, LOAD_SERVICE_NAME], max_message_bytes=limit)
-    return ServiceHandle(server, port, health, [SERVICE_NAME], on_stop=executor.shutdown)
+    return ServiceHandle(server, port, health, [SERVICE_NAME], on_stop=executor.shutdown, on_drain=servicer.drain)

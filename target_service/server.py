@@ -109,7 +109,7 @@ def create_server(
         [SERVICE_NAME, LOAD_SERVICE_NAME],
         max_message_bytes=message_limit_for_context(verifier.runner.max_context) + q_bytes,
     )
-    handle = ServiceHandle(server, port, health, [SERVICE_NAME], on_stop=executor.shutdown)
+    handle = ServiceHandle(server, port, health, [SERVICE_NAME], on_stop=executor.shutdown, on_drain=servicer.drain)
     return _follow_worker_group(handle, verifier)
 
 

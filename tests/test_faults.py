@@ -66,10 +66,10 @@ def test_lying_or_slow_draft_never_changes_the_output(tiny_pair, tmp_path: Path,
 
 
 def test_chaos_draft_killed_restarted_and_paused_under_32_streams(tiny_pair, tmp_path: Path) -> None:
-    """32 concurrent streams for 30 s while the draft dies, comes back and freezes (3 times): no failure, exact output."""
+    """32 concurrent streams for 20 s while the draft dies, comes back and freezes (twice): no failure, exact output."""
     target, draft = tiny_pair
     refs = _references(target, 40)
-    duration_s = 30.0
+    duration_s = 20.0
     with Cluster(
         target, draft, cache_dir=tmp_path, coordinator_args=["--draft-timeout-s", "1", "--draft-retry-s", "0.5"]
     ) as c:
@@ -105,7 +105,7 @@ def test_chaos_draft_killed_restarted_and_paused_under_32_streams(tiny_pair, tmp
 
         def chaos() -> None:
             assert c.draft is not None
-            while time.monotonic() < stop - 8:  # one cycle is 8 s: about 3 in all
+            while time.monotonic() < stop - 8:  # one cycle is 8 s (a restart waits for the banner): 2 in all
                 time.sleep(2)
                 c.draft.kill()
                 time.sleep(1.5)

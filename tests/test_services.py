@@ -216,27 +216,36 @@ def test_draft_killed_mid_request_and_target_restarted(tiny_pair: tuple[Path, Pa
 
 
 def test_sigterm_lets_in_flight_request_finish(tiny_pair: tuple[Path, Path], tmp_path: Path) -> None:
+    """SIGTERM drains: the coordinator finishes its request; a draft, whose round stream is one call that never
+    ends by itself, answers what it has read and ends the stream, so it exits long before its grace, while the
+    coordinator is still up, and the request goes on target-only with the same tokens."""
     target, draft = tiny_pair
     ids = prompt_ids(target, PROMPTS[1])
-    c = Cluster(target, draft, cache_dir=tmp_path).start()
+    greedy = reference(target, None, ids, SamplingParams(temperature=0.0), max_new_tokens=150)
+    c = Cluster(target, draft, cache_dir=tmp_path, draft_args=["--grace-s", "120"]).start()
     try:
-        assert c.coordinator is not None
+        assert c.coordinator is not None and c.draft is not None
         client = c.client()
         result: dict[str, object] = {}
 
         def call() -> None:
             try:
-                result["resp"] = client.generate(ids, max_new_tokens=150, temperature=0, ignore_eos=True)
+                result["resp"] = client.generate(
+                    ids, max_new_tokens=150, temperature=0, ignore_eos=True, speculation="fixed", draft_length=3
+                )
             except grpc.RpcError as exc:
                 result["err"] = exc
 
         worker = threading.Thread(target=call)
         worker.start()
         time.sleep(1.0)
+        c.draft.signal(signal.SIGTERM)
+        assert c.draft.proc is not None and c.draft.proc.wait(60) == 0  # not the 120 s grace
+        time.sleep(0.5)
         c.coordinator.signal(signal.SIGTERM)
         worker.join(60)
         assert "resp" in result, result.get("err")
-        assert len(result["resp"].token_ids) == 150  # type: ignore[attr-defined]
+        assert list(result["resp"].token_ids) == greedy.token_ids  # type: ignore[attr-defined]
         assert c.coordinator.proc is not None and c.coordinator.proc.wait(30) == 0
         client.close()
     finally:

@@ -18,6 +18,7 @@ response), how a session opens, and what a step counts in the metrics.
 from __future__ import annotations
 
 import abc
+import asyncio
 import logging
 import time
 from collections.abc import AsyncIterator, Callable, Sequence, Sized
@@ -92,6 +93,7 @@ class BatchedRoundServicer(abc.ABC, Generic[Req, Resp, Work, Result]):
     ) -> None:
         self.engine = engine
         self.info = info
+        self.draining = asyncio.Event()  # set on shutdown: streams answer what they read, then end
         self.tracing = tracing or tr.TRACING_OFF
         self.metrics = metrics
         self.batcher: MicroBatcher[Stamped[Req], Resp] = MicroBatcher(
@@ -285,9 +287,17 @@ class BatchedRoundServicer(abc.ABC, Generic[Req, Resp, Work, Result]):
         # Sessions belong to this stream (their own namespace), and close with it.
         scope = StreamSessions()
         async for response in serve_round_stream(
-            request_iterator, self.batcher.submit, sessions=scope, make_request=self._empty_request
+            request_iterator,
+            self.batcher.submit,
+            sessions=scope,
+            make_request=self._empty_request,
+            drain=self.draining,
         ):
             yield response
+
+    def drain(self) -> None:
+        """Shutting down: every round stream answers the messages it has read, then ends (the peer moves on)."""
+        self.draining.set()
 
     async def GetModelInfo(self, request: common_pb2.GetModelInfoRequest, context: Any) -> common_pb2.ModelInfo:
         return self.info

@@ -100,6 +100,7 @@ async def serve_round_stream(
     max_pending: int = 256,
     sessions: StreamSessions | None = None,
     make_request: Callable[[], Req] | None = None,
+    drain: asyncio.Event | None = None,
 ) -> AsyncIterator[Resp]:
     """Hand each request to `submit` (the model thread's batcher), yield responses in order.
 
@@ -111,34 +112,54 @@ async def serve_round_stream(
     Written as an async generator (the OpenTelemetry aio instrumentor needs it).
     sessions (with make_request, an empty request): the stream's own session
     namespace; its open sessions are closed when the stream ends, however it ends.
+    drain: once set (the service is shutting down), the stream reads no more
+    requests, answers the ones it has read and ends, so that the peer moves to
+    another replica now instead of after the whole shutdown grace.
     """
     loop = asyncio.get_running_loop()
-    pending: asyncio.Queue[tuple[Stamped[Req], asyncio.Future[Resp]] | None] = asyncio.Queue(max_pending)
+    pending: asyncio.Queue[tuple[Stamped[Req], asyncio.Future[Resp]] | None] = asyncio.Queue()  # bounded by room
+    room = asyncio.Semaphore(max_pending)
     clock = time.perf_counter_ns
 
     async def read() -> None:
         try:
-            async for request in requests:
+            incoming = aiter(requests)
+            while True:
+                await room.acquire()  # a drain cancels the reader here or in the read below: nothing read is lost
+                try:
+                    request = await anext(incoming)
+                except StopAsyncIteration:
+                    return
                 stamped = Stamped(request, clock())
                 if sessions is not None:
                     stamped.request = sessions.inbound(request)
-                await pending.put((stamped, asyncio.wrap_future(submit(stamped), loop=loop)))
+                pending.put_nowait((stamped, asyncio.wrap_future(submit(stamped), loop=loop)))
         finally:
-            await pending.put(None)
+            pending.put_nowait(None)
 
     reader = asyncio.create_task(read())
+    stopper = asyncio.create_task(_cancel_when(drain, reader)) if drain is not None else None
     try:
         while (item := await pending.get()) is not None:
             stamped, future = item
             response = await future
+            room.release()
             _fill_timing(response.timing, stamped, clock())
             yield sessions.outbound(response) if sessions is not None else response
-        await reader  # re-raise a broken stream's error, if any
+        if not reader.cancelled():  # cancelled: drained, the stream ends cleanly
+            await reader  # re-raise a broken stream's error, if any
     finally:
         reader.cancel()
+        if stopper is not None:
+            stopper.cancel()
         if sessions is not None and make_request is not None:
             for close in sessions.closes(make_request):
                 submit(Stamped(close, clock()))  # frees their KV now; nobody waits for the answers
+
+
+async def _cancel_when(event: asyncio.Event, task: asyncio.Task[None]) -> None:
+    await event.wait()
+    task.cancel()
 
 
 def _fill_timing(timing: session_pb2.ServiceTiming, stamped: Stamped[Any], now_ns: int) -> None:

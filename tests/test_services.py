@@ -216,9 +216,9 @@ def test_draft_killed_mid_request_and_target_restarted(tiny_pair: tuple[Path, Pa
 
 
 def test_sigterm_lets_in_flight_request_finish(tiny_pair: tuple[Path, Path], tmp_path: Path) -> None:
-    """SIGTERM drains: the coordinator finishes its request; a draft, whose round stream is one call that never
-    ends by itself, answers what it has read and ends the stream, so it exits long before its grace, while the
-    coordinator is still up, and the request goes on target-only with the same tokens."""
+    """SIGTERM drains: the coordinator finishes its request. A draft, whose round stream is one call that never
+    ends by itself, serves the request's rounds until its session closes and then ends the stream, so it exits
+    long before its grace while the coordinator is still up; the tokens are target-only greedy's."""
     target, draft = tiny_pair
     ids = prompt_ids(target, PROMPTS[1])
     greedy = reference(target, None, ids, SamplingParams(temperature=0.0), max_new_tokens=150)

@@ -93,7 +93,7 @@ class BatchedRoundServicer(abc.ABC, Generic[Req, Resp, Work, Result]):
     ) -> None:
         self.engine = engine
         self.info = info
-        self.draining = asyncio.Event()  # set on shutdown: streams answer what they read, then end
+        self.draining = asyncio.Event()  # set on shutdown: each stream ends once its sessions are closed
         self.tracing = tracing or tr.TRACING_OFF
         self.metrics = metrics
         self.batcher: MicroBatcher[Stamped[Req], Resp] = MicroBatcher(
@@ -296,7 +296,7 @@ class BatchedRoundServicer(abc.ABC, Generic[Req, Resp, Work, Result]):
             yield response
 
     def drain(self) -> None:
-        """Shutting down: every round stream answers the messages it has read, then ends (the peer moves on)."""
+        """Shutting down: every round stream ends as soon as it has no open session and nothing unanswered."""
         self.draining.set()
 
     async def GetModelInfo(self, request: common_pb2.GetModelInfoRequest, context: Any) -> common_pb2.ModelInfo:

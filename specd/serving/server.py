@@ -106,7 +106,7 @@ class ServiceHandle:
     health: health_aio.HealthServicer
     service_names: Sequence[str]
     on_stop: Callable[[], Awaitable[None] | None] | None = None  # frees what the service holds
-    on_drain: Callable[[], None] | None = None  # ends long-lived streams once their in-flight calls are answered
+    on_drain: Callable[[], None] | None = None  # ends long-lived streams once they are idle
 
     async def set_serving(self, serving: bool) -> None:
         status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
@@ -117,8 +117,9 @@ class ServiceHandle:
         """Health NOT_SERVING, let in-flight calls finish for grace_s, then stop.
 
         A round stream is one long call that never finishes by itself: on_drain
-        ends it after the messages it has read, so an idle service exits at once
-        and a busy one as soon as its in-flight rounds are answered."""
+        ends each one once its sessions are closed and answered, so an idle
+        service exits at once and a busy one when its last request is done
+        (grace_s still bounds it)."""
         await self.health.enter_graceful_shutdown()
         if self.on_drain is not None:
             self.on_drain()

@@ -112,20 +112,26 @@ async def serve_round_stream(
     Written as an async generator (the OpenTelemetry aio instrumentor needs it).
     sessions (with make_request, an empty request): the stream's own session
     namespace; its open sessions are closed when the stream ends, however it ends.
-    drain: once set (the service is shutting down), the stream reads no more
-    requests, answers the ones it has read and ends, so that the peer moves to
-    another replica now instead of after the whole shutdown grace.
+    drain: once set (the service is shutting down), the stream ends as soon as it is
+    idle: no session of it open and every message it has read answered. The
+    requests in flight finish their rounds here, and an idle service exits at
+    once instead of after the whole shutdown grace (which still bounds a busy one).
     """
     loop = asyncio.get_running_loop()
     pending: asyncio.Queue[tuple[Stamped[Req], asyncio.Future[Resp]] | None] = asyncio.Queue()  # bounded by room
     room = asyncio.Semaphore(max_pending)
     clock = time.perf_counter_ns
+    unanswered = 0  # messages read and not yet answered
+
+    def idle() -> bool:
+        return unanswered == 0 and (sessions is None or not sessions.open)
 
     async def read() -> None:
+        nonlocal unanswered
         try:
             incoming = aiter(requests)
             while True:
-                await room.acquire()  # a drain cancels the reader here or in the read below: nothing read is lost
+                await room.acquire()
                 try:
                     request = await anext(incoming)
                 except StopAsyncIteration:
@@ -133,12 +139,19 @@ async def serve_round_stream(
                 stamped = Stamped(request, clock())
                 if sessions is not None:
                     stamped.request = sessions.inbound(request)
+                unanswered += 1
                 pending.put_nowait((stamped, asyncio.wrap_future(submit(stamped), loop=loop)))
         finally:
             pending.put_nowait(None)
 
     reader = asyncio.create_task(read())
-    stopper = asyncio.create_task(_cancel_when(drain, reader)) if drain is not None else None
+
+    async def end_when_idle(event: asyncio.Event) -> None:
+        await event.wait()
+        if idle():
+            reader.cancel()  # idle now; otherwise the loop below ends it after its last answer
+
+    stopper = asyncio.create_task(end_when_idle(drain)) if drain is not None else None
     try:
         while (item := await pending.get()) is not None:
             stamped, future = item
@@ -146,6 +159,9 @@ async def serve_round_stream(
             room.release()
             _fill_timing(response.timing, stamped, clock())
             yield sessions.outbound(response) if sessions is not None else response
+            unanswered -= 1
+            if drain is not None and drain.is_set() and idle():
+                reader.cancel()  # its last session closed and answered: the stream ends
         if not reader.cancelled():  # cancelled: drained, the stream ends cleanly
             await reader  # re-raise a broken stream's error, if any
     finally:
@@ -155,11 +171,6 @@ async def serve_round_stream(
         if sessions is not None and make_request is not None:
             for close in sessions.closes(make_request):
                 submit(Stamped(close, clock()))  # frees their KV now; nobody waits for the answers
-
-
-async def _cancel_when(event: asyncio.Event, task: asyncio.Task[None]) -> None:
-    await event.wait()
-    task.cancel()
 
 
 def _fill_timing(timing: session_pb2.ServiceTiming, stamped: Stamped[Any], now_ns: int) -> None:

@@ -216,9 +216,9 @@ def test_draft_killed_mid_request_and_target_restarted(tiny_pair: tuple[Path, Pa
 
 
 def test_sigterm_lets_in_flight_request_finish(tiny_pair: tuple[Path, Path], tmp_path: Path) -> None:
-    """SIGTERM drains: the coordinator finishes its request. A draft, whose round stream is one call that never
-    ends by itself, serves the request's rounds until its session closes and then ends the stream, so it exits
-    long before its grace while the coordinator is still up; the tokens are target-only greedy's."""
+    """SIGTERM drains: the coordinator finishes its in-flight request. A draft, whose round stream is one call that
+    never ends by itself, serves the request's rounds until its session closes and then ends the stream, so it
+    exits long before its grace; the tokens are target-only greedy's."""
     target, draft = tiny_pair
     ids = prompt_ids(target, PROMPTS[1])
     greedy = reference(target, None, ids, SamplingParams(temperature=0.0), max_new_tokens=150)
@@ -239,11 +239,13 @@ def test_sigterm_lets_in_flight_request_finish(tiny_pair: tuple[Path, Path], tmp
         worker = threading.Thread(target=call)
         worker.start()
         time.sleep(1.0)
+        signalled = time.monotonic()
         c.draft.signal(signal.SIGTERM)
-        assert c.draft.proc is not None and c.draft.proc.wait(60) == 0  # not the 120 s grace
-        time.sleep(0.5)
-        c.coordinator.signal(signal.SIGTERM)
+        c.coordinator.signal(signal.SIGTERM)  # both while the request runs
         worker.join(60)
+        assert not worker.is_alive()
+        assert c.draft.proc is not None
+        assert c.draft.proc.wait(max(1.0, 60 - (time.monotonic() - signalled))) == 0  # not the 120 s grace
         assert "resp" in result, result.get("err")
         assert list(result["resp"].token_ids) == greedy.token_ids  # type: ignore[attr-defined]
         assert c.coordinator.proc is not None and c.coordinator.proc.wait(30) == 0

@@ -47,9 +47,8 @@ pytestmark = pytest.mark.slow
 # (agreement 0.8) so that every strategy accepts often and pipelining hits.
 SPEC = "sim:h100-tp2-70b,vocab_size=2048,time_scale=0.1,agreement=0.8"
 REQUESTS = 64
-SERVICE_REQUESTS = (
-    8  # of them (one wave of the 8 clients) through the services, token for token against the in-process run
-)
+# Of them through the services (one wave of the 8 clients), token for token against the in-process run.
+SERVICE_REQUESTS = 8
 NEW_TOKENS = 32
 BUCKETS = [(0, 1), (1, 2), (2, 3), (3, 5), (5, 10), (10, 30), (30, None)]  # rank ranges [lo, hi)
 PASS_P = 1e-3

@@ -18,6 +18,7 @@ from specd.core.runner import CausalLMRunner
 from specd.core.suffix import SuffixDrafter
 from specd.core.suffix_index import SharedSuffixIndex
 from specd.serving.config import DraftConfig
+from specd.serving.cpu_threads import attach_thread_governor
 from specd.serving.load import SERVICE_NAME as LOAD_SERVICE_NAME
 from specd.serving.load import LoadSource, add_load_service
 from specd.serving.metrics import DraftMetrics
@@ -67,6 +68,7 @@ def build_drafter(config: DraftConfig) -> tuple[Drafter, common_pb2.ModelInfo]:
         # A draft folder may carry a reduced-vocabulary head (specd distill --vocab N): the
         # drafter then proposes among those N tokens only (q = 0 elsewhere, still exact).
         loaded, runner, token_map = catalog.load_draft_for_serving(folder, config.device)
+        attach_thread_governor(runner.model, config.torch_threads, config.device)
         model = _model_drafter(runner, config, token_map)
         identity = catalog.model_identity(loaded, runner)
     if hybrid is None:

@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""Time the demo target's verify forward against the tokens it runs: T(n) for n = 1 .. N.
+"""Time the demo target's verify forward against the tokens it runs: T(n) for n = 1 .. N, as the services run it.
 
 What the adaptive controller has to know: what one more draft token costs a
 round (specd.core.adaptive, sigma). One session with a prompt of about 100
@@ -7,9 +7,15 @@ tokens; each sample appends n tokens, times the forward over them (n rows of
 logits, as a verify of K = n - 1 draft tokens), and rolls back to keep one,
 as a round does. The token counts are interleaved sample by sample so that
 a noisy machine slows them all alike. Prints the median ms per n and
-T(n) - T(1) as a share of T(1); --json writes them.
+T(n)/T(1), with the thread and OpenMP settings beside them; --json writes them.
 
-    .venv/bin/python scripts/verify_cost.py [--tokens 1,2,3,5,9] [--samples 40] [--threads 2]
+The settings are the target service's: its OpenMP environment (none of
+specd's own: the runtime's defaults unless the caller set them) and, with
+--threads 0 (the default, as `--torch-threads 0`), the thread governor on
+the model's forward passes (specd.serving.cpu_threads), and few-row linear
+layers (specd.core.cpu_linear; --torch-linear for torch's own).
+
+    .venv/bin/python scripts/verify_cost.py [--tokens 1,2,3,5,9,17] [--samples 40] [--threads 0]
 
 Exits 0 with a message when the demo target is not available.
 """
@@ -29,24 +35,41 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import torch
 
 from scripts.batch_forward_speed import find_demo_target
+from specd.core.cpu_linear import install_small_row_linears
 from specd.core.models import load_pretrained
 from specd.core.runner import CausalLMRunner
+from specd.serving.cpu_budget import service_threads
+from specd.serving.cpu_threads import attach_thread_governor, describe_threads
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--tokens", default="1,2,3,5,9", help="token counts n to time (comma-separated)")
+    ap.add_argument("--tokens", default="1,2,3,5,9,17", help="token counts n to time (comma-separated)")
     ap.add_argument("--samples", type=int, default=40, help="samples per n (after 3 warm-up rounds)")
-    ap.add_argument("--threads", type=int, default=2, help="torch threads (the target service's default)")
+    ap.add_argument(
+        "--threads",
+        type=int,
+        default=0,
+        help="as the target's --torch-threads (default 0: governed, the services' default)",
+    )
     ap.add_argument("--prompt", type=int, default=100, help="prompt tokens in the KV cache")
+    ap.add_argument(
+        "--torch-linear", action="store_true", help="torch's own linear layers (the services use few-row GEMMs)"
+    )
     ap.add_argument("--json", default="", help="write the figures here")
     args = ap.parse_args()
     counts = sorted({int(x) for x in args.tokens.split(",")})
     path = find_demo_target()
     if path is None:
         return 0
-    torch.set_num_threads(args.threads)
-    runner = CausalLMRunner(load_pretrained(path).model)
+    threads = service_threads(args.threads)
+    torch.set_num_threads(threads)
+    model = load_pretrained(path).model
+    small_rows = not args.torch_linear and install_small_row_linears(model) > 0
+    runner = CausalLMRunner(model)
+    governor = attach_thread_governor(runner.model, args.threads, "cpu")
+    settings = describe_threads(threads) + (", governed" if governor else ", fixed")
+    settings += "; few-row linears" if small_rows else "; torch's linear"
     rng = random.Random(0)
     session = runner.new_session([rng.randrange(runner.vocab_size) for _ in range(args.prompt)])
     runner.logits(session)  # prefill
@@ -64,14 +87,16 @@ def main() -> int:
                 times[n].append(dt)
     medians = {n: statistics.median(v) for n, v in times.items()}
     base = medians[counts[0]]
-    print(f"demo target, {args.threads} threads, prompt {args.prompt} tokens, {args.samples} samples per n")
+    print(f"demo target, prompt {args.prompt} tokens, {args.samples} samples per n; {settings}")
+    if governor is not None:
+        print(f"  the governor changed the thread count {governor.changes} times; last: {governor.threads}")
     for n in counts:
-        print(
-            f"  n={n:3d}: {medians[n]:7.2f} ms   (T(n) - T({counts[0]})) / T({counts[0]}) = {medians[n] / base - 1:+.3f}"
-        )
+        print(f"  n={n:3d}: {medians[n]:7.2f} ms   T(n)/T({counts[0]}) = {medians[n] / base:.3f}")
     if args.json:
         out = {
             "threads": args.threads,
+            "settings": settings,
+            "governor_changes": governor.changes if governor else None,
             "prompt_tokens": args.prompt,
             "samples": args.samples,
             "median_ms": {str(n): m for n, m in medians.items()},

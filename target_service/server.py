@@ -16,6 +16,8 @@ from specd.core.errors import InvalidArgument
 from specd.core.runner import CausalLMRunner
 from specd.core.verification import Verifier
 from specd.serving.config import TargetConfig
+from specd.serving.cpu_budget import service_threads
+from specd.serving.cpu_threads import attach_thread_governor
 from specd.serving.load import SERVICE_NAME as LOAD_SERVICE_NAME
 from specd.serving.load import LoadSource, add_load_service
 from specd.serving.metrics import TargetMetrics
@@ -52,13 +54,14 @@ def build_verifier(config: TargetConfig) -> tuple[Verifier, common_pb2.ModelInfo
             tp=config.tp,
             executor=config.executor,
             device=config.device,
-            torch_threads=config.torch_threads,
+            torch_threads=service_threads(config.torch_threads, config.tp),
             ray_address=config.ray_address,
             ready_timeout_s=config.worker_ready_timeout_s,
             exit_on_failure=config.exit_on_worker_failure,
         )
     else:
         loaded, runner = catalog.load_for_serving(folder, config.device)
+        attach_thread_governor(runner.model, config.torch_threads, config.device)
     return _verifier(runner, config), common_pb2.ModelInfo(**catalog.model_identity(loaded, runner))
 
 

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import logging
 import os
@@ -12,7 +11,7 @@ import time
 import traceback
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
 import grpc
 import torch
@@ -24,6 +23,8 @@ from draft_service.server import create_server as create_draft
 from specd.core import catalog
 from specd.core.errors import InvalidArgument, SpecdError
 from specd.serving import config as cfg
+from specd.serving.cpu_budget import cpu_budget, service_threads
+from specd.serving.cpu_threads import describe_threads
 from specd.serving.metrics import CoordinatorMetrics, DraftMetrics, TargetMetrics, serve_metrics
 from specd.serving.security import read_token
 from specd.serving.server import run_event_loop, serve_until_signal
@@ -33,11 +34,9 @@ from specd.tools.bench import add_arguments as add_bench_arguments
 from specd.tools.bench.main import run as run_bench
 from specd.tools.client_errors import CallContext, explain
 from specd.tools.launcher import run_up
-from specd.tools.threads import cpu_budget, default_torch_threads
 from target_service.server import create_server as create_target
 
 log = logging.getLogger("specd")
-_Config = TypeVar("_Config", bound=cfg.ServiceBase)
 
 
 def _serve(args: argparse.Namespace) -> int:
@@ -51,7 +50,7 @@ def _serve(args: argparse.Namespace) -> int:
     logging.basicConfig(
         level=config.log_level, format=f"%(asctime)s specd-{service} %(levelname)s %(name)s: %(message)s"
     )
-    config = _set_threads(config)
+    _set_threads(config)
     sys.setswitchinterval(config.gil_switch_ms / 1e3)
 
     async def main() -> None:
@@ -92,29 +91,27 @@ def _serve(args: argparse.Namespace) -> int:
     os._exit(0)
 
 
-def _set_threads(config: _Config) -> _Config:
-    """Resolve --torch-threads 0 from the CPUs available and apply it, before the service builds anything.
+def _set_threads(config: cfg.ServiceBase) -> None:
+    """Apply the service's intra-op threads before it builds anything (--torch-threads 0: from the CPUs available).
 
     torch's own default is one thread per core of the machine, which is too
-    many in a container with a CPU limit or beside other work (see
-    specd.tools.threads). Inter-op parallelism is not used by the services:
-    one thread.
+    many in a container with a CPU limit or beside other work. With 0 a CPU
+    model service also runs each forward pass with only the CPUs that other
+    processes leave free (specd.serving.cpu_threads). Inter-op parallelism is
+    not used by the services: one thread.
     """
-    threads = config.torch_threads or default_torch_threads(ranks=getattr(config, "tp", 1))
-    config = dataclasses.replace(config, torch_threads=threads)
-    torch.set_num_threads(threads)
+    ranks = getattr(config, "tp", 1)
+    torch.set_num_threads(service_threads(config.torch_threads, ranks))
     try:
         torch.set_num_interop_threads(1)
     except RuntimeError:  # already set in this process
         pass
     log.info(
-        "threads: %d intra-op, %d inter-op (CPUs available: %d, OMP_WAIT_POLICY=%s)",
-        torch.get_num_threads(),
+        "threads: %s; %d inter-op (CPUs available: %d)",
+        describe_threads(torch.get_num_threads()),
         torch.get_num_interop_threads(),
         cpu_budget(),
-        os.environ.get("OMP_WAIT_POLICY", "unset"),
     )
-    return config
 
 
 def _up(args: argparse.Namespace) -> int:

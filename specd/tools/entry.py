@@ -1,8 +1,7 @@
-"""The `specd` command's entry point: settings torch and gRPC read when they load, then the CLI.
+"""The `specd` command's entry point: settings gRPC reads when it loads, then the CLI.
 
-OpenMP reads its wait policy once, when torch loads its runtime, so the
-defaults of specd.tools.threads go into the environment before anything
-imports torch (specd.tools.cli does, through the service config). An
+gRPC reads its environment once, when it is imported, so the defaults go
+into the environment before anything imports it (specd.tools.cli does). An
 explicit setting in the environment wins.
 
     python -m specd.tools.entry serve target ...   # what the launcher runs
@@ -14,17 +13,14 @@ import os
 import sys
 from collections.abc import Sequence
 
-from specd.tools.threads import thread_environment
-
 # gRPC's C core logs at INFO to stderr (e.g. each failed TLS handshake); specd reports what it means
 # in its own words. Read when grpc is imported. ERROR keeps its errors.
 _GRPC_DEFAULTS = {"GRPC_VERBOSITY": "ERROR"}
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    os.environ.update(thread_environment(os.environ))
     os.environ.update({k: v for k, v in _GRPC_DEFAULTS.items() if k not in os.environ})
-    from specd.tools import cli  # noqa: PLC0415 - after the environment is set: this import loads torch
+    from specd.tools import cli  # noqa: PLC0415 - after the environment is set: this import loads grpc
 
     return cli.main(argv)
 

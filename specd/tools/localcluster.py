@@ -25,7 +25,6 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from coordinator.client import CoordinatorClient
-from specd.tools.threads import thread_environment
 
 __all__ = [
     "READY_TIMEOUT_S",
@@ -322,7 +321,6 @@ class LocalCluster:
         if target_replicas < 1 or draft_replicas < 1:
             raise ValueError(f"need at least one replica of each (got {target_replicas}, {draft_replicas})")
         self.env = dict(os.environ, PYTHONUNBUFFERED="1")
-        self.env.update(thread_environment(self.env))
         if cache_dir is not None:
             self.env["SPECD_CACHE_DIR"] = str(cache_dir)
         self.ready_timeout_s = ready_timeout_s

@@ -25,13 +25,19 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "(--target/--draft then name the same models, for the tokenizer, c and the peer)",
     )
     g.add_argument("--cache-dir", default="", help="model cache (default: SPECD_CACHE_DIR or ~/.cache/specd)")
-    g.add_argument("--target-threads", type=int, default=2, help="torch threads of the target service (default: 2)")
+    g.add_argument(
+        "--target-threads",
+        type=int,
+        default=0,
+        help="torch threads of the target service (default 0: the services' own default, up to the CPUs available, "
+        "fewer while other processes take them)",
+    )
     g.add_argument("--draft-threads", type=int, default=1, help="torch threads of the draft service (default: 1)")
     g.add_argument(
         "--hf-threads",
         type=int,
         default=0,
-        help="torch threads of the in-process peer and of the bench process (default: --target-threads)",
+        help="torch threads of the in-process peer and of the bench process (default: the target service's)",
     )
     for svc in ("target", "draft", "coordinator"):
         g.add_argument(f"--{svc}-args", default="", help=f"extra flags for `specd serve {svc}` (one string)")

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from specd.serving.cpu_budget import service_threads
 from specd.tools.bench.modes import Mode, cap_adaptive_modes, parse_modes
 from specd.tools.bench.prompts import BenchPrompt, load_prompts, select_prompts
 
@@ -123,7 +124,7 @@ def make_plan(args: argparse.Namespace) -> Plan:
         prompts,
         max_new,
         max(1, int(pick("cost_samples"))),
-        args.hf_threads or args.target_threads,
+        args.hf_threads or service_threads(args.target_threads),
         args.warm_requests,
     )
 

@@ -9,6 +9,7 @@ from typing import Any
 
 from coordinator.client import CoordinatorClient
 from specd.core.catalog import MODEL_FREE_DRAFTS
+from specd.serving.cpu_budget import service_threads
 from specd.tools.bench.console import say
 from specd.tools.bench.cost import measure_cost
 from specd.tools.bench.peer import HFPeer, load_inprocess
@@ -48,14 +49,14 @@ def prepare_run(
                 target_m.model,
                 draft_m.model if draft_m else None,
                 probe,
-                target_threads=args.target_threads,
-                draft_threads=args.draft_threads,
+                target_threads=service_threads(args.target_threads),
+                draft_threads=service_threads(args.draft_threads),
                 samples=plan.cost_samples,
                 draft_lengths=verify_ks,
                 model_free=args.draft,
             )
             if draft_m is not None and any(m.peer for m in plan.modes):
-                same = plan.hf_threads == args.target_threads == args.draft_threads
+                same = plan.hf_threads == service_threads(args.target_threads) == service_threads(args.draft_threads)
                 cost["hf"] = (
                     cost["service"]
                     if same

@@ -1,36 +1,14 @@
-"""Thread defaults that hold up when something else takes CPU.
+"""The CPUs a service process may use, and its intra-op threads from them.
 
-A torch forward pass on CPU is a chain of short OpenMP parallel regions. By
-default OpenMP threads spin between regions, so each looks busy to the
-kernel; when another process takes a core, a spinning thread time-shares
-that core in scheduler slices (milliseconds) while every region waits for it
-(microseconds of work): measured ~25x slower (issue #19). With
-OMP_WAIT_POLICY=PASSIVE idle threads sleep, a woken thread is scheduled at
-once, and a busy neighbour costs about its share of the CPU.
-
-The wait policy is read when torch's OpenMP runtime loads, so it must be in
-the environment before `import torch`: the `specd` command sets it first
-thing (specd.tools.entry), and the launcher passes it to the services it
-starts. Explicit settings in the environment always win.
-
-Stdlib only: imported before torch.
+Stdlib only: the CLI's argument parsers import it at every start.
 """
 
 from __future__ import annotations
 
 import math
 import os
-from collections.abc import Mapping
 
-__all__ = ["cpu_budget", "default_torch_threads", "thread_environment"]
-
-# What the services' environment gets unless the user set it.
-_ENV_DEFAULTS = {"OMP_WAIT_POLICY": "PASSIVE"}
-
-
-def thread_environment(env: Mapping[str, str]) -> dict[str, str]:
-    """The entries to add to `env` (never overriding what it has): OMP_WAIT_POLICY=PASSIVE."""
-    return {k: v for k, v in _ENV_DEFAULTS.items() if k not in env}
+__all__ = ["cpu_budget", "default_torch_threads", "service_threads"]
 
 
 def _cgroup_cpus(cpu_max: str = "/sys/fs/cgroup/cpu.max") -> float | None:
@@ -69,3 +47,8 @@ def default_torch_threads(budget: int | None = None, ranks: int = 1) -> int:
     """
     budget = cpu_budget() if budget is None else budget
     return max(1, budget // max(1, ranks))
+
+
+def service_threads(torch_threads: int, ranks: int = 1) -> int:
+    """A service's intra-op threads: --torch-threads, or with 0 the CPU budget shared by its ranks."""
+    return torch_threads or default_torch_threads(ranks=ranks)

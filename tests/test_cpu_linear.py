@@ -1,0 +1,44 @@
+"""Few-row linear layers on CPU: the same products as torch's linear, for every shape a step or a verify has."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from specd.core.cpu_linear import SMALL_ROWS, install_small_row_linears
+
+
+class Shard(torch.nn.Linear):
+    """A subclass with its own forward (as a sharded layer has): left alone."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return super().forward(x) * 0
+
+
+@pytest.mark.parametrize("bias", [True, False])
+@pytest.mark.parametrize("shape", [(1, 24), (2, 24), (3, 24), (1, 5, 24), (2, 4, 24), (1, SMALL_ROWS + 1, 24), (0, 24)])
+def test_same_values_as_torch_linear(bias: bool, shape: tuple[int, ...]) -> None:
+    torch.manual_seed(0)
+    layer = torch.nn.Linear(24, 40, bias=bias)
+    x = torch.randn(*shape)
+    expected = torch.nn.functional.linear(x, layer.weight, layer.bias)
+    assert install_small_row_linears(layer) == 1
+    got = layer(x)
+    assert got.shape == expected.shape
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+
+
+def test_a_model_routes_its_plain_linears_only() -> None:
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU(), Shard(8, 4), torch.nn.Linear(4, 3))
+    x = torch.randn(1, 8)
+    expected = model(x)
+    assert install_small_row_linears(model) == 2
+    torch.testing.assert_close(model(x), expected)
+    assert torch.equal(model(x), torch.zeros(1, 3) + model[3].bias)  # the Shard still zeroes its output
+
+
+def test_a_model_without_cpu_weights_is_left_alone() -> None:
+    assert install_small_row_linears(torch.nn.ReLU()) == 0
+    meta = torch.nn.Linear(4, 4, device="meta")
+    assert install_small_row_linears(meta) == 0
+    assert "forward" not in vars(meta)

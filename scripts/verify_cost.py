@@ -35,7 +35,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import torch
 
 from scripts.batch_forward_speed import find_demo_target
-from specd.core.cpu_linear import install_small_row_linears
 from specd.core.models import load_pretrained
 from specd.core.runner import CausalLMRunner
 from specd.serving.cpu_budget import service_threads
@@ -64,12 +63,10 @@ def main() -> int:
         return 0
     threads = service_threads(args.threads)
     torch.set_num_threads(threads)
-    model = load_pretrained(path).model
-    small_rows = not args.torch_linear and install_small_row_linears(model) > 0
-    runner = CausalLMRunner(model)
+    runner = CausalLMRunner(load_pretrained(path).model, few_row_linears=not args.torch_linear)
     governor = attach_thread_governor(runner.model, args.threads, "cpu")
     settings = describe_threads(threads) + (", governed" if governor else ", fixed")
-    settings += "; few-row linears" if small_rows else "; torch's linear"
+    settings += "; torch's linear layers" if args.torch_linear else "; few-row linear layers"
     rng = random.Random(0)
     session = runner.new_session([rng.randrange(runner.vocab_size) for _ in range(args.prompt)])
     runner.logits(session)  # prefill

@@ -42,3 +42,27 @@ def test_a_model_without_cpu_weights_is_left_alone() -> None:
     meta = torch.nn.Linear(4, 4, device="meta")
     assert install_small_row_linears(meta) == 0
     assert "forward" not in vars(meta)
+
+
+def test_installing_twice_is_a_no_op() -> None:
+    layer = torch.nn.Linear(4, 4)
+    assert install_small_row_linears(layer) == 1
+    assert install_small_row_linears(layer) == 0
+
+
+def test_a_shard_with_fewer_rows_than_out_features() -> None:
+    """A tensor-parallel head keeps one shard of rows and states the full width in out_features."""
+    layer = torch.nn.Linear(6, 10, bias=False)
+    layer.weight = torch.nn.Parameter(layer.weight[:5].detach().clone())  # rank 0 of 2
+    install_small_row_linears(layer)
+    x = torch.randn(2, 3, 6)
+    torch.testing.assert_close(layer(x), x @ layer.weight.T)
+
+
+def test_the_output_is_contiguous_like_torch_linear() -> None:
+    layer = torch.nn.Linear(6, 12)
+    install_small_row_linears(layer)
+    for rows in (1, 2, 5):
+        out = layer(torch.randn(1, rows, 6))
+        assert out.is_contiguous()
+        out.view(1, rows, 3, 4)  # what attention does with a projection's output

@@ -18,7 +18,6 @@ from typing import TypedDict
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
-from specd.core.cpu_linear import install_small_row_linears
 from specd.core.demo_target import demo_target_path
 from specd.core.draft_checkpoint import COMPACT_META, COMPACT_WEIGHTS, assemble, install_reduced_head
 from specd.core.models import LoadedModel, load_pretrained, quiet_transformers, share_readable, vocab_fingerprint
@@ -168,7 +167,6 @@ def load_sim_for_serving(spec: str, role: str, cache_dir: Path) -> tuple[SimRunn
 def load_for_serving(folder: Path, device: str) -> tuple[LoadedModel, CausalLMRunner]:
     loaded = load_pretrained(folder)
     torch.nn.Module.to(loaded.model, device)  # PreTrainedModel.to's wrapper confuses type checkers
-    install_small_row_linears(loaded.model)
     return loaded, CausalLMRunner(loaded.model)
 
 
@@ -177,7 +175,6 @@ def load_draft_for_serving(folder: Path, device: str) -> tuple[LoadedModel, Caus
     loaded = load_pretrained(folder)
     token_map = install_reduced_head(loaded.model, folder)
     torch.nn.Module.to(loaded.model, device)
-    install_small_row_linears(loaded.model)
     return loaded, CausalLMRunner(loaded.model), token_map
 
 

@@ -33,10 +33,11 @@ def _small_row_forward(self: torch.nn.Linear, x: Tensor) -> Tensor:
         return torch.nn.functional.linear(x, self.weight, self.bias)
     if n == 1:  # a matrix-vector product would take the slow path: two equal rows, one kept
         rows = rows.repeat(2, 1)
-    y = (self.weight @ rows.T).T[:n]
+    # Contiguous, as F.linear's output is: the model may view() it, and a collective reduces it in place.
+    y = (self.weight @ rows.T).T[:n].contiguous()
     if self.bias is not None:
-        y = y + self.bias
-    return y.reshape(*x.shape[:-1], self.out_features)
+        y += self.bias
+    return y.reshape(*x.shape[:-1], -1)  # the weight's rows: a tensor-parallel shard holds fewer than out_features
 
 
 def install_small_row_linears(model: torch.nn.Module) -> int:
@@ -49,7 +50,8 @@ def install_small_row_linears(model: torch.nn.Module) -> int:
         return 0
     count = 0
     for module in model.modules():
-        if type(module) is torch.nn.Linear:  # not subclasses with their own forward (e.g. a sharded layer)
+        # Plain layers only, not subclasses with a forward of their own; again is a no-op.
+        if type(module) is torch.nn.Linear and "forward" not in vars(module):
             module.forward = types.MethodType(_small_row_forward, module)  # type: ignore[method-assign]
             count += 1
     return count

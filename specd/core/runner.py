@@ -27,6 +27,7 @@ from torch import Tensor
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
+from specd.core.cpu_linear import install_small_row_linears
 from specd.core.errors import InvalidArgument
 
 if TYPE_CHECKING:  # annotations only: importing it loads transformers' modeling code (seconds per process)
@@ -78,7 +79,7 @@ class CausalLMRunner:
     through one forward. Not thread-safe: callers serialise access.
     """
 
-    def __init__(self, model: PreTrainedModel, *, max_context: int | None = None) -> None:
+    def __init__(self, model: PreTrainedModel, *, max_context: int | None = None, few_row_linears: bool = True) -> None:
         if getattr(model.config, "is_encoder_decoder", False):
             raise InvalidArgument(
                 f"{type(model).__name__} is an encoder-decoder model; specd needs a decoder-only causal LM"
@@ -100,6 +101,8 @@ class CausalLMRunner:
                 f"max_context {max_context} exceeds the model's {limit} positions; pass max_context <= {limit}"
             )
         self.model = model.eval()  # no dropout: cached and uncached passes must agree
+        if few_row_linears:  # on CPU: steps and verifies of a few rows as one weight-streaming GEMM
+            install_small_row_linears(model)
         # Logits width; may exceed len(tokenizer). A tensor-parallel head states
         # the full width in out_features (its weight holds one shard).
         self.vocab_size: int = int(getattr(head, "out_features", None) or head.weight.shape[0])

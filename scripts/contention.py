@@ -1,11 +1,16 @@
 """Target-only tokens/s with and without a one-core busy loop beside it, old and new thread defaults.
 
 Issue #19 found a 2-thread target about 25x slower whenever another process
-took CPU (OpenMP threads spinning between parallel regions). This starts two
-target-only clusters (target + coordinator, no draft) side by side:
+took CPU (OpenMP threads spinning between parallel regions); specd then
+waited passively, which made multi-token verifies twice as slow (issue 28);
+now it spins and governs its thread count (specd.serving.cpu_threads). This
+starts target-only clusters (target + coordinator, no draft) side by side:
 
-  before: --torch-threads 2 and OpenMP's own wait policy (what `specd up` ran before)
-  after:  specd's defaults (--torch-threads from the CPUs available, OMP_WAIT_POLICY=PASSIVE)
+  before: 2 threads, OMP_WAIT_POLICY=PASSIVE (specd's defaults before the governor)
+  after:  specd's defaults (--torch-threads 0: up to the CPUs available, fewer while
+          other processes take them; OpenMP's own wait policy)
+  spin-2t (--also-spin): 2 fixed threads with OpenMP's own wait policy (what issue #19 found collapsing;
+          beside the busy loop it takes minutes per measurement)
 
 and measures, interleaved so that both see the same background load, each
 cluster quiet and then with a busy loop (`while True: pass` in another
@@ -61,6 +66,7 @@ def main() -> int:
     parser.add_argument("--tokens", type=int, default=32, help="tokens per request (default: 32)")
     parser.add_argument("--requests", type=int, default=2, help="requests per measurement (default: 2)")
     parser.add_argument("--before-threads", type=int, default=2, help="the old default (default: 2)")
+    parser.add_argument("--also-spin", action="store_true", help="add 2 fixed threads with OpenMP's own wait policy")
     parser.add_argument(
         "--also-threads", type=int, default=0, help="add a third setting: specd's defaults with this many threads"
     )
@@ -68,15 +74,20 @@ def main() -> int:
     args = parser.parse_args()
 
     settings = {
-        # OMP_WAIT_POLICY="" is OpenMP's own default (an empty value is ignored), and specd does not replace it.
         "before": LocalCluster(args.target, None, target_threads=args.before_threads, ready_timeout_s=900),
         "after": LocalCluster(args.target, None, target_threads=0, ready_timeout_s=900),
     }
-    settings["before"].env["OMP_WAIT_POLICY"] = ""
+    settings["before"].env["OMP_WAIT_POLICY"] = "PASSIVE"
+    # OMP_WAIT_POLICY="" is OpenMP's own default (an empty value is ignored), as specd's is now.
+    settings["after"].env["OMP_WAIT_POLICY"] = ""
+    if args.also_spin:
+        settings["spin-2t"] = LocalCluster(args.target, None, target_threads=2, ready_timeout_s=900)
+        settings["spin-2t"].env["OMP_WAIT_POLICY"] = ""
     if args.also_threads:
         settings[f"after-{args.also_threads}t"] = LocalCluster(
             args.target, None, target_threads=args.also_threads, ready_timeout_s=900
         )
+        settings[f"after-{args.also_threads}t"].env["OMP_WAIT_POLICY"] = ""
     results: dict[str, dict[str, list[float]]] = {name: {"quiet": [], "busy": []} for name in settings}
     try:
         for cluster in settings.values():

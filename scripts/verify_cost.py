@@ -13,7 +13,7 @@ The settings are the target service's: its OpenMP environment (none of
 specd's own: the runtime's defaults unless the caller set them) and, with
 --threads 0 (the default, as `--torch-threads 0`), the thread governor on
 the model's forward passes (specd.serving.cpu_threads), and few-row linear
-layers (specd.core.cpu_linear; --torch-linear for torch's own).
+layers (specd.core.cpu_linear; --cpu-linear torch for torch's own).
 
     .venv/bin/python scripts/verify_cost.py [--tokens 1,2,3,5,9,17] [--samples 40] [--threads 0]
 
@@ -53,7 +53,7 @@ def main() -> int:
     )
     ap.add_argument("--prompt", type=int, default=100, help="prompt tokens in the KV cache")
     ap.add_argument(
-        "--torch-linear", action="store_true", help="torch's own linear layers (the services use few-row GEMMs)"
+        "--cpu-linear", default="few-row", choices=["few-row", "torch"], help="as the services' --cpu-linear"
     )
     ap.add_argument("--json", default="", help="write the figures here")
     args = ap.parse_args()
@@ -63,10 +63,10 @@ def main() -> int:
         return 0
     threads = service_threads(args.threads)
     torch.set_num_threads(threads)
-    runner = CausalLMRunner(load_pretrained(path).model, few_row_linears=not args.torch_linear)
+    runner = CausalLMRunner(load_pretrained(path).model, few_row_linears=args.cpu_linear == "few-row")
     governor = attach_thread_governor(runner.model, args.threads, "cpu")
     settings = describe_threads(threads) + (", governed" if governor else ", fixed")
-    settings += "; torch's linear layers" if args.torch_linear else "; few-row linear layers"
+    settings += f"; --cpu-linear {args.cpu_linear}"
     rng = random.Random(0)
     session = runner.new_session([rng.randrange(runner.vocab_size) for _ in range(args.prompt)])
     runner.logits(session)  # prefill

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 
+from specd.core.catalog import load_draft_for_serving, load_for_serving
 from specd.core.cpu_linear import SMALL_ROWS, install_small_row_linears
 
 
@@ -66,3 +69,15 @@ def test_the_output_is_contiguous_like_torch_linear() -> None:
         out = layer(torch.randn(1, rows, 6))
         assert out.is_contiguous()
         out.view(1, rows, 3, 4)  # what attention does with a projection's output
+
+
+@pytest.mark.parametrize("few_row", [True, False])
+def test_serving_loads_follow_the_cpu_linear_setting(tiny_pair: tuple[Path, Path], few_row: bool) -> None:
+    """--cpu-linear few-row (the default) routes a served model's linears; --cpu-linear torch leaves them."""
+    target, draft = tiny_pair
+    _, runner = load_for_serving(target, "cpu", few_row_linears=few_row)
+    _, draft_runner, _ = load_draft_for_serving(draft, "cpu", few_row_linears=few_row)
+    for model in (runner.model, draft_runner.model):
+        linears = [m for m in model.modules() if type(m) is torch.nn.Linear]
+        assert linears
+        assert all(("forward" in vars(m)) == few_row for m in linears)

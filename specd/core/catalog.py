@@ -164,18 +164,20 @@ def load_sim_for_serving(spec: str, role: str, cache_dir: Path) -> tuple[SimRunn
     return runner, identity
 
 
-def load_for_serving(folder: Path, device: str) -> tuple[LoadedModel, CausalLMRunner]:
+def load_for_serving(folder: Path, device: str, *, few_row_linears: bool = True) -> tuple[LoadedModel, CausalLMRunner]:
     loaded = load_pretrained(folder)
     torch.nn.Module.to(loaded.model, device)  # PreTrainedModel.to's wrapper confuses type checkers
-    return loaded, CausalLMRunner(loaded.model)
+    return loaded, CausalLMRunner(loaded.model, few_row_linears=few_row_linears)
 
 
-def load_draft_for_serving(folder: Path, device: str) -> tuple[LoadedModel, CausalLMRunner, torch.Tensor | None]:
+def load_draft_for_serving(
+    folder: Path, device: str, *, few_row_linears: bool = True
+) -> tuple[LoadedModel, CausalLMRunner, torch.Tensor | None]:
     """A draft model folder, with its reduced-vocabulary head if it has one: (model, runner, token_map or None)."""
     loaded = load_pretrained(folder)
     token_map = install_reduced_head(loaded.model, folder)
     torch.nn.Module.to(loaded.model, device)
-    return loaded, CausalLMRunner(loaded.model), token_map
+    return loaded, CausalLMRunner(loaded.model, few_row_linears=few_row_linears), token_map
 
 
 def eos_token_ids(loaded: LoadedModel) -> list[int]:

@@ -112,6 +112,11 @@ class ServiceBase:
 class ModelServiceBase(ServiceBase):
     cache_dir: str = _opt("", "model cache folder (default: SPECD_CACHE_DIR or ~/.cache/specd)")
     device: str = _opt("cpu", "torch device (cpu, cuda, cuda:0, ...)")
+    cpu_linear: str = _opt(
+        "few-row",
+        "linear layers on CPU: few-row (1-8 rows as (W @ x.T).T: faster steps and verifies) or torch (torch's own)",
+        choices=["few-row", "torch"],
+    )
     max_sessions: int = _opt(256, "sessions held at once; more get RESOURCE_EXHAUSTED")
     idle_timeout_s: float = _opt(600.0, "sessions unused this long are dropped")
     max_kv_bytes: int = _opt(0, "KV-cache bytes all sessions may hold (0: no limit)")

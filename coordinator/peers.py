@@ -5,7 +5,7 @@ with backoff when it breaks, and fails the requests in flight at that moment
 with Unavailable (their sessions heal by re-opening on the next stream).
 `Peer` is a service on such a stream (generic in its two message types);
 `GrpcDraft` and `GrpcTarget` speak the round loop's port operations
-(specd.core.ports) to one replica; coordinator.replica_ports spreads the
+(specd.core.rounds.ports) to one replica; coordinator.replica_ports spreads the
 sessions over every replica's. Messages are built and read by specd.serving.wire.
 """
 
@@ -21,12 +21,11 @@ from typing import Any, Generic, Literal, Protocol, TypeVar
 
 import grpc
 
-from specd.core.branching import Branches
 from specd.core.errors import DeadlineExceeded, FailedPrecondition, InvalidArgument, Unavailable
-from specd.core.ports import Carrier
-from specd.core.proposal import Proposal
-from specd.core.sampling import SamplingParams
-from specd.core.verification import VerifyOutcome
+from specd.core.rounds.ports import Carrier
+from specd.core.rounds.steps import Branches, VerifyOutcome
+from specd.core.sampling.proposal import Proposal
+from specd.core.sampling.sampler import SamplingParams
 from specd.serving import wire
 from specd.serving.grpc_errors import exception_from_session_error
 from specd.serving.server import CHANNEL_OPTIONS

@@ -4,7 +4,7 @@ A session is opened on the replica placement picks (coordinator/placement.py)
 and every later call goes to that replica. When the replica is gone (its
 stream broke, it was removed, it stopped answering), the call raises
 SessionNotFound: the loop re-opens the session from its committed tokens
-(specd.core.port_sessions), and the re-open lands on another replica. So a
+(specd.core.rounds.port_sessions), and the re-open lands on another replica. So a
 lost replica costs its sessions one prefill each, never a request, and the
 output is the same (every coin derives from the seed and the position).
 
@@ -21,15 +21,14 @@ from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, Generic, TypeVar
 
 from coordinator.replicas import Member, ReplicaSet
-from specd.core.branching import Branches
 from specd.core.errors import DeadlineExceeded, ResourceExhausted, SessionNotFound, Unavailable
-from specd.core.proposal import Proposal
-from specd.core.sampling import SamplingParams
-from specd.core.verification import VerifyOutcome
+from specd.core.rounds.steps import Branches, VerifyOutcome
+from specd.core.sampling.proposal import Proposal
+from specd.core.sampling.sampler import SamplingParams
 
 log = logging.getLogger(__name__)
 
-Carrier = Any  # specd.core.ports.Carrier: opaque per-round metadata forwarded with each message
+Carrier = Any  # specd.core.rounds.ports.Carrier: opaque per-round metadata forwarded with each message
 P = TypeVar("P")
 T = TypeVar("T")
 

@@ -18,7 +18,7 @@ repeats are reported, every repeat is printed). --write FILE writes the
 profile JSON (cost models and `measured` figures) with the command line
 and date in it.
 
-    .venv/bin/python scripts/sim_calibrate.py [--target DIR --draft DIR] [--repeats 3] [--write specd/core/sim/profiles/cpu-demo-pair.json]
+    .venv/bin/python scripts/sim_calibrate.py [--target DIR --draft DIR] [--repeats 3] [--write specd/core/model/sim/profiles/cpu-demo-pair.json]
 """
 
 from __future__ import annotations
@@ -39,15 +39,15 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import numpy as np
 import torch
 
-from specd.core import catalog
-from specd.core.model_drafter import ModelDrafter
+from specd.core.draft.model_drafter import ModelDrafter
+from specd.core.model import catalog
+from specd.core.model.runner import CausalLMRunner, KVSession
+from specd.core.model.sim.cost import CostModel
+from specd.core.model.sim.profile import PROFILES_DIR, load_profile
 from specd.core.phases import FORWARD
-from specd.core.proposal import Proposal
-from specd.core.runner import CausalLMRunner, KVSession
-from specd.core.sampling import SamplingParams
-from specd.core.sim.cost import CostModel
-from specd.core.sim.profile import PROFILES_DIR, load_profile
-from specd.core.verification import Verifier
+from specd.core.sampling.proposal import Proposal
+from specd.core.sampling.sampler import SamplingParams
+from specd.core.target.verifier import Verifier
 
 PROMPTS = Path(__file__).resolve().parent.parent / "specd" / "prompts" / "bench.jsonl"
 K = 4

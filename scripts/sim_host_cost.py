@@ -22,10 +22,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import torch
 
-from specd.core.model_drafter import ModelDrafter
-from specd.core.sampling import SamplingParams
-from specd.core.sim import parse_sim_spec
-from specd.core.verification import Verifier
+from specd.core.draft.model_drafter import ModelDrafter
+from specd.core.model.sim import parse_sim_spec
+from specd.core.sampling.sampler import SamplingParams
+from specd.core.target.verifier import Verifier
 
 
 def host_round_ms(spec: str, temperature: float, rounds: int) -> tuple[float, float]:

@@ -32,12 +32,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from specd.core.drafting import Drafter, NgramDrafter
-from specd.core.rounds import speculative_generate
-from specd.core.runner import CausalLMRunner
-from specd.core.sampling import SamplingParams
-from specd.core.suffix import LearningDrafter, SuffixDrafter, SuffixSettings
-from specd.core.verification import Verifier
+from specd.core.draft.ngram import NgramDrafter
+from specd.core.draft.protocol import Drafter
+from specd.core.draft.suffix import LearningDrafter, SuffixDrafter, SuffixSettings
+from specd.core.inprocess import speculative_generate
+from specd.core.model.runner import CausalLMRunner
+from specd.core.sampling.sampler import SamplingParams
+from specd.core.target.verifier import Verifier
 from specd.tools.bench import load_prompts, select_prompts, tokenize_prompt
 
 Answers = list[tuple[list[int], list[int]]]

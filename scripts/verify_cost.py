@@ -2,7 +2,7 @@
 """Time the demo target's verify forward against the tokens it runs: T(n) for n = 1 .. N.
 
 What the adaptive controller has to know: what one more draft token costs a
-round (specd.core.adaptive, sigma). One session with a prompt of about 100
+round (specd.core.rounds.adaptive, sigma). One session with a prompt of about 100
 tokens; each sample appends n tokens, times the forward over them (n rows of
 logits, as a verify of K = n - 1 draft tokens), and rolls back to keep one,
 as a round does. The token counts are interleaved sample by sample so that
@@ -29,8 +29,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import torch
 
 from scripts.batch_forward_speed import find_demo_target
-from specd.core.models import load_pretrained
-from specd.core.runner import CausalLMRunner
+from specd.core.model.loading import load_pretrained
+from specd.core.model.runner import CausalLMRunner
 
 
 def main() -> int:

@@ -11,10 +11,10 @@ from concurrent.futures import ThreadPoolExecutor
 import grpc
 import torch
 
-from specd.core import catalog
 from specd.core.errors import InvalidArgument
-from specd.core.runner import CausalLMRunner
-from specd.core.verification import Verifier
+from specd.core.model import catalog
+from specd.core.model.runner import CausalLMRunner
+from specd.core.target.verifier import Verifier
 from specd.serving.config import TargetConfig
 from specd.serving.load import SERVICE_NAME as LOAD_SERVICE_NAME
 from specd.serving.load import LoadSource, add_load_service

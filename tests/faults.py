@@ -12,11 +12,11 @@ from pathlib import Path
 import torch
 
 from draft_service.server import create_server
-from specd.core import catalog
-from specd.core.drafting import ProposeRequest
-from specd.core.model_drafter import ModelDrafter
-from specd.core.proposal import Proposal
-from specd.core.sampling import SamplingParams
+from specd.core.draft.model_drafter import ModelDrafter
+from specd.core.model import catalog
+from specd.core.rounds.steps import ProposeRequest
+from specd.core.sampling.proposal import Proposal
+from specd.core.sampling.sampler import SamplingParams
 from specd.serving.config import DraftConfig
 from specd.v1 import common_pb2
 

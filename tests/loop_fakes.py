@@ -17,15 +17,14 @@ from dataclasses import dataclass, field
 
 import torch
 
-from specd.core.branching import Branch, Branches, select_branches, top_ranking
-from specd.core.drafting import sync_prefix
+from specd.core.draft.branching import select_branches, top_ranking
 from specd.core.errors import DeadlineExceeded, SessionNotFound, SessionOutOfSync, SpecdError, Unavailable
 from specd.core.phases import PhaseLog
-from specd.core.ports import Carrier
-from specd.core.proposal import Proposal
-from specd.core.record import RoundRecord
-from specd.core.sampling import SamplingParams
-from specd.core.verification import VerifyOutcome
+from specd.core.rounds.ports import Carrier
+from specd.core.rounds.record import RoundRecord
+from specd.core.rounds.steps import Branch, Branches, VerifyOutcome, sync_prefix
+from specd.core.sampling.proposal import Proposal
+from specd.core.sampling.sampler import SamplingParams
 
 V = 61  # vocabulary size
 
@@ -158,7 +157,7 @@ class FakeTarget:
 class FakeDraft:
     """A DraftPort drafting with `step`; `lie` makes call n send one token more than asked.
 
-    Branch calls choose with the real rule (specd.core.branching) over draft_distribution."""
+    Branch calls choose with the real rule (specd.core.draft.branching) over draft_distribution."""
 
     def __init__(
         self,

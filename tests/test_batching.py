@@ -10,16 +10,17 @@ from pathlib import Path
 import pytest
 import torch
 
-from specd.core.drafting import NgramDrafter, ProposeRequest
+from specd.core.draft.model_drafter import ModelDrafter
+from specd.core.draft.ngram import NgramDrafter
 from specd.core.errors import SessionNotFound
-from specd.core.model_drafter import ModelDrafter
-from specd.core.models import load_pretrained
-from specd.core.proposal import Proposal
-from specd.core.rounds import speculative_generate, speculative_generate_batch
-from specd.core.runner import CausalLMRunner
-from specd.core.sampling import SamplingParams
-from specd.core.sessions import KVBudget
-from specd.core.verification import Verifier, VerifyOutcome, VerifyRequest
+from specd.core.inprocess import speculative_generate, speculative_generate_batch
+from specd.core.model.loading import load_pretrained
+from specd.core.model.pool import KVBudget
+from specd.core.model.runner import CausalLMRunner
+from specd.core.rounds.steps import ProposeRequest, VerifyOutcome, VerifyRequest
+from specd.core.sampling.proposal import Proposal
+from specd.core.sampling.sampler import SamplingParams
+from specd.core.target.verifier import Verifier
 from specd.serving.batching import MicroBatcher
 from specd.v1 import common_pb2, session_pb2, target_pb2
 from target_service.servicer import TargetServicer

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from specd.core.models import load_pretrained
+from specd.core.model.loading import load_pretrained
 from specd.tools import bench
 from specd.tools.bench import (
     BASELINE,

@@ -1,6 +1,6 @@
 """The speculation cache's drafting side: the branch rule, forked KV caches, one batched pass, adoption.
 
-Table-driven cases for the rule (specd.core.branching); the runner's fork
+Table-driven cases for the rule (specd.core.draft.branching); the runner's fork
 against transformers' DynamicLayer; ModelDrafter's branch calls on the
 emulator and on a tiny real model: every branch's drafts are what a fresh
 propose for its prefix gives, the next call continues the branch without
@@ -17,24 +17,24 @@ from pathlib import Path
 import pytest
 import torch
 
-from specd.core.branching import (
-    Branches,
-    BranchRequest,
-    PositionAcceptance,
+from specd.core.draft.branching import (
     bonus_guess,
     calibrated_greedy,
     outcome_probabilities,
     select_branches,
     top_ranking,
 )
-from specd.core.drafting import NgramDrafter, ProposeRequest, draft_work
+from specd.core.draft.model_drafter import ModelDrafter
+from specd.core.draft.ngram import NgramDrafter
+from specd.core.draft.protocol import draft_work
 from specd.core.errors import InvalidArgument
-from specd.core.model_drafter import ModelDrafter
-from specd.core.models import load_pretrained
-from specd.core.proposal import Proposal
-from specd.core.runner import CausalLMRunner
-from specd.core.sampling import SamplingParams
-from specd.core.sim import parse_sim_spec
+from specd.core.model.loading import load_pretrained
+from specd.core.model.runner import CausalLMRunner
+from specd.core.model.sim import parse_sim_spec
+from specd.core.rounds.adaptive import PositionAcceptance
+from specd.core.rounds.steps import Branches, BranchRequest, ProposeRequest
+from specd.core.sampling.proposal import Proposal
+from specd.core.sampling.sampler import SamplingParams
 
 pytestmark = pytest.mark.usefixtures("torch_single_thread")
 

@@ -13,17 +13,18 @@ import pytest
 import torch
 from transformers import AutoConfig
 
-from specd.core.catalog import demo_draft_path, load_draft_for_serving
-from specd.core.draft_checkpoint import COMPACT_META, assemble, install_reduced_head
-from specd.core.drafting import NgramDrafter, ReducedLMHead
+from specd.core.draft.model_drafter import ModelDrafter
+from specd.core.draft.ngram import NgramDrafter
 from specd.core.errors import FailedPrecondition, InvalidArgument
-from specd.core.model_drafter import ModelDrafter
-from specd.core.models import load_pretrained
-from specd.core.proposal import Proposal
-from specd.core.rounds import speculative_generate
-from specd.core.runner import CausalLMRunner
-from specd.core.sampling import SamplingParams
-from specd.core.verification import Verifier
+from specd.core.inprocess import speculative_generate
+from specd.core.model.catalog import demo_draft_path, load_draft_for_serving
+from specd.core.model.draft_checkpoint import COMPACT_META, assemble, install_reduced_head
+from specd.core.model.loading import load_pretrained
+from specd.core.model.reduced_head import ReducedLMHead
+from specd.core.model.runner import CausalLMRunner
+from specd.core.sampling.proposal import Proposal
+from specd.core.sampling.sampler import SamplingParams
+from specd.core.target.verifier import Verifier
 from specd.tools import cli
 from specd.tools.distill import DistillConfig, build_draft, builtin_prompts, render_prompt, run_distill
 from tests.cluster import Cluster

@@ -16,15 +16,14 @@ from collections.abc import Sequence
 
 import pytest
 
-from specd.core.branching import Branches
 from specd.core.errors import InvalidArgument, SessionOutOfSync, Unavailable
-from specd.core.generation import FinishReason
-from specd.core.loop import GenerateSpec, LoopSettings, RequestRun, RoundLoop
-from specd.core.pipeline import PIPELINES, PipelineRound, PreDraft, make_pipeline
-from specd.core.proposal import Proposal
-from specd.core.record import RoundRecord, TargetOnly, TokenKind
-from specd.core.sampling import SamplingParams
-from specd.core.verification import VerifyOutcome
+from specd.core.rounds.generation import FinishReason
+from specd.core.rounds.loop import GenerateSpec, LoopSettings, RequestRun, RoundLoop
+from specd.core.rounds.pipeline import PIPELINES, PipelineRound, PreDraft, make_pipeline
+from specd.core.rounds.record import RoundRecord, TargetOnly, TokenKind
+from specd.core.rounds.steps import Branches, VerifyOutcome
+from specd.core.sampling.proposal import Proposal
+from specd.core.sampling.sampler import SamplingParams
 from tests.loop_fakes import FakeDraft, FakeTarget, Script, Watch, chain, draft_next, fail, target_next
 
 PROMPT = [5, 17, 3, 42]

@@ -12,7 +12,7 @@ import pytest
 from prometheus_client import REGISTRY, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
-from specd.core.record import RoundRecord, TargetOnly, TokenKind
+from specd.core.rounds.record import RoundRecord, TargetOnly, TokenKind
 from specd.serving import genai
 from specd.serving.metrics import CoordinatorMetrics, DraftMetrics, TargetMetrics, metrics_for, serve_metrics
 

@@ -14,8 +14,8 @@ from coordinator.placement import Load
 from coordinator.replica_ports import ReplicatedTarget
 from coordinator.replicas import ReplicaSet, SameModel, model_mismatch
 from specd.core.errors import SessionNotFound
-from specd.core.proposal import Proposal
-from specd.core.sampling import SamplingParams
+from specd.core.sampling.proposal import Proposal
+from specd.core.sampling.sampler import SamplingParams
 from specd.serving.config import TargetConfig
 from specd.serving.server import ServiceHandle
 from specd.v1 import common_pb2

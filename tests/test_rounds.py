@@ -8,16 +8,16 @@ import pytest
 import torch
 from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
 
-from specd.core.drafting import NgramDrafter, lookup_continuation
+from specd.core.draft.model_drafter import ModelDrafter
+from specd.core.draft.ngram import NgramDrafter, lookup_continuation
 from specd.core.errors import InvalidArgument, SessionOutOfSync
-from specd.core.generation import FinishReason, Generation, StopRule
-from specd.core.model_drafter import ModelDrafter
-from specd.core.models import load_pretrained
-from specd.core.proposal import Proposal
-from specd.core.rounds import speculative_generate, speculative_generate_batch
-from specd.core.runner import CausalLMRunner
-from specd.core.sampling import SamplingParams
-from specd.core.verification import Verifier
+from specd.core.inprocess import speculative_generate, speculative_generate_batch
+from specd.core.model.loading import load_pretrained
+from specd.core.model.runner import CausalLMRunner
+from specd.core.rounds.generation import FinishReason, Generation, StopRule
+from specd.core.sampling.proposal import Proposal
+from specd.core.sampling.sampler import SamplingParams
+from specd.core.target.verifier import Verifier
 
 GREEDY = SamplingParams(temperature=0.0)
 pytestmark = pytest.mark.usefixtures("torch_single_thread")  # tiny models: one thread is faster on a shared box

@@ -10,8 +10,8 @@ import torch
 from torch import Tensor
 
 from specd.core.errors import InvalidArgument
-from specd.core.models import load_pretrained
-from specd.core.runner import CausalLMRunner, KVSession
+from specd.core.model.loading import load_pretrained
+from specd.core.model.runner import CausalLMRunner, KVSession
 
 pytestmark = pytest.mark.usefixtures("torch_single_thread")
 

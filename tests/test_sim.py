@@ -1,4 +1,4 @@
-"""The emulated accelerator (specd.core.sim): p is recomputable, timing is honoured, the knob is monotone.
+"""The emulated accelerator (specd.core.model.sim): p is recomputable, timing is honoured, the knob is monotone.
 
 Every test here runs the real drafter / verifier / sampler; only the model is
 emulated. Timing checks compare an emulated pass's wall time with the time
@@ -18,13 +18,13 @@ import time
 import pytest
 import torch
 
-from specd.core.drafting import ProposeRequest
+from specd.core.draft.model_drafter import ModelDrafter
 from specd.core.errors import InvalidArgument
-from specd.core.model_drafter import ModelDrafter
-from specd.core.sampling import SamplingParams
-from specd.core.sim import CostModel, SimLM, SimRunner, SimShape, list_profiles, load_profile, parse_sim_spec
-from specd.core.sim.lm import DRAFT_NOISE_ROLE, TARGET_ROLE
-from specd.core.verification import Verifier, VerifyRequest
+from specd.core.model.sim import CostModel, SimLM, SimRunner, SimShape, list_profiles, load_profile, parse_sim_spec
+from specd.core.model.sim.lm import DRAFT_NOISE_ROLE, TARGET_ROLE
+from specd.core.rounds.steps import ProposeRequest, VerifyRequest
+from specd.core.sampling.sampler import SamplingParams
+from specd.core.target.verifier import Verifier
 
 
 @pytest.fixture(autouse=True, scope="module")

@@ -14,15 +14,15 @@ from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 from draft_service.servicer import DraftServicer
-from specd.core import sparse_q
-from specd.core.drafting import ProposeRequest
+from specd.core.draft.model_drafter import ModelDrafter
 from specd.core.errors import InvalidArgument
-from specd.core.model_drafter import ModelDrafter
-from specd.core.models import load_pretrained
-from specd.core.proposal import Proposal
-from specd.core.runner import CausalLMRunner
-from specd.core.sampling import SamplingParams
-from specd.core.sparse_q import MAX_WEIGHT, QSettings
+from specd.core.model.loading import load_pretrained
+from specd.core.model.runner import CausalLMRunner
+from specd.core.rounds.steps import ProposeRequest
+from specd.core.sampling import sparse_q
+from specd.core.sampling.proposal import Proposal
+from specd.core.sampling.sampler import SamplingParams
+from specd.core.sampling.sparse_q import MAX_WEIGHT, QSettings
 from specd.serving.config import DraftConfig
 from specd.serving.metrics import DraftMetrics
 from specd.serving.wire import proposal_from_proto, proposal_to_proto, q_wire_bytes, sparse_from_proto

@@ -10,16 +10,16 @@ from pathlib import Path
 
 import pytest
 
+from specd.core.draft.hybrid import HybridDrafter, common_prefix_length
+from specd.core.draft.model_drafter import ModelDrafter
+from specd.core.draft.suffix import SuffixDrafter, SuffixSettings
+from specd.core.draft.suffix_index import Candidate, SharedSuffixIndex, SuffixIndex
 from specd.core.errors import InvalidArgument, SessionOutOfSync
-from specd.core.hybrid import HybridDrafter, common_prefix_length
-from specd.core.model_drafter import ModelDrafter
-from specd.core.models import load_pretrained
-from specd.core.rounds import speculative_generate
-from specd.core.runner import CausalLMRunner
-from specd.core.sampling import SamplingParams
-from specd.core.suffix import SuffixDrafter, SuffixSettings
-from specd.core.suffix_index import Candidate, SharedSuffixIndex, SuffixIndex
-from specd.core.verification import Verifier
+from specd.core.inprocess import speculative_generate
+from specd.core.model.loading import load_pretrained
+from specd.core.model.runner import CausalLMRunner
+from specd.core.sampling.sampler import SamplingParams
+from specd.core.target.verifier import Verifier
 
 GREEDY = SamplingParams(temperature=0.0)
 RULES = dict(factor=1.0, offset=0.0, min_prob=0.1)

@@ -23,13 +23,13 @@ import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from transformers import AutoModelForCausalLM, LlamaConfig
 
-from specd.core import tensor_parallel
 from specd.core.errors import InvalidArgument, Unavailable
-from specd.core.models import load_pretrained
-from specd.core.proposal import Proposal
-from specd.core.runner import CausalLMRunner
-from specd.core.sampling import SamplingParams
-from specd.core.verification import Verifier
+from specd.core.model import tensor_parallel
+from specd.core.model.loading import load_pretrained
+from specd.core.model.runner import CausalLMRunner
+from specd.core.sampling.proposal import Proposal
+from specd.core.sampling.sampler import SamplingParams
+from specd.core.target.verifier import Verifier
 from specd.tools import cli
 from specd.v1 import common_pb2, session_pb2, target_pb2, target_pb2_grpc
 from target_service.servicer import TargetServicer

@@ -29,8 +29,8 @@ from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, make_wsgi_app
 
-from specd.core.record import RoundRecord
-from specd.core.suffix_index import SharedSuffixIndex
+from specd.core.draft.suffix_index import SharedSuffixIndex
+from specd.core.rounds.record import RoundRecord
 from specd.core.transit import HOPS
 from specd.serving import genai
 
@@ -238,7 +238,7 @@ class CoordinatorMetrics:
             self._loop_hop.observe(loop_ms / 1e3)
 
     def observe_request(self, stats: Any, finish_reason: str, e2e_s: float, *, model: str = "") -> None:
-        """A finished request (specd.core.record.RequestStats); model: the target's name (gen_ai.request.model)."""
+        """A finished request (specd.core.rounds.record.RequestStats); model: the target's name (gen_ai.request.model)."""
         ttft_s = stats.time_to_first_token_ms / 1e3
         self.request_success.labels(finished_reason=finish_reason).inc()
         self.prompt_tokens.inc(stats.prompt_tokens)

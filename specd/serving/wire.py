@@ -8,17 +8,15 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import TypeVar
 
-from specd.core import sparse_q
-from specd.core.branching import Branch, Branches, BranchRequest
-from specd.core.drafting import ProposeRequest
 from specd.core.errors import InvalidArgument
-from specd.core.generation import FinishReason
 from specd.core.phases import PhaseLog
-from specd.core.proposal import DEFAULT_MAX_DRAFT_TOKENS, DEFAULT_MAX_Q_WIDTH, Proposal
-from specd.core.record import RequestStats
-from specd.core.sampling import SamplingParams
+from specd.core.rounds.generation import FinishReason
+from specd.core.rounds.record import RequestStats
+from specd.core.rounds.steps import Branch, Branches, BranchRequest, ProposeRequest, VerifyOutcome, VerifyRequest
+from specd.core.sampling import sparse_q
+from specd.core.sampling.proposal import DEFAULT_MAX_DRAFT_TOKENS, DEFAULT_MAX_Q_WIDTH, Proposal
+from specd.core.sampling.sampler import SamplingParams
 from specd.core.transit import Transit
-from specd.core.verification import VerifyOutcome, VerifyRequest
 from specd.v1 import common_pb2, coordinator_pb2, draft_pb2, session_pb2, target_pb2
 
 

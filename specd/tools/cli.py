@@ -21,8 +21,8 @@ from google.protobuf.json_format import MessageToDict
 from coordinator.client import CoordinatorClient, Prompt
 from coordinator.server import create_server as create_coordinator
 from draft_service.server import create_server as create_draft
-from specd.core import catalog
 from specd.core.errors import InvalidArgument, SpecdError
+from specd.core.model import catalog
 from specd.serving import config as cfg
 from specd.serving.metrics import CoordinatorMetrics, DraftMetrics, TargetMetrics, serve_metrics
 from specd.serving.security import read_token

@@ -13,10 +13,10 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from specd.core import tensor_parallel
 from specd.core.errors import SpecdError, Unavailable
-from specd.core.models import LoadedModel
-from specd.core.runner import CausalLMRunner, KVSession
+from specd.core.model import tensor_parallel
+from specd.core.model.loading import LoadedModel
+from specd.core.model.runner import CausalLMRunner, KVSession
 from target_service.workers import commands
 from target_service.workers.executor import make_executor
 from target_service.workers.follower import load_shard

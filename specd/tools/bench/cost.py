@@ -8,10 +8,10 @@ from typing import Any
 
 import torch
 
-from specd.core.drafting import NgramDrafter
-from specd.core.runner import CausalLMRunner
-from specd.core.sampling import SamplingParams
-from specd.core.suffix import SuffixDrafter
+from specd.core.draft.ngram import NgramDrafter
+from specd.core.draft.suffix import SuffixDrafter
+from specd.core.model.runner import CausalLMRunner
+from specd.core.sampling.sampler import SamplingParams
 from specd.tools.bench.stats import percentile
 
 

@@ -16,10 +16,10 @@ from typing import Any
 
 from transformers import AutoTokenizer
 
-from specd.core import catalog
-from specd.core.catalog import MODEL_FREE_DRAFTS
 from specd.core.errors import InvalidArgument
-from specd.core.sim import SimProfile
+from specd.core.model import catalog
+from specd.core.model.catalog import MODEL_FREE_DRAFTS
+from specd.core.model.sim import SimProfile
 from specd.serving.config import default_cache_dir
 from specd.tools.bench.cells import run_cells, warm_up
 from specd.tools.bench.compare import finish_records

@@ -9,8 +9,8 @@ from typing import Any
 import torch
 from transformers.utils import logging as hf_logging
 
-from specd.core.draft_checkpoint import install_reduced_head
-from specd.core.models import load_pretrained
+from specd.core.model.draft_checkpoint import install_reduced_head
+from specd.core.model.loading import load_pretrained
 from specd.tools.bench.modes import Mode
 from specd.tools.bench.results import RequestResult, Timeline
 

@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from coordinator.client import CoordinatorClient
-from specd.core.catalog import MODEL_FREE_DRAFTS
+from specd.core.model.catalog import MODEL_FREE_DRAFTS
 from specd.tools.bench.console import say
 from specd.tools.bench.cost import measure_cost
 from specd.tools.bench.peer import HFPeer, load_inprocess

@@ -1,4 +1,4 @@
-"""`specd bench --sim PROFILE`: the bench on emulated accelerators (specd.core.sim).
+"""`specd bench --sim PROFILE`: the bench on emulated accelerators (specd.core.model.sim).
 
 Both model services run `--model sim:PROFILE` (the real servicers, batching,
 sessions and sampler; only the model is emulated), so the bench measures the
@@ -12,7 +12,7 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from specd.core.sim import EMULATED, SIM_PREFIX, SimProfile, list_profiles, parse_sim_spec
+from specd.core.model.sim import EMULATED, SIM_PREFIX, SimProfile, list_profiles, parse_sim_spec
 
 SIM_MODES = (
     "target-only,fixed,pipelined,postverify,speccache,auto"  # the default modes on an emulator (no in-process peer)

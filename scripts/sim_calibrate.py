@@ -45,6 +45,7 @@ from specd.core.model.runner import CausalLMRunner, KVSession
 from specd.core.model.sim.cost import CostModel
 from specd.core.model.sim.profile import PROFILES_DIR, load_profile
 from specd.core.phases import FORWARD
+from specd.core.rounds.steps import ProposeRequest, VerifyRequest
 from specd.core.sampling.proposal import Proposal
 from specd.core.sampling.sampler import SamplingParams
 from specd.core.target.verifier import Verifier
@@ -109,9 +110,9 @@ def rounds(verifier: Verifier, drafter: ModelDrafter, prompts: list[list[int]], 
         try:
             while len(committed) - len(prompt) < tokens:
                 t0 = time.perf_counter()
-                proposal: Proposal = drafter.propose(sid, len(committed), known, committed[known:], K)
+                proposal: Proposal = drafter.propose(ProposeRequest(sid, len(committed), known, committed[known:], K))
                 t1 = time.perf_counter()
-                outcome = verifier.verify(sid, len(committed), proposal)
+                outcome = verifier.verify(VerifyRequest(sid, len(committed), proposal))
                 t2 = time.perf_counter()
                 known = len(committed) + outcome.accepted
                 committed += proposal.token_ids[: outcome.accepted] + [outcome.token_id]

@@ -37,6 +37,7 @@ from specd.core.draft.protocol import Drafter
 from specd.core.draft.suffix import LearningDrafter, SuffixDrafter, SuffixSettings
 from specd.core.inprocess import speculative_generate
 from specd.core.model.runner import CausalLMRunner
+from specd.core.rounds.steps import ProposeRequest
 from specd.core.sampling.sampler import SamplingParams
 from specd.core.target.verifier import Verifier
 from specd.tools.bench import load_prompts, select_prompts, tokenize_prompt
@@ -108,7 +109,9 @@ def replay(
             if drafter is not None:
                 budget = min(k, len(answer) - i - 1)
                 if budget > 0:
-                    proposal = drafter.propose(sid, len(committed), known, committed[known:], budget).token_ids
+                    proposal = drafter.propose(
+                        ProposeRequest(sid, len(committed), known, committed[known:], budget)
+                    ).token_ids
             accepted = 0
             while accepted < len(proposal) and answer[i + accepted] == proposal[accepted]:
                 accepted += 1

@@ -22,9 +22,18 @@ from specd.core.errors import DeadlineExceeded, SessionNotFound, SessionOutOfSyn
 from specd.core.phases import PhaseLog
 from specd.core.rounds.ports import Carrier
 from specd.core.rounds.record import RoundRecord
-from specd.core.rounds.steps import Branch, Branches, VerifyOutcome, sync_prefix
+from specd.core.rounds.steps import (
+    Branch,
+    Branches,
+    BranchRequest,
+    CloseRequest,
+    OpenRequest,
+    ProposeRequest,
+    VerifyOutcome,
+    VerifyRequest,
+    sync_prefix,
+)
 from specd.core.sampling.proposal import Proposal
-from specd.core.sampling.sampler import SamplingParams
 
 V = 61  # vocabulary size
 
@@ -104,22 +113,12 @@ class FakeTarget:
         self.carriers: list[Carrier] = []
         self.violations: list[tuple[list[int], list[int]]] = []  # (committed prefix, proposal) drafted elsewhere
 
-    async def open(
-        self, session_id: str, token_ids: Sequence[int], params: SamplingParams, *, timeout: float, carrier: Carrier
-    ) -> None:
+    async def open(self, request: OpenRequest, *, timeout: float, carrier: Carrier) -> None:
         self.opens += 1
-        self.sessions[session_id] = list(token_ids)
+        self.sessions[request.session_id] = list(request.token_ids)
 
-    async def verify(
-        self,
-        session_id: str,
-        committed_length: int,
-        proposal: Proposal,
-        *,
-        defer_bonus: bool,
-        timeout: float,
-        carrier: Carrier,
-    ) -> VerifyOutcome:
+    async def verify(self, request: VerifyRequest, *, timeout: float, carrier: Carrier) -> VerifyOutcome:
+        session_id, committed_length, proposal = request.session_id, request.committed_length, request.proposal
         self.calls += 1
         self.carriers.append(carrier)
         await self.script.before(self.calls, timeout, self.sessions, session_id)
@@ -136,7 +135,7 @@ class FakeTarget:
         while accepted < len(drafts) and drafts[accepted] == target_next(prefix + drafts[:accepted]):
             accepted += 1
         committed = prefix + drafts[:accepted]
-        deferred = defer_bonus and 0 < len(drafts) == accepted
+        deferred = request.defer_bonus and 0 < len(drafts) == accepted
         token = -1 if deferred else target_next(committed)
         self.sessions[session_id] = committed + ([] if deferred else [token])
         return VerifyOutcome(
@@ -149,9 +148,9 @@ class FakeTarget:
             deferred=deferred,
         )
 
-    async def close(self, session_id: str, *, timeout: float) -> None:
-        self.closed.append(session_id)
-        self.sessions.pop(session_id, None)
+    async def close(self, request: CloseRequest, *, timeout: float) -> None:
+        self.closed.append(request.session_id)
+        self.sessions.pop(request.session_id, None)
 
 
 class FakeDraft:
@@ -186,65 +185,30 @@ class FakeDraft:
     async def available(self) -> bool:
         return self.up
 
-    async def open(
-        self, session_id: str, token_ids: Sequence[int], params: SamplingParams, *, timeout: float, carrier: Carrier
-    ) -> None:
+    async def open(self, request: OpenRequest, *, timeout: float, carrier: Carrier) -> None:
         self.opens += 1
-        self.sessions[session_id] = list(token_ids)
-        self.shared.pop(session_id, None)
+        self.sessions[request.session_id] = list(request.token_ids)
+        self.shared.pop(request.session_id, None)
 
-    async def propose(
-        self,
-        session_id: str,
-        committed_length: int,
-        start: int,
-        tail: Sequence[int],
-        num_tokens: int,
-        *,
-        timeout: float,
-        carrier: Carrier,
-    ) -> Proposal:
-        self.calls += 1
-        n = self.calls
-        await self.script.before(n, timeout, self.sessions, session_id)
-        if session_id not in self.sessions:
-            raise SessionNotFound(f"no session {session_id}")
-        prefix = self._sync(session_id, committed_length, start, tail)
+    async def propose(self, request: ProposeRequest, *, timeout: float, carrier: Carrier) -> Proposal:
+        n, prefix = await self._step(request, timeout)
         self.prefixes.append(prefix)
-        k = num_tokens + (1 if n in self.lie else 0) - (1 if n in self.short else 0)
-        drafts = chain(prefix, max(0, k), self.step)
-        self.sessions[session_id] = prefix + drafts
+        drafts = chain(prefix, self._length(n, request.num_tokens), self.step)
+        self.sessions[request.session_id] = prefix + drafts
         return Proposal(drafts, compute_ms=self.script.compute_ms * max(1, len(drafts)))
 
-    async def propose_branches(
-        self,
-        session_id: str,
-        committed_length: int,
-        start: int,
-        tail: Sequence[int],
-        pending: int,
-        num_tokens: int,
-        *,
-        budget: int,
-        acceptance: Sequence[float],
-        timeout: float,
-        carrier: Carrier,
-    ) -> Branches:
+    async def propose_branches(self, request: BranchRequest, *, timeout: float, carrier: Carrier) -> Branches:
         """The real branch rule over the fake's beliefs (draft_distribution); one call, like a batched pass."""
-        self.calls += 1
-        n = self.calls
-        await self.script.before(n, timeout, self.sessions, session_id)
-        if session_id not in self.sessions:
-            raise SessionNotFound(f"no session {session_id}")
-        prefix = self._sync(session_id, committed_length, start, tail)
+        session_id, pending, budget = request.session_id, request.pending, request.budget
+        n, prefix = await self._step(request, timeout)
         self.branch_calls.append((prefix, pending))
         base = len(prefix) - pending
         probs = torch.stack([draft_distribution(prefix[: base + j], self.step) for j in range(pending + 1)])
-        k = num_tokens + (1 if n in self.lie else 0) - (1 if n in self.short else 0)
+        k = self._length(n, request.num_tokens)
         branches = []
         ranking = top_ranking(probs, prefix[base:], budget + 1)
-        for c in select_branches(ranking, prefix[base:], acceptance, budget):
-            drafts = chain([*prefix[: base + c.accepted], c.token_id], max(0, k), self.step)
+        for c in select_branches(ranking, prefix[base:], request.acceptance, budget):
+            drafts = chain([*prefix[: base + c.accepted], c.token_id], k, self.step)
             branches.append(Branch(c.accepted, c.token_id, Proposal(drafts, compute_ms=self.script.compute_ms)))
         self.sessions[session_id] = prefix
         self.shared[session_id] = base  # what every branch shares with the sequence
@@ -252,15 +216,30 @@ class FakeDraft:
         self.branch_results.append(result)
         return result
 
-    def _sync(self, session_id: str, committed_length: int, start: int, tail: Sequence[int]) -> list[int]:
+    async def _step(self, request: ProposeRequest | BranchRequest, timeout: float) -> tuple[int, list[int]]:
+        """Count the call, play the script, and bring the session to the request's prefix: (call n, prefix)."""
+        self.calls += 1
+        n = self.calls
+        await self.script.before(n, timeout, self.sessions, request.session_id)
+        if request.session_id not in self.sessions:
+            raise SessionNotFound(f"no session {request.session_id}")
+        return n, self._sync(request)
+
+    def _length(self, n: int, num_tokens: int) -> int:
+        """Drafts call n sends: num_tokens, one more if it lies, one fewer if it runs short."""
+        return max(0, num_tokens + (1 if n in self.lie else 0) - (1 if n in self.short else 0))
+
+    def _sync(self, request: ProposeRequest | BranchRequest) -> list[int]:
         """The prefix from (start, tail); a start past what the branches share is a protocol violation."""
+        session_id, start = request.session_id, request.start
         if start > self.shared.pop(session_id, math.inf):
             self.violations.append((session_id, start))
-        return sync_prefix(self.sessions[session_id], committed_length, start, tail)
+        return sync_prefix(self.sessions[session_id], request.committed_length, start, request.tail)
 
-    async def close(self, session_id: str, *, timeout: float, committed: Sequence[int] = (), start: int = 0) -> None:
+    async def close(self, request: CloseRequest, *, timeout: float) -> None:
+        session_id = request.session_id
         self.closed.append(session_id)
-        self.final[session_id] = list(committed)
+        self.final[session_id] = list(request.committed)
         self.sessions.pop(session_id, None)
         self.shared.pop(session_id, None)
 

@@ -142,7 +142,7 @@ def _proposals(ids: list[list[int]]) -> list[Proposal]:
 def _alone(runner: CausalLMRunner, prompt: list[int], params: SamplingParams, proposal: Proposal) -> VerifyOutcome:
     v = Verifier(runner)
     v.open("alone", prompt, params)
-    return v.verify("alone", len(prompt), proposal)
+    return v.verify(VerifyRequest("alone", len(prompt), proposal))
 
 
 def test_a_hostile_row_fails_alone_in_a_verify_batch(models) -> None:
@@ -215,7 +215,7 @@ def test_an_assert_free_sampler_names_the_row_it_refuses(models) -> None:
 def _draft_alone(runner: CausalLMRunner, prompt: list[int], params: SamplingParams, k: int) -> Proposal:
     d = ModelDrafter(runner, wire_top_k=4)
     d.open("alone", prompt, params)
-    return d.propose("alone", len(prompt), len(prompt), [], k)
+    return d.propose(ProposeRequest("alone", len(prompt), len(prompt), [], k))
 
 
 def test_a_hostile_row_fails_alone_in_a_draft_batch(models) -> None:

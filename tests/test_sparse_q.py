@@ -204,7 +204,7 @@ def test_batched_drafting_sends_rows_of_their_own_widths(tiny_target) -> None:
     for i, p in enumerate(prompts):
         drafter.open(f"s{i}", p, SamplingParams(temperature=(0.5, 1.0, 2.0)[i], seed=i))
     for i, p in enumerate(prompts):
-        alone = drafter.propose(f"s{i}", len(p), len(p), [], 4)
+        alone = drafter.propose(ProposeRequest(f"s{i}", len(p), len(p), [], 4))
         assert alone.token_ids == batched[i].token_ids
         for k in range(4):
             one, many = _kept(alone.q_ids[k], alone.q_probs[k]), _kept(batched[i].q_ids[k], batched[i].q_probs[k])
@@ -216,11 +216,11 @@ def test_a_fixed_top_k_per_server_or_per_session(tiny_target) -> None:
     prompt = tiny_target.tokenizer("top k").input_ids
     drafter.open("a", prompt, SamplingParams(temperature=1.5, seed=1))
     drafter.open("b", prompt, SamplingParams(temperature=1.5, seed=1), wire_top_k=5)
-    a, b = (drafter.propose(s, len(prompt), len(prompt), [], 3) for s in ("a", "b"))
+    a, b = (drafter.propose(ProposeRequest(s, len(prompt), len(prompt), [], 3)) for s in ("a", "b"))
     assert a.q_ids.shape[1] == 3 and b.q_ids.shape[1] == 5
     greedy = ModelDrafter(CausalLMRunner(tiny_target.model))
     greedy.open("g", prompt, SamplingParams(temperature=0.0))
-    assert greedy.propose("g", len(prompt), len(prompt), [], 3).q_ids is None  # greedy sends IDs only
+    assert greedy.propose(ProposeRequest("g", len(prompt), len(prompt), [], 3)).q_ids is None  # greedy sends IDs only
 
 
 def test_draft_config_flags() -> None:

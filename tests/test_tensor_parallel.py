@@ -27,6 +27,7 @@ from specd.core.errors import InvalidArgument, Unavailable
 from specd.core.model import tensor_parallel
 from specd.core.model.loading import load_pretrained
 from specd.core.model.runner import CausalLMRunner
+from specd.core.rounds.steps import VerifyRequest
 from specd.core.sampling.proposal import Proposal
 from specd.core.sampling.sampler import SamplingParams
 from specd.core.target.verifier import Verifier
@@ -248,7 +249,7 @@ def test_killed_worker_gives_unavailable_then_the_group_recovers(
     prompt = [5, 6, 7, 8, 9]
     params = SamplingParams(temperature=0, seed=1)
     verifier.open("s", prompt, params)
-    before = verifier.verify("s", len(prompt), Proposal([1, 2]))
+    before = verifier.verify(VerifyRequest("s", len(prompt), Proposal([1, 2])))
     restarts, pid = group.restarts, group.workers[0]["pid"]
 
     os.kill(pid, signal.SIGKILL)
@@ -264,11 +265,11 @@ def test_killed_worker_gives_unavailable_then_the_group_recovers(
     assert group.workers[0]["pid"] != pid
     # The session survived on rank 0; the followers' caches are rebuilt on the next forward.
     n = before.committed_length
-    after = verifier.verify("s", n, Proposal([3]), start=n)  # as the coordinator sends it: from `start`
+    after = verifier.verify(VerifyRequest("s", n, Proposal([3]), start=n))  # as the coordinator sends it: from `start`
     want = Verifier(tp1_runner)
     want.open("s", prompt, params)
-    assert want.verify("s", len(prompt), Proposal([1, 2])).token_id == before.token_id
-    expected = want.verify("s", n, Proposal([3]), start=n)
+    assert want.verify(VerifyRequest("s", len(prompt), Proposal([1, 2]))).token_id == before.token_id
+    expected = want.verify(VerifyRequest("s", n, Proposal([3]), start=n))
     assert (after.accepted, after.token_id, after.committed_length) == (
         expected.accepted,
         expected.token_id,

@@ -33,8 +33,10 @@ from specd.core.rounds.steps import (
     DEFAULT_BRANCH_BUDGET,
     Branches,
     BranchRequest,
+    CloseRequest,
     DraftResult,
     DraftWork,
+    OpenRequest,
     ProposeRequest,
     VerifyOutcome,
     VerifyRequest,
@@ -91,51 +93,24 @@ class LocalDraft:
     async def available(self) -> bool:
         return True
 
-    async def open(
-        self, session_id: str, token_ids: Sequence[int], params: SamplingParams, *, timeout: float, carrier: Carrier
-    ) -> None:
-        self.drafter.open(session_id, token_ids, params)
+    async def open(self, request: OpenRequest, *, timeout: float, carrier: Carrier) -> None:
+        self.drafter.open(request.session_id, request.token_ids, request.params)
 
-    async def propose(
-        self,
-        session_id: str,
-        committed_length: int,
-        start: int,
-        tail: Sequence[int],
-        num_tokens: int,
-        *,
-        timeout: float,
-        carrier: Carrier,
-    ) -> Proposal:
-        result = await self._batch.submit(ProposeRequest(session_id, committed_length, start, list(tail), num_tokens))
+    async def propose(self, request: ProposeRequest, *, timeout: float, carrier: Carrier) -> Proposal:
+        result = await self._batch.submit(request)
         assert isinstance(result, Proposal)
         return result
 
-    async def propose_branches(
-        self,
-        session_id: str,
-        committed_length: int,
-        start: int,
-        tail: Sequence[int],
-        pending: int,
-        num_tokens: int,
-        *,
-        budget: int,
-        acceptance: Sequence[float],
-        timeout: float,
-        carrier: Carrier,
-    ) -> Branches:
-        request = BranchRequest(
-            session_id, committed_length, start, list(tail), pending, num_tokens, budget, tuple(acceptance)
-        )
+    async def propose_branches(self, request: BranchRequest, *, timeout: float, carrier: Carrier) -> Branches:
         result = await self._batch.submit(request)
         assert isinstance(result, Branches)
         return result
 
-    async def close(self, session_id: str, *, timeout: float, committed: Sequence[int] = (), start: int = 0) -> None:
+    async def close(self, request: CloseRequest, *, timeout: float) -> None:
+        committed, start = request.committed, request.start
         if isinstance(self.drafter, LearningDrafter) and committed:  # as the draft service's close
-            self.drafter.finish(session_id, len(committed), start, committed[start:])
-        self.drafter.close(session_id)
+            self.drafter.finish(request.session_id, len(committed), start, committed[start:])
+        self.drafter.close(request.session_id)
 
 
 class LocalTarget:
@@ -145,27 +120,14 @@ class LocalTarget:
         self.verifier = verifier
         self._batch: TurnBatcher[VerifyRequest, VerifyOutcome] = TurnBatcher(verifier.verify_batch)
 
-    async def open(
-        self, session_id: str, token_ids: Sequence[int], params: SamplingParams, *, timeout: float, carrier: Carrier
-    ) -> None:
-        self.verifier.open(session_id, token_ids, params)
+    async def open(self, request: OpenRequest, *, timeout: float, carrier: Carrier) -> None:
+        self.verifier.open(request.session_id, request.token_ids, request.params)
 
-    async def verify(
-        self,
-        session_id: str,
-        committed_length: int,
-        proposal: Proposal,
-        *,
-        defer_bonus: bool,
-        timeout: float,
-        carrier: Carrier,
-    ) -> VerifyOutcome:
-        # start = committed_length: roll back a verdict the loop never saw, as the service does.
-        request = VerifyRequest(session_id, committed_length, proposal, start=committed_length, defer_bonus=defer_bonus)
+    async def verify(self, request: VerifyRequest, *, timeout: float, carrier: Carrier) -> VerifyOutcome:
         return await self._batch.submit(request)
 
-    async def close(self, session_id: str, *, timeout: float) -> None:
-        self.verifier.close(session_id)
+    async def close(self, request: CloseRequest, *, timeout: float) -> None:
+        self.verifier.close(request.session_id)
 
 
 T = TypeVar("T")

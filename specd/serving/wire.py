@@ -12,7 +12,16 @@ from specd.core.errors import InvalidArgument
 from specd.core.phases import PhaseLog
 from specd.core.rounds.generation import FinishReason
 from specd.core.rounds.record import RequestStats
-from specd.core.rounds.steps import Branch, Branches, BranchRequest, ProposeRequest, VerifyOutcome, VerifyRequest
+from specd.core.rounds.steps import (
+    Branch,
+    Branches,
+    BranchRequest,
+    CloseRequest,
+    OpenRequest,
+    ProposeRequest,
+    VerifyOutcome,
+    VerifyRequest,
+)
 from specd.core.sampling import sparse_q
 from specd.core.sampling.proposal import DEFAULT_MAX_DRAFT_TOKENS, DEFAULT_MAX_Q_WIDTH, Proposal
 from specd.core.sampling.sampler import SamplingParams
@@ -218,35 +227,31 @@ def verdict_to_proto(outcome: VerifyOutcome, resp: target_pb2.TargetResponse) ->
     v.batch_tokens = outcome.phases.batch_tokens
 
 
-# ---- the coordinator's round streams (coordinator/peers.py, coordinator/ports.py) ----------
+# ---- the coordinator's round streams (coordinator/peers.py) ----------
 
 RoundRequest = TypeVar("RoundRequest", draft_pb2.DraftRequest, target_pb2.TargetRequest)
 
 
-def open_request(
-    kind: type[RoundRequest],
-    session_id: str,
-    token_ids: Sequence[int],
-    params: SamplingParams,
-    carrier: Mapping[str, str],
-) -> RoundRequest:
+def open_request(kind: type[RoundRequest], request: OpenRequest, carrier: Mapping[str, str]) -> RoundRequest:
     """Open (or re-open) a session on a draft or target stream with the committed tokens."""
-    req = kind(session_id=session_id, committed_length=len(token_ids), trace_context=carrier)
-    req.open.token_ids.extend(token_ids)
-    req.open.sampling.CopyFrom(params_to_proto(params))
+    req = kind(session_id=request.session_id, committed_length=len(request.token_ids), trace_context=carrier)
+    req.open.token_ids.extend(request.token_ids)
+    req.open.sampling.CopyFrom(params_to_proto(request.params))
     return req
 
 
-def close_request(kind: type[RoundRequest], session_id: str) -> RoundRequest:
-    req = kind(session_id=session_id)
+def close_request(kind: type[RoundRequest], request: CloseRequest) -> RoundRequest:
+    """Close a target session (a target's close carries no tokens)."""
+    req = kind(session_id=request.session_id)
     req.close.SetInParent()
     return req
 
 
-def draft_close_request(session_id: str, committed: Sequence[int], start: int) -> draft_pb2.DraftRequest:
+def draft_close_request(request: CloseRequest) -> draft_pb2.DraftRequest:
     """Close a draft session, carrying the committed tokens from `start` on (the draft holds the
     first `start`): a learning drafter (suffix) indexes the whole answer."""
-    req = draft_pb2.DraftRequest(session_id=session_id, committed_length=len(committed))
+    committed, start = request.committed, request.start
+    req = draft_pb2.DraftRequest(session_id=request.session_id, committed_length=len(committed))
     req.close.SetInParent()
     if committed:
         req.close.start = start
@@ -254,40 +259,27 @@ def draft_close_request(session_id: str, committed: Sequence[int], start: int) -
     return req
 
 
-def propose_request(
-    session_id: str,
-    committed_length: int,
-    start: int,
-    tail: Sequence[int],
-    num_tokens: int,
-    carrier: Mapping[str, str],
-) -> draft_pb2.DraftRequest:
-    req = draft_pb2.DraftRequest(session_id=session_id, committed_length=committed_length, trace_context=carrier)
-    req.propose.start = start
-    req.propose.token_ids.extend(tail)
-    req.propose.num_tokens = num_tokens
+def propose_request(request: ProposeRequest, carrier: Mapping[str, str]) -> draft_pb2.DraftRequest:
+    req = draft_pb2.DraftRequest(
+        session_id=request.session_id, committed_length=request.committed_length, trace_context=carrier
+    )
+    req.propose.start = request.start
+    req.propose.token_ids.extend(request.tail)
+    req.propose.num_tokens = request.num_tokens
     return req
 
 
-def branches_request(
-    session_id: str,
-    committed_length: int,
-    start: int,
-    tail: Sequence[int],
-    pending: int,
-    num_tokens: int,
-    budget: int,
-    acceptance: Sequence[float],
-    carrier: Mapping[str, str],
-) -> draft_pb2.DraftRequest:
-    req = draft_pb2.DraftRequest(session_id=session_id, committed_length=committed_length, trace_context=carrier)
+def branches_request(request: BranchRequest, carrier: Mapping[str, str]) -> draft_pb2.DraftRequest:
+    req = draft_pb2.DraftRequest(
+        session_id=request.session_id, committed_length=request.committed_length, trace_context=carrier
+    )
     b = req.branches
-    b.start = start
-    b.token_ids.extend(tail)
-    b.pending = pending
-    b.num_tokens = num_tokens
-    b.budget = budget
-    b.acceptance.extend(acceptance)
+    b.start = request.start
+    b.token_ids.extend(request.tail)
+    b.pending = request.pending
+    b.num_tokens = request.num_tokens
+    b.budget = request.budget
+    b.acceptance.extend(request.acceptance)
     return req
 
 
@@ -301,14 +293,16 @@ def branches_from_proto(msg: draft_pb2.DraftBranchSet, vocab_size: int) -> Branc
     return Branches(tuple(out), msg.compute_ms, PhaseLog(batch_size=max(1, msg.batch_size)))
 
 
-def verify_request(
-    session_id: str, committed_length: int, proposal: Proposal, defer_bonus: bool, carrier: Mapping[str, str]
-) -> target_pb2.TargetRequest:
-    req = target_pb2.TargetRequest(session_id=session_id, committed_length=committed_length, trace_context=carrier)
-    req.verify.start = committed_length  # the target rolls back any verdict the coordinator did not see
-    req.verify.draft_token_ids.extend(proposal.token_ids)
-    req.verify.q.extend(sparse_to_proto(proposal))
-    req.verify.defer_bonus = defer_bonus
+def verify_request(request: VerifyRequest, carrier: Mapping[str, str]) -> target_pb2.TargetRequest:
+    req = target_pb2.TargetRequest(
+        session_id=request.session_id, committed_length=request.committed_length, trace_context=carrier
+    )
+    # No start: the committed length, so the target rolls back any verdict the coordinator did not see.
+    req.verify.start = request.committed_length if request.start is None else request.start
+    req.verify.token_ids.extend(request.tail)
+    req.verify.draft_token_ids.extend(request.proposal.token_ids)
+    req.verify.q.extend(sparse_to_proto(request.proposal))
+    req.verify.defer_bonus = request.defer_bonus
     return req
 
 

@@ -28,13 +28,13 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from specd.core.draft.protocol import Drafter
+from specd.core.draft.protocol import Drafter, propose_one
 from specd.core.draft.suffix import SuffixSession, SuffixSettings, best_candidate
 from specd.core.draft.suffix_index import SharedSuffixIndex
 from specd.core.errors import InvalidArgument, SessionOutOfSync
 from specd.core.model.pool import SessionTable
 from specd.core.rounds.adaptive import Estimate, ProbeBudget, best_draft_length
-from specd.core.rounds.steps import ProposeRequest
+from specd.core.rounds.steps import ProposeRequest, check_num_tokens
 from specd.core.sampling.proposal import Proposal
 from specd.core.sampling.sampler import SamplingParams
 
@@ -147,13 +147,8 @@ class HybridDrafter:
     def active_sessions(self) -> int:
         return len(self._sessions)
 
-    def propose(
-        self, session_id: str, committed_length: int, start: int, tail: Sequence[int], num_tokens: int
-    ) -> Proposal:
-        result = self.propose_batch([ProposeRequest(session_id, committed_length, start, tail, num_tokens)])[0]
-        if isinstance(result, BaseException):
-            raise result
-        return result
+    def propose(self, request: ProposeRequest) -> Proposal:
+        return propose_one(self, request)
 
     def propose_batch(self, requests: Sequence[ProposeRequest]) -> list[Proposal | Exception]:
         """Suffix proposals at once; the sessions that need the model share one batched model step."""
@@ -161,8 +156,7 @@ class HybridDrafter:
         to_model: list[tuple[int, _HybridSession, ProposeRequest]] = []
         for i, req in enumerate(requests):
             try:
-                if req.num_tokens < 1:
-                    raise InvalidArgument(f"num_tokens must be >= 1 (got {req.num_tokens})")
+                check_num_tokens(req.num_tokens)
                 t0 = time.perf_counter()
                 s = self._sessions.get(req.session_id)
                 s.suffix.sync(req.committed_length, req.start, req.tail)

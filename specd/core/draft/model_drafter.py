@@ -34,6 +34,7 @@ from specd.core.rounds.steps import (
     DraftResult,
     DraftWork,
     ProposeRequest,
+    check_num_tokens,
     check_sync,
 )
 from specd.core.sampling import sampler, sparse_q
@@ -113,10 +114,8 @@ class ModelDrafter(PooledModel[_ModelDraftSession]):
         q = QSettings.top_k(wire_top_k, self.q.bits) if wire_top_k else self.default_q
         self._pool.open(session_id, token_ids, lambda kv: _ModelDraftSession(kv, params, q))
 
-    def propose(
-        self, session_id: str, committed_length: int, start: int, tail: Sequence[int], num_tokens: int
-    ) -> Proposal:
-        return propose_one(self, session_id, committed_length, start, tail, num_tokens)
+    def propose(self, request: ProposeRequest) -> Proposal:
+        return propose_one(self, request)
 
     def propose_batch(self, requests: Sequence[ProposeRequest]) -> list[Proposal | Exception]:
         out: list[Proposal | Exception] = []
@@ -174,8 +173,7 @@ class ModelDrafter(PooledModel[_ModelDraftSession]):
 
     def _prepare(self, req: ProposeRequest) -> tuple[_ModelDraftSession, int]:
         """A request's checks and sync: its session, brought to the committed prefix, and the tokens to draft."""
-        if req.num_tokens < 1:
-            raise InvalidArgument(f"num_tokens must be >= 1 (got {req.num_tokens})")
+        check_num_tokens(req.num_tokens)
         s = self._pool.get(req.session_id)
         self._sync(s, req.committed_length, req.start, req.tail)
         n = min(req.num_tokens, self.runner.max_context - req.committed_length)
@@ -187,8 +185,7 @@ class ModelDrafter(PooledModel[_ModelDraftSession]):
         """A branch call's checks and sync; the steps it runs: 1 (read the pending positions) + tokens per branch.
 
         No room left in the context for a branch: 0 steps, no branches (not an error)."""
-        if req.num_tokens < 1:
-            raise InvalidArgument(f"num_tokens must be >= 1 (got {req.num_tokens})")
+        check_num_tokens(req.num_tokens)
         if not 1 <= req.budget <= MAX_BRANCH_BUDGET:
             raise InvalidArgument(f"budget must be in 1..{MAX_BRANCH_BUDGET} branches (got {req.budget})")
         if not 1 <= req.pending < req.committed_length:

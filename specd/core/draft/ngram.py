@@ -6,9 +6,10 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from specd.core.draft.protocol import propose_each
 from specd.core.errors import InvalidArgument
 from specd.core.model.pool import SessionTable
-from specd.core.rounds.steps import ProposeRequest, sync_prefix
+from specd.core.rounds.steps import ProposeRequest, check_num_tokens, sync_prefix
 from specd.core.sampling.proposal import Proposal
 from specd.core.sampling.sampler import SamplingParams
 
@@ -60,14 +61,11 @@ class NgramDrafter:
     def active_sessions(self) -> int:
         return len(self._sessions)
 
-    def propose(
-        self, session_id: str, committed_length: int, start: int, tail: Sequence[int], num_tokens: int
-    ) -> Proposal:
-        if num_tokens < 1:
-            raise InvalidArgument(f"num_tokens must be >= 1 (got {num_tokens})")
+    def propose(self, request: ProposeRequest) -> Proposal:
+        num_tokens = check_num_tokens(request.num_tokens)
         t0 = time.perf_counter()
-        s = self._sessions.get(session_id)
-        s.tokens = sync_prefix(s.tokens, committed_length, start, tail)
+        s = self._sessions.get(request.session_id)
+        s.tokens = sync_prefix(s.tokens, request.committed_length, request.start, request.tail)
         found = lookup_continuation(
             s.tokens, num_tokens, self.max_ngram, self.min_ngram, cap_at_match=self.cap_at_match
         )
@@ -78,13 +76,7 @@ class NgramDrafter:
 
     def propose_batch(self, requests: Sequence[ProposeRequest]) -> list[Proposal | Exception]:
         """No model to share: each request on its own (a lookup takes microseconds)."""
-        out: list[Proposal | Exception] = []
-        for r in requests:
-            try:
-                out.append(self.propose(r.session_id, r.committed_length, r.start, r.tail, r.num_tokens))
-            except Exception as exc:  # noqa: BLE001 - this request's error, reported in its slot
-                out.append(exc)
-        return out
+        return propose_each(self.propose, requests)
 
 
 def lookup_continuation(

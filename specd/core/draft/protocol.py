@@ -8,7 +8,7 @@ specd.core.rounds.steps.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Protocol, runtime_checkable
 
 from specd.core.draft.branching import bonus_guess
@@ -25,9 +25,7 @@ class Drafter(Protocol):
 
     def open(self, session_id: str, token_ids: Sequence[int], params: SamplingParams, wire_top_k: int = 0) -> None: ...
 
-    def propose(
-        self, session_id: str, committed_length: int, start: int, tail: Sequence[int], num_tokens: int
-    ) -> Proposal: ...
+    def propose(self, request: ProposeRequest) -> Proposal: ...
 
     def propose_batch(self, requests: Sequence[ProposeRequest]) -> list[Proposal | Exception]: ...
 
@@ -69,11 +67,22 @@ def draft_work(drafter: Drafter, requests: Sequence[DraftWork]) -> list[DraftRes
     return out
 
 
-def propose_one(
-    drafter: Drafter, session_id: str, committed_length: int, start: int, tail: Sequence[int], num_tokens: int
-) -> Proposal:
+def propose_one(drafter: Drafter, request: ProposeRequest) -> Proposal:
     """propose() as a batch of one: the proposal, or the request's exception raised."""
-    result = drafter.propose_batch([ProposeRequest(session_id, committed_length, start, tail, num_tokens)])[0]
+    result = drafter.propose_batch([request])[0]
     if isinstance(result, BaseException):
         raise result
     return result
+
+
+def propose_each(
+    propose: Callable[[ProposeRequest], Proposal], requests: Sequence[ProposeRequest]
+) -> list[Proposal | Exception]:
+    """propose_batch of a drafter with no model to share: each request on its own, its error in its slot."""
+    out: list[Proposal | Exception] = []
+    for r in requests:
+        try:
+            out.append(propose(r))
+        except Exception as exc:  # noqa: BLE001 - this request's error, reported in its slot
+            out.append(exc)
+    return out

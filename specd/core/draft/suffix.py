@@ -33,10 +33,11 @@ from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
 from specd.core.draft.ngram import lookup_continuation
+from specd.core.draft.protocol import propose_each
 from specd.core.draft.suffix_index import NO_CANDIDATE, Candidate, SharedSuffixIndex, SuffixIndex
 from specd.core.errors import InvalidArgument, SessionOutOfSync
 from specd.core.model.pool import SessionTable
-from specd.core.rounds.steps import ProposeRequest, sync_prefix
+from specd.core.rounds.steps import ProposeRequest, check_num_tokens, sync_prefix
 from specd.core.sampling.proposal import Proposal
 from specd.core.sampling.sampler import SamplingParams
 
@@ -191,14 +192,11 @@ class SuffixDrafter:
     def active_sessions(self) -> int:
         return len(self._sessions)
 
-    def propose(
-        self, session_id: str, committed_length: int, start: int, tail: Sequence[int], num_tokens: int
-    ) -> Proposal:
-        if num_tokens < 1:
-            raise InvalidArgument(f"num_tokens must be >= 1 (got {num_tokens})")
+    def propose(self, request: ProposeRequest) -> Proposal:
+        num_tokens = check_num_tokens(request.num_tokens)
         t0 = time.perf_counter()
-        session = self._sessions.get(session_id)
-        session.sync(committed_length, start, tail)
+        session = self._sessions.get(request.session_id)
+        session.sync(request.committed_length, request.start, request.tail)
         candidate, source = best_candidate(session, self.index, self.settings, num_tokens)
         found = list(candidate.token_ids)
         if not found and self.settings.fallback == "ngram":
@@ -210,13 +208,7 @@ class SuffixDrafter:
 
     def propose_batch(self, requests: Sequence[ProposeRequest]) -> list[Proposal | Exception]:
         """No model to share: each request on its own (a lookup takes well under a millisecond)."""
-        out: list[Proposal | Exception] = []
-        for r in requests:
-            try:
-                out.append(self.propose(r.session_id, r.committed_length, r.start, r.tail, r.num_tokens))
-            except Exception as exc:  # noqa: BLE001 - this request's error, reported in its slot
-                out.append(exc)
-        return out
+        return propose_each(self.propose, requests)
 
     def _learn(self, session: SuffixSession) -> None:
         self.index.add(session.document(self.settings.prompt_tail))

@@ -9,7 +9,15 @@ from typing import TypeVar
 
 from specd.core.errors import DeadlineExceeded, SessionNotFound, SessionOutOfSync, Unavailable
 from specd.core.rounds.ports import Carrier, DraftPort, TargetPort
-from specd.core.rounds.steps import Branches, VerifyOutcome
+from specd.core.rounds.steps import (
+    Branches,
+    BranchRequest,
+    CloseRequest,
+    OpenRequest,
+    ProposeRequest,
+    VerifyOutcome,
+    VerifyRequest,
+)
 from specd.core.sampling.proposal import Proposal
 from specd.core.sampling.sampler import SamplingParams
 
@@ -54,16 +62,15 @@ class DraftSession:
         return n
 
     async def propose(
-        self, committed: Sequence[int], extension: Sequence[int], k: int, *, timeout: float, carrier: Carrier
+        self, committed: Sequence[int], extension: Sequence[int], num_tokens: int, *, timeout: float, carrier: Carrier
     ) -> Proposal:
-        """Up to k draft tokens after committed + extension; raises the port's SpecdError on failure."""
+        """Up to num_tokens draft tokens after committed + extension; raises the port's SpecdError on failure."""
 
         async def send(start: int, prefix: list[int]) -> tuple[Proposal, list[int]]:
-            proposal = await self.port.propose(
-                self.session_id, len(prefix), start, prefix[start:], k, timeout=timeout, carrier=carrier
-            )
-            if len(proposal) > k:
-                raise Unavailable(f"draft sent {len(proposal)} tokens for {k} asked")
+            request = ProposeRequest(self.session_id, len(prefix), start, prefix[start:], num_tokens)
+            proposal = await self.port.propose(request, timeout=timeout, carrier=carrier)
+            if len(proposal) > num_tokens:
+                raise Unavailable(f"draft sent {len(proposal)} tokens for {num_tokens} asked")
             return proposal, [*extension, *proposal.token_ids]
 
         return await self._call(committed, extension, send, timeout=timeout, carrier=carrier)
@@ -72,14 +79,14 @@ class DraftSession:
         self,
         committed: Sequence[int],
         pending: Sequence[int],
-        k: int,
+        num_tokens: int,
         *,
         budget: int,
         acceptance: Sequence[float],
         timeout: float,
         carrier: Carrier,
     ) -> Branches:
-        """Branches for the verdicts of `pending` (being verified after `committed`), k drafts each.
+        """Branches for the verdicts of `pending` (being verified after `committed`), num_tokens drafts each.
 
         Afterwards the draft holds several sequences that share `committed` and
         nothing more for sure, so the next call starts within `committed`; the
@@ -87,19 +94,11 @@ class DraftSession:
         """
 
         async def send(start: int, prefix: list[int]) -> tuple[Branches, list[int]]:
-            branches = await self.port.propose_branches(
-                self.session_id,
-                len(prefix),
-                start,
-                prefix[start:],
-                len(pending),
-                k,
-                budget=budget,
-                acceptance=acceptance,
-                timeout=timeout,
-                carrier=carrier,
+            request = BranchRequest(
+                self.session_id, len(prefix), start, prefix[start:], len(pending), num_tokens, budget, tuple(acceptance)
             )
-            _check_branches(branches, len(pending), k, budget)
+            branches = await self.port.propose_branches(request, timeout=timeout, carrier=carrier)
+            _check_branches(branches, len(pending), num_tokens, budget)
             return branches, []
 
         return await self._call(committed, pending, send, timeout=timeout, carrier=carrier)
@@ -123,7 +122,8 @@ class DraftSession:
                 for _ in range(2):  # a second try after re-opening a session the draft lost
                     try:
                         if not self.opened:
-                            await self.port.open(self.session_id, prefix, self.params, timeout=timeout, carrier=carrier)
+                            request = OpenRequest(self.session_id, prefix, self.params)
+                            await self.port.open(request, timeout=timeout, carrier=carrier)
                             self.opened, self._base, self._ext = True, len(committed), list(extension)
                         result, held = await send(self.agreement(prefix), prefix)
                         self._base, self._ext = len(committed), held
@@ -138,18 +138,18 @@ class DraftSession:
     async def close(self, timeout: float, committed: Sequence[int] = ()) -> None:
         if self.touched:
             start = self.agreement(committed) if self.opened else 0
-            await self.port.close(self.session_id, timeout=timeout, committed=committed, start=start)
+            await self.port.close(CloseRequest(self.session_id, committed, start), timeout=timeout)
 
 
-def _check_branches(branches: Branches, pending: int, k: int, budget: int) -> None:
+def _check_branches(branches: Branches, pending: int, num_tokens: int, budget: int) -> None:
     """Branches that cannot belong to this call mean a draft out of step: Unavailable (the round goes on)."""
     if len(branches) > budget:
         raise Unavailable(f"draft sent {len(branches)} branches for {budget} asked")
     for b in branches.branches:
         if not 0 <= b.accepted <= pending:
             raise Unavailable(f"draft sent a branch with {b.accepted} of {pending} pending tokens accepted")
-        if len(b.proposal) > k:
-            raise Unavailable(f"draft sent a branch of {len(b.proposal)} tokens for {k} asked")
+        if len(b.proposal) > num_tokens:
+            raise Unavailable(f"draft sent a branch of {len(b.proposal)} tokens for {num_tokens} asked")
 
 
 class TargetSession:
@@ -191,11 +191,15 @@ class TargetSession:
             self.touched = True
             try:
                 if not self.opened:
-                    await self.port.open(self.session_id, committed, self.params, timeout=timeout, carrier=carrier)
+                    await self.port.open(
+                        OpenRequest(self.session_id, committed, self.params), timeout=timeout, carrier=carrier
+                    )
                     self.opened = True
-                outcome = await self.port.verify(
-                    self.session_id, len(committed), proposal, defer_bonus=defer_bonus, timeout=timeout, carrier=carrier
+                # start = the committed length: the target rolls back any verdict the loop never saw.
+                request = VerifyRequest(
+                    self.session_id, len(committed), proposal, start=len(committed), defer_bonus=defer_bonus
                 )
+                outcome = await self.port.verify(request, timeout=timeout, carrier=carrier)
                 _check(outcome, proposal, defer_bonus)
                 return outcome
             except (SessionNotFound, SessionOutOfSync) as exc:
@@ -216,7 +220,7 @@ class TargetSession:
 
     async def close(self, timeout: float) -> None:
         if self.touched:
-            await self.port.close(self.session_id, timeout=timeout)
+            await self.port.close(CloseRequest(self.session_id), timeout=timeout)
 
 
 def _check(outcome: VerifyOutcome, proposal: Proposal, defer_bonus: bool) -> None:

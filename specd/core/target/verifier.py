@@ -57,18 +57,9 @@ class Verifier(PooledModel[_TargetSession]):
         params.validate()
         self._pool.open(session_id, token_ids, lambda kv: _TargetSession(kv, params))
 
-    def verify(
-        self,
-        session_id: str,
-        committed_length: int,
-        proposal: Proposal,
-        *,
-        start: int | None = None,
-        tail: Sequence[int] = (),
-        defer_bonus: bool = False,
-    ) -> VerifyOutcome:
+    def verify(self, request: VerifyRequest) -> VerifyOutcome:
         """Verify `proposal` after the committed prefix and commit the verdict (a batch of one)."""
-        result = self.verify_batch([VerifyRequest(session_id, committed_length, proposal, start, tail, defer_bonus)])[0]
+        result = self.verify_batch([request])[0]
         if isinstance(result, BaseException):
             raise result
         return result

@@ -19,9 +19,9 @@ from specd.core.model import catalog
 from specd.core.model.catalog import MODEL_FREE_DRAFTS, SUFFIX
 from specd.core.model.runner import CausalLMRunner
 from specd.serving.config import DraftConfig
-from specd.serving.load import SERVICE_NAME as LOAD_SERVICE_NAME
-from specd.serving.load import LoadSource, add_load_service
 from specd.serving.metrics import DraftMetrics
+from specd.serving.replica_load import SERVICE_NAME as LOAD_SERVICE_NAME
+from specd.serving.replica_load import LoadSource, add_load_service
 from specd.serving.server import MAX_MESSAGE_BYTES, ServiceHandle, build_server, message_limit_for_context
 from specd.serving.tracing import Tracing
 from specd.v1 import common_pb2, draft_pb2, draft_pb2_grpc

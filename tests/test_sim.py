@@ -152,7 +152,7 @@ def test_runner_rows_are_the_function_of_their_context_through_rollback_and_batc
         assert torch.equal(rows, lm.logits(contexts))
     assert a.cached == len(a.tokens) and runner.kv_bytes(a) == 100 * len(a.tokens)
     runner.truncate(a, 6)  # roll back past the drafts
-    runner.set_tokens(b, b.tokens[:2] + [99])
+    runner.splice(b, 0, b.tokens[:2] + [99])
     again = runner.logits_batch([b, a], [1, 2])
     assert torch.equal(again[1], lm.logits([a.tokens[:5], a.tokens[:6]]))
     assert torch.equal(again[0], lm.logits([b.tokens]))

@@ -25,7 +25,7 @@ from specd.core.sampling.sampler import SamplingParams
 from specd.core.sampling.sparse_q import MAX_WEIGHT, QSettings
 from specd.serving.config import DraftConfig
 from specd.serving.metrics import DraftMetrics
-from specd.serving.wire import proposal_from_proto, proposal_to_proto, q_wire_bytes, sparse_from_proto
+from specd.serving.wire import proposal_from_proto, proposal_to_proto, q_wire_bytes
 from specd.v1 import common_pb2, draft_pb2
 
 pytestmark = pytest.mark.usefixtures("torch_single_thread")
@@ -171,7 +171,7 @@ def test_wire_sends_integer_weights_compactly_and_float_probs_plainly() -> None:
 def test_a_q_that_mixes_both_forms_is_refused() -> None:
     d = common_pb2.SparseDistribution(token_ids=[1], probs=[1.0], id_gaps=[1], weights=[1])
     with pytest.raises(InvalidArgument, match="mixes"):
-        sparse_from_proto([d], 10)
+        proposal_from_proto(draft_pb2.DraftProposal(token_ids=[1], q=[d]), 10)
 
 
 # ---- the drafter and the draft service ----------------------------------------
@@ -198,7 +198,7 @@ def test_batched_drafting_sends_rows_of_their_own_widths(tiny_target) -> None:
     assert len(widths) > 1 and max(widths) <= 200
     for prop in batched:
         wire = proposal_to_proto(prop)
-        Proposal.from_wire(wire.token_ids, sparse_from_proto(wire.q, drafter.vocab_size), drafter.vocab_size)
+        proposal_from_proto(wire, drafter.vocab_size)  # what the target accepts
         assert prop.q_ms > 0
     # one session at a time: the same tokens and the same q (a batched forward may move a weight by one step)
     for i, p in enumerate(prompts):

@@ -34,7 +34,7 @@ from specd.core.target.verifier import Verifier
 from specd.tools import cli
 from specd.v1 import common_pb2, session_pb2, target_pb2, target_pb2_grpc
 from target_service.servicer import TargetServicer
-from target_service.workers.runner import TensorParallelRunner, build_tp_runner
+from target_service.workers.tp_runner import TensorParallelRunner, build_tp_runner
 from tests.cluster import READY_TIMEOUT_S, Cluster, QuietService, metrics_address, scrape, total
 from tests.references import loaded, reference
 
@@ -164,8 +164,8 @@ def test_tp2_logits_match_tp1_after_prefill_verify_and_rollback(
     both(CausalLMRunner.truncate, 3)  # deep roll back, then re-verify from there
     both(CausalLMRunner.append, [1, 2, 3, 4])
     compare(5, "deep roll back + verify")
-    both(CausalLMRunner.set_tokens, prompt[:6] + [9, 9])  # prefix edit keeps the common cache
-    compare(2, "set_tokens")
+    both(CausalLMRunner.splice, 0, prompt[:6] + [9, 9])  # prefix edit keeps the common cache
+    compare(2, "splice from the start")
     print("max |logits(tp=2) - logits(tp=1)|:", ", ".join(f"{w} {d:.2g}" for w, d in steps))
     tp_runner.release(a)
 

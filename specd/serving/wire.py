@@ -63,21 +63,6 @@ def sparse_to_proto(proposal: Proposal) -> list[common_pb2.SparseDistribution]:
     return [common_pb2.SparseDistribution(token_ids=ids, probs=probs) for ids, probs in proposal.to_wire()]
 
 
-def sparse_from_proto(
-    q: Sequence[common_pb2.SparseDistribution], vocab_size: int
-) -> list[tuple[list[int], list[float]]]:
-    """Per position (ids, probs) from either form (InvalidArgument on a malformed compact one)."""
-    out: list[tuple[list[int], list[float]]] = []
-    for i, d in enumerate(q):
-        if d.id_gaps or d.weights:
-            if d.token_ids or d.probs:
-                raise InvalidArgument(f"q at draft position {i} mixes the plain and the compact form; send one")
-            out.append(sparse_q.from_compact(d.id_gaps, d.weights, vocab_size))
-        else:
-            out.append((list(d.token_ids), list(d.probs)))
-    return out
-
-
 def q_wire_bytes(msg: draft_pb2.DraftProposal) -> list[int]:
     """Bytes each position's q takes inside the message (its field tag and length included)."""
     return [1 + _varint_bytes(n) + n for n in (d.ByteSize() for d in msg.q)]

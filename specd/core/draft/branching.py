@@ -26,8 +26,9 @@ all-accepted verdict with the draft's best bonus guess (what bonus-match
 pre-drafts), even when the product ranks it lower: acceptance runs in
 streaks (contexts where draft and target agree), so P(all accepted) is more
 than the product of the a_i, and with one branch bonus-match's choice hits
-more often than the product's (scripts/speccache_hits.py). Why these: the
-coordinator knows how often each position is accepted (`PositionAcceptance`:
+more often than the product's (docs/results/code-choices.md). Why these: the
+coordinator knows how often each position is accepted
+(`specd.core.rounds.adaptive.PositionAcceptance`:
 this request's verdicts, shrunk towards a prior), the draft knows what it
 would say instead, and their product is the probability of the verdict under
 the model "the target accepts position i with probability a_i and, when it
@@ -37,15 +38,14 @@ rejects, says what the draft would say next".
   The bonus is drawn from p, which q approximates; the recovered token from
   normalise(max(0, p - q)), which q's alternatives approximate less well.
 - T = 0: the verdict is about the target's argmax, and the draft's softmax
-  is not calibrated for that (on the emulated 70B pair its top token is the
-  target's argmax ~80% of the time while its softmax gives it ~50%). So q is
+  is not calibrated for that (it gives its top token less probability than
+  how often that token is the target's argmax; docs/results/code-choices.md). So q is
   temperature-scaled (`calibrated_greedy`): softmax(g * logits) with the g
   whose confidence in the draft's own pending tokens averages the measured
   acceptance, and a_i = sqrt(measured a_i x calibrated q_i(d_i)), which
   keeps the per-position rates and adds what the draft knows about this
-  round (a confident token is accepted more often). On the emulated 70B pair
-  (agreement 0.8, K = 4, 8 branches) this covers 75% of the verdicts against
-  50% uncalibrated (in-process, 16 requests x 64 tokens).
+  round (a confident token is accepted more often); it covers more of the
+  verdicts than the uncalibrated softmax (docs/results/code-choices.md).
 """
 
 from __future__ import annotations

@@ -86,18 +86,15 @@ def lookup_continuation(
 
     Earliest, not latest: when an answer reproduces text from the prompt (code
     being edited), the first occurrence is usually the source being copied,
-    while the latest is often a short repeat inside the answer itself. On the
-    shipped edit prompts' greedy answers (K = 4) the earliest match gives 3.12
-    tokens per round against 2.95 for the latest (scripts/ngram_policy.py).
+    while the latest is often a short repeat inside the answer itself (measured:
+    docs/results/code-choices.md).
 
     cap_at_match: propose at most as many tokens as the match's agreeing
     context, L (the n-gram, extended backwards while the tokens before both
     occurrences agree). A long shared history predicts a long shared future,
     a one-token coincidence does not, and on a CPU every proposed token makes
-    the target's verify dearer. Replayed on the edit prompts' greedy answers
-    with a verify cost of 70 + 10 (K + 1) ms (scripts/ngram_policy.py),
-    min(L, 12) gives 31.1 tokens/s against 27.0 for a fixed K = 4 and 27.9
-    for the best fixed K (6).
+    the target's verify dearer; min(L, 12) beats every fixed K on the edit
+    prompts (docs/results/code-choices.md).
     """
     n_tokens = len(tokens)
     for n in range(min(max_ngram, n_tokens - 1), min_ngram - 1, -1):

@@ -178,11 +178,6 @@ class SuffixIndex:
         """An upper bound on nbytes right after compact()."""
         return 4 * max(1, self.tokens) + self._posting_bytes + _DICT_BASE + _DICT_PER_KEY * len(self._postings)
 
-    @property
-    def slack_bytes(self) -> int:
-        """Buffer bytes that hold no live token (evicted prefix, spare capacity)."""
-        return int(self._buf.nbytes) - 4 * (self._end - self._live)
-
     def _close_open(self) -> None:
         if self._open:
             self._open = False

@@ -184,10 +184,6 @@ class CausalLMRunner:
         s.tokens.extend(ids)
         self._crop(s, min(s.cached, common))
 
-    def set_tokens(self, s: KVSession, token_ids: Sequence[int]) -> None:
-        """Make ``s.tokens == token_ids``, keeping the cache of the common prefix."""
-        self.splice(s, 0, token_ids)
-
     def fork(self, s: KVSession) -> KVSession:
         """A second session with s's tokens and cache, sharing the cache tensors (no copy).
 

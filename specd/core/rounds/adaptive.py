@@ -36,9 +36,7 @@ c + sigma: at batch 1 on a GPU sigma is ~0 (Leviathan's model); as the batch
 grows sigma approaches 1 and K shrinks, down to no speculation. The fit
 sees decode steps only: a prefill's hundreds of tokens would set the slope
 to the prefill's per-token cost, far below what the first extra decode
-token costs on a CPU (for the demo target on 2 threads T(2) - T(1) is
-0.12-0.15 T(1) over three runs, where a 100-token chunk costs 0.03 T(1) a token;
-scripts/verify_cost.py).
+token costs on a CPU (docs/results/code-choices.md).
 
 A round that drafts also waits for the draft call itself: beyond the
 draft's compute, the hop there and back (wire, queue, wake), a fixed

@@ -16,7 +16,7 @@ from specd.core.model.sim.profile import (
     load_profile,
     parse_sim_spec,
 )
-from specd.core.model.sim.runner import SimRunner, SimStats
+from specd.core.model.sim.sim_runner import SimRunner, SimStats
 
 __all__ = [
     "EMULATED",

@@ -34,7 +34,7 @@ from typing import Any
 from specd.core.errors import InvalidArgument
 from specd.core.model.sim.cost import CostModel
 from specd.core.model.sim.lm import SimLM, SimShape
-from specd.core.model.sim.runner import SimRunner
+from specd.core.model.sim.sim_runner import SimRunner
 
 __all__ = [
     "EMULATED",

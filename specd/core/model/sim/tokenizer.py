@@ -18,7 +18,7 @@ from pathlib import Path
 
 from tokenizers import AddedToken, Tokenizer, decoders, pre_tokenizers
 from tokenizers.models import BPE
-from transformers import AutoTokenizer, PreTrainedTokenizerBase, PreTrainedTokenizerFast
+from transformers import PreTrainedTokenizerFast
 from transformers.convert_slow_tokenizer import bytes_to_unicode
 
 from specd.core.errors import InvalidArgument
@@ -105,10 +105,6 @@ def sim_tokenizer_folder(cache_dir: Path, vocab_size: int) -> Path:
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return final
-
-
-def load_sim_tokenizer(cache_dir: Path, vocab_size: int) -> PreTrainedTokenizerBase:
-    return AutoTokenizer.from_pretrained(sim_tokenizer_folder(cache_dir, vocab_size), local_files_only=True)
 
 
 def _read_marker(folder: Path) -> dict | None:

@@ -1,4 +1,4 @@
-"""The peer: Hugging Face transformers' assisted generation on the same pair, in the bench process."""
+"""The HF baseline: Hugging Face transformers' assisted generation on the same pair, in the bench process."""
 
 from __future__ import annotations
 
@@ -38,7 +38,7 @@ class HFStreamer:
         pass
 
 
-class HFPeer:
+class HFBaseline:
     """transformers' generate() on the same pair, in this process (assisted generation)."""
 
     def __init__(self, target_model: Any, draft_model: Any | None, *, threads: int, pad_token_id: int) -> None:
@@ -103,7 +103,7 @@ class HFPeer:
 
 
 def load_inprocess(target_dir: Path, draft_dir: Path | None) -> tuple[Any, Any]:
-    hf_logging.set_verbosity_error()  # the peer's per-call notices would drown the progress bars
+    hf_logging.set_verbosity_error()  # the HF baseline's per-call notices would drown the progress bars
     target = load_pretrained(target_dir)
     draft = None
     if draft_dir is not None:

@@ -22,16 +22,8 @@ from typing import Any, Generic, Literal, Protocol, TypeVar
 import grpc
 
 from specd.core.errors import DeadlineExceeded, FailedPrecondition, InvalidArgument, Unavailable
+from specd.core.rounds import steps
 from specd.core.rounds.ports import Carrier
-from specd.core.rounds.steps import (
-    Branches,
-    BranchRequest,
-    CloseRequest,
-    OpenRequest,
-    ProposeRequest,
-    VerifyOutcome,
-    VerifyRequest,
-)
 from specd.core.sampling.proposal import Proposal
 from specd.serving import wire
 from specd.serving.grpc_errors import exception_from_session_error
@@ -215,10 +207,10 @@ class Peer(Generic[Req, Resp_]):
             raise exception_from_session_error(answer.response.error)
         return answer
 
-    async def open(self, request: OpenRequest, *, timeout: float, carrier: Carrier) -> None:
+    async def open(self, request: steps.OpenRequest, *, timeout: float, carrier: Carrier) -> None:
         await self.call(wire.open_request(self._request_type, request, carrier), timeout)
 
-    async def close(self, request: CloseRequest, *, timeout: float) -> None:
+    async def close(self, request: steps.CloseRequest, *, timeout: float) -> None:
         await self.call(wire.close_request(self._request_type, request), timeout)
 
 
@@ -232,13 +224,13 @@ class GrpcTarget(Peer[target_pb2.TargetRequest, target_pb2.TargetResponse]):
     def __init__(self, channel: grpc.aio.Channel) -> None:
         super().__init__("target", channel, target_pb2_grpc.TargetStub, target_pb2.TargetRequest)
 
-    async def open(self, request: OpenRequest, *, timeout: float, carrier: Carrier) -> None:
+    async def open(self, request: steps.OpenRequest, *, timeout: float, carrier: Carrier) -> None:
         try:
             await super().open(request, timeout=timeout, carrier=carrier)
         except InvalidArgument as exc:
             raise FailedPrecondition(f"the target refused a round: {exc}") from exc
 
-    async def verify(self, request: VerifyRequest, *, timeout: float, carrier: Carrier) -> VerifyOutcome:
+    async def verify(self, request: steps.VerifyRequest, *, timeout: float, carrier: Carrier) -> steps.VerifyOutcome:
         try:
             answer = await self.call(wire.verify_request(request, carrier), timeout)
             return wire.verdict_from_proto(answer.response, answer.round_trip_ms, answer.wake_ms)
@@ -269,7 +261,7 @@ class GrpcDraft(Peer[draft_pb2.DraftRequest, draft_pb2.DraftResponse]):
         super().__init__("draft", channel, draft_pb2_grpc.DraftStub, draft_pb2.DraftRequest)
         self.target_info: common_pb2.ModelInfo | None = None  # set before it drafts: ids are checked against it
 
-    async def propose(self, request: ProposeRequest, *, timeout: float, carrier: Carrier) -> Proposal:
+    async def propose(self, request: steps.ProposeRequest, *, timeout: float, carrier: Carrier) -> Proposal:
         assert self.target_info is not None, "target_info first"
         answer = await self.call(wire.propose_request(request, carrier), timeout)
         # Validates ids and q against the target's vocabulary.
@@ -277,12 +269,14 @@ class GrpcDraft(Peer[draft_pb2.DraftRequest, draft_pb2.DraftResponse]):
             answer.response, self.target_info.vocab_size, answer.round_trip_ms, answer.wake_ms
         )
 
-    async def propose_branches(self, request: BranchRequest, *, timeout: float, carrier: Carrier) -> Branches:
+    async def propose_branches(
+        self, request: steps.BranchRequest, *, timeout: float, carrier: Carrier
+    ) -> steps.Branches:
         assert self.target_info is not None, "target_info first"
         answer = await self.call(wire.branches_request(request, carrier), timeout)
         return wire.branches_from_proto(answer.response.branches, self.target_info.vocab_size)  # validates ids and q
 
-    async def close(self, request: CloseRequest, *, timeout: float) -> None:
+    async def close(self, request: steps.CloseRequest, *, timeout: float) -> None:
         await self.call(wire.draft_close_request(request), timeout)
 
 

@@ -22,16 +22,8 @@ from typing import Any, Generic, TypeVar
 
 from coordinator.replicas import Member, ReplicaSet
 from specd.core.errors import DeadlineExceeded, ResourceExhausted, SessionNotFound, Unavailable
+from specd.core.rounds import steps
 from specd.core.rounds.ports import Carrier
-from specd.core.rounds.steps import (
-    Branches,
-    BranchRequest,
-    CloseRequest,
-    OpenRequest,
-    ProposeRequest,
-    VerifyOutcome,
-    VerifyRequest,
-)
 from specd.core.sampling.proposal import Proposal
 
 log = logging.getLogger(__name__)
@@ -51,7 +43,7 @@ class _Replicated(Generic[P]):
         """The replica the session is on (for spans and logs)."""
         return self.replicas.placement.where(session_id)
 
-    async def open(self, request: OpenRequest, *, timeout: float, carrier: Carrier) -> None:
+    async def open(self, request: steps.OpenRequest, *, timeout: float, carrier: Carrier) -> None:
         session_id = request.session_id
         refused: list[str] = []
         while True:
@@ -74,7 +66,7 @@ class _Replicated(Generic[P]):
                 "%s replica %s could not open %s (%s); trying another", self.replicas.role, member.name, session_id, why
             )
 
-    async def close(self, request: CloseRequest, *, timeout: float) -> None:
+    async def close(self, request: steps.CloseRequest, *, timeout: float) -> None:
         """Forget the session on its replica; a draft's close hands it the final committed tokens
         (a suffix drafter indexes them)."""
         member = self.replicas.release(request.session_id)
@@ -100,7 +92,7 @@ class _Replicated(Generic[P]):
 
         async def close() -> None:
             try:
-                await member.peer.close(CloseRequest(session_id), timeout=2.0)
+                await member.peer.close(steps.CloseRequest(session_id), timeout=2.0)
             except Exception as exc:  # noqa: BLE001 - the replica's idle expiry frees it anyway
                 log.debug("closing moved session %s on %s failed: %s", session_id, member.name, exc)
 
@@ -112,7 +104,7 @@ class _Replicated(Generic[P]):
 class ReplicatedTarget(_Replicated[Any]):
     """TargetPort over all target replicas."""
 
-    async def verify(self, request: VerifyRequest, *, timeout: float, carrier: Carrier) -> VerifyOutcome:
+    async def verify(self, request: steps.VerifyRequest, *, timeout: float, carrier: Carrier) -> steps.VerifyOutcome:
         return await self._on_holder(
             request.session_id, lambda peer: peer.verify(request, timeout=timeout, carrier=carrier)
         )
@@ -124,12 +116,14 @@ class ReplicatedDraft(_Replicated[Any]):
     async def available(self) -> bool:
         return self.replicas.any_usable()
 
-    async def propose(self, request: ProposeRequest, *, timeout: float, carrier: Carrier) -> Proposal:
+    async def propose(self, request: steps.ProposeRequest, *, timeout: float, carrier: Carrier) -> Proposal:
         return await self._on_holder(
             request.session_id, lambda peer: peer.propose(request, timeout=timeout, carrier=carrier)
         )
 
-    async def propose_branches(self, request: BranchRequest, *, timeout: float, carrier: Carrier) -> Branches:
+    async def propose_branches(
+        self, request: steps.BranchRequest, *, timeout: float, carrier: Carrier
+    ) -> steps.Branches:
         return await self._on_holder(
             request.session_id, lambda peer: peer.propose_branches(request, timeout=timeout, carrier=carrier)
         )

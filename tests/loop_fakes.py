@@ -20,19 +20,9 @@ import torch
 from specd.core.draft.branching import select_branches, top_ranking
 from specd.core.errors import DeadlineExceeded, SessionNotFound, SessionOutOfSync, SpecdError, Unavailable
 from specd.core.phases import PhaseLog
+from specd.core.rounds import steps
 from specd.core.rounds.ports import Carrier
 from specd.core.rounds.record import RoundRecord
-from specd.core.rounds.steps import (
-    Branch,
-    Branches,
-    BranchRequest,
-    CloseRequest,
-    OpenRequest,
-    ProposeRequest,
-    VerifyOutcome,
-    VerifyRequest,
-    sync_prefix,
-)
 from specd.core.sampling.proposal import Proposal
 
 V = 61  # vocabulary size
@@ -113,11 +103,11 @@ class FakeTarget:
         self.carriers: list[Carrier] = []
         self.violations: list[tuple[list[int], list[int]]] = []  # (committed prefix, proposal) drafted elsewhere
 
-    async def open(self, request: OpenRequest, *, timeout: float, carrier: Carrier) -> None:
+    async def open(self, request: steps.OpenRequest, *, timeout: float, carrier: Carrier) -> None:
         self.opens += 1
         self.sessions[request.session_id] = list(request.token_ids)
 
-    async def verify(self, request: VerifyRequest, *, timeout: float, carrier: Carrier) -> VerifyOutcome:
+    async def verify(self, request: steps.VerifyRequest, *, timeout: float, carrier: Carrier) -> steps.VerifyOutcome:
         session_id, committed_length, proposal = request.session_id, request.committed_length, request.proposal
         self.calls += 1
         self.carriers.append(carrier)
@@ -138,7 +128,7 @@ class FakeTarget:
         deferred = request.defer_bonus and 0 < len(drafts) == accepted
         token = -1 if deferred else target_next(committed)
         self.sessions[session_id] = committed + ([] if deferred else [token])
-        return VerifyOutcome(
+        return steps.VerifyOutcome(
             accepted=accepted,
             token_id=token,
             is_bonus=accepted == len(drafts) and not deferred,
@@ -148,7 +138,7 @@ class FakeTarget:
             deferred=deferred,
         )
 
-    async def close(self, request: CloseRequest, *, timeout: float) -> None:
+    async def close(self, request: steps.CloseRequest, *, timeout: float) -> None:
         self.closed.append(request.session_id)
         self.sessions.pop(request.session_id, None)
 
@@ -178,26 +168,28 @@ class FakeDraft:
         self.final: dict[str, list[int]] = {}  # the committed tokens each close carried
         self.prefixes: list[list[int]] = []  # the prefix of every propose, in order
         self.branch_calls: list[tuple[list[int], int]] = []  # (prefix, pending) of every branch call
-        self.branch_results: list[Branches] = []  # what every branch call that answered returned
+        self.branch_results: list[steps.Branches] = []  # what every branch call that answered returned
         self.shared: dict[str, int] = {}  # session -> tokens its branches share (after a branch call)
         self.violations: list[tuple[str, int]] = []  # (session, start) of calls that started past them
 
     async def available(self) -> bool:
         return self.up
 
-    async def open(self, request: OpenRequest, *, timeout: float, carrier: Carrier) -> None:
+    async def open(self, request: steps.OpenRequest, *, timeout: float, carrier: Carrier) -> None:
         self.opens += 1
         self.sessions[request.session_id] = list(request.token_ids)
         self.shared.pop(request.session_id, None)
 
-    async def propose(self, request: ProposeRequest, *, timeout: float, carrier: Carrier) -> Proposal:
+    async def propose(self, request: steps.ProposeRequest, *, timeout: float, carrier: Carrier) -> Proposal:
         n, prefix = await self._step(request, timeout)
         self.prefixes.append(prefix)
         drafts = chain(prefix, self._length(n, request.num_tokens), self.step)
         self.sessions[request.session_id] = prefix + drafts
         return Proposal(drafts, compute_ms=self.script.compute_ms * max(1, len(drafts)))
 
-    async def propose_branches(self, request: BranchRequest, *, timeout: float, carrier: Carrier) -> Branches:
+    async def propose_branches(
+        self, request: steps.BranchRequest, *, timeout: float, carrier: Carrier
+    ) -> steps.Branches:
         """The real branch rule over the fake's beliefs (draft_distribution); one call, like a batched pass."""
         session_id, pending, budget = request.session_id, request.pending, request.budget
         n, prefix = await self._step(request, timeout)
@@ -209,14 +201,14 @@ class FakeDraft:
         ranking = top_ranking(probs, prefix[base:], budget + 1)
         for c in select_branches(ranking, prefix[base:], request.acceptance, budget):
             drafts = chain([*prefix[: base + c.accepted], c.token_id], k, self.step)
-            branches.append(Branch(c.accepted, c.token_id, Proposal(drafts, compute_ms=self.script.compute_ms)))
+            branches.append(steps.Branch(c.accepted, c.token_id, Proposal(drafts, compute_ms=self.script.compute_ms)))
         self.sessions[session_id] = prefix
         self.shared[session_id] = base  # what every branch shares with the sequence
-        result = Branches(tuple(branches), compute_ms=self.script.compute_ms)
+        result = steps.Branches(tuple(branches), compute_ms=self.script.compute_ms)
         self.branch_results.append(result)
         return result
 
-    async def _step(self, request: ProposeRequest | BranchRequest, timeout: float) -> tuple[int, list[int]]:
+    async def _step(self, request: steps.ProposeRequest | steps.BranchRequest, timeout: float) -> tuple[int, list[int]]:
         """Count the call, play the script, and bring the session to the request's prefix: (call n, prefix)."""
         self.calls += 1
         n = self.calls
@@ -229,14 +221,14 @@ class FakeDraft:
         """Drafts call n sends: num_tokens, one more if it lies, one fewer if it runs short."""
         return max(0, num_tokens + (1 if n in self.lie else 0) - (1 if n in self.short else 0))
 
-    def _sync(self, request: ProposeRequest | BranchRequest) -> list[int]:
+    def _sync(self, request: steps.ProposeRequest | steps.BranchRequest) -> list[int]:
         """The prefix from (start, tail); a start past what the branches share is a protocol violation."""
         session_id, start = request.session_id, request.start
         if start > self.shared.pop(session_id, math.inf):
             self.violations.append((session_id, start))
-        return sync_prefix(self.sessions[session_id], request.committed_length, start, request.tail)
+        return steps.sync_prefix(self.sessions[session_id], request.committed_length, start, request.tail)
 
-    async def close(self, request: CloseRequest, *, timeout: float) -> None:
+    async def close(self, request: steps.CloseRequest, *, timeout: float) -> None:
         session_id = request.session_id
         self.closed.append(session_id)
         self.final[session_id] = list(request.committed)

@@ -10,18 +10,9 @@ from typing import TypeVar
 
 from specd.core.errors import InvalidArgument
 from specd.core.phases import PhaseLog
+from specd.core.rounds import steps
 from specd.core.rounds.generation import FinishReason
 from specd.core.rounds.record import RequestStats
-from specd.core.rounds.steps import (
-    Branch,
-    Branches,
-    BranchRequest,
-    CloseRequest,
-    OpenRequest,
-    ProposeRequest,
-    VerifyOutcome,
-    VerifyRequest,
-)
 from specd.core.sampling import sparse_q
 from specd.core.sampling.proposal import DEFAULT_MAX_DRAFT_TOKENS, DEFAULT_MAX_Q_WIDTH, Proposal
 from specd.core.sampling.sampler import SamplingParams
@@ -157,14 +148,14 @@ def _q_rows(
 # ---- the draft and target services' stream messages (their servicers) ------------------------
 
 
-def propose_request_from_proto(req: draft_pb2.DraftRequest) -> ProposeRequest:
+def propose_request_from_proto(req: draft_pb2.DraftRequest) -> steps.ProposeRequest:
     p = req.propose
-    return ProposeRequest(req.session_id, req.committed_length, p.start, list(p.token_ids), p.num_tokens)
+    return steps.ProposeRequest(req.session_id, req.committed_length, p.start, list(p.token_ids), p.num_tokens)
 
 
-def branch_request_from_proto(req: draft_pb2.DraftRequest) -> BranchRequest:
+def branch_request_from_proto(req: draft_pb2.DraftRequest) -> steps.BranchRequest:
     b = req.branches
-    return BranchRequest(
+    return steps.BranchRequest(
         req.session_id,
         req.committed_length,
         b.start,
@@ -176,7 +167,7 @@ def branch_request_from_proto(req: draft_pb2.DraftRequest) -> BranchRequest:
     )
 
 
-def branches_to_proto(result: Branches) -> draft_pb2.DraftBranchSet:
+def branches_to_proto(result: steps.Branches) -> draft_pb2.DraftBranchSet:
     return draft_pb2.DraftBranchSet(
         branches=[
             draft_pb2.DraftBranch(accepted=b.accepted, token_id=b.token_id, proposal=proposal_to_proto(b.proposal))
@@ -189,15 +180,15 @@ def branches_to_proto(result: Branches) -> draft_pb2.DraftBranchSet:
 
 def verify_request_from_proto(
     req: target_pb2.TargetRequest, vocab_size: int, *, max_draft_tokens: int, max_q_width: int, max_context: int
-) -> VerifyRequest:
+) -> steps.VerifyRequest:
     """The core's verify request; sizes are checked before anything is copied (InvalidArgument)."""
     v = req.verify
     proposal = proposal_from_verify(v, vocab_size, max_draft_tokens=max_draft_tokens, max_q_width=max_q_width)
     tail = token_ids_from_wire(v.token_ids, max_context, "verify.token_ids")
-    return VerifyRequest(req.session_id, req.committed_length, proposal, v.start, tail, v.defer_bonus)
+    return steps.VerifyRequest(req.session_id, req.committed_length, proposal, v.start, tail, v.defer_bonus)
 
 
-def verdict_to_proto(outcome: VerifyOutcome, resp: target_pb2.TargetResponse) -> None:
+def verdict_to_proto(outcome: steps.VerifyOutcome, resp: target_pb2.TargetResponse) -> None:
     """Fill a TargetResponse with a verdict (and the committed length after it)."""
     resp.committed_length = outcome.committed_length
     v = resp.verdict
@@ -217,7 +208,7 @@ def verdict_to_proto(outcome: VerifyOutcome, resp: target_pb2.TargetResponse) ->
 RoundRequest = TypeVar("RoundRequest", draft_pb2.DraftRequest, target_pb2.TargetRequest)
 
 
-def open_request(kind: type[RoundRequest], request: OpenRequest, carrier: Mapping[str, str]) -> RoundRequest:
+def open_request(kind: type[RoundRequest], request: steps.OpenRequest, carrier: Mapping[str, str]) -> RoundRequest:
     """Open (or re-open) a session on a draft or target stream with the committed tokens."""
     req = kind(session_id=request.session_id, committed_length=len(request.token_ids), trace_context=carrier)
     req.open.token_ids.extend(request.token_ids)
@@ -225,14 +216,14 @@ def open_request(kind: type[RoundRequest], request: OpenRequest, carrier: Mappin
     return req
 
 
-def close_request(kind: type[RoundRequest], request: CloseRequest) -> RoundRequest:
+def close_request(kind: type[RoundRequest], request: steps.CloseRequest) -> RoundRequest:
     """Close a target session (a target's close carries no tokens)."""
     req = kind(session_id=request.session_id)
     req.close.SetInParent()
     return req
 
 
-def draft_close_request(request: CloseRequest) -> draft_pb2.DraftRequest:
+def draft_close_request(request: steps.CloseRequest) -> draft_pb2.DraftRequest:
     """Close a draft session, carrying the committed tokens from `start` on (the draft holds the
     first `start`): a learning drafter (suffix) indexes the whole answer."""
     committed, start = request.committed, request.start
@@ -244,7 +235,7 @@ def draft_close_request(request: CloseRequest) -> draft_pb2.DraftRequest:
     return req
 
 
-def propose_request(request: ProposeRequest, carrier: Mapping[str, str]) -> draft_pb2.DraftRequest:
+def propose_request(request: steps.ProposeRequest, carrier: Mapping[str, str]) -> draft_pb2.DraftRequest:
     req = draft_pb2.DraftRequest(
         session_id=request.session_id, committed_length=request.committed_length, trace_context=carrier
     )
@@ -254,7 +245,7 @@ def propose_request(request: ProposeRequest, carrier: Mapping[str, str]) -> draf
     return req
 
 
-def branches_request(request: BranchRequest, carrier: Mapping[str, str]) -> draft_pb2.DraftRequest:
+def branches_request(request: steps.BranchRequest, carrier: Mapping[str, str]) -> draft_pb2.DraftRequest:
     req = draft_pb2.DraftRequest(
         session_id=request.session_id, committed_length=request.committed_length, trace_context=carrier
     )
@@ -268,17 +259,17 @@ def branches_request(request: BranchRequest, carrier: Mapping[str, str]) -> draf
     return req
 
 
-def branches_from_proto(msg: draft_pb2.DraftBranchSet, vocab_size: int) -> Branches:
+def branches_from_proto(msg: draft_pb2.DraftBranchSet, vocab_size: int) -> steps.Branches:
     """Validated branches: each proposal as proposal_from_proto checks it, each token within the vocabulary."""
     out = []
     for b in msg.branches:
         if not 0 <= b.token_id < vocab_size:
             raise InvalidArgument(f"branch token id {b.token_id} is outside the vocabulary [0, {vocab_size})")
-        out.append(Branch(b.accepted, b.token_id, proposal_from_proto(b.proposal, vocab_size)))
-    return Branches(tuple(out), msg.compute_ms, PhaseLog(batch_size=max(1, msg.batch_size)))
+        out.append(steps.Branch(b.accepted, b.token_id, proposal_from_proto(b.proposal, vocab_size)))
+    return steps.Branches(tuple(out), msg.compute_ms, PhaseLog(batch_size=max(1, msg.batch_size)))
 
 
-def verify_request(request: VerifyRequest, carrier: Mapping[str, str]) -> target_pb2.TargetRequest:
+def verify_request(request: steps.VerifyRequest, carrier: Mapping[str, str]) -> target_pb2.TargetRequest:
     req = target_pb2.TargetRequest(
         session_id=request.session_id, committed_length=request.committed_length, trace_context=carrier
     )
@@ -301,11 +292,11 @@ def proposal_from_answer(
 
 def verdict_from_proto(
     resp: target_pb2.TargetResponse, round_trip_ms: float | None = None, wake_ms: float = 0.0
-) -> VerifyOutcome:
+) -> steps.VerifyOutcome:
     """The verdict; with the caller's round trip (ms), also the call's hops."""
     v = resp.verdict
     deferred = v.kind == target_pb2.TOKEN_KIND_DEFERRED
-    return VerifyOutcome(
+    return steps.VerifyOutcome(
         accepted=v.accepted,
         token_id=-1 if deferred else v.token_id,
         is_bonus=v.kind == target_pb2.TOKEN_KIND_BONUS,

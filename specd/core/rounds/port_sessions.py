@@ -8,16 +8,8 @@ from collections.abc import Awaitable, Callable, Sequence
 from typing import TypeVar
 
 from specd.core.errors import DeadlineExceeded, SessionNotFound, SessionOutOfSync, Unavailable
+from specd.core.rounds import steps
 from specd.core.rounds.ports import Carrier, DraftPort, TargetPort
-from specd.core.rounds.steps import (
-    Branches,
-    BranchRequest,
-    CloseRequest,
-    OpenRequest,
-    ProposeRequest,
-    VerifyOutcome,
-    VerifyRequest,
-)
 from specd.core.sampling.proposal import Proposal
 from specd.core.sampling.sampler import SamplingParams
 
@@ -67,7 +59,7 @@ class DraftSession:
         """Up to num_tokens draft tokens after committed + extension; raises the port's SpecdError on failure."""
 
         async def send(start: int, prefix: list[int]) -> tuple[Proposal, list[int]]:
-            request = ProposeRequest(self.session_id, len(prefix), start, prefix[start:], num_tokens)
+            request = steps.ProposeRequest(self.session_id, len(prefix), start, prefix[start:], num_tokens)
             proposal = await self.port.propose(request, timeout=timeout, carrier=carrier)
             if len(proposal) > num_tokens:
                 raise Unavailable(f"draft sent {len(proposal)} tokens for {num_tokens} asked")
@@ -85,7 +77,7 @@ class DraftSession:
         acceptance: Sequence[float],
         timeout: float,
         carrier: Carrier,
-    ) -> Branches:
+    ) -> steps.Branches:
         """Branches for the verdicts of `pending` (being verified after `committed`), num_tokens drafts each.
 
         Afterwards the draft holds several sequences that share `committed` and
@@ -93,8 +85,8 @@ class DraftSession:
         draft continues the sequence that holds most of that call's prefix.
         """
 
-        async def send(start: int, prefix: list[int]) -> tuple[Branches, list[int]]:
-            request = BranchRequest(
+        async def send(start: int, prefix: list[int]) -> tuple[steps.Branches, list[int]]:
+            request = steps.BranchRequest(
                 self.session_id, len(prefix), start, prefix[start:], len(pending), num_tokens, budget, tuple(acceptance)
             )
             branches = await self.port.propose_branches(request, timeout=timeout, carrier=carrier)
@@ -122,7 +114,7 @@ class DraftSession:
                 for _ in range(2):  # a second try after re-opening a session the draft lost
                     try:
                         if not self.opened:
-                            request = OpenRequest(self.session_id, prefix, self.params)
+                            request = steps.OpenRequest(self.session_id, prefix, self.params)
                             await self.port.open(request, timeout=timeout, carrier=carrier)
                             self.opened, self._base, self._ext = True, len(committed), list(extension)
                         result, held = await send(self.agreement(prefix), prefix)
@@ -138,10 +130,10 @@ class DraftSession:
     async def close(self, timeout: float, committed: Sequence[int] = ()) -> None:
         if self.touched:
             start = self.agreement(committed) if self.opened else 0
-            await self.port.close(CloseRequest(self.session_id, committed, start), timeout=timeout)
+            await self.port.close(steps.CloseRequest(self.session_id, committed, start), timeout=timeout)
 
 
-def _check_branches(branches: Branches, pending: int, num_tokens: int, budget: int) -> None:
+def _check_branches(branches: steps.Branches, pending: int, num_tokens: int, budget: int) -> None:
     """Branches that cannot belong to this call mean a draft out of step: Unavailable (the round goes on)."""
     if len(branches) > budget:
         raise Unavailable(f"draft sent {len(branches)} branches for {budget} asked")
@@ -177,7 +169,7 @@ class TargetSession:
         deadline: float,
         carrier: Carrier,
         on_retry: Callable[[BaseException], None],
-    ) -> VerifyOutcome:
+    ) -> steps.VerifyOutcome:
         failing_since: float | None = None
         backoff = 0.05
         last = ""
@@ -192,11 +184,11 @@ class TargetSession:
             try:
                 if not self.opened:
                     await self.port.open(
-                        OpenRequest(self.session_id, committed, self.params), timeout=timeout, carrier=carrier
+                        steps.OpenRequest(self.session_id, committed, self.params), timeout=timeout, carrier=carrier
                     )
                     self.opened = True
                 # start = the committed length: the target rolls back any verdict the loop never saw.
-                request = VerifyRequest(
+                request = steps.VerifyRequest(
                     self.session_id, len(committed), proposal, start=len(committed), defer_bonus=defer_bonus
                 )
                 outcome = await self.port.verify(request, timeout=timeout, carrier=carrier)
@@ -220,10 +212,10 @@ class TargetSession:
 
     async def close(self, timeout: float) -> None:
         if self.touched:
-            await self.port.close(CloseRequest(self.session_id), timeout=timeout)
+            await self.port.close(steps.CloseRequest(self.session_id), timeout=timeout)
 
 
-def _check(outcome: VerifyOutcome, proposal: Proposal, defer_bonus: bool) -> None:
+def _check(outcome: steps.VerifyOutcome, proposal: Proposal, defer_bonus: bool) -> None:
     """A verdict that cannot belong to this round means a peer out of step: Unavailable (retried)."""
     k = len(proposal)
     if not 0 <= outcome.accepted <= k:

@@ -22,16 +22,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Protocol
 
+from specd.core.rounds import steps
 from specd.core.rounds.record import RoundRecord
-from specd.core.rounds.steps import (
-    Branches,
-    BranchRequest,
-    CloseRequest,
-    OpenRequest,
-    ProposeRequest,
-    VerifyOutcome,
-    VerifyRequest,
-)
 from specd.core.sampling.proposal import Proposal
 
 Carrier = Mapping[str, str]
@@ -45,23 +37,27 @@ class DraftPort(Protocol):
         """May rounds draft now? (connected, and its token space matches the target's)."""
         ...
 
-    async def open(self, request: OpenRequest, *, timeout: float, carrier: Carrier) -> None: ...
+    async def open(self, request: steps.OpenRequest, *, timeout: float, carrier: Carrier) -> None: ...
 
-    async def propose(self, request: ProposeRequest, *, timeout: float, carrier: Carrier) -> Proposal: ...
+    async def propose(self, request: steps.ProposeRequest, *, timeout: float, carrier: Carrier) -> Proposal: ...
 
-    async def propose_branches(self, request: BranchRequest, *, timeout: float, carrier: Carrier) -> Branches: ...
+    async def propose_branches(
+        self, request: steps.BranchRequest, *, timeout: float, carrier: Carrier
+    ) -> steps.Branches: ...
 
-    async def close(self, request: CloseRequest, *, timeout: float) -> None: ...
+    async def close(self, request: steps.CloseRequest, *, timeout: float) -> None: ...
 
 
 class TargetPort(Protocol):
     """A verifier holding the committed sequence of each session; it commits its own verdicts."""
 
-    async def open(self, request: OpenRequest, *, timeout: float, carrier: Carrier) -> None: ...
+    async def open(self, request: steps.OpenRequest, *, timeout: float, carrier: Carrier) -> None: ...
 
-    async def verify(self, request: VerifyRequest, *, timeout: float, carrier: Carrier) -> VerifyOutcome: ...
+    async def verify(
+        self, request: steps.VerifyRequest, *, timeout: float, carrier: Carrier
+    ) -> steps.VerifyOutcome: ...
 
-    async def close(self, request: CloseRequest, *, timeout: float) -> None: ...
+    async def close(self, request: steps.CloseRequest, *, timeout: float) -> None: ...
 
 
 class RoundObserver(Protocol):

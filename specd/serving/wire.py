@@ -95,13 +95,7 @@ def proposal_from_proto(
     transit: Transit | None = None,
 ) -> Proposal:
     """Validated proposal (InvalidArgument on out-of-range IDs, bad probabilities or sizes over the limits)."""
-    proposal = Proposal.from_wire(
-        msg.token_ids,
-        _q_rows(msg.q, len(msg.token_ids), vocab_size, max_q_width),
-        vocab_size,
-        max_draft_tokens=max_draft_tokens,
-        max_q_width=max_q_width,
-    )
+    proposal = _checked_proposal(msg.token_ids, msg.q, vocab_size, max_draft_tokens, max_q_width)
     return Proposal(
         proposal.token_ids,
         proposal.q_ids,
@@ -116,13 +110,18 @@ def proposal_from_verify(
     msg: target_pb2.Verify, vocab_size: int, *, max_draft_tokens: int, max_q_width: int
 ) -> Proposal:
     """The proposal of a Verify message, sizes checked before anything is copied (see Proposal.from_wire)."""
-    return Proposal.from_wire(
-        msg.draft_token_ids,
-        _q_rows(msg.q, len(msg.draft_token_ids), vocab_size, max_q_width),
-        vocab_size,
-        max_draft_tokens=max_draft_tokens,
-        max_q_width=max_q_width,
-    )
+    return _checked_proposal(msg.draft_token_ids, msg.q, vocab_size, max_draft_tokens, max_q_width)
+
+
+def _checked_proposal(
+    token_ids: Sequence[int],
+    q: Sequence[common_pb2.SparseDistribution],
+    vocab_size: int,
+    max_draft_tokens: int,
+    max_q_width: int,
+) -> Proposal:
+    rows = _q_rows(q, len(token_ids), vocab_size, max_q_width)
+    return Proposal.from_wire(token_ids, rows, vocab_size, max_draft_tokens=max_draft_tokens, max_q_width=max_q_width)
 
 
 def _q_rows(

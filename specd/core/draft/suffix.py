@@ -37,7 +37,7 @@ from specd.core.draft.protocol import propose_each
 from specd.core.draft.suffix_index import NO_CANDIDATE, Candidate, SharedSuffixIndex, SuffixIndex
 from specd.core.errors import InvalidArgument, SessionOutOfSync
 from specd.core.model.pool import SessionTable
-from specd.core.rounds.steps import ProposeRequest, check_num_tokens, sync_prefix
+from specd.core.rounds.steps import ProposeRequest, check_num_tokens, check_prompt, sync_prefix
 from specd.core.sampling.proposal import Proposal
 from specd.core.sampling.sampler import SamplingParams
 
@@ -166,11 +166,7 @@ class SuffixDrafter:
 
     def open(self, session_id: str, token_ids: Sequence[int], params: SamplingParams, wire_top_k: int = 0) -> None:
         params.validate()
-        tokens = [int(t) for t in token_ids]
-        if not tokens:
-            raise InvalidArgument("the prompt is empty; send at least one token")
-        if any(not 0 <= t < self.vocab_size for t in tokens):
-            raise InvalidArgument(f"a token id is outside the vocabulary [0, {self.vocab_size})")
+        tokens = check_prompt(token_ids, self.vocab_size)
         self._sessions.pop(session_id)  # a re-open rebuilds the session: its tokens are learnt once, at close
         self._sessions.put(session_id, SuffixSession(tokens, self.settings))
 

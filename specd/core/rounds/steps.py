@@ -155,6 +155,16 @@ class VerifyOutcome:
     transit: Transit | None = field(default=None, compare=False, repr=False)  # the call's hops (a transport's port)
 
 
+def check_prompt(token_ids: Sequence[int], vocab_size: int) -> list[int]:
+    """An open's tokens as ints, or InvalidArgument: at least one, each within [0, vocab_size)."""
+    tokens = [int(t) for t in token_ids]
+    if not tokens:
+        raise InvalidArgument("the prompt is empty; send at least one token")
+    if any(not 0 <= t < vocab_size for t in tokens):
+        raise InvalidArgument(f"a token id is outside the vocabulary [0, {vocab_size})")
+    return tokens
+
+
 def check_num_tokens(num_tokens: int) -> int:
     """num_tokens, or InvalidArgument when a propose or branch call asks for no draft token."""
     if num_tokens < 1:

@@ -1,6 +1,6 @@
 """The coordinator's engine: the round loop over the gRPC ports, plus the API edge.
 
-The rounds themselves run in specd.core.loop (the same loop the in-process
+The rounds themselves run in specd.core.rounds.loop (the same loop the in-process
 oracle runs). What is the coordinator's own: admission, the detokenizer and
 its stop strings, the request's latencies, and turning each round's record
 into a round span and metrics (`_RoundWatch`).
@@ -21,10 +21,10 @@ from coordinator.detokenizer import IncrementalDetokenizer
 from coordinator.peers import compatibility_problem
 from coordinator.replica_ports import ReplicatedDraft, ReplicatedTarget
 from specd.core.errors import ResourceExhausted
-from specd.core.generation import FinishReason
-from specd.core.loop import GenerateSpec, LoopSettings, RoundLoop
-from specd.core.ports import Carrier
-from specd.core.record import RequestStats, RoundRecord
+from specd.core.rounds.generation import FinishReason
+from specd.core.rounds.loop import GenerateSpec, LoopSettings, RoundLoop
+from specd.core.rounds.ports import Carrier
+from specd.core.rounds.record import RequestStats, RoundRecord
 from specd.serving import trace_names, trace_spans
 from specd.serving import tracing as tr
 from specd.serving.config import CoordinatorConfig

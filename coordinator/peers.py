@@ -5,7 +5,7 @@ with backoff when it breaks, and fails the requests in flight at that moment
 with Unavailable (their sessions heal by re-opening on the next stream).
 `Peer` is a service on such a stream (generic in its two message types);
 `GrpcDraft` and `GrpcTarget` speak the round loop's port operations
-(specd.core.ports) to one replica; coordinator.replica_ports spreads the
+(specd.core.rounds.ports) to one replica; coordinator.replica_ports spreads the
 sessions over every replica's. Messages are built and read by specd.serving.wire.
 """
 
@@ -15,18 +15,16 @@ import asyncio
 import itertools
 import logging
 import time
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any, Generic, Literal, Protocol, TypeVar
 
 import grpc
 
-from specd.core.branching import Branches
 from specd.core.errors import DeadlineExceeded, FailedPrecondition, InvalidArgument, Unavailable
-from specd.core.ports import Carrier
-from specd.core.proposal import Proposal
-from specd.core.sampling import SamplingParams
-from specd.core.verification import VerifyOutcome
+from specd.core.rounds import steps
+from specd.core.rounds.ports import Carrier
+from specd.core.sampling.proposal import Proposal
 from specd.serving import wire
 from specd.serving.grpc_errors import exception_from_session_error
 from specd.serving.server import CHANNEL_OPTIONS
@@ -209,13 +207,11 @@ class Peer(Generic[Req, Resp_]):
             raise exception_from_session_error(answer.response.error)
         return answer
 
-    async def open(
-        self, session_id: str, token_ids: Sequence[int], params: SamplingParams, *, timeout: float, carrier: Carrier
-    ) -> None:
-        await self.call(wire.open_request(self._request_type, session_id, token_ids, params, carrier), timeout)
+    async def open(self, request: steps.OpenRequest, *, timeout: float, carrier: Carrier) -> None:
+        await self.call(wire.open_request(self._request_type, request, carrier), timeout)
 
-    async def close(self, session_id: str, *, timeout: float) -> None:
-        await self.call(wire.close_request(self._request_type, session_id), timeout)
+    async def close(self, request: steps.CloseRequest, *, timeout: float) -> None:
+        await self.call(wire.close_request(self._request_type, request), timeout)
 
 
 class GrpcTarget(Peer[target_pb2.TargetRequest, target_pb2.TargetResponse]):
@@ -228,27 +224,15 @@ class GrpcTarget(Peer[target_pb2.TargetRequest, target_pb2.TargetResponse]):
     def __init__(self, channel: grpc.aio.Channel) -> None:
         super().__init__("target", channel, target_pb2_grpc.TargetStub, target_pb2.TargetRequest)
 
-    async def open(
-        self, session_id: str, token_ids: Sequence[int], params: SamplingParams, *, timeout: float, carrier: Carrier
-    ) -> None:
+    async def open(self, request: steps.OpenRequest, *, timeout: float, carrier: Carrier) -> None:
         try:
-            await super().open(session_id, token_ids, params, timeout=timeout, carrier=carrier)
+            await super().open(request, timeout=timeout, carrier=carrier)
         except InvalidArgument as exc:
             raise FailedPrecondition(f"the target refused a round: {exc}") from exc
 
-    async def verify(
-        self,
-        session_id: str,
-        committed_length: int,
-        proposal: Proposal,
-        *,
-        defer_bonus: bool,
-        timeout: float,
-        carrier: Carrier,
-    ) -> VerifyOutcome:
-        req = wire.verify_request(session_id, committed_length, proposal, defer_bonus, carrier)
+    async def verify(self, request: steps.VerifyRequest, *, timeout: float, carrier: Carrier) -> steps.VerifyOutcome:
         try:
-            answer = await self.call(req, timeout)
+            answer = await self.call(wire.verify_request(request, carrier), timeout)
             return wire.verdict_from_proto(answer.response, answer.round_trip_ms, answer.wake_ms)
         except InvalidArgument as exc:
             raise FailedPrecondition(f"the target refused a round: {exc}") from exc
@@ -277,49 +261,23 @@ class GrpcDraft(Peer[draft_pb2.DraftRequest, draft_pb2.DraftResponse]):
         super().__init__("draft", channel, draft_pb2_grpc.DraftStub, draft_pb2.DraftRequest)
         self.target_info: common_pb2.ModelInfo | None = None  # set before it drafts: ids are checked against it
 
-    async def propose(
-        self,
-        session_id: str,
-        committed_length: int,
-        start: int,
-        tail: Sequence[int],
-        num_tokens: int,
-        *,
-        timeout: float,
-        carrier: Carrier,
-    ) -> Proposal:
+    async def propose(self, request: steps.ProposeRequest, *, timeout: float, carrier: Carrier) -> Proposal:
         assert self.target_info is not None, "target_info first"
-        answer = await self.call(
-            wire.propose_request(session_id, committed_length, start, tail, num_tokens, carrier), timeout
-        )
+        answer = await self.call(wire.propose_request(request, carrier), timeout)
         # Validates ids and q against the target's vocabulary.
         return wire.proposal_from_answer(
             answer.response, self.target_info.vocab_size, answer.round_trip_ms, answer.wake_ms
         )
 
     async def propose_branches(
-        self,
-        session_id: str,
-        committed_length: int,
-        start: int,
-        tail: Sequence[int],
-        pending: int,
-        num_tokens: int,
-        *,
-        budget: int,
-        acceptance: Sequence[float],
-        timeout: float,
-        carrier: Carrier,
-    ) -> Branches:
+        self, request: steps.BranchRequest, *, timeout: float, carrier: Carrier
+    ) -> steps.Branches:
         assert self.target_info is not None, "target_info first"
-        req = wire.branches_request(
-            session_id, committed_length, start, tail, pending, num_tokens, budget, acceptance, carrier
-        )
-        answer = await self.call(req, timeout)
+        answer = await self.call(wire.branches_request(request, carrier), timeout)
         return wire.branches_from_proto(answer.response.branches, self.target_info.vocab_size)  # validates ids and q
 
-    async def close(self, session_id: str, *, timeout: float, committed: Sequence[int] = (), start: int = 0) -> None:
-        await self.call(wire.draft_close_request(session_id, committed, start), timeout)
+    async def close(self, request: steps.CloseRequest, *, timeout: float) -> None:
+        await self.call(wire.draft_close_request(request), timeout)
 
 
 def open_channel(

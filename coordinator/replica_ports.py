@@ -4,7 +4,7 @@ A session is opened on the replica placement picks (coordinator/placement.py)
 and every later call goes to that replica. When the replica is gone (its
 stream broke, it was removed, it stopped answering), the call raises
 SessionNotFound: the loop re-opens the session from its committed tokens
-(specd.core.port_sessions), and the re-open lands on another replica. So a
+(specd.core.rounds.port_sessions), and the re-open lands on another replica. So a
 lost replica costs its sessions one prefill each, never a request, and the
 output is the same (every coin derives from the seed and the position).
 
@@ -17,19 +17,17 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable
 from typing import Any, Generic, TypeVar
 
 from coordinator.replicas import Member, ReplicaSet
-from specd.core.branching import Branches
 from specd.core.errors import DeadlineExceeded, ResourceExhausted, SessionNotFound, Unavailable
-from specd.core.proposal import Proposal
-from specd.core.sampling import SamplingParams
-from specd.core.verification import VerifyOutcome
+from specd.core.rounds import steps
+from specd.core.rounds.ports import Carrier
+from specd.core.sampling.proposal import Proposal
 
 log = logging.getLogger(__name__)
 
-Carrier = Any  # specd.core.ports.Carrier: opaque per-round metadata forwarded with each message
 P = TypeVar("P")
 T = TypeVar("T")
 
@@ -45,16 +43,15 @@ class _Replicated(Generic[P]):
         """The replica the session is on (for spans and logs)."""
         return self.replicas.placement.where(session_id)
 
-    async def open(
-        self, session_id: str, token_ids: Sequence[int], params: SamplingParams, *, timeout: float, carrier: Carrier
-    ) -> None:
+    async def open(self, request: steps.OpenRequest, *, timeout: float, carrier: Carrier) -> None:
+        session_id = request.session_id
         refused: list[str] = []
         while True:
             member, left = self.replicas.place(session_id, exclude=refused)
             if left is not None:
                 self._close_on(left, session_id)
             try:
-                await member.peer.open(session_id, token_ids, params, timeout=timeout, carrier=carrier)
+                await member.peer.open(request, timeout=timeout, carrier=carrier)
                 return
             except ResourceExhausted as exc:  # full: the next replica may have room
                 why: BaseException = exc
@@ -69,10 +66,12 @@ class _Replicated(Generic[P]):
                 "%s replica %s could not open %s (%s); trying another", self.replicas.role, member.name, session_id, why
             )
 
-    async def close(self, session_id: str, *, timeout: float) -> None:
-        member = self.replicas.release(session_id)
+    async def close(self, request: steps.CloseRequest, *, timeout: float) -> None:
+        """Forget the session on its replica; a draft's close hands it the final committed tokens
+        (a suffix drafter indexes them)."""
+        member = self.replicas.release(request.session_id)
         if member is not None and member.connected:
-            await member.peer.close(session_id, timeout=timeout)
+            await member.peer.close(request, timeout=timeout)
 
     async def _on_holder(self, session_id: str, call: Callable[[Any], Awaitable[T]]) -> T:
         """call(peer) on the session's replica; SessionNotFound when that replica is (or just went) away."""
@@ -93,7 +92,7 @@ class _Replicated(Generic[P]):
 
         async def close() -> None:
             try:
-                await member.peer.close(session_id, timeout=2.0)
+                await member.peer.close(steps.CloseRequest(session_id), timeout=2.0)
             except Exception as exc:  # noqa: BLE001 - the replica's idle expiry frees it anyway
                 log.debug("closing moved session %s on %s failed: %s", session_id, member.name, exc)
 
@@ -105,21 +104,9 @@ class _Replicated(Generic[P]):
 class ReplicatedTarget(_Replicated[Any]):
     """TargetPort over all target replicas."""
 
-    async def verify(
-        self,
-        session_id: str,
-        committed_length: int,
-        proposal: Proposal,
-        *,
-        defer_bonus: bool,
-        timeout: float,
-        carrier: Carrier,
-    ) -> VerifyOutcome:
+    async def verify(self, request: steps.VerifyRequest, *, timeout: float, carrier: Carrier) -> steps.VerifyOutcome:
         return await self._on_holder(
-            session_id,
-            lambda peer: peer.verify(
-                session_id, committed_length, proposal, defer_bonus=defer_bonus, timeout=timeout, carrier=carrier
-            ),
+            request.session_id, lambda peer: peer.verify(request, timeout=timeout, carrier=carrier)
         )
 
 
@@ -129,57 +116,14 @@ class ReplicatedDraft(_Replicated[Any]):
     async def available(self) -> bool:
         return self.replicas.any_usable()
 
-    async def close(self, session_id: str, *, timeout: float, committed: Sequence[int] = (), start: int = 0) -> None:
-        """Forget the session on its replica, handing it the final committed tokens (a suffix drafter
-        indexes them); start: how many of them that replica holds."""
-        member = self.replicas.release(session_id)
-        if member is not None and member.connected:
-            await member.peer.close(session_id, timeout=timeout, committed=committed, start=start)
-
-    async def propose(
-        self,
-        session_id: str,
-        committed_length: int,
-        start: int,
-        tail: Sequence[int],
-        num_tokens: int,
-        *,
-        timeout: float,
-        carrier: Carrier,
-    ) -> Proposal:
+    async def propose(self, request: steps.ProposeRequest, *, timeout: float, carrier: Carrier) -> Proposal:
         return await self._on_holder(
-            session_id,
-            lambda peer: peer.propose(
-                session_id, committed_length, start, tail, num_tokens, timeout=timeout, carrier=carrier
-            ),
+            request.session_id, lambda peer: peer.propose(request, timeout=timeout, carrier=carrier)
         )
 
     async def propose_branches(
-        self,
-        session_id: str,
-        committed_length: int,
-        start: int,
-        tail: Sequence[int],
-        pending: int,
-        num_tokens: int,
-        *,
-        budget: int,
-        acceptance: Sequence[float],
-        timeout: float,
-        carrier: Carrier,
-    ) -> Branches:
+        self, request: steps.BranchRequest, *, timeout: float, carrier: Carrier
+    ) -> steps.Branches:
         return await self._on_holder(
-            session_id,
-            lambda peer: peer.propose_branches(
-                session_id,
-                committed_length,
-                start,
-                tail,
-                pending,
-                num_tokens,
-                budget=budget,
-                acceptance=acceptance,
-                timeout=timeout,
-                carrier=carrier,
-            ),
+            request.session_id, lambda peer: peer.propose_branches(request, timeout=timeout, carrier=carrier)
         )

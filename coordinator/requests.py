@@ -16,8 +16,8 @@ from collections.abc import Callable
 from transformers import PreTrainedTokenizerBase
 
 from specd.core.errors import InvalidArgument
-from specd.core.loop import GenerateSpec
-from specd.core.sampling import SamplingParams
+from specd.core.rounds.loop import GenerateSpec
+from specd.core.sampling.sampler import SamplingParams
 from specd.serving.config import CoordinatorConfig
 from specd.serving.wire import params_from_proto
 from specd.v1 import common_pb2, coordinator_pb2

@@ -12,7 +12,7 @@ from coordinator.replica_ports import ReplicatedDraft, ReplicatedTarget
 from coordinator.replicas import ReplicaSet, SameModel
 from coordinator.requests import public_message_limit
 from coordinator.servicer import CoordinatorServicer
-from specd.core import catalog
+from specd.core.model import catalog
 from specd.serving.config import CoordinatorConfig
 from specd.serving.metrics import CoordinatorMetrics
 from specd.serving.reloading import ReloadingChannel, TokenFile

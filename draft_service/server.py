@@ -9,19 +9,20 @@ import grpc
 import torch
 
 from draft_service.servicer import DraftServicer
-from specd.core import catalog
-from specd.core.catalog import MODEL_FREE_DRAFTS, SUFFIX
-from specd.core.drafting import Drafter, NgramDrafter
-from specd.core.hybrid import HybridDrafter
-from specd.core.model_drafter import ModelDrafter
-from specd.core.runner import CausalLMRunner
-from specd.core.suffix import SuffixDrafter
-from specd.core.suffix_index import SharedSuffixIndex
+from specd.core.draft.hybrid import HybridDrafter
+from specd.core.draft.model_drafter import ModelDrafter
+from specd.core.draft.ngram import NgramDrafter
+from specd.core.draft.protocol import Drafter
+from specd.core.draft.suffix import SuffixDrafter
+from specd.core.draft.suffix_index import SharedSuffixIndex
+from specd.core.model import catalog
+from specd.core.model.catalog import MODEL_FREE_DRAFTS, SUFFIX
+from specd.core.model.runner import CausalLMRunner
 from specd.serving.config import DraftConfig
 from specd.serving.cpu_threads import attach_thread_governor
-from specd.serving.load import SERVICE_NAME as LOAD_SERVICE_NAME
-from specd.serving.load import LoadSource, add_load_service
 from specd.serving.metrics import DraftMetrics
+from specd.serving.replica_load import SERVICE_NAME as LOAD_SERVICE_NAME
+from specd.serving.replica_load import LoadSource, add_load_service
 from specd.serving.server import MAX_MESSAGE_BYTES, ServiceHandle, build_server, message_limit_for_context
 from specd.serving.tracing import Tracing
 from specd.v1 import common_pb2, draft_pb2, draft_pb2_grpc

@@ -6,11 +6,11 @@ from collections.abc import Sequence
 from concurrent.futures import Executor
 from typing import Any
 
-from specd.core.branching import MAX_BRANCH_BUDGET, Branches
-from specd.core.drafting import Drafter, DraftResult, DraftWork, draft_work
+from specd.core.draft.protocol import Drafter, draft_work
+from specd.core.draft.suffix import LearningDrafter
 from specd.core.errors import InvalidArgument
 from specd.core.phases import PhaseLog
-from specd.core.suffix import LearningDrafter
+from specd.core.rounds.steps import MAX_BRANCH_BUDGET, Branches, DraftResult, DraftWork
 from specd.serving import trace_names
 from specd.serving import tracing as tr
 from specd.serving.metrics import DraftMetrics

@@ -2,7 +2,7 @@
 """Time one batched verify forward against one forward per session.
 
 Loads the demo target (SmolLM2-135M-Instruct, converted once into
-$SPECD_CACHE_DIR, default ~/.cache/specd; see specd.core.demo_target.demo_target_path),
+$SPECD_CACHE_DIR, default ~/.cache/specd; see specd.core.model.demo_target.demo_target_path),
 makes B sessions with prompts of about 100 tokens, and times a verify round
 (K draft tokens appended to every session, K + 1 rows of logits each) done as
 
@@ -34,9 +34,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import torch
 
-from specd.core.demo_target import demo_target_path
-from specd.core.models import load_pretrained
-from specd.core.runner import CausalLMRunner, KVSession
+from specd.core.model.demo_target import demo_target_path
+from specd.core.model.loading import load_pretrained
+from specd.core.model.runner import CausalLMRunner, KVSession
 
 
 def find_demo_target() -> Path | None:

@@ -22,7 +22,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from specd.core.drafting import lookup_continuation
+from specd.core.draft.ngram import lookup_continuation
 from specd.tools.bench.prompts import load_prompts, select_prompts, shipped_prompt_file, tokenize_prompt
 
 Lookup = Callable[[list[int]], list[int]]

@@ -31,7 +31,7 @@ import grpc
 
 from coordinator.client import build_request
 from coordinator.server import create_server
-from specd.core.record import RoundRecord
+from specd.core.rounds.record import RoundRecord
 from specd.core.transit import HOPS
 from specd.serving.config import CoordinatorConfig
 from specd.serving.server import run_event_loop

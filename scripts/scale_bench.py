@@ -38,7 +38,7 @@ from prometheus_client.parser import text_string_to_metric_families
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from coordinator.client import build_request
-from specd.core.sim import EMULATED, parse_sim_spec
+from specd.core.model.sim import EMULATED, parse_sim_spec
 from specd.tools.localcluster import LocalCluster, ServiceProcess
 from specd.v1 import coordinator_pb2_grpc
 

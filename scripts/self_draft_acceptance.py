@@ -29,7 +29,7 @@ from pathlib import Path
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from specd.core import catalog
+from specd.core.model import catalog
 from specd.serving.config import default_cache_dir
 from specd.tools.localcluster import LocalCluster
 

@@ -19,11 +19,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import torch
 
-from specd.core.drafting import ProposeRequest
-from specd.core.model_drafter import ModelDrafter
-from specd.core.sampling import SamplingParams
-from specd.core.sim import parse_sim_spec
-from specd.core.verification import Verifier, VerifyRequest
+from specd.core.draft.model_drafter import ModelDrafter
+from specd.core.model.sim import parse_sim_spec
+from specd.core.rounds.steps import ProposeRequest, VerifyRequest
+from specd.core.sampling.sampler import SamplingParams
+from specd.core.target.verifier import Verifier
 
 
 def acceptance(spec: str, temperature: float, wire_top_k: int, sessions: int, rounds: int, k: int) -> float:

@@ -18,7 +18,7 @@ repeats are reported, every repeat is printed). --write FILE writes the
 profile JSON (cost models and `measured` figures) with the command line
 and date in it.
 
-    .venv/bin/python scripts/sim_calibrate.py [--target DIR --draft DIR] [--repeats 3] [--write specd/core/sim/profiles/cpu-demo-pair.json]
+    .venv/bin/python scripts/sim_calibrate.py [--target DIR --draft DIR] [--repeats 3] [--write specd/core/model/sim/profiles/cpu-demo-pair.json]
 """
 
 from __future__ import annotations
@@ -39,15 +39,16 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import numpy as np
 import torch
 
-from specd.core import catalog
-from specd.core.model_drafter import ModelDrafter
+from specd.core.draft.model_drafter import ModelDrafter
+from specd.core.model import catalog
+from specd.core.model.runner import CausalLMRunner, KVSession
+from specd.core.model.sim.cost import CostModel
+from specd.core.model.sim.profile import PROFILES_DIR, load_profile
 from specd.core.phases import FORWARD
-from specd.core.proposal import Proposal
-from specd.core.runner import CausalLMRunner, KVSession
-from specd.core.sampling import SamplingParams
-from specd.core.sim.cost import CostModel
-from specd.core.sim.profile import PROFILES_DIR, load_profile
-from specd.core.verification import Verifier
+from specd.core.rounds.steps import ProposeRequest, VerifyRequest
+from specd.core.sampling.proposal import Proposal
+from specd.core.sampling.sampler import SamplingParams
+from specd.core.target.verifier import Verifier
 
 PROMPTS = Path(__file__).resolve().parent.parent / "specd" / "prompts" / "bench.jsonl"
 K = 4
@@ -109,9 +110,9 @@ def rounds(verifier: Verifier, drafter: ModelDrafter, prompts: list[list[int]], 
         try:
             while len(committed) - len(prompt) < tokens:
                 t0 = time.perf_counter()
-                proposal: Proposal = drafter.propose(sid, len(committed), known, committed[known:], K)
+                proposal: Proposal = drafter.propose(ProposeRequest(sid, len(committed), known, committed[known:], K))
                 t1 = time.perf_counter()
-                outcome = verifier.verify(sid, len(committed), proposal)
+                outcome = verifier.verify(VerifyRequest(sid, len(committed), proposal))
                 t2 = time.perf_counter()
                 known = len(committed) + outcome.accepted
                 committed += proposal.token_ids[: outcome.accepted] + [outcome.token_id]

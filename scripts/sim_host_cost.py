@@ -22,10 +22,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import torch
 
-from specd.core.model_drafter import ModelDrafter
-from specd.core.sampling import SamplingParams
-from specd.core.sim import parse_sim_spec
-from specd.core.verification import Verifier
+from specd.core.draft.model_drafter import ModelDrafter
+from specd.core.model.sim import parse_sim_spec
+from specd.core.rounds.steps import ProposeRequest, VerifyRequest
+from specd.core.sampling.sampler import SamplingParams
+from specd.core.target.verifier import Verifier
 
 
 def host_round_ms(spec: str, temperature: float, rounds: int) -> tuple[float, float]:
@@ -39,9 +40,9 @@ def host_round_ms(spec: str, temperature: float, rounds: int) -> tuple[float, fl
     draft_ms, verify_ms = [], []
     for _ in range(rounds):
         t0 = time.perf_counter()
-        p = drafter.propose("s", len(committed), known, committed[known:], 4)
+        p = drafter.propose(ProposeRequest("s", len(committed), known, committed[known:], 4))
         t1 = time.perf_counter()
-        o = verifier.verify("s", len(committed), p)
+        o = verifier.verify(VerifyRequest("s", len(committed), p))
         t2 = time.perf_counter()
         known = len(committed) + o.accepted
         committed += p.token_ids[: o.accepted] + [o.token_id]

@@ -4,7 +4,7 @@
 For each temperature and top-p, the target samples trajectories (target-only,
 the request's settings) from a few prompts; at every position of them we keep
 the target's processed p and each draft's processed q (the draft reads the same
-tokens). For every q setting the real builder (specd.core.sparse_q) turns q into
+tokens). For every q setting the real builder (specd.core.sampling.sparse_q) turns q into
 what the draft would send, and per position we record
 
 - acceptance: sum_x min(p(x), q_sent(x)), the exact probability that the draft
@@ -39,11 +39,12 @@ from pathlib import Path
 
 import torch
 
-from specd.core import catalog, sparse_q
-from specd.core.proposal import Proposal
-from specd.core.runner import CausalLMRunner
-from specd.core.sampling import Role, SamplingParams, coins, draft_token, processed_probs, sample_from_probs
-from specd.core.sparse_q import QSettings
+from specd.core.model import catalog
+from specd.core.model.runner import CausalLMRunner
+from specd.core.sampling import sparse_q
+from specd.core.sampling.proposal import Proposal
+from specd.core.sampling.sampler import Role, SamplingParams, coins, draft_token, processed_probs, sample_from_probs
+from specd.core.sampling.sparse_q import QSettings
 from specd.serving.config import default_cache_dir
 from specd.serving.wire import proposal_to_proto, q_wire_bytes
 
@@ -145,7 +146,7 @@ def measure(d: Distributions, draft: str, settings: QSettings, time_rows: int) -
 
 
 def legacy_build_ms(q: torch.Tensor, time_rows: int) -> float:
-    """Per row, the old drafter step (specd.core.sampling.draft_token, a full sort, top-8): median ms."""
+    """Per row, the old drafter step (specd.core.sampling.sampler.draft_token, a full sort, top-8): median ms."""
     times = []
     for n in torch.randperm(q.shape[0], generator=torch.Generator().manual_seed(0))[:time_rows].tolist():
         t0 = time.perf_counter()

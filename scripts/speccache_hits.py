@@ -2,7 +2,7 @@
 """How many verdicts the speculation cache covers on an emulated profile (emulated; no waiting).
 
 Runs `--requests` seeded requests of `--new-tokens` tokens through the in-process round loop
-(specd.core.rounds: the coordinator's loop over specd's own ModelDrafter and Verifier) on the
+(specd.core.inprocess: the coordinator's loop over specd's own ModelDrafter and Verifier) on the
 profile's emulated models at time_scale 0, with bonus-match pipelining and with spec-cache at each
 branch budget, and prints per (T, K, strategy): the hit rate (rounds whose drafts were pre-drafted /
 drafting rounds), the acceptance rate and the hits per outcome.
@@ -23,11 +23,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import torch
 
-from specd.core.model_drafter import ModelDrafter
-from specd.core.rounds import speculative_generate_batch
-from specd.core.sampling import SamplingParams
-from specd.core.sim import parse_sim_spec
-from specd.core.verification import Verifier
+from specd.core.draft.model_drafter import ModelDrafter
+from specd.core.inprocess import speculative_generate_batch
+from specd.core.model.sim import parse_sim_spec
+from specd.core.sampling.sampler import SamplingParams
+from specd.core.target.verifier import Verifier
 
 
 def run(spec: str, temperature: float, k: int, pipeline: str, budget: int, requests: int, new_tokens: int) -> str:

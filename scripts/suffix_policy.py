@@ -32,12 +32,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from specd.core.drafting import Drafter, NgramDrafter
-from specd.core.rounds import speculative_generate
-from specd.core.runner import CausalLMRunner
-from specd.core.sampling import SamplingParams
-from specd.core.suffix import LearningDrafter, SuffixDrafter, SuffixSettings
-from specd.core.verification import Verifier
+from specd.core.draft.ngram import NgramDrafter
+from specd.core.draft.protocol import Drafter
+from specd.core.draft.suffix import LearningDrafter, SuffixDrafter, SuffixSettings
+from specd.core.inprocess import speculative_generate
+from specd.core.model.runner import CausalLMRunner
+from specd.core.rounds.steps import ProposeRequest
+from specd.core.sampling.sampler import SamplingParams
+from specd.core.target.verifier import Verifier
 from specd.tools.bench import load_prompts, select_prompts, tokenize_prompt
 
 Answers = list[tuple[list[int], list[int]]]
@@ -107,7 +109,9 @@ def replay(
             if drafter is not None:
                 budget = min(k, len(answer) - i - 1)
                 if budget > 0:
-                    proposal = drafter.propose(sid, len(committed), known, committed[known:], budget).token_ids
+                    proposal = drafter.propose(
+                        ProposeRequest(sid, len(committed), known, committed[known:], budget)
+                    ).token_ids
             accepted = 0
             while accepted < len(proposal) and answer[i + accepted] == proposal[accepted]:
                 accepted += 1

@@ -2,7 +2,7 @@
 """Time the demo target's verify forward against the tokens it runs: T(n) for n = 1 .. N, as the services run it.
 
 What the adaptive controller has to know: what one more draft token costs a
-round (specd.core.adaptive, sigma). One session with a prompt of about 100
+round (specd.core.inprocess.adaptive, sigma). One session with a prompt of about 100
 tokens; each sample appends n tokens, times the forward over them (n rows of
 logits, as a verify of K = n - 1 draft tokens), and rolls back to keep one,
 as a round does. The token counts are interleaved sample by sample so that
@@ -13,7 +13,7 @@ The settings are the target service's: its OpenMP environment (none of
 specd's own: the runtime's defaults unless the caller set them) and, with
 --threads 0 (the default, as `--torch-threads 0`), the thread governor on
 the model's forward passes (specd.serving.cpu_threads), and few-row linear
-layers (specd.core.cpu_linear; --cpu-linear torch for torch's own).
+layers (specd.core.model.cpu_linear; --cpu-linear torch for torch's own).
 
     .venv/bin/python scripts/verify_cost.py [--tokens 1,2,3,5,9,17] [--samples 40] [--threads 0]
 
@@ -35,8 +35,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import torch
 
 from scripts.batch_forward_speed import find_demo_target
-from specd.core.models import load_pretrained
-from specd.core.runner import CausalLMRunner
+from specd.core.model.loading import load_pretrained
+from specd.core.model.runner import CausalLMRunner
 from specd.serving.cpu_budget import service_threads
 from specd.serving.cpu_threads import attach_thread_governor, describe_threads
 

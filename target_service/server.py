@@ -11,22 +11,22 @@ from concurrent.futures import ThreadPoolExecutor
 import grpc
 import torch
 
-from specd.core import catalog
 from specd.core.errors import InvalidArgument
-from specd.core.runner import CausalLMRunner
-from specd.core.verification import Verifier
+from specd.core.model import catalog
+from specd.core.model.runner import CausalLMRunner
+from specd.core.target.verifier import Verifier
 from specd.serving.config import TargetConfig
 from specd.serving.cpu_budget import service_threads
 from specd.serving.cpu_threads import attach_thread_governor
-from specd.serving.load import SERVICE_NAME as LOAD_SERVICE_NAME
-from specd.serving.load import LoadSource, add_load_service
 from specd.serving.metrics import TargetMetrics
+from specd.serving.replica_load import SERVICE_NAME as LOAD_SERVICE_NAME
+from specd.serving.replica_load import LoadSource, add_load_service
 from specd.serving.server import ServiceHandle, build_server, message_limit_for_context
 from specd.serving.tracing import Tracing
 from specd.v1 import common_pb2, target_pb2, target_pb2_grpc
 from target_service.servicer import TargetServicer
 from target_service.workers.group import EXIT_WORKER_FAILURE, WorkerGroup
-from target_service.workers.runner import build_tp_runner
+from target_service.workers.tp_runner import build_tp_runner
 
 log = logging.getLogger(__name__)
 

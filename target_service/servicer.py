@@ -7,7 +7,8 @@ from typing import Any
 
 from specd.core.errors import InvalidArgument
 from specd.core.phases import PhaseLog
-from specd.core.verification import Verifier, VerifyOutcome, VerifyRequest
+from specd.core.rounds.steps import VerifyOutcome, VerifyRequest
+from specd.core.target.verifier import Verifier
 from specd.serving import trace_names, trace_spans
 from specd.serving.round_servicing import BatchedRoundServicer
 from specd.serving.wire import params_from_proto, token_ids_from_wire, verdict_to_proto, verify_request_from_proto

@@ -16,9 +16,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from specd.core.demo_target import demo_target_path
-from specd.core.tiny_models import build_tiny_gpt2, build_tiny_pair
+from specd.core.model.demo_target import demo_target_path
 from tests.cluster import Cluster
+from tests.tiny_models import build_tiny_gpt2, build_tiny_pair
 
 # ---- models -------------------------------------------------------------------
 

@@ -12,11 +12,12 @@ from pathlib import Path
 import torch
 
 from draft_service.server import create_server
-from specd.core import catalog
-from specd.core.drafting import ProposeRequest
-from specd.core.model_drafter import ModelDrafter
-from specd.core.proposal import Proposal
-from specd.core.sampling import SamplingParams
+from specd.core.draft.model_drafter import ModelDrafter
+from specd.core.draft.protocol import propose_each
+from specd.core.model import catalog
+from specd.core.rounds.steps import ProposeRequest
+from specd.core.sampling.proposal import Proposal
+from specd.core.sampling.sampler import SamplingParams
 from specd.serving.config import DraftConfig
 from specd.v1 import common_pb2
 
@@ -47,18 +48,10 @@ class LyingDrafter:
 
     def propose_batch(self, requests: Sequence[ProposeRequest]) -> list[Proposal | Exception]:
         """One by one through propose(), so each answer gets its turn of lying (or stalling)."""
-        out: list[Proposal | Exception] = []
-        for r in requests:
-            try:
-                out.append(self.propose(r.session_id, r.committed_length, r.start, r.tail, r.num_tokens))
-            except Exception as exc:
-                out.append(exc)
-        return out
+        return propose_each(self.propose, requests)
 
-    def propose(
-        self, session_id: str, committed_length: int, start: int, tail: Sequence[int], num_tokens: int
-    ) -> Proposal:
-        real = self.inner.propose(session_id, committed_length, start, tail, num_tokens)
+    def propose(self, request: ProposeRequest) -> Proposal:
+        real = self.inner.propose(request)
         self.calls += 1
         lie = self.calls % 5
         k = len(real.token_ids)
@@ -81,13 +74,11 @@ class SlowDrafter(LyingDrafter):
 
     delay_s: float = 4.0
 
-    def propose(
-        self, session_id: str, committed_length: int, start: int, tail: Sequence[int], num_tokens: int
-    ) -> Proposal:
+    def propose(self, request: ProposeRequest) -> Proposal:
         self.calls += 1
         if self.calls % 2:
             time.sleep(self.delay_s)
-        return self.inner.propose(session_id, committed_length, start, tail, num_tokens)
+        return self.inner.propose(request)
 
 
 class InProcessDraftServer:

@@ -17,15 +17,13 @@ from dataclasses import dataclass, field
 
 import torch
 
-from specd.core.branching import Branch, Branches, select_branches, top_ranking
-from specd.core.drafting import sync_prefix
+from specd.core.draft.branching import select_branches, top_ranking
 from specd.core.errors import DeadlineExceeded, SessionNotFound, SessionOutOfSync, SpecdError, Unavailable
 from specd.core.phases import PhaseLog
-from specd.core.ports import Carrier
-from specd.core.proposal import Proposal
-from specd.core.record import RoundRecord
-from specd.core.sampling import SamplingParams
-from specd.core.verification import VerifyOutcome
+from specd.core.rounds import steps
+from specd.core.rounds.ports import Carrier
+from specd.core.rounds.record import RoundRecord
+from specd.core.sampling.proposal import Proposal
 
 V = 61  # vocabulary size
 
@@ -105,22 +103,12 @@ class FakeTarget:
         self.carriers: list[Carrier] = []
         self.violations: list[tuple[list[int], list[int]]] = []  # (committed prefix, proposal) drafted elsewhere
 
-    async def open(
-        self, session_id: str, token_ids: Sequence[int], params: SamplingParams, *, timeout: float, carrier: Carrier
-    ) -> None:
+    async def open(self, request: steps.OpenRequest, *, timeout: float, carrier: Carrier) -> None:
         self.opens += 1
-        self.sessions[session_id] = list(token_ids)
+        self.sessions[request.session_id] = list(request.token_ids)
 
-    async def verify(
-        self,
-        session_id: str,
-        committed_length: int,
-        proposal: Proposal,
-        *,
-        defer_bonus: bool,
-        timeout: float,
-        carrier: Carrier,
-    ) -> VerifyOutcome:
+    async def verify(self, request: steps.VerifyRequest, *, timeout: float, carrier: Carrier) -> steps.VerifyOutcome:
+        session_id, committed_length, proposal = request.session_id, request.committed_length, request.proposal
         self.calls += 1
         self.carriers.append(carrier)
         await self.script.before(self.calls, timeout, self.sessions, session_id)
@@ -137,10 +125,10 @@ class FakeTarget:
         while accepted < len(drafts) and drafts[accepted] == target_next(prefix + drafts[:accepted]):
             accepted += 1
         committed = prefix + drafts[:accepted]
-        deferred = defer_bonus and 0 < len(drafts) == accepted
+        deferred = request.defer_bonus and 0 < len(drafts) == accepted
         token = -1 if deferred else target_next(committed)
         self.sessions[session_id] = committed + ([] if deferred else [token])
-        return VerifyOutcome(
+        return steps.VerifyOutcome(
             accepted=accepted,
             token_id=token,
             is_bonus=accepted == len(drafts) and not deferred,
@@ -150,15 +138,15 @@ class FakeTarget:
             deferred=deferred,
         )
 
-    async def close(self, session_id: str, *, timeout: float) -> None:
-        self.closed.append(session_id)
-        self.sessions.pop(session_id, None)
+    async def close(self, request: steps.CloseRequest, *, timeout: float) -> None:
+        self.closed.append(request.session_id)
+        self.sessions.pop(request.session_id, None)
 
 
 class FakeDraft:
     """A DraftPort drafting with `step`; `lie` makes call n send one token more than asked.
 
-    Branch calls choose with the real rule (specd.core.branching) over draft_distribution."""
+    Branch calls choose with the real rule (specd.core.draft.branching) over draft_distribution."""
 
     def __init__(
         self,
@@ -180,88 +168,70 @@ class FakeDraft:
         self.final: dict[str, list[int]] = {}  # the committed tokens each close carried
         self.prefixes: list[list[int]] = []  # the prefix of every propose, in order
         self.branch_calls: list[tuple[list[int], int]] = []  # (prefix, pending) of every branch call
-        self.branch_results: list[Branches] = []  # what every branch call that answered returned
+        self.branch_results: list[steps.Branches] = []  # what every branch call that answered returned
         self.shared: dict[str, int] = {}  # session -> tokens its branches share (after a branch call)
         self.violations: list[tuple[str, int]] = []  # (session, start) of calls that started past them
 
     async def available(self) -> bool:
         return self.up
 
-    async def open(
-        self, session_id: str, token_ids: Sequence[int], params: SamplingParams, *, timeout: float, carrier: Carrier
-    ) -> None:
+    async def open(self, request: steps.OpenRequest, *, timeout: float, carrier: Carrier) -> None:
         self.opens += 1
-        self.sessions[session_id] = list(token_ids)
-        self.shared.pop(session_id, None)
+        self.sessions[request.session_id] = list(request.token_ids)
+        self.shared.pop(request.session_id, None)
 
-    async def propose(
-        self,
-        session_id: str,
-        committed_length: int,
-        start: int,
-        tail: Sequence[int],
-        num_tokens: int,
-        *,
-        timeout: float,
-        carrier: Carrier,
-    ) -> Proposal:
-        self.calls += 1
-        n = self.calls
-        await self.script.before(n, timeout, self.sessions, session_id)
-        if session_id not in self.sessions:
-            raise SessionNotFound(f"no session {session_id}")
-        prefix = self._sync(session_id, committed_length, start, tail)
+    async def propose(self, request: steps.ProposeRequest, *, timeout: float, carrier: Carrier) -> Proposal:
+        n, prefix = await self._step(request, timeout)
         self.prefixes.append(prefix)
-        k = num_tokens + (1 if n in self.lie else 0) - (1 if n in self.short else 0)
-        drafts = chain(prefix, max(0, k), self.step)
-        self.sessions[session_id] = prefix + drafts
+        drafts = chain(prefix, self._length(n, request.num_tokens), self.step)
+        self.sessions[request.session_id] = prefix + drafts
         return Proposal(drafts, compute_ms=self.script.compute_ms * max(1, len(drafts)))
 
     async def propose_branches(
-        self,
-        session_id: str,
-        committed_length: int,
-        start: int,
-        tail: Sequence[int],
-        pending: int,
-        num_tokens: int,
-        *,
-        budget: int,
-        acceptance: Sequence[float],
-        timeout: float,
-        carrier: Carrier,
-    ) -> Branches:
+        self, request: steps.BranchRequest, *, timeout: float, carrier: Carrier
+    ) -> steps.Branches:
         """The real branch rule over the fake's beliefs (draft_distribution); one call, like a batched pass."""
-        self.calls += 1
-        n = self.calls
-        await self.script.before(n, timeout, self.sessions, session_id)
-        if session_id not in self.sessions:
-            raise SessionNotFound(f"no session {session_id}")
-        prefix = self._sync(session_id, committed_length, start, tail)
+        session_id, pending, budget = request.session_id, request.pending, request.budget
+        n, prefix = await self._step(request, timeout)
         self.branch_calls.append((prefix, pending))
         base = len(prefix) - pending
         probs = torch.stack([draft_distribution(prefix[: base + j], self.step) for j in range(pending + 1)])
-        k = num_tokens + (1 if n in self.lie else 0) - (1 if n in self.short else 0)
+        k = self._length(n, request.num_tokens)
         branches = []
         ranking = top_ranking(probs, prefix[base:], budget + 1)
-        for c in select_branches(ranking, prefix[base:], acceptance, budget):
-            drafts = chain([*prefix[: base + c.accepted], c.token_id], max(0, k), self.step)
-            branches.append(Branch(c.accepted, c.token_id, Proposal(drafts, compute_ms=self.script.compute_ms)))
+        for c in select_branches(ranking, prefix[base:], request.acceptance, budget):
+            drafts = chain([*prefix[: base + c.accepted], c.token_id], k, self.step)
+            branches.append(steps.Branch(c.accepted, c.token_id, Proposal(drafts, compute_ms=self.script.compute_ms)))
         self.sessions[session_id] = prefix
         self.shared[session_id] = base  # what every branch shares with the sequence
-        result = Branches(tuple(branches), compute_ms=self.script.compute_ms)
+        result = steps.Branches(tuple(branches), compute_ms=self.script.compute_ms)
         self.branch_results.append(result)
         return result
 
-    def _sync(self, session_id: str, committed_length: int, start: int, tail: Sequence[int]) -> list[int]:
+    async def _step(self, request: steps.ProposeRequest | steps.BranchRequest, timeout: float) -> tuple[int, list[int]]:
+        """Count the call, play the script, and bring the session to the request's prefix: (call n, prefix)."""
+        self.calls += 1
+        n = self.calls
+        await self.script.before(n, timeout, self.sessions, request.session_id)
+        if request.session_id not in self.sessions:
+            raise SessionNotFound(f"no session {request.session_id}")
+        return n, self._sync(request)
+
+    def _length(self, n: int, num_tokens: int) -> int:
+        """Drafts call n sends: num_tokens, one more if it lies, one fewer if it runs short."""
+        return max(0, num_tokens + (1 if n in self.lie else 0) - (1 if n in self.short else 0))
+
+    def _sync(self, request: steps.ProposeRequest | steps.BranchRequest) -> list[int]:
         """The prefix from (start, tail); a start past what the branches share is a protocol violation."""
+        session_id, start = request.session_id, request.start
         if start > self.shared.pop(session_id, math.inf):
             self.violations.append((session_id, start))
-        return sync_prefix(self.sessions[session_id], committed_length, start, tail)
+        return steps.sync_prefix(self.sessions[session_id], request.committed_length, start, request.tail)
 
-    async def close(self, session_id: str, *, timeout: float, committed: Sequence[int] = (), start: int = 0) -> None:
+    async def close(self, request: steps.CloseRequest, *, timeout: float) -> None:
+        session_id = request.session_id
         self.closed.append(session_id)
-        self.final[session_id] = list(committed)
+        self.final[session_id] = list(request.committed)
         self.sessions.pop(session_id, None)
         self.shared.pop(session_id, None)
 

@@ -5,12 +5,12 @@ from __future__ import annotations
 from functools import lru_cache
 from pathlib import Path
 
-from specd.core.model_drafter import ModelDrafter
-from specd.core.models import LoadedModel, load_pretrained
-from specd.core.rounds import GenerationResult, speculative_generate
-from specd.core.runner import CausalLMRunner
-from specd.core.sampling import SamplingParams
-from specd.core.verification import Verifier
+from specd.core.draft.model_drafter import ModelDrafter
+from specd.core.inprocess import GenerationResult, speculative_generate
+from specd.core.model.loading import LoadedModel, load_pretrained
+from specd.core.model.runner import CausalLMRunner
+from specd.core.sampling.sampler import SamplingParams
+from specd.core.target.verifier import Verifier
 
 
 @lru_cache(maxsize=4)

@@ -6,7 +6,7 @@ import random
 
 import pytest
 
-from specd.core.adaptive import (
+from specd.core.rounds.adaptive import (
     AdaptiveDraftLength,
     Estimate,
     LinearCost,

@@ -10,16 +10,17 @@ from pathlib import Path
 import pytest
 import torch
 
-from specd.core.drafting import NgramDrafter, ProposeRequest
+from specd.core.draft.model_drafter import ModelDrafter
+from specd.core.draft.ngram import NgramDrafter
 from specd.core.errors import SessionNotFound
-from specd.core.model_drafter import ModelDrafter
-from specd.core.models import load_pretrained
-from specd.core.proposal import Proposal
-from specd.core.rounds import speculative_generate, speculative_generate_batch
-from specd.core.runner import CausalLMRunner
-from specd.core.sampling import SamplingParams
-from specd.core.sessions import KVBudget
-from specd.core.verification import Verifier, VerifyOutcome, VerifyRequest
+from specd.core.inprocess import speculative_generate, speculative_generate_batch
+from specd.core.model.loading import load_pretrained
+from specd.core.model.pool import KVBudget
+from specd.core.model.runner import CausalLMRunner
+from specd.core.rounds.steps import ProposeRequest, VerifyOutcome, VerifyRequest
+from specd.core.sampling.proposal import Proposal
+from specd.core.sampling.sampler import SamplingParams
+from specd.core.target.verifier import Verifier
 from specd.serving.batching import MicroBatcher
 from specd.v1 import common_pb2, session_pb2, target_pb2
 from target_service.servicer import TargetServicer
@@ -232,34 +233,35 @@ def test_a_deferred_bonus_splits_one_round_into_two_with_the_same_tokens(tiny) -
         for v in (split, single):
             v.open("s", prompt, params)
         drafter.open("d", prompt, params)
-        x = drafter.propose("d", n, n, [], 3)
-        y = drafter.propose("d", n + 3, n + 3, [], 2)  # drafted as if x were all accepted
-        first = split.verify("s", n, x, start=n, defer_bonus=True)
+        x = drafter.propose(ProposeRequest("d", n, n, [], 3))
+        y = drafter.propose(ProposeRequest("d", n + 3, n + 3, [], 2))  # drafted as if x were all accepted
+        first = split.verify(VerifyRequest("s", n, x, start=n, defer_bonus=True))
         if first.deferred:
             deferred_seen += 1
             assert (first.accepted, first.committed_length, first.token_id) == (3, n + 3, -1)
-            second = split.verify("s", n + 3, y, start=n + 3)
+            second = split.verify(VerifyRequest("s", n + 3, y, start=n + 3))
             both = Proposal(
                 x.token_ids + y.token_ids,
                 None if x.q_ids is None else torch.cat([x.q_ids, y.q_ids]),
                 None if x.q_probs is None else torch.cat([x.q_probs, y.q_probs]),
             )
-            whole = single.verify("s", n, both, start=n)
+            whole = single.verify(VerifyRequest("s", n, both, start=n))
             assert (3 + second.accepted, second.token_id, second.committed_length) == (
                 whole.accepted,
                 whole.token_id,
                 whole.committed_length,
             )
             # and with nothing drafted after it, the next round draws the very bonus that was deferred
-            split.verify("s", n, x, start=n, defer_bonus=True)  # the same round again (rolled back by start)
-            bonus = split.verify("s", n + 3, Proposal([]), start=n + 3)
-            plain = single.verify("s", n, x, start=n)
+            # the same round again (rolled back by start)
+            split.verify(VerifyRequest("s", n, x, start=n, defer_bonus=True))
+            bonus = split.verify(VerifyRequest("s", n + 3, Proposal([]), start=n + 3))
+            plain = single.verify(VerifyRequest("s", n, x, start=n))
             assert plain.is_bonus and (bonus.token_id, bonus.committed_length) == (
                 plain.token_id,
                 plain.committed_length,
             )
         else:  # a rejection inside x: nothing is deferred and the verdict is the plain one
-            assert first.token_id == single.verify("s", n, x, start=n).token_id and not first.deferred
+            assert first.token_id == single.verify(VerifyRequest("s", n, x, start=n)).token_id and not first.deferred
         for v in (split, single):
             v.close("s")
         drafter.close("d")

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from specd.core.models import load_pretrained
+from specd.core.model.loading import load_pretrained
 from specd.tools import bench
 from specd.tools.bench import (
     BASELINE,
@@ -60,7 +60,11 @@ def test_default_modes_expand_over_draft_lengths() -> None:
     assert modes["fixed-4"].draft_length == 4
     assert modes["pipelined-2"].request == {"speculation": "fixed", "draft_length": 2, "pipeline": True}
     hf2 = modes["hf-2"]
-    assert hf2.peer and hf2.request["num_assistant_tokens"] == 2 and hf2.request["assistant_confidence_threshold"] == 0
+    assert (
+        hf2.hf_baseline
+        and hf2.request["num_assistant_tokens"] == 2
+        and hf2.request["assistant_confidence_threshold"] == 0
+    )
     assert modes["auto"].draft_length is None  # auto picks K itself
 
 
@@ -77,7 +81,7 @@ def test_auto_may_choose_up_to_the_largest_fixed_k_of_the_run() -> None:
     assert {m.name: m.request.get("draft_length") for m in named} == {"target-only": None, "auto": 8, "mine": 3}
 
 
-def test_prompt_lookup_peer_runs_the_target_alone() -> None:
+def test_prompt_lookup_hf_baseline_runs_the_target_alone() -> None:
     modes = parse_modes("target-only,hf-lookup", [2, 4])
     assert [(m.name, m.runner, m.draft_length) for m in modes[1:]] == [
         ("hf-lookup-2", "hf", 2),
@@ -284,7 +288,7 @@ def test_mixed_speedup_weighs_rounds_that_did_not_draft() -> None:
     assert bench.mixed_speedup(0.6, 4, 0.1, 5, 10) == pytest.approx((5 * one + 5) / (5 * 1.4 + 5))
 
 
-def test_summarize_peer_counts_draft_forwards() -> None:
+def test_summarize_hf_baseline_counts_draft_forwards() -> None:
     rec = summarize(
         Mode("hf-2", "hf", {"num_assistant_tokens": 2}, 2),
         0.0,
@@ -405,7 +409,7 @@ def test_bench_smoke_on_the_tiny_pair(tiny_cluster, tiny_pair: tuple[Path, Path]
     assert rc == 0
     report = json.loads(out.read_text())
     records = report["records"]
-    # 4 service modes x 4 cells + the two peers (assisted, prompt lookup) at 1 client x 2 temperatures
+    # 4 service modes x 4 cells + the two HF baselines (assisted, prompt lookup) at 1 client x 2 temperatures
     assert len(records) == 4 * 4 + 2 * 2
     # modes took turns over 3 one-prompt slices at 1 client; 2 clients keep one slice (3 // 2 = 1)
     assert {(r["concurrency"], r["interleave_slices"]) for r in records} == {(1, 3), (2, 1)}

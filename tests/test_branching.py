@@ -1,6 +1,6 @@
 """The speculation cache's drafting side: the branch rule, forked KV caches, one batched pass, adoption.
 
-Table-driven cases for the rule (specd.core.branching); the runner's fork
+Table-driven cases for the rule (specd.core.draft.branching); the runner's fork
 against transformers' DynamicLayer; ModelDrafter's branch calls on the
 emulator and on a tiny real model: every branch's drafts are what a fresh
 propose for its prefix gives, the next call continues the branch without
@@ -17,24 +17,24 @@ from pathlib import Path
 import pytest
 import torch
 
-from specd.core.branching import (
-    Branches,
-    BranchRequest,
-    PositionAcceptance,
+from specd.core.draft.branching import (
     bonus_guess,
     calibrated_greedy,
     outcome_probabilities,
     select_branches,
     top_ranking,
 )
-from specd.core.drafting import NgramDrafter, ProposeRequest, draft_work
+from specd.core.draft.model_drafter import ModelDrafter
+from specd.core.draft.ngram import NgramDrafter
+from specd.core.draft.protocol import draft_work
 from specd.core.errors import InvalidArgument
-from specd.core.model_drafter import ModelDrafter
-from specd.core.models import load_pretrained
-from specd.core.proposal import Proposal
-from specd.core.runner import CausalLMRunner
-from specd.core.sampling import SamplingParams
-from specd.core.sim import parse_sim_spec
+from specd.core.model.loading import load_pretrained
+from specd.core.model.runner import CausalLMRunner
+from specd.core.model.sim import parse_sim_spec
+from specd.core.rounds.adaptive import PositionAcceptance
+from specd.core.rounds.steps import Branches, BranchRequest, ProposeRequest
+from specd.core.sampling.proposal import Proposal
+from specd.core.sampling.sampler import SamplingParams
 
 pytestmark = pytest.mark.usefixtures("torch_single_thread")
 
@@ -179,14 +179,14 @@ def branch_call(d: ModelDrafter, sid: str, prefix: list[int], pending: int, k: i
 def fresh(make, prefix: list[int], params: SamplingParams, k: int) -> Proposal:
     ref = make()
     ref.open("ref", prefix, params)
-    return ref.propose("ref", len(prefix), len(prefix), [], k)
+    return ref.propose(ProposeRequest("ref", len(prefix), len(prefix), [], k))
 
 
 @pytest.mark.parametrize("params", [GREEDY, SAMPLED], ids=["greedy", "sampled"])
 def test_every_branch_drafts_what_a_fresh_propose_for_its_prefix_would(params: SamplingParams) -> None:
     d = sim_drafter()
     d.open("s", PROMPT, params)
-    pending = d.propose("s", len(PROMPT), len(PROMPT), [], 4).token_ids
+    pending = d.propose(ProposeRequest("s", len(PROMPT), len(PROMPT), [], 4)).token_ids
     got = branch_call(d, "s", PROMPT + pending, 4)
     assert len(got) == 8
     assert len({(b.accepted, b.token_id) for b in got.branches}) == 8
@@ -203,8 +203,8 @@ def test_a_branch_pass_is_one_forward_per_step_for_every_branch_and_session() ->
     d = sim_drafter()
     for sid in ("a", "b"):
         d.open(sid, PROMPT, GREEDY)
-    pending = d.propose("a", len(PROMPT), len(PROMPT), [], 4).token_ids
-    d.propose("b", len(PROMPT), len(PROMPT), [], 4)
+    pending = d.propose(ProposeRequest("a", len(PROMPT), len(PROMPT), [], 4)).token_ids
+    d.propose(ProposeRequest("b", len(PROMPT), len(PROMPT), [], 4))
     stats = d.runner.stats
     before = stats.forwards
     work = [
@@ -221,12 +221,12 @@ def test_a_branch_pass_is_one_forward_per_step_for_every_branch_and_session() ->
 def test_the_next_call_continues_the_branch_it_extends_without_recomputing_it() -> None:
     d = sim_drafter()
     d.open("s", PROMPT, GREEDY)
-    pending = d.propose("s", len(PROMPT), len(PROMPT), [], 4).token_ids
+    pending = d.propose(ProposeRequest("s", len(PROMPT), len(PROMPT), [], 4)).token_ids
     got = branch_call(d, "s", PROMPT + pending, 4)
     b = next(b for b in got.branches if b.accepted < 4)
     committed = PROMPT + list(b.extension(pending)) + b.proposal.token_ids[:2]  # the branch, 2 of its drafts accepted
     positions = d.runner.stats.positions
-    nxt = d.propose("s", len(committed) + 1, len(PROMPT), committed[len(PROMPT) :] + [7], 3)
+    nxt = d.propose(ProposeRequest("s", len(committed) + 1, len(PROMPT), committed[len(PROMPT) :] + [7], 3))
     assert d.runner.stats.positions - positions == 1 + 1 + 1  # the new token, then two more drafts: no recompute
     assert nxt.token_ids == fresh(sim_drafter, committed + [7], GREEDY, 3).token_ids
     s = d._pool.get("s")
@@ -236,12 +236,12 @@ def test_the_next_call_continues_the_branch_it_extends_without_recomputing_it() 
 def test_a_call_that_continues_no_branch_rolls_the_sequence_back() -> None:
     d = sim_drafter()
     d.open("s", PROMPT, SAMPLED)
-    pending = d.propose("s", len(PROMPT), len(PROMPT), [], 4).token_ids
+    pending = d.propose(ProposeRequest("s", len(PROMPT), len(PROMPT), [], 4)).token_ids
     got = branch_call(d, "s", PROMPT + pending, 4)
     covered = {(b.accepted, b.token_id) for b in got.branches}
     t = next(t for t in range(2048) if (1, t) not in covered and t != pending[1])
     committed = PROMPT + pending[:1] + [t]
-    nxt = d.propose("s", len(committed), len(PROMPT), committed[len(PROMPT) :], 4)
+    nxt = d.propose(ProposeRequest("s", len(committed), len(PROMPT), committed[len(PROMPT) :], 4))
     assert nxt.token_ids == fresh(sim_drafter, committed, SAMPLED, 4).token_ids
     assert d._pool.get("s").branches == []
 
@@ -251,7 +251,7 @@ def test_branch_state_is_bounded_by_the_kv_budget_and_freed_at_close() -> None:
     length = len(PROMPT) + 4 + 1 + 4  # a bonus branch: prefix, its token, 4 drafts
     d = sim_drafter(max_kv_bytes=per_token * (len(PROMPT) + 4 + 3 * length))  # room for 3 branches
     d.open("s", PROMPT, GREEDY)
-    pending = d.propose("s", len(PROMPT), len(PROMPT), [], 4).token_ids
+    pending = d.propose(ProposeRequest("s", len(PROMPT), len(PROMPT), [], 4)).token_ids
     assert len(branch_call(d, "s", PROMPT + pending, 4)) == 3
     assert d.kv_bytes() <= d._pool.budget.max_bytes
     d.close("s")
@@ -280,7 +280,7 @@ def test_no_room_in_the_context_gives_no_branches() -> None:
     runner.max_context = len(PROMPT) + 4 + 1  # the prefix fills it but for the bonus token
     d = ModelDrafter(runner)
     d.open("s", PROMPT, GREEDY)
-    pending = d.propose("s", len(PROMPT), len(PROMPT), [], 4).token_ids
+    pending = d.propose(ProposeRequest("s", len(PROMPT), len(PROMPT), [], 4)).token_ids
     assert len(branch_call(d, "s", PROMPT + pending, 4)) == 0
 
 
@@ -294,14 +294,14 @@ def test_the_tiny_model_branches_agree_with_fresh_proposes(tiny_pair: tuple[Path
     d = make()
     for params in (GREEDY, SAMPLED):
         d.open("s", PROMPT, params)
-        pending = d.propose("s", len(PROMPT), len(PROMPT), [], 3).token_ids
+        pending = d.propose(ProposeRequest("s", len(PROMPT), len(PROMPT), [], 3)).token_ids
         got = branch_call(d, "s", PROMPT + pending, 3, k=3, budget=6)
         assert len(got) == 6
         for b in got.branches:
             assert b.proposal.token_ids == fresh(make, PROMPT + list(b.extension(pending)), params, 3).token_ids
         b = got.branches[-1]
         committed = PROMPT + list(b.extension(pending))
-        nxt = d.propose("s", len(committed), len(PROMPT), committed[len(PROMPT) :], 3)
+        nxt = d.propose(ProposeRequest("s", len(committed), len(PROMPT), committed[len(PROMPT) :], 3))
         assert nxt.token_ids == b.proposal.token_ids  # the adopted branch, drafts and all
 
 
@@ -309,10 +309,10 @@ def test_an_ngram_drafter_answers_with_its_bonus_guess() -> None:
     d = NgramDrafter(100)
     text = [1, 2, 3, 4, 5, 6, 1, 2, 3, 4, 5, 6, 1, 2]
     d.open("s", text, GREEDY)
-    pending = d.propose("s", len(text), len(text), [], 2).token_ids
+    pending = d.propose(ProposeRequest("s", len(text), len(text), [], 2)).token_ids
     assert pending == [3, 4]
     got = draft_work(d, [BranchRequest("s", len(text) + 2, len(text) + 2, [], 2, 2)])[0]
     assert isinstance(got, Branches)
     assert [(b.accepted, b.token_id, b.proposal.token_ids) for b in got.branches] == [(2, 5, [6, 1])]
-    nxt = d.propose("s", len(text) + 1, len(text), [3], 2)  # the verdict rejected 4: rolled back
+    nxt = d.propose(ProposeRequest("s", len(text) + 1, len(text), [3], 2))  # the verdict rejected 4: rolled back
     assert nxt.token_ids == [4, 5]

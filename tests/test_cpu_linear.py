@@ -7,8 +7,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from specd.core.catalog import load_draft_for_serving, load_for_serving
-from specd.core.cpu_linear import SMALL_ROWS, install_small_row_linears
+from specd.core.model.catalog import load_draft_for_serving, load_for_serving
+from specd.core.model.cpu_linear import SMALL_ROWS, install_small_row_linears
 
 
 class Shard(torch.nn.Linear):

@@ -13,17 +13,19 @@ import pytest
 import torch
 from transformers import AutoConfig
 
-from specd.core.catalog import demo_draft_path, load_draft_for_serving
-from specd.core.draft_checkpoint import COMPACT_META, assemble, install_reduced_head
-from specd.core.drafting import NgramDrafter, ReducedLMHead
+from specd.core.draft.model_drafter import ModelDrafter
+from specd.core.draft.ngram import NgramDrafter
 from specd.core.errors import FailedPrecondition, InvalidArgument
-from specd.core.model_drafter import ModelDrafter
-from specd.core.models import load_pretrained
-from specd.core.proposal import Proposal
-from specd.core.rounds import speculative_generate
-from specd.core.runner import CausalLMRunner
-from specd.core.sampling import SamplingParams
-from specd.core.verification import Verifier
+from specd.core.inprocess import speculative_generate
+from specd.core.model.catalog import demo_draft_path, load_draft_for_serving
+from specd.core.model.draft_checkpoint import COMPACT_META, assemble, install_reduced_head
+from specd.core.model.loading import load_pretrained
+from specd.core.model.reduced_head import ReducedLMHead
+from specd.core.model.runner import CausalLMRunner
+from specd.core.rounds.steps import ProposeRequest
+from specd.core.sampling.proposal import Proposal
+from specd.core.sampling.sampler import SamplingParams
+from specd.core.target.verifier import Verifier
 from specd.tools import cli
 from specd.tools.distill import DistillConfig, build_draft, builtin_prompts, render_prompt, run_distill
 from tests.cluster import Cluster
@@ -212,7 +214,7 @@ def test_reduced_head_drafter_samples_only_its_tokens(distilled: tuple[Path, dic
     allowed = set(token_map.tolist())
     prompt = [256, *range(1, 40)]  # includes ids outside the head: inputs are unrestricted
     drafter.open("s", prompt, SamplingParams(temperature=1.3, seed=5))
-    p = drafter.propose("s", len(prompt), len(prompt), [], 6)
+    p = drafter.propose(ProposeRequest("s", len(prompt), len(prompt), [], 6))
     assert len(p.token_ids) == 6 and set(p.token_ids) <= allowed
     assert p.q_ids is not None and p.q_probs is not None
     assert set(p.q_ids[p.q_probs > 0].tolist()) <= allowed

@@ -12,7 +12,7 @@ from pathlib import Path
 import grpc
 import pytest
 
-from specd.core.sampling import SamplingParams
+from specd.core.sampling.sampler import SamplingParams
 from tests.cluster import Cluster, metrics_address, scrape, total
 from tests.faults import InProcessDraftServer, LyingDrafter, SlowDrafter
 from tests.references import loaded, reference

@@ -1,4 +1,4 @@
-"""The greedy fast path gives exactly the general sampler's answers (specd.core.greedy)."""
+"""The greedy fast path gives exactly the general sampler's answers (specd.core.sampling.greedy)."""
 
 from __future__ import annotations
 
@@ -7,9 +7,9 @@ import math
 import pytest
 import torch
 
-from specd.core.greedy import greedy_tokens, greedy_verdict
-from specd.core.rejection import rejection_sample
-from specd.core.sampling import SamplingParams, processed_probs, unusable_rows
+from specd.core.sampling.greedy import greedy_tokens, greedy_verdict
+from specd.core.sampling.rejection import rejection_sample
+from specd.core.sampling.sampler import SamplingParams, processed_probs, unusable_rows
 
 GREEDY = SamplingParams(temperature=0.0, seed=3)
 

@@ -14,7 +14,7 @@ import pytest
 
 from coordinator.client import build_request
 from coordinator.server import create_server
-from specd.core.record import RoundRecord
+from specd.core.rounds.record import RoundRecord
 from specd.core.transit import HOPS
 from specd.serving.config import CoordinatorConfig
 from specd.serving.metrics import CoordinatorMetrics

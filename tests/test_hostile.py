@@ -22,12 +22,12 @@ import pytest
 import torch
 
 from coordinator.client import CoordinatorClient
-from specd.core.model_drafter import ModelDrafter
-from specd.core.models import load_pretrained
-from specd.core.rounds import speculative_generate
-from specd.core.runner import CausalLMRunner
-from specd.core.sampling import SamplingParams
-from specd.core.verification import Verifier
+from specd.core.draft.model_drafter import ModelDrafter
+from specd.core.inprocess import speculative_generate
+from specd.core.model.loading import load_pretrained
+from specd.core.model.runner import CausalLMRunner
+from specd.core.sampling.sampler import SamplingParams
+from specd.core.target.verifier import Verifier
 from specd.v1 import session_pb2, target_pb2, target_pb2_grpc
 from tests.cluster import Cluster
 

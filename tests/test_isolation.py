@@ -20,14 +20,14 @@ import pytest
 import torch
 
 from specd.core import errors
-from specd.core.drafting import ProposeRequest
+from specd.core.draft.model_drafter import ModelDrafter
 from specd.core.errors import Internal, InvalidArgument
-from specd.core.model_drafter import ModelDrafter
-from specd.core.models import load_pretrained
-from specd.core.proposal import Proposal
-from specd.core.runner import CausalLMRunner
-from specd.core.sampling import MAX_TEMPERATURE, TEMPERATURE_FLOOR, SamplingParams, processed_probs
-from specd.core.verification import Verifier, VerifyOutcome, VerifyRequest
+from specd.core.model.loading import load_pretrained
+from specd.core.model.runner import CausalLMRunner
+from specd.core.rounds.steps import ProposeRequest, VerifyOutcome, VerifyRequest
+from specd.core.sampling.proposal import Proposal
+from specd.core.sampling.sampler import MAX_TEMPERATURE, TEMPERATURE_FLOOR, SamplingParams, processed_probs
+from specd.core.target.verifier import Verifier
 from specd.serving.grpc_errors import INTERNAL_MESSAGE, exception_from_session_error, session_error, status_for
 from specd.serving.wire import params_to_proto
 from specd.v1 import common_pb2, session_pb2, target_pb2
@@ -142,7 +142,7 @@ def _proposals(ids: list[list[int]]) -> list[Proposal]:
 def _alone(runner: CausalLMRunner, prompt: list[int], params: SamplingParams, proposal: Proposal) -> VerifyOutcome:
     v = Verifier(runner)
     v.open("alone", prompt, params)
-    return v.verify("alone", len(prompt), proposal)
+    return v.verify(VerifyRequest("alone", len(prompt), proposal))
 
 
 def test_a_hostile_row_fails_alone_in_a_verify_batch(models) -> None:
@@ -215,7 +215,7 @@ def test_an_assert_free_sampler_names_the_row_it_refuses(models) -> None:
 def _draft_alone(runner: CausalLMRunner, prompt: list[int], params: SamplingParams, k: int) -> Proposal:
     d = ModelDrafter(runner, wire_top_k=4)
     d.open("alone", prompt, params)
-    return d.propose("alone", len(prompt), len(prompt), [], k)
+    return d.propose(ProposeRequest("alone", len(prompt), len(prompt), [], k))
 
 
 def test_a_hostile_row_fails_alone_in_a_draft_batch(models) -> None:

@@ -16,15 +16,15 @@ from collections.abc import Sequence
 
 import pytest
 
-from specd.core.branching import Branches
 from specd.core.errors import InvalidArgument, SessionOutOfSync, Unavailable
-from specd.core.generation import FinishReason
-from specd.core.loop import GenerateSpec, LoopSettings, RequestRun, RoundLoop
-from specd.core.pipeline import PIPELINES, PipelineRound, PreDraft, make_pipeline
-from specd.core.proposal import Proposal
-from specd.core.record import RoundRecord, TargetOnly, TokenKind
-from specd.core.sampling import SamplingParams
-from specd.core.verification import VerifyOutcome
+from specd.core.rounds.generation import FinishReason
+from specd.core.rounds.loop import GenerateSpec, LoopSettings, RequestRun, RoundLoop
+from specd.core.rounds.pipeline import PIPELINES, PipelineRound, PreDraft, make_pipeline
+from specd.core.rounds.ports import Carrier
+from specd.core.rounds.record import RoundRecord, TargetOnly, TokenKind
+from specd.core.rounds.steps import Branches, BranchRequest, VerifyOutcome
+from specd.core.sampling.proposal import Proposal
+from specd.core.sampling.sampler import SamplingParams
 from tests.loop_fakes import FakeDraft, FakeTarget, Script, Watch, chain, draft_next, fail, target_next
 
 PROMPT = [5, 17, 3, 42]
@@ -231,9 +231,9 @@ def test_spec_cache_learns_acceptance_per_position() -> None:
     seen: list[tuple[float, ...]] = []
 
     class Recording(FakeDraft):
-        async def propose_branches(self, *args, acceptance, **kw):  # type: ignore[override]
-            seen.append(tuple(acceptance))
-            return await super().propose_branches(*args, acceptance=acceptance, **kw)
+        async def propose_branches(self, request: BranchRequest, *, timeout: float, carrier: Carrier) -> Branches:
+            seen.append(tuple(request.acceptance))
+            return await super().propose_branches(request, timeout=timeout, carrier=carrier)
 
     r, records, _, _ = spec_cache_run(120, 4, draft=Recording())
     assert r.generation.generated == expected(120)
@@ -274,8 +274,8 @@ def test_a_drafter_without_branches_at_a_port_only_misses() -> None:
     """A port answering a branch call with no branches (e.g. no room in the context): plain rounds."""
 
     class NoBranches(FakeDraft):
-        async def propose_branches(self, *args, **kw):  # type: ignore[override]
-            await super().propose_branches(*args, **kw)
+        async def propose_branches(self, request: BranchRequest, *, timeout: float, carrier: Carrier) -> Branches:
+            await super().propose_branches(request, timeout=timeout, carrier=carrier)
             return Branches(())
 
     target = FakeTarget()

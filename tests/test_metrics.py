@@ -12,9 +12,10 @@ import pytest
 from prometheus_client import REGISTRY, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
-from specd.core.record import RoundRecord, TargetOnly, TokenKind
+from specd.core.rounds.record import RoundRecord, TargetOnly, TokenKind
 from specd.serving import genai
-from specd.serving.metrics import CoordinatorMetrics, DraftMetrics, TargetMetrics, metrics_for, serve_metrics
+from specd.serving.metrics import CoordinatorMetrics, DraftMetrics, TargetMetrics
+from specd.serving.metrics_http import serve_metrics
 
 
 def samples(registry) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
@@ -110,7 +111,7 @@ def test_draft_and_target_metrics() -> None:
 
 def test_each_service_has_its_own_registry_and_endpoint() -> None:
     # Two of each in one process: no clash, because nothing registers globally.
-    first, second = metrics_for("coordinator"), metrics_for("coordinator")
+    first, second = CoordinatorMetrics(), CoordinatorMetrics()
     assert isinstance(first, CoordinatorMetrics) and first.registry is not second.registry
     first.observe_failure("cancelled", "CANCELLED")
     assert not any(name.startswith("specd:") for name in REGISTRY._names_to_collectors)

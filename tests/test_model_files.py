@@ -17,10 +17,10 @@ from pathlib import Path
 
 import pytest
 
-from specd.core import catalog
 from specd.core.errors import InvalidArgument
-from specd.core.models import load_pretrained
-from specd.core.tiny_models import build_tiny_pair
+from specd.core.model import catalog
+from specd.core.model.loading import load_pretrained
+from tests.tiny_models import build_tiny_pair
 
 pytestmark = pytest.mark.usefixtures("torch_single_thread")
 
@@ -142,7 +142,7 @@ def test_unreadable_folder_is_a_failed_precondition(tmp_path: Path, tiny_pair: t
     folder = tmp_path / "model"
     shutil.copytree(tiny_pair[0], folder)
     code = (
-        "import sys; from specd.core.models import load_pretrained; from specd.core.errors import FailedPrecondition\n"
+        "import sys; from specd.core.model.loading import load_pretrained; from specd.core.errors import FailedPrecondition\n"
         "try:\n    load_pretrained(sys.argv[1])\nexcept FailedPrecondition as e:\n    print(e); sys.exit(3)\n"
     )
     os.chown(folder / "tokenizer.json", 65534, 65534)

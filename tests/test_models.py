@@ -12,12 +12,13 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from safetensors.torch import load_file
 
-from specd.core import demo_target, tiny_models
-from specd.core.demo_target import demo_target_path
 from specd.core.errors import FailedPrecondition, InvalidArgument
-from specd.core.models import load_pretrained, vocab_fingerprint
-from specd.core.runner import CausalLMRunner
-from specd.core.tiny_models import build_tiny_gpt2, build_tiny_pair, build_tiny_tokenizer
+from specd.core.model import demo_target
+from specd.core.model.demo_target import demo_target_path
+from specd.core.model.loading import load_pretrained, vocab_fingerprint
+from specd.core.model.runner import CausalLMRunner
+from tests import tiny_models
+from tests.tiny_models import build_tiny_gpt2, build_tiny_pair, build_tiny_tokenizer
 
 pytestmark = pytest.mark.usefixtures("torch_single_thread")
 

@@ -14,8 +14,9 @@ from coordinator.placement import Load
 from coordinator.replica_ports import ReplicatedTarget
 from coordinator.replicas import ReplicaSet, SameModel, model_mismatch
 from specd.core.errors import SessionNotFound
-from specd.core.proposal import Proposal
-from specd.core.sampling import SamplingParams
+from specd.core.rounds.steps import CloseRequest, OpenRequest, VerifyRequest
+from specd.core.sampling.proposal import Proposal
+from specd.core.sampling.sampler import SamplingParams
 from specd.serving.config import TargetConfig
 from specd.serving.server import ServiceHandle
 from specd.v1 import common_pb2
@@ -70,9 +71,9 @@ def test_sessions_spread_and_drain_and_move(tiny_pair) -> None:
             for i in range(8):
                 member, left = replicas.place(f"s{i}")
                 assert left is None
-                await member.peer.open(f"s{i}", [1, 2, 3], PARAMS, timeout=10, carrier={})
+                await member.peer.open(OpenRequest(f"s{i}", [1, 2, 3], PARAMS), timeout=10, carrier={})
                 await member.peer.verify(
-                    f"s{i}", 3, _empty(), defer_bonus=False, timeout=10, carrier={}
+                    VerifyRequest(f"s{i}", 3, _empty()), timeout=10, carrier={}
                 )  # prefills the KV cache
             assert sorted(replicas.placement.sessions_on(n) for n in (name_a, name_b)) == [4, 4]
             # each replica reports the sessions it holds through the Load service
@@ -88,7 +89,7 @@ def test_sessions_spread_and_drain_and_move(tiny_pair) -> None:
             for sid in on_a:
                 holder = replicas.holder(sid)
                 assert holder is not None and holder.name == name_a
-                await holder.peer.verify(sid, 4, _empty(), defer_bonus=False, timeout=10, carrier={})
+                await holder.peer.verify(VerifyRequest(sid, 4, _empty()), timeout=10, carrier={})
 
             # a comes back, b is stopped: b's sessions have no holder and move to a when re-opened
             await a.set_serving(True)
@@ -99,7 +100,7 @@ def test_sessions_spread_and_drain_and_move(tiny_pair) -> None:
             for sid in on_b:
                 member, left = replicas.place(sid)
                 assert member.name == name_a and left is None  # b is down: nothing to close there
-                await member.peer.open(sid, [1, 2, 3, 4], PARAMS, timeout=10, carrier={})
+                await member.peer.open(OpenRequest(sid, [1, 2, 3, 4], PARAMS), timeout=10, carrier={})
             assert replicas.moves == len(on_b)
         finally:
             await replicas.close()
@@ -126,13 +127,13 @@ def test_a_replica_found_by_dns_gets_sessions_and_one_that_leaves_retires(tiny_p
             await _until(lambda: replicas.usable_names() == [static])
             for i in range(3):
                 member, _ = replicas.place(f"s{i}")
-                await member.peer.open(f"s{i}", [5, 6], PARAMS, timeout=10, carrier={})
+                await member.peer.open(OpenRequest(f"s{i}", [5, 6], PARAMS), timeout=10, carrier={})
             answers["svc"] = ["127.0.0.1"]  # b appears
             b_name = f"127.0.0.1:{b.port}"
             await _until(lambda: b_name in replicas.usable_names())
             member, _ = replicas.place("late")
             assert member.name == b_name and member.replica.authority == "svc"  # least loaded: 0 vs 3
-            await member.peer.open("late", [5, 6], PARAMS, timeout=10, carrier={})
+            await member.peer.open(OpenRequest("late", [5, 6], PARAMS), timeout=10, carrier={})
             answers["svc"] = ["127.0.0.2"]  # b leaves DNS (and a replica we cannot reach appears)
             await _until(lambda: replicas.members[b_name].retiring)
             assert replicas.holder("late") is not None  # its session still runs there
@@ -162,20 +163,20 @@ def test_port_opens_on_another_replica_when_one_is_full_and_moves_lost_sessions(
             await _until(lambda: len(replicas.usable_names()) == 2)
             replicas.placement.report(name_b, Load(sessions=5))  # a looks idler: the first two go there
             for sid in ("s0", "s1"):
-                await port.open(sid, [1, 2, 3], PARAMS, timeout=10, carrier={})
+                await port.open(OpenRequest(sid, [1, 2, 3], PARAMS), timeout=10, carrier={})
             # a holds one session (its limit); the second was refused there and opened on b
             assert {port.replica_of("s0"), port.replica_of("s1")} == {name_a, name_b}
             on_b = "s0" if port.replica_of("s0") == name_b else "s1"
-            out = await port.verify(on_b, 3, _empty(), defer_bonus=False, timeout=10, carrier={})
+            out = await port.verify(VerifyRequest(on_b, 3, _empty()), timeout=10, carrier={})
             assert out.committed_length == 4
             await b.stop(0)  # b is lost: its session is not found; re-opened, it lands on a (room freed below)
             await _until(lambda: replicas.holder(on_b) is None)
             with pytest.raises(SessionNotFound):
-                await port.verify(on_b, 4, _empty(), defer_bonus=False, timeout=10, carrier={})
-            await port.close("s0" if on_b == "s1" else "s1", timeout=10)
-            await port.open(on_b, [1, 2, 3, 9], PARAMS, timeout=10, carrier={})
+                await port.verify(VerifyRequest(on_b, 4, _empty()), timeout=10, carrier={})
+            await port.close(CloseRequest("s0" if on_b == "s1" else "s1"), timeout=10)
+            await port.open(OpenRequest(on_b, [1, 2, 3, 9], PARAMS), timeout=10, carrier={})
             assert port.replica_of(on_b) == name_a and replicas.moves == 1
-            out = await port.verify(on_b, 4, _empty(), defer_bonus=False, timeout=10, carrier={})
+            out = await port.verify(VerifyRequest(on_b, 4, _empty()), timeout=10, carrier={})
             assert out.committed_length == 5
         finally:
             await replicas.close()

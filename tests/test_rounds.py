@@ -8,16 +8,17 @@ import pytest
 import torch
 from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
 
-from specd.core.drafting import NgramDrafter, lookup_continuation
+from specd.core.draft.model_drafter import ModelDrafter
+from specd.core.draft.ngram import NgramDrafter, lookup_continuation
 from specd.core.errors import InvalidArgument, SessionOutOfSync
-from specd.core.generation import FinishReason, Generation, StopRule
-from specd.core.model_drafter import ModelDrafter
-from specd.core.models import load_pretrained
-from specd.core.proposal import Proposal
-from specd.core.rounds import speculative_generate, speculative_generate_batch
-from specd.core.runner import CausalLMRunner
-from specd.core.sampling import SamplingParams
-from specd.core.verification import Verifier
+from specd.core.inprocess import speculative_generate, speculative_generate_batch
+from specd.core.model.loading import load_pretrained
+from specd.core.model.runner import CausalLMRunner
+from specd.core.rounds.generation import FinishReason, Generation, StopRule
+from specd.core.rounds.steps import ProposeRequest, VerifyRequest
+from specd.core.sampling.proposal import Proposal
+from specd.core.sampling.sampler import SamplingParams
+from specd.core.target.verifier import Verifier
 
 GREEDY = SamplingParams(temperature=0.0)
 pytestmark = pytest.mark.usefixtures("torch_single_thread")  # tiny models: one thread is faster on a shared box
@@ -267,13 +268,13 @@ def test_bad_input_raises_typed_errors(tiny) -> None:
             call()
     drafter.open("k", prompt, GREEDY)
     with pytest.raises(InvalidArgument, match="num_tokens"):
-        drafter.propose("k", len(prompt), len(prompt), [], 0)
+        drafter.propose(ProposeRequest("k", len(prompt), len(prompt), [], 0))
     with pytest.raises(SessionOutOfSync):
-        drafter.propose("k", len(prompt) + 5, len(prompt) + 5, [], 2)
+        drafter.propose(ProposeRequest("k", len(prompt) + 5, len(prompt) + 5, [], 2))
     drafter.close("k")
     verifier.open("v", prompt, GREEDY)
     with pytest.raises(InvalidArgument, match="vocabulary"):
-        verifier.verify("v", len(prompt), Proposal([10**6]))
+        verifier.verify(VerifyRequest("v", len(prompt), Proposal([10**6])))
     verifier.close("v")
 
 
@@ -282,8 +283,8 @@ def test_verifier_rolls_back_an_unseen_verdict(tiny) -> None:
     loaded, verifier, _, _ = tiny
     prompt = loaded.tokenizer("retry me").input_ids
     verifier.open("r", prompt, SamplingParams(temperature=1.0, seed=3))
-    first = verifier.verify("r", len(prompt), Proposal([65, 66]), start=len(prompt))
-    again = verifier.verify("r", len(prompt), Proposal([65, 66]), start=len(prompt))
+    first = verifier.verify(VerifyRequest("r", len(prompt), Proposal([65, 66]), start=len(prompt)))
+    again = verifier.verify(VerifyRequest("r", len(prompt), Proposal([65, 66]), start=len(prompt)))
     assert first == type(first)(**{**again.__dict__, "compute_ms": first.compute_ms})
     verifier.close("r")
 

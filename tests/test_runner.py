@@ -10,8 +10,8 @@ import torch
 from torch import Tensor
 
 from specd.core.errors import InvalidArgument
-from specd.core.models import load_pretrained
-from specd.core.runner import CausalLMRunner, KVSession
+from specd.core.model.loading import load_pretrained
+from specd.core.model.runner import CausalLMRunner, KVSession
 
 pytestmark = pytest.mark.usefixtures("torch_single_thread")
 
@@ -95,7 +95,7 @@ def test_rollback_to_one_token_and_reverify(runner: CausalLMRunner) -> None:
     check(r, s, num_last=2)  # fully cached: recompute just the last two
 
 
-def test_set_tokens_keeps_common_prefix(runner: CausalLMRunner) -> None:
+def test_splice_from_the_start_keeps_common_prefix(runner: CausalLMRunner) -> None:
     r = runner
     rng = random.Random(3)
     base = random_ids(rng, r, 10)
@@ -103,13 +103,13 @@ def test_set_tokens_keeps_common_prefix(runner: CausalLMRunner) -> None:
     check(r, s)
     other = base[:6] + random_ids(rng, r, 5)
     other[6] = (base[6] + 1) % r.vocab_size  # diverge exactly at position 6
-    r.set_tokens(s, other)
+    r.splice(s, 0, other)
     assert s.tokens == other and s.cached == 6
     check(r, s, num_last=3)
-    r.set_tokens(s, other[:4])  # a pure prefix: cache kept up to it
+    r.splice(s, 0, other[:4])  # a pure prefix: cache kept up to it
     assert s.cached == 4
     check(r, s)
-    r.set_tokens(s, other[:4] + base[4:])  # grow back
+    r.splice(s, 0, other[:4] + base[4:])  # grow back
     assert s.cached == 4
     check(r, s, num_last=7)
 
@@ -142,15 +142,15 @@ def test_random_walk_matches_full_forward(runner: CausalLMRunner) -> None:
         s = r.new_session(random_ids(rng, r, rng.randint(1, 8)))
         checks = 0
         for _ in range(40):
-            op = rng.choice(["append", "append", "truncate", "set_tokens", "splice", "logits", "logits"])
+            op = rng.choice(["append", "append", "truncate", "replace", "splice", "logits", "logits"])
             n = len(s.tokens)
             if op == "append" and n < 90:
                 r.append(s, random_ids(rng, r, rng.randint(0, 6)))
             elif op == "truncate":
                 r.truncate(s, rng.randint(1, n))
-            elif op == "set_tokens":
+            elif op == "replace":
                 keep = rng.randint(0, n)
-                r.set_tokens(s, s.tokens[:keep] + random_ids(rng, r, rng.randint(1 if keep == 0 else 0, 5)))
+                r.splice(s, 0, s.tokens[:keep] + random_ids(rng, r, rng.randint(1 if keep == 0 else 0, 5)))
             elif op == "splice":
                 keep = rng.randint(0, n)
                 # Sometimes a tail that repeats what follows `keep` (the cache of that part stays).
@@ -277,7 +277,7 @@ def test_context_limit(tiny_pair: tuple[Path, Path]) -> None:
         r.append(s, [1, 999])
     assert len(s.tokens) == 14
     with pytest.raises(InvalidArgument, match="would be 20 tokens"):
-        r.set_tokens(s, [0] * 20)
+        r.splice(s, 0, [0] * 20)
     with pytest.raises(InvalidArgument, match="exceeds the model's 512 positions"):
         CausalLMRunner(model, max_context=513)
     with pytest.raises(InvalidArgument, match="max_context must be >= 1"):
@@ -294,5 +294,5 @@ def test_bad_truncate_and_num_last(llama_runner: CausalLMRunner) -> None:
         with pytest.raises(InvalidArgument, match=r"num_last must be an int in \[1, 3\]"):
             r.logits(s, num_last)
     with pytest.raises(InvalidArgument, match="empty"):
-        r.set_tokens(s, [])
+        r.splice(s, 0, [])
     assert s.tokens == [5, 6, 7]

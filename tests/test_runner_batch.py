@@ -13,9 +13,9 @@ import torch
 from torch import Tensor
 
 from specd.core.errors import InvalidArgument
-from specd.core.models import load_pretrained
-from specd.core.runner import CausalLMRunner, KVSession
-from target_service.workers.runner import TensorParallelRunner
+from specd.core.model.loading import load_pretrained
+from specd.core.model.runner import CausalLMRunner, KVSession
+from target_service.workers.tp_runner import TensorParallelRunner
 
 pytestmark = pytest.mark.usefixtures("torch_single_thread")
 

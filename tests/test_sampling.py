@@ -1,4 +1,4 @@
-"""Table-driven tests of specd.core.sampling: crafted logits/probs, exact expectations."""
+"""Table-driven tests of specd.core.sampling.sampler: crafted logits/probs, exact expectations."""
 
 from __future__ import annotations
 
@@ -10,8 +10,8 @@ import torch
 from scipy import stats
 
 from specd.core.errors import InvalidArgument
-from specd.core.rejection import SparseProposal, Verdict, rejection_sample
-from specd.core.sampling import (
+from specd.core.sampling.rejection import SparseProposal, Verdict, rejection_sample
+from specd.core.sampling.sampler import (
     Role,
     SamplingParams,
     coins,

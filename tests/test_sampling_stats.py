@@ -1,7 +1,7 @@
 """Statistical exactness of speculative sampling (ARCHITECTURE.md §3).
 
-Both q builders run: the fixed top-k of specd.core.sampling and the model
-drafter's q by mass (specd.core.sparse_q, the end of this file). Many seeded rows (one seed per row, B = 20,000) go through the real drafter
+Both q builders run: the fixed top-k of specd.core.sampling.sampler and the model
+drafter's q by mass (specd.core.sampling.sparse_q, the end of this file). Many seeded rows (one seed per row, B = 20,000) go through the real drafter
 step and rejection sampler in one batch; the emitted tokens must follow the
 target's processed distribution (chi-square, p > 0.001). Each test also runs
 deliberately broken variants, which must be rejected (p < 1e-6): the test
@@ -19,10 +19,10 @@ import pytest
 import torch
 from scipy import stats
 
-from specd.core import sparse_q
 from specd.core.errors import InvalidArgument
-from specd.core.rejection import SparseProposal, rejection_sample
-from specd.core.sampling import (
+from specd.core.sampling import sparse_q
+from specd.core.sampling.rejection import SparseProposal, rejection_sample
+from specd.core.sampling.sampler import (
     Role,
     SamplingParams,
     coins,
@@ -32,7 +32,7 @@ from specd.core.sampling import (
     sample_sparse,
     sparse_proposal,
 )
-from specd.core.sparse_q import QSettings
+from specd.core.sampling.sparse_q import QSettings
 
 pytestmark = pytest.mark.slow
 
@@ -369,7 +369,7 @@ def test_same_seed_same_output_and_batch_order_irrelevant():
 
 
 # --------------------------------------------------------------------------
-# The sparse q by mass (specd.core.sparse_q): the same tests and power checks
+# The sparse q by mass (specd.core.sampling.sparse_q): the same tests and power checks
 # --------------------------------------------------------------------------
 
 

@@ -13,7 +13,7 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoReflectionDescriptorDatabase
 
-from specd.core.sampling import SamplingParams
+from specd.core.sampling.sampler import SamplingParams
 from specd.v1 import common_pb2
 from tests.cluster import Cluster
 from tests.references import loaded, reference

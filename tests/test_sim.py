@@ -1,4 +1,4 @@
-"""The emulated accelerator (specd.core.sim): p is recomputable, timing is honoured, the knob is monotone.
+"""The emulated accelerator (specd.core.model.sim): p is recomputable, timing is honoured, the knob is monotone.
 
 Every test here runs the real drafter / verifier / sampler; only the model is
 emulated. Timing checks compare an emulated pass's wall time with the time
@@ -18,13 +18,13 @@ import time
 import pytest
 import torch
 
-from specd.core.drafting import ProposeRequest
+from specd.core.draft.model_drafter import ModelDrafter
 from specd.core.errors import InvalidArgument
-from specd.core.model_drafter import ModelDrafter
-from specd.core.sampling import SamplingParams
-from specd.core.sim import CostModel, SimLM, SimRunner, SimShape, list_profiles, load_profile, parse_sim_spec
-from specd.core.sim.lm import DRAFT_NOISE_ROLE, TARGET_ROLE
-from specd.core.verification import Verifier, VerifyRequest
+from specd.core.model.sim import CostModel, SimLM, SimRunner, SimShape, list_profiles, load_profile, parse_sim_spec
+from specd.core.model.sim.lm import DRAFT_NOISE_ROLE, TARGET_ROLE
+from specd.core.rounds.steps import ProposeRequest, VerifyRequest
+from specd.core.sampling.sampler import SamplingParams
+from specd.core.target.verifier import Verifier
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -152,7 +152,7 @@ def test_runner_rows_are_the_function_of_their_context_through_rollback_and_batc
         assert torch.equal(rows, lm.logits(contexts))
     assert a.cached == len(a.tokens) and runner.kv_bytes(a) == 100 * len(a.tokens)
     runner.truncate(a, 6)  # roll back past the drafts
-    runner.set_tokens(b, b.tokens[:2] + [99])
+    runner.splice(b, 0, b.tokens[:2] + [99])
     again = runner.logits_batch([b, a], [1, 2])
     assert torch.equal(again[1], lm.logits([a.tokens[:5], a.tokens[:6]]))
     assert torch.equal(again[0], lm.logits([b.tokens]))
@@ -352,8 +352,8 @@ def test_demo_profile_reproduces_the_measured_round_at_k4():
         committed, known = list(prompt), len(prompt)
         while len(committed) - len(prompt) < min(12, m["new_tokens"]):
             t0 = time.perf_counter()
-            proposal = drafter.propose(sid, len(committed), known, committed[known:], 4)
-            outcome = verifier.verify(sid, len(committed), proposal)
+            proposal = drafter.propose(ProposeRequest(sid, len(committed), known, committed[known:], 4))
+            outcome = verifier.verify(VerifyRequest(sid, len(committed), proposal))
             rounds.append((time.perf_counter() - t0) * 1e3)
             known = len(committed) + outcome.accepted
             committed += proposal.token_ids[: outcome.accepted] + [outcome.token_id]

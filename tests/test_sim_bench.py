@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from specd.core.sim import list_profiles, load_profile, parse_sim_spec
+from specd.core.model.sim import list_profiles, load_profile, parse_sim_spec
 from specd.tools.bench.overhead import add, difference, metrics_address, quantile_ms
 from specd.tools.bench.sim import SIM_MODES, apply_sim, sim_cost, sim_spec
 from specd.tools.cli import main

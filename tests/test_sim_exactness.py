@@ -2,14 +2,14 @@
 
 Every pipeline strategy (off, bonus-match, post-verify, spec-cache) runs the round loop
 with an emulated target and draft (`sim:...`) two ways: in-process (the
-coordinator's own RoundLoop over local ports, specd.core.rounds) for all
+coordinator's own RoundLoop over local ports, specd.core.inprocess) for all
 REQUESTS of a cell, and through the three services as processes for the
 first SERVICE_REQUESTS of them. The services must emit exactly the
 in-process tokens, request for request (seeded coins depend only on seed,
 position and role), so the statistics below hold for what they emit; the
 in-process run gives the full sample cheaply (no gRPC between processes).
 Because p is a known function of
-the context (specd.core.sim), every emitted token can be scored against the
+the context (specd.core.model.sim), every emitted token can be scored against the
 target's processed distribution *for its own context*: its rank under that
 p falls in a bucket, and the bucket counts over all emitted tokens must fit
 the bucket probabilities summed over the same tokens (Pearson chi-square,
@@ -34,11 +34,11 @@ import pytest
 import torch
 from scipy import stats
 
-from specd.core.model_drafter import ModelDrafter
-from specd.core.rounds import speculative_generate_batch
-from specd.core.sampling import SamplingParams
-from specd.core.sim import SimLM, parse_sim_spec
-from specd.core.verification import Verifier
+from specd.core.draft.model_drafter import ModelDrafter
+from specd.core.inprocess import speculative_generate_batch
+from specd.core.model.sim import SimLM, parse_sim_spec
+from specd.core.sampling.sampler import SamplingParams
+from specd.core.target.verifier import Verifier
 from tests.cluster import Cluster
 
 pytestmark = pytest.mark.slow
@@ -62,7 +62,7 @@ SETTINGS = [
 
 
 def processed(logits: np.ndarray, temperature: float, top_k: int = 0, top_p: float = 1.0) -> np.ndarray:
-    """[R, V] logits -> [R, V] float64 probabilities: temperature, softmax, top-k, top-p (independent of specd.core.sampling)."""
+    """[R, V] logits -> [R, V] float64 probabilities: temperature, softmax, top-k, top-p (independent of specd.core.sampling.sampler)."""
     z = logits.astype(np.float64) / temperature
     z -= z.max(axis=1, keepdims=True)
     p = np.exp(z)

@@ -14,18 +14,18 @@ from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 from draft_service.servicer import DraftServicer
-from specd.core import sparse_q
-from specd.core.drafting import ProposeRequest
+from specd.core.draft.model_drafter import ModelDrafter
 from specd.core.errors import InvalidArgument
-from specd.core.model_drafter import ModelDrafter
-from specd.core.models import load_pretrained
-from specd.core.proposal import Proposal
-from specd.core.runner import CausalLMRunner
-from specd.core.sampling import SamplingParams
-from specd.core.sparse_q import MAX_WEIGHT, QSettings
+from specd.core.model.loading import load_pretrained
+from specd.core.model.runner import CausalLMRunner
+from specd.core.rounds.steps import ProposeRequest
+from specd.core.sampling import sparse_q
+from specd.core.sampling.proposal import Proposal
+from specd.core.sampling.sampler import SamplingParams
+from specd.core.sampling.sparse_q import MAX_WEIGHT, QSettings
 from specd.serving.config import DraftConfig
 from specd.serving.metrics import DraftMetrics
-from specd.serving.wire import proposal_from_proto, proposal_to_proto, q_wire_bytes, sparse_from_proto
+from specd.serving.wire import proposal_from_proto, proposal_to_proto, q_wire_bytes
 from specd.v1 import common_pb2, draft_pb2
 
 pytestmark = pytest.mark.usefixtures("torch_single_thread")
@@ -171,7 +171,7 @@ def test_wire_sends_integer_weights_compactly_and_float_probs_plainly() -> None:
 def test_a_q_that_mixes_both_forms_is_refused() -> None:
     d = common_pb2.SparseDistribution(token_ids=[1], probs=[1.0], id_gaps=[1], weights=[1])
     with pytest.raises(InvalidArgument, match="mixes"):
-        sparse_from_proto([d], 10)
+        proposal_from_proto(draft_pb2.DraftProposal(token_ids=[1], q=[d]), 10)
 
 
 # ---- the drafter and the draft service ----------------------------------------
@@ -198,13 +198,13 @@ def test_batched_drafting_sends_rows_of_their_own_widths(tiny_target) -> None:
     assert len(widths) > 1 and max(widths) <= 200
     for prop in batched:
         wire = proposal_to_proto(prop)
-        Proposal.from_wire(wire.token_ids, sparse_from_proto(wire.q, drafter.vocab_size), drafter.vocab_size)
+        proposal_from_proto(wire, drafter.vocab_size)  # what the target accepts
         assert prop.q_ms > 0
     # one session at a time: the same tokens and the same q (a batched forward may move a weight by one step)
     for i, p in enumerate(prompts):
         drafter.open(f"s{i}", p, SamplingParams(temperature=(0.5, 1.0, 2.0)[i], seed=i))
     for i, p in enumerate(prompts):
-        alone = drafter.propose(f"s{i}", len(p), len(p), [], 4)
+        alone = drafter.propose(ProposeRequest(f"s{i}", len(p), len(p), [], 4))
         assert alone.token_ids == batched[i].token_ids
         for k in range(4):
             one, many = _kept(alone.q_ids[k], alone.q_probs[k]), _kept(batched[i].q_ids[k], batched[i].q_probs[k])
@@ -216,11 +216,11 @@ def test_a_fixed_top_k_per_server_or_per_session(tiny_target) -> None:
     prompt = tiny_target.tokenizer("top k").input_ids
     drafter.open("a", prompt, SamplingParams(temperature=1.5, seed=1))
     drafter.open("b", prompt, SamplingParams(temperature=1.5, seed=1), wire_top_k=5)
-    a, b = (drafter.propose(s, len(prompt), len(prompt), [], 3) for s in ("a", "b"))
+    a, b = (drafter.propose(ProposeRequest(s, len(prompt), len(prompt), [], 3)) for s in ("a", "b"))
     assert a.q_ids.shape[1] == 3 and b.q_ids.shape[1] == 5
     greedy = ModelDrafter(CausalLMRunner(tiny_target.model))
     greedy.open("g", prompt, SamplingParams(temperature=0.0))
-    assert greedy.propose("g", len(prompt), len(prompt), [], 3).q_ids is None  # greedy sends IDs only
+    assert greedy.propose(ProposeRequest("g", len(prompt), len(prompt), [], 3)).q_ids is None  # greedy sends IDs only
 
 
 def test_draft_config_flags() -> None:

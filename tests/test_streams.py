@@ -6,7 +6,7 @@ import asyncio
 from collections.abc import AsyncIterator
 from concurrent.futures import Future
 
-from specd.serving.streams import Stamped, StreamSessions, serve_round_stream
+from specd.serving.streams import Stamped, StreamScope, serve_round_stream
 from specd.v1 import draft_pb2
 
 
@@ -41,9 +41,9 @@ async def _collect(stream: AsyncIterator[draft_pb2.DraftResponse], into: list[st
 def test_a_draining_stream_serves_its_open_sessions_and_ends_when_the_last_one_closes() -> None:
     async def main() -> None:
         feed, drain, got = Feed(), asyncio.Event(), []
-        sessions = StreamSessions()
+        scope = StreamScope()
         stream = serve_round_stream(
-            feed.__aiter__(), _answer, sessions=sessions, make_request=draft_pb2.DraftRequest, drain=drain
+            feed.__aiter__(), _answer, scope=scope, make_request=draft_pb2.DraftRequest, drain=drain
         )
         task = asyncio.ensure_future(_collect(stream, got))
         for op in ("open", "propose"):
@@ -55,7 +55,7 @@ def test_a_draining_stream_serves_its_open_sessions_and_ends_when_the_last_one_c
         assert not task.done() and got == ["a", "a", "a"]
         feed.queue.put_nowait(_request("a", "close"))  # the request is done: the stream ends after answering it
         await asyncio.wait_for(task, 5)
-        assert got == ["a"] * 4 and not sessions.open
+        assert got == ["a"] * 4 and not scope.open
 
     asyncio.run(main())
 
@@ -64,7 +64,7 @@ def test_an_idle_stream_ends_as_soon_as_the_service_drains() -> None:
     async def main() -> None:
         feed, drain, got = Feed(), asyncio.Event(), []
         stream = serve_round_stream(
-            feed.__aiter__(), _answer, sessions=StreamSessions(), make_request=draft_pb2.DraftRequest, drain=drain
+            feed.__aiter__(), _answer, scope=StreamScope(), make_request=draft_pb2.DraftRequest, drain=drain
         )
         task = asyncio.ensure_future(_collect(stream, got))
         for op in ("open", "close"):

@@ -10,16 +10,17 @@ from pathlib import Path
 
 import pytest
 
+from specd.core.draft.hybrid import HybridDrafter, common_prefix_length
+from specd.core.draft.model_drafter import ModelDrafter
+from specd.core.draft.suffix import SuffixDrafter, SuffixSettings
+from specd.core.draft.suffix_index import Candidate, SharedSuffixIndex, SuffixIndex
 from specd.core.errors import InvalidArgument, SessionOutOfSync
-from specd.core.hybrid import HybridDrafter, common_prefix_length
-from specd.core.model_drafter import ModelDrafter
-from specd.core.models import load_pretrained
-from specd.core.rounds import speculative_generate
-from specd.core.runner import CausalLMRunner
-from specd.core.sampling import SamplingParams
-from specd.core.suffix import SuffixDrafter, SuffixSettings
-from specd.core.suffix_index import Candidate, SharedSuffixIndex, SuffixIndex
-from specd.core.verification import Verifier
+from specd.core.inprocess import speculative_generate
+from specd.core.model.loading import load_pretrained
+from specd.core.model.runner import CausalLMRunner
+from specd.core.rounds.steps import ProposeRequest
+from specd.core.sampling.sampler import SamplingParams
+from specd.core.target.verifier import Verifier
 
 GREEDY = SamplingParams(temperature=0.0)
 RULES = dict(factor=1.0, offset=0.0, min_prob=0.1)
@@ -215,25 +216,32 @@ def test_drafter_learns_finished_sessions_and_their_prompt_tails() -> None:
     drafter = SuffixDrafter(100, SuffixSettings(fallback="none"))
     prompt, answer = [1, 2, 3, 4], [10, 11, 12, 13, 14, 15]
     drafter.open("a", prompt, GREEDY)
-    assert drafter.propose("a", 4, 4, [], 4).token_ids == []  # nothing seen yet
-    drafter.propose("a", 10, 4, answer, 4)  # the service learns the committed answer from propose messages
+    assert drafter.propose(ProposeRequest("a", 4, 4, [], 4)).token_ids == []  # nothing seen yet
+    drafter.propose(
+        ProposeRequest("a", 10, 4, answer, 4)
+    )  # the service learns the committed answer from propose messages
     drafter.close("a")
     assert drafter.index.documents == 1
     drafter.open("b", [9, 9, 3, 4], GREEDY)  # another request ending like a's prompt
-    assert drafter.propose("b", 4, 4, [], 4).token_ids == [10, 11]  # a 2-token match proposes at most 2
+    assert drafter.propose(ProposeRequest("b", 4, 4, [], 4)).token_ids == [10, 11]  # a 2-token match proposes at most 2
     # both accepted, then the target's 12: the 5-token match (3 4 10 11 12) proposes up to the stored end
-    assert drafter.propose("b", 7, 6, [12], 8).token_ids == [13, 14, 15]
+    assert drafter.propose(ProposeRequest("b", 7, 6, [12], 8)).token_ids == [13, 14, 15]
     assert drafter.proposals_by_source["global"] >= 2
 
 
 def test_finish_teaches_the_tokens_no_propose_carried() -> None:
     drafter = SuffixDrafter(100, SuffixSettings(fallback="none"))
     drafter.open("a", [1, 2, 3], GREEDY)
-    drafter.propose("a", 4, 3, [10], 2)  # the last propose saw 1 2 3 10 ...
+    drafter.propose(ProposeRequest("a", 4, 3, [10], 2))  # the last propose saw 1 2 3 10 ...
     drafter.finish("a", 9, 4, [11, 12, 13, 14, 15])  # ... the close says the answer went on
     drafter.close("a")
     drafter.open("b", [7, 2, 3], GREEDY)
-    assert drafter.propose("b", 5, 3, [10, 11], 8).token_ids == [12, 13, 14, 15]  # match 2 3 10 11: up to 4
+    assert drafter.propose(ProposeRequest("b", 5, 3, [10, 11], 8)).token_ids == [
+        12,
+        13,
+        14,
+        15,
+    ]  # match 2 3 10 11: up to 4
     drafter.finish("missing", 3, 0, [1, 2, 3])  # unknown session: nothing to learn, no error
     drafter.finish("b", 3, 99, [])  # out of step: keeps what it holds
     drafter.close("b")
@@ -243,13 +251,15 @@ def test_finish_teaches_the_tokens_no_propose_carried() -> None:
 def test_drafter_follows_rollbacks_and_accepted_drafts() -> None:
     drafter = SuffixDrafter(100, SuffixSettings(fallback="none"))
     drafter.open("s", [5, 6, 7, 5, 6, 7, 5, 6], GREEDY)
-    first = drafter.propose("s", 8, 8, [], 4)
+    first = drafter.propose(ProposeRequest("s", 8, 8, [], 4))
     assert first.token_ids == [7, 5, 6]  # the match (length 5) is followed by what is known: up to the end
     # two accepted, then the target's own token: start counts the drafts the draft already holds
-    assert drafter.propose("s", 11, 10, [9], 4).token_ids == []
+    assert drafter.propose(ProposeRequest("s", 11, 10, [9], 4)).token_ids == []
     with pytest.raises(SessionOutOfSync):
-        drafter.propose("s", 12, 99, [], 4)
-    drafter.propose("s", 12, 10, [9, 9], 2)  # a prefix that changed inside the drafts: cut back, re-indexed
+        drafter.propose(ProposeRequest("s", 12, 99, [], 4))
+    drafter.propose(
+        ProposeRequest("s", 12, 10, [9, 9], 2)
+    )  # a prefix that changed inside the drafts: cut back, re-indexed
     drafter.close("s")
     assert drafter.index.documents == 1
 
@@ -260,17 +270,20 @@ def test_fallback_proposes_the_ngram_lookup_when_the_indexes_have_nothing() -> N
     settings = SuffixSettings(min_token_prob=0.3)
     with_fallback = SuffixDrafter(10, settings)
     with_fallback.open("s", prompt, GREEDY)
-    assert with_fallback.propose("s", len(prompt), len(prompt), [], 4).token_ids == [3, 1]  # the earliest, capped
+    assert with_fallback.propose(ProposeRequest("s", len(prompt), len(prompt), [], 4)).token_ids == [
+        3,
+        1,
+    ]  # the earliest, capped
     assert with_fallback.proposals_by_source["ngram"] == 1
     without = SuffixDrafter(10, SuffixSettings(min_token_prob=0.3, fallback="none"))
     without.open("s", prompt, GREEDY)
-    assert without.propose("s", len(prompt), len(prompt), [], 4).token_ids == []
+    assert without.propose(ProposeRequest("s", len(prompt), len(prompt), [], 4)).token_ids == []
 
 
 def test_idle_sessions_are_learnt_when_they_expire() -> None:
     drafter = SuffixDrafter(100, idle_timeout_s=1e-9)
     drafter.open("old", [1, 2], GREEDY)
-    drafter.propose("old", 5, 2, [3, 4, 5], 1)
+    drafter.propose(ProposeRequest("old", 5, 2, [3, 4, 5], 1))
     drafter.open("new", [1, 2], GREEDY)  # admitting a session expires the idle one
     assert drafter.active_sessions() == 1 and drafter.index.documents == 1
 

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from specd.core import catalog
+from specd.core.model import catalog
 from specd.tools.bench import load_prompts, select_prompts
 from specd.tools.bench import plan as bench_plan
 from specd.tools.bench.args import add_arguments

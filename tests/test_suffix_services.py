@@ -15,13 +15,13 @@ from pathlib import Path
 
 import pytest
 
-from specd.core.hybrid import HybridDrafter
-from specd.core.model_drafter import ModelDrafter
-from specd.core.rounds import speculative_generate
-from specd.core.runner import CausalLMRunner
-from specd.core.sampling import SamplingParams
-from specd.core.suffix import SuffixDrafter
-from specd.core.verification import Verifier
+from specd.core.draft.hybrid import HybridDrafter
+from specd.core.draft.model_drafter import ModelDrafter
+from specd.core.draft.suffix import SuffixDrafter
+from specd.core.inprocess import speculative_generate
+from specd.core.model.runner import CausalLMRunner
+from specd.core.sampling.sampler import SamplingParams
+from specd.core.target.verifier import Verifier
 from specd.tools import cli
 from tests.cluster import Cluster, metrics_address, scrape, total
 from tests.references import loaded

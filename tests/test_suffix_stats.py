@@ -19,12 +19,12 @@ from collections.abc import Sequence
 import pytest
 import torch
 
-from specd.core.drafting import ProposeRequest
-from specd.core.hybrid import HybridDrafter
-from specd.core.proposal import Proposal
-from specd.core.rejection import SparseProposal, rejection_sample
-from specd.core.sampling import SamplingParams, draft_token, processed_probs
-from specd.core.suffix import SuffixDrafter, SuffixSettings
+from specd.core.draft.hybrid import HybridDrafter
+from specd.core.draft.suffix import SuffixDrafter, SuffixSettings
+from specd.core.rounds.steps import ProposeRequest
+from specd.core.sampling.proposal import Proposal
+from specd.core.sampling.rejection import SparseProposal, rejection_sample
+from specd.core.sampling.sampler import SamplingParams, draft_token, processed_probs
 from tests.test_sampling_stats import D_TABLE, MAXLEN, PASS_P, T_TABLE, V3, chi2_pvalue, model_logits
 
 pytestmark = pytest.mark.slow

@@ -23,17 +23,18 @@ import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from transformers import AutoModelForCausalLM, LlamaConfig
 
-from specd.core import tensor_parallel
 from specd.core.errors import InvalidArgument, Unavailable
-from specd.core.models import load_pretrained
-from specd.core.proposal import Proposal
-from specd.core.runner import CausalLMRunner
-from specd.core.sampling import SamplingParams
-from specd.core.verification import Verifier
+from specd.core.model import tensor_parallel
+from specd.core.model.loading import load_pretrained
+from specd.core.model.runner import CausalLMRunner
+from specd.core.rounds.steps import VerifyRequest
+from specd.core.sampling.proposal import Proposal
+from specd.core.sampling.sampler import SamplingParams
+from specd.core.target.verifier import Verifier
 from specd.tools import cli
 from specd.v1 import common_pb2, session_pb2, target_pb2, target_pb2_grpc
 from target_service.servicer import TargetServicer
-from target_service.workers.runner import TensorParallelRunner, build_tp_runner
+from target_service.workers.tp_runner import TensorParallelRunner, build_tp_runner
 from tests.cluster import READY_TIMEOUT_S, Cluster, QuietService, metrics_address, scrape, total
 from tests.references import loaded, reference
 
@@ -163,8 +164,8 @@ def test_tp2_logits_match_tp1_after_prefill_verify_and_rollback(
     both(CausalLMRunner.truncate, 3)  # deep roll back, then re-verify from there
     both(CausalLMRunner.append, [1, 2, 3, 4])
     compare(5, "deep roll back + verify")
-    both(CausalLMRunner.set_tokens, prompt[:6] + [9, 9])  # prefix edit keeps the common cache
-    compare(2, "set_tokens")
+    both(CausalLMRunner.splice, 0, prompt[:6] + [9, 9])  # prefix edit keeps the common cache
+    compare(2, "splice from the start")
     print("max |logits(tp=2) - logits(tp=1)|:", ", ".join(f"{w} {d:.2g}" for w, d in steps))
     tp_runner.release(a)
 
@@ -248,7 +249,7 @@ def test_killed_worker_gives_unavailable_then_the_group_recovers(
     prompt = [5, 6, 7, 8, 9]
     params = SamplingParams(temperature=0, seed=1)
     verifier.open("s", prompt, params)
-    before = verifier.verify("s", len(prompt), Proposal([1, 2]))
+    before = verifier.verify(VerifyRequest("s", len(prompt), Proposal([1, 2])))
     restarts, pid = group.restarts, group.workers[0]["pid"]
 
     os.kill(pid, signal.SIGKILL)
@@ -264,11 +265,11 @@ def test_killed_worker_gives_unavailable_then_the_group_recovers(
     assert group.workers[0]["pid"] != pid
     # The session survived on rank 0; the followers' caches are rebuilt on the next forward.
     n = before.committed_length
-    after = verifier.verify("s", n, Proposal([3]), start=n)  # as the coordinator sends it: from `start`
+    after = verifier.verify(VerifyRequest("s", n, Proposal([3]), start=n))  # as the coordinator sends it: from `start`
     want = Verifier(tp1_runner)
     want.open("s", prompt, params)
-    assert want.verify("s", len(prompt), Proposal([1, 2])).token_id == before.token_id
-    expected = want.verify("s", n, Proposal([3]), start=n)
+    assert want.verify(VerifyRequest("s", len(prompt), Proposal([1, 2]))).token_id == before.token_id
+    expected = want.verify(VerifyRequest("s", n, Proposal([3]), start=n))
     assert (after.accepted, after.token_id, after.committed_length) == (
         expected.accepted,
         expected.token_id,

@@ -17,12 +17,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar, get_type_hints
 
-from specd.core.branching import DEFAULT_BRANCH_BUDGET, MAX_BRANCH_BUDGET
-from specd.core.catalog import DEMO, NONE
+from specd.core.draft.suffix import SuffixSettings
 from specd.core.errors import InvalidArgument
-from specd.core.pipeline import PIPELINES
-from specd.core.sparse_q import MAX_BITS, QSettings
-from specd.core.suffix import SuffixSettings
+from specd.core.model.catalog import DEMO, NONE
+from specd.core.rounds.pipeline import PIPELINES
+from specd.core.rounds.steps import DEFAULT_BRANCH_BUDGET, MAX_BRANCH_BUDGET
+from specd.core.sampling.sparse_q import MAX_BITS, QSettings
 
 
 def default_cache_dir() -> Path:

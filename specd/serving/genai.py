@@ -38,7 +38,7 @@ ATTR_RESPONSE_FINISH_REASONS = "gen_ai.response.finish_reasons"
 ATTR_USAGE_INPUT_TOKENS = "gen_ai.usage.input_tokens"
 ATTR_USAGE_OUTPUT_TOKENS = "gen_ai.usage.output_tokens"
 
-# specd's finish reasons (specd.core.rounds.FinishReason values) in the words GenAI tooling
+# specd's finish reasons (specd.core.rounds.generation.FinishReason values) in the words GenAI tooling
 # knows (OpenAI's): a natural or requested stop is "stop", running out of room is "length".
 # The exact reason stays on the span as specd.finish_reason.
 _FINISH_REASONS = {

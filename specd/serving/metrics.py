@@ -14,23 +14,19 @@ gen_ai_server_time_per_output_token_seconds, with the conventions' buckets.
 
 Nothing is global: a service builds its metrics object (with its registry)
 at start, hands it to what it creates, and serves the registry with
-`serve_metrics`. Per-round work is a handful of counter increments.
+`specd.serving.metrics_http.serve_metrics`. Per-round work is a handful of counter increments.
 """
 
 from __future__ import annotations
 
 import logging
-import socket
-import threading
 from collections.abc import Callable, Sequence
-from socketserver import ThreadingMixIn
 from typing import Any
-from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, make_wsgi_app
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-from specd.core.record import RoundRecord
-from specd.core.suffix_index import SharedSuffixIndex
+from specd.core.draft.suffix_index import SharedSuffixIndex
+from specd.core.rounds.record import RoundRecord
 from specd.core.transit import HOPS
 from specd.serving import genai
 
@@ -238,7 +234,7 @@ class CoordinatorMetrics:
             self._loop_hop.observe(loop_ms / 1e3)
 
     def observe_request(self, stats: Any, finish_reason: str, e2e_s: float, *, model: str = "") -> None:
-        """A finished request (specd.core.record.RequestStats); model: the target's name (gen_ai.request.model)."""
+        """A finished request (specd.core.rounds.record.RequestStats); model: the target's name (gen_ai.request.model)."""
         ttft_s = stats.time_to_first_token_ms / 1e3
         self.request_success.labels(finished_reason=finish_reason).inc()
         self.prompt_tokens.inc(stats.prompt_tokens)
@@ -412,56 +408,3 @@ def _read_while_changing(read: Callable[[], float], tries: int = 3) -> Callable[
         return last[0]
 
     return guarded
-
-
-def metrics_for(service: str) -> CoordinatorMetrics | DraftMetrics | TargetMetrics:
-    classes: dict[str, type[CoordinatorMetrics | DraftMetrics | TargetMetrics]] = {
-        "coordinator": CoordinatorMetrics,
-        "draft": DraftMetrics,
-        "target": TargetMetrics,
-    }
-    return classes[service]()
-
-
-class _TextOnlyServer(ThreadingMixIn, WSGIServer):
-    daemon_threads = True  # a hanging scrape never holds up exit
-
-
-class _TextOnlyServer6(_TextOnlyServer):
-    address_family = socket.AF_INET6
-
-
-class _QuietHandler(WSGIRequestHandler):
-    def log_message(self, format: str, *args: Any) -> None:
-        """No access log line per scrape."""
-
-
-def text_format_app(registry: CollectorRegistry) -> Callable[..., Any]:
-    """The registry as Prometheus text format (0.0.4), whatever the scraper's Accept header asks.
-
-    prometheus_client answers an OpenMetrics request that names no escaping
-    scheme (Prometheus 2.x sends none) with escaping=underscores, which turns
-    the colons of sample names into underscores (specd:generation_tokens_total
-    becomes specd_generation_tokens_total) while its HELP/TYPE lines keep them
-    (prometheus/client_python#1177). The text format keeps every name as
-    documented, for Prometheus 2 and 3 alike; specd uses nothing that only
-    OpenMetrics carries (exemplars).
-    """
-    app = make_wsgi_app(registry)
-
-    def text_only(environ: dict[str, Any], start_response: Callable[..., Any]) -> Any:
-        return app({**environ, "HTTP_ACCEPT": "text/plain; version=0.0.4"}, start_response)
-
-    return text_only
-
-
-def serve_metrics(registry: CollectorRegistry, host: str, port: int) -> tuple[Any, int]:
-    """Serve `registry` as Prometheus text on http://host:port/metrics (port 0 picks one).
-
-    Returns (server, port); call server.shutdown() to stop. The server runs
-    in its own daemon thread, so scrapes never touch the event loop.
-    """
-    server_class = _TextOnlyServer6 if ":" in host else _TextOnlyServer
-    server = make_server(host, port, text_format_app(registry), server_class, handler_class=_QuietHandler)
-    threading.Thread(target=server.serve_forever, name="specd-metrics", daemon=True).start()
-    return server, int(server.server_port)

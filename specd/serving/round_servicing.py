@@ -31,7 +31,7 @@ from specd.serving import trace_names, trace_spans
 from specd.serving import tracing as tr
 from specd.serving.batching import MicroBatcher
 from specd.serving.grpc_errors import session_error
-from specd.serving.streams import Stamped, StreamSessions, TimedResponse, client_session_id, serve_round_stream
+from specd.serving.streams import Stamped, StreamScope, TimedResponse, client_session_id, serve_round_stream
 from specd.v1 import common_pb2, session_pb2
 
 Resp = TypeVar("Resp", bound=TimedResponse)
@@ -285,11 +285,11 @@ class BatchedRoundServicer(abc.ABC, Generic[Req, Resp, Work, Result]):
         # Headers first, so the coordinator knows the stream is up before any round.
         await context.send_initial_metadata(())
         # Sessions belong to this stream (their own namespace), and close with it.
-        scope = StreamSessions()
+        scope = StreamScope()
         async for response in serve_round_stream(
             request_iterator,
             self.batcher.submit,
-            sessions=scope,
+            scope=scope,
             make_request=self._empty_request,
             drain=self.draining,
         ):

@@ -28,15 +28,6 @@ def _read(path: str) -> bytes:
     return Path(path).read_bytes()
 
 
-def server_credentials(cert: str, key: str, client_ca: str = "") -> grpc.ServerCredentials:
-    """TLS for a server; with client_ca, clients must present a certificate chaining to it."""
-    return grpc.ssl_server_credentials(
-        [(_read(key), _read(cert))],
-        root_certificates=_read(client_ca) if client_ca else None,
-        require_client_auth=bool(client_ca),
-    )
-
-
 def channel_credentials(ca: str, cert: str = "", key: str = "") -> grpc.ChannelCredentials:
     """TLS for a client, verifying the server against `ca`; with cert/key, mutual TLS."""
     chain, private_key = read_key_pair(cert, key) if cert else (None, None)

@@ -1,7 +1,7 @@
 """Server side of a round stream: requests in order, handled off the event loop.
 
 A session belongs to the stream that opened it: each stream's session IDs live
-in their own namespace of the service's session table (`StreamSessions`), so
+in their own namespace of the service's session table (`StreamScope`), so
 another stream (another coordinator, or anyone holding a client certificate)
 can neither read nor advance nor close them, and when the stream ends its
 sessions are closed at once. A coordinator that reconnects re-opens its
@@ -57,7 +57,7 @@ def client_session_id(scoped: str) -> str:
     return scoped.rpartition(SCOPE_SEPARATOR)[2]
 
 
-class StreamSessions:
+class StreamScope:
     """The session namespace of one stream, and the sessions it holds open.
 
     Requests and responses are the Draft/Target stream messages (a `session_id`
@@ -98,7 +98,7 @@ async def serve_round_stream(
     submit: Callable[[Stamped[Req]], Future[Resp]],
     *,
     max_pending: int = 256,
-    sessions: StreamSessions | None = None,
+    scope: StreamScope | None = None,
     make_request: Callable[[], Req] | None = None,
     drain: asyncio.Event | None = None,
 ) -> AsyncIterator[Resp]:
@@ -110,7 +110,7 @@ async def serve_round_stream(
     At most max_pending requests wait at once; beyond that the stream stops
     reading, so gRPC flow control pushes back on the sender (no unbounded queue).
     Written as an async generator (the OpenTelemetry aio instrumentor needs it).
-    sessions (with make_request, an empty request): the stream's own session
+    scope (with make_request, an empty request): the stream's own session
     namespace; its open sessions are closed when the stream ends, however it ends.
     drain: once set (the service is shutting down), the stream ends as soon as it is
     idle: no session of it open and every message it has read answered. The
@@ -124,7 +124,7 @@ async def serve_round_stream(
     unanswered = 0  # messages read and not yet answered
 
     def idle() -> bool:
-        return unanswered == 0 and (sessions is None or not sessions.open)
+        return unanswered == 0 and (scope is None or not scope.open)
 
     async def read() -> None:
         nonlocal unanswered
@@ -137,8 +137,8 @@ async def serve_round_stream(
                 except StopAsyncIteration:
                     return
                 stamped = Stamped(request, clock())
-                if sessions is not None:
-                    stamped.request = sessions.inbound(request)
+                if scope is not None:
+                    stamped.request = scope.inbound(request)
                 unanswered += 1
                 pending.put_nowait((stamped, asyncio.wrap_future(submit(stamped), loop=loop)))
         finally:
@@ -158,7 +158,7 @@ async def serve_round_stream(
             response = await future
             room.release()
             _fill_timing(response.timing, stamped, clock())
-            yield sessions.outbound(response) if sessions is not None else response
+            yield scope.outbound(response) if scope is not None else response
             unanswered -= 1
             if drain is not None and drain.is_set() and idle():
                 reader.cancel()  # its last session closed and answered: the stream ends
@@ -168,8 +168,8 @@ async def serve_round_stream(
         reader.cancel()
         if stopper is not None:
             stopper.cancel()
-        if sessions is not None and make_request is not None:
-            for close in sessions.closes(make_request):
+        if scope is not None and make_request is not None:
+            for close in scope.closes(make_request):
                 submit(Stamped(close, clock()))  # frees their KV now; nobody waits for the answers
 
 

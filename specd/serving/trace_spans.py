@@ -13,7 +13,7 @@ from typing import Any
 
 from opentelemetry.trace import Span, Status, StatusCode
 
-from specd.core.record import RoundRecord
+from specd.core.rounds.record import RoundRecord
 from specd.serving import genai, trace_names
 
 
@@ -61,7 +61,7 @@ def token_kind(is_bonus: bool, deferred: bool = False) -> str:
 
 
 def request_attributes(spec: Any) -> dict[str, Any]:
-    """Generate-span attributes of a validated request (specd.core.loop.GenerateSpec)."""
+    """Generate-span attributes of a validated request (specd.core.rounds.loop.GenerateSpec)."""
     p = spec.params
     attributes: dict[str, Any] = {
         trace_names.ATTR_PROMPT_TOKENS: len(spec.prompt_ids),
@@ -81,7 +81,7 @@ def request_attributes(spec: Any) -> dict[str, Any]:
 
 
 def stats_attributes(stats: Any, finish_reason: str) -> dict[str, Any]:
-    """Generate-span attributes of a finished request (specd.core.record.RequestStats)."""
+    """Generate-span attributes of a finished request (specd.core.rounds.record.RequestStats)."""
     r = stats.rounds
     return {
         trace_names.ATTR_FINISH_REASON: finish_reason,

@@ -8,17 +8,15 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import TypeVar
 
-from specd.core import sparse_q
-from specd.core.branching import Branch, Branches, BranchRequest
-from specd.core.drafting import ProposeRequest
 from specd.core.errors import InvalidArgument
-from specd.core.generation import FinishReason
 from specd.core.phases import PhaseLog
-from specd.core.proposal import DEFAULT_MAX_DRAFT_TOKENS, DEFAULT_MAX_Q_WIDTH, Proposal
-from specd.core.record import RequestStats
-from specd.core.sampling import SamplingParams
+from specd.core.rounds import steps
+from specd.core.rounds.generation import FinishReason
+from specd.core.rounds.record import RequestStats
+from specd.core.sampling import sparse_q
+from specd.core.sampling.proposal import DEFAULT_MAX_DRAFT_TOKENS, DEFAULT_MAX_Q_WIDTH, Proposal
+from specd.core.sampling.sampler import SamplingParams
 from specd.core.transit import Transit
-from specd.core.verification import VerifyOutcome, VerifyRequest
 from specd.v1 import common_pb2, coordinator_pb2, draft_pb2, session_pb2, target_pb2
 
 
@@ -54,21 +52,6 @@ def sparse_to_proto(proposal: Proposal) -> list[common_pb2.SparseDistribution]:
             out.append(common_pb2.SparseDistribution(id_gaps=gaps, weights=ints))
         return out
     return [common_pb2.SparseDistribution(token_ids=ids, probs=probs) for ids, probs in proposal.to_wire()]
-
-
-def sparse_from_proto(
-    q: Sequence[common_pb2.SparseDistribution], vocab_size: int
-) -> list[tuple[list[int], list[float]]]:
-    """Per position (ids, probs) from either form (InvalidArgument on a malformed compact one)."""
-    out: list[tuple[list[int], list[float]]] = []
-    for i, d in enumerate(q):
-        if d.id_gaps or d.weights:
-            if d.token_ids or d.probs:
-                raise InvalidArgument(f"q at draft position {i} mixes the plain and the compact form; send one")
-            out.append(sparse_q.from_compact(d.id_gaps, d.weights, vocab_size))
-        else:
-            out.append((list(d.token_ids), list(d.probs)))
-    return out
 
 
 def q_wire_bytes(msg: draft_pb2.DraftProposal) -> list[int]:
@@ -112,13 +95,7 @@ def proposal_from_proto(
     transit: Transit | None = None,
 ) -> Proposal:
     """Validated proposal (InvalidArgument on out-of-range IDs, bad probabilities or sizes over the limits)."""
-    proposal = Proposal.from_wire(
-        msg.token_ids,
-        _q_rows(msg.q, len(msg.token_ids), vocab_size, max_q_width),
-        vocab_size,
-        max_draft_tokens=max_draft_tokens,
-        max_q_width=max_q_width,
-    )
+    proposal = _checked_proposal(msg.token_ids, msg.q, vocab_size, max_draft_tokens, max_q_width)
     return Proposal(
         proposal.token_ids,
         proposal.q_ids,
@@ -133,13 +110,18 @@ def proposal_from_verify(
     msg: target_pb2.Verify, vocab_size: int, *, max_draft_tokens: int, max_q_width: int
 ) -> Proposal:
     """The proposal of a Verify message, sizes checked before anything is copied (see Proposal.from_wire)."""
-    return Proposal.from_wire(
-        msg.draft_token_ids,
-        _q_rows(msg.q, len(msg.draft_token_ids), vocab_size, max_q_width),
-        vocab_size,
-        max_draft_tokens=max_draft_tokens,
-        max_q_width=max_q_width,
-    )
+    return _checked_proposal(msg.draft_token_ids, msg.q, vocab_size, max_draft_tokens, max_q_width)
+
+
+def _checked_proposal(
+    token_ids: Sequence[int],
+    q: Sequence[common_pb2.SparseDistribution],
+    vocab_size: int,
+    max_draft_tokens: int,
+    max_q_width: int,
+) -> Proposal:
+    rows = _q_rows(q, len(token_ids), vocab_size, max_q_width)
+    return Proposal.from_wire(token_ids, rows, vocab_size, max_draft_tokens=max_draft_tokens, max_q_width=max_q_width)
 
 
 def _q_rows(
@@ -165,14 +147,14 @@ def _q_rows(
 # ---- the draft and target services' stream messages (their servicers) ------------------------
 
 
-def propose_request_from_proto(req: draft_pb2.DraftRequest) -> ProposeRequest:
+def propose_request_from_proto(req: draft_pb2.DraftRequest) -> steps.ProposeRequest:
     p = req.propose
-    return ProposeRequest(req.session_id, req.committed_length, p.start, list(p.token_ids), p.num_tokens)
+    return steps.ProposeRequest(req.session_id, req.committed_length, p.start, list(p.token_ids), p.num_tokens)
 
 
-def branch_request_from_proto(req: draft_pb2.DraftRequest) -> BranchRequest:
+def branch_request_from_proto(req: draft_pb2.DraftRequest) -> steps.BranchRequest:
     b = req.branches
-    return BranchRequest(
+    return steps.BranchRequest(
         req.session_id,
         req.committed_length,
         b.start,
@@ -184,7 +166,7 @@ def branch_request_from_proto(req: draft_pb2.DraftRequest) -> BranchRequest:
     )
 
 
-def branches_to_proto(result: Branches) -> draft_pb2.DraftBranchSet:
+def branches_to_proto(result: steps.Branches) -> draft_pb2.DraftBranchSet:
     return draft_pb2.DraftBranchSet(
         branches=[
             draft_pb2.DraftBranch(accepted=b.accepted, token_id=b.token_id, proposal=proposal_to_proto(b.proposal))
@@ -197,15 +179,15 @@ def branches_to_proto(result: Branches) -> draft_pb2.DraftBranchSet:
 
 def verify_request_from_proto(
     req: target_pb2.TargetRequest, vocab_size: int, *, max_draft_tokens: int, max_q_width: int, max_context: int
-) -> VerifyRequest:
+) -> steps.VerifyRequest:
     """The core's verify request; sizes are checked before anything is copied (InvalidArgument)."""
     v = req.verify
     proposal = proposal_from_verify(v, vocab_size, max_draft_tokens=max_draft_tokens, max_q_width=max_q_width)
     tail = token_ids_from_wire(v.token_ids, max_context, "verify.token_ids")
-    return VerifyRequest(req.session_id, req.committed_length, proposal, v.start, tail, v.defer_bonus)
+    return steps.VerifyRequest(req.session_id, req.committed_length, proposal, v.start, tail, v.defer_bonus)
 
 
-def verdict_to_proto(outcome: VerifyOutcome, resp: target_pb2.TargetResponse) -> None:
+def verdict_to_proto(outcome: steps.VerifyOutcome, resp: target_pb2.TargetResponse) -> None:
     """Fill a TargetResponse with a verdict (and the committed length after it)."""
     resp.committed_length = outcome.committed_length
     v = resp.verdict
@@ -220,35 +202,31 @@ def verdict_to_proto(outcome: VerifyOutcome, resp: target_pb2.TargetResponse) ->
     v.batch_tokens = outcome.phases.batch_tokens
 
 
-# ---- the coordinator's round streams (coordinator/peers.py, coordinator/ports.py) ----------
+# ---- the coordinator's round streams (coordinator/peers.py) ----------
 
 RoundRequest = TypeVar("RoundRequest", draft_pb2.DraftRequest, target_pb2.TargetRequest)
 
 
-def open_request(
-    kind: type[RoundRequest],
-    session_id: str,
-    token_ids: Sequence[int],
-    params: SamplingParams,
-    carrier: Mapping[str, str],
-) -> RoundRequest:
+def open_request(kind: type[RoundRequest], request: steps.OpenRequest, carrier: Mapping[str, str]) -> RoundRequest:
     """Open (or re-open) a session on a draft or target stream with the committed tokens."""
-    req = kind(session_id=session_id, committed_length=len(token_ids), trace_context=carrier)
-    req.open.token_ids.extend(token_ids)
-    req.open.sampling.CopyFrom(params_to_proto(params))
+    req = kind(session_id=request.session_id, committed_length=len(request.token_ids), trace_context=carrier)
+    req.open.token_ids.extend(request.token_ids)
+    req.open.sampling.CopyFrom(params_to_proto(request.params))
     return req
 
 
-def close_request(kind: type[RoundRequest], session_id: str) -> RoundRequest:
-    req = kind(session_id=session_id)
+def close_request(kind: type[RoundRequest], request: steps.CloseRequest) -> RoundRequest:
+    """Close a target session (a target's close carries no tokens)."""
+    req = kind(session_id=request.session_id)
     req.close.SetInParent()
     return req
 
 
-def draft_close_request(session_id: str, committed: Sequence[int], start: int) -> draft_pb2.DraftRequest:
+def draft_close_request(request: steps.CloseRequest) -> draft_pb2.DraftRequest:
     """Close a draft session, carrying the committed tokens from `start` on (the draft holds the
     first `start`): a learning drafter (suffix) indexes the whole answer."""
-    req = draft_pb2.DraftRequest(session_id=session_id, committed_length=len(committed))
+    committed, start = request.committed, request.start
+    req = draft_pb2.DraftRequest(session_id=request.session_id, committed_length=len(committed))
     req.close.SetInParent()
     if committed:
         req.close.start = start
@@ -256,61 +234,50 @@ def draft_close_request(session_id: str, committed: Sequence[int], start: int) -
     return req
 
 
-def propose_request(
-    session_id: str,
-    committed_length: int,
-    start: int,
-    tail: Sequence[int],
-    num_tokens: int,
-    carrier: Mapping[str, str],
-) -> draft_pb2.DraftRequest:
-    req = draft_pb2.DraftRequest(session_id=session_id, committed_length=committed_length, trace_context=carrier)
-    req.propose.start = start
-    req.propose.token_ids.extend(tail)
-    req.propose.num_tokens = num_tokens
+def propose_request(request: steps.ProposeRequest, carrier: Mapping[str, str]) -> draft_pb2.DraftRequest:
+    req = draft_pb2.DraftRequest(
+        session_id=request.session_id, committed_length=request.committed_length, trace_context=carrier
+    )
+    req.propose.start = request.start
+    req.propose.token_ids.extend(request.tail)
+    req.propose.num_tokens = request.num_tokens
     return req
 
 
-def branches_request(
-    session_id: str,
-    committed_length: int,
-    start: int,
-    tail: Sequence[int],
-    pending: int,
-    num_tokens: int,
-    budget: int,
-    acceptance: Sequence[float],
-    carrier: Mapping[str, str],
-) -> draft_pb2.DraftRequest:
-    req = draft_pb2.DraftRequest(session_id=session_id, committed_length=committed_length, trace_context=carrier)
+def branches_request(request: steps.BranchRequest, carrier: Mapping[str, str]) -> draft_pb2.DraftRequest:
+    req = draft_pb2.DraftRequest(
+        session_id=request.session_id, committed_length=request.committed_length, trace_context=carrier
+    )
     b = req.branches
-    b.start = start
-    b.token_ids.extend(tail)
-    b.pending = pending
-    b.num_tokens = num_tokens
-    b.budget = budget
-    b.acceptance.extend(acceptance)
+    b.start = request.start
+    b.token_ids.extend(request.tail)
+    b.pending = request.pending
+    b.num_tokens = request.num_tokens
+    b.budget = request.budget
+    b.acceptance.extend(request.acceptance)
     return req
 
 
-def branches_from_proto(msg: draft_pb2.DraftBranchSet, vocab_size: int) -> Branches:
+def branches_from_proto(msg: draft_pb2.DraftBranchSet, vocab_size: int) -> steps.Branches:
     """Validated branches: each proposal as proposal_from_proto checks it, each token within the vocabulary."""
     out = []
     for b in msg.branches:
         if not 0 <= b.token_id < vocab_size:
             raise InvalidArgument(f"branch token id {b.token_id} is outside the vocabulary [0, {vocab_size})")
-        out.append(Branch(b.accepted, b.token_id, proposal_from_proto(b.proposal, vocab_size)))
-    return Branches(tuple(out), msg.compute_ms, PhaseLog(batch_size=max(1, msg.batch_size)))
+        out.append(steps.Branch(b.accepted, b.token_id, proposal_from_proto(b.proposal, vocab_size)))
+    return steps.Branches(tuple(out), msg.compute_ms, PhaseLog(batch_size=max(1, msg.batch_size)))
 
 
-def verify_request(
-    session_id: str, committed_length: int, proposal: Proposal, defer_bonus: bool, carrier: Mapping[str, str]
-) -> target_pb2.TargetRequest:
-    req = target_pb2.TargetRequest(session_id=session_id, committed_length=committed_length, trace_context=carrier)
-    req.verify.start = committed_length  # the target rolls back any verdict the coordinator did not see
-    req.verify.draft_token_ids.extend(proposal.token_ids)
-    req.verify.q.extend(sparse_to_proto(proposal))
-    req.verify.defer_bonus = defer_bonus
+def verify_request(request: steps.VerifyRequest, carrier: Mapping[str, str]) -> target_pb2.TargetRequest:
+    req = target_pb2.TargetRequest(
+        session_id=request.session_id, committed_length=request.committed_length, trace_context=carrier
+    )
+    # No start: the committed length, so the target rolls back any verdict the coordinator did not see.
+    req.verify.start = request.committed_length if request.start is None else request.start
+    req.verify.token_ids.extend(request.tail)
+    req.verify.draft_token_ids.extend(request.proposal.token_ids)
+    req.verify.q.extend(sparse_to_proto(request.proposal))
+    req.verify.defer_bonus = request.defer_bonus
     return req
 
 
@@ -324,11 +291,11 @@ def proposal_from_answer(
 
 def verdict_from_proto(
     resp: target_pb2.TargetResponse, round_trip_ms: float | None = None, wake_ms: float = 0.0
-) -> VerifyOutcome:
+) -> steps.VerifyOutcome:
     """The verdict; with the caller's round trip (ms), also the call's hops."""
     v = resp.verdict
     deferred = v.kind == target_pb2.TOKEN_KIND_DEFERRED
-    return VerifyOutcome(
+    return steps.VerifyOutcome(
         accepted=v.accepted,
         token_id=-1 if deferred else v.token_id,
         is_bonus=v.kind == target_pb2.TOKEN_KIND_BONUS,

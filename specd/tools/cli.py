@@ -20,12 +20,13 @@ from google.protobuf.json_format import MessageToDict
 from coordinator.client import CoordinatorClient, Prompt
 from coordinator.server import create_server as create_coordinator
 from draft_service.server import create_server as create_draft
-from specd.core import catalog
 from specd.core.errors import InvalidArgument, SpecdError
+from specd.core.model import catalog
 from specd.serving import config as cfg
 from specd.serving.cpu_budget import cpu_budget, service_threads
 from specd.serving.cpu_threads import describe_threads
-from specd.serving.metrics import CoordinatorMetrics, DraftMetrics, TargetMetrics, serve_metrics
+from specd.serving.metrics import CoordinatorMetrics, DraftMetrics, TargetMetrics
+from specd.serving.metrics_http import serve_metrics
 from specd.serving.security import read_token
 from specd.serving.server import run_event_loop, serve_until_signal
 from specd.serving.tracing import setup_tracing
@@ -334,7 +335,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench = sub.add_parser(
         "bench",
         help="benchmark decoding modes side by side (target-only baseline, fixed K, "
-        "auto, the transformers peer): JSON, markdown, PNG",
+        "auto, the transformers baseline): JSON, markdown, PNG",
     )
     add_bench_arguments(bench)
     bench.set_defaults(func=_bench)

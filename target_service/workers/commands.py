@@ -23,7 +23,7 @@ from typing import Any
 
 import torch.distributed as dist
 
-from specd.core.runner import CausalLMRunner, KVSession
+from specd.core.model.runner import CausalLMRunner, KVSession
 
 Command = tuple[Any, ...]
 BatchRow = tuple[int, int, list[int], int]  # (tp_id, start, tokens[start:], num_last)

@@ -12,9 +12,9 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from specd.core import tensor_parallel
-from specd.core.models import LoadedModel, load_pretrained
-from specd.core.runner import CausalLMRunner
+from specd.core.model import tensor_parallel
+from specd.core.model.loading import LoadedModel, load_pretrained
+from specd.core.model.runner import CausalLMRunner
 from target_service.workers.commands import Mirror, receive
 from target_service.workers.rendezvous import Rendezvous, WorkerSpec, destroy_groups, init_groups
 

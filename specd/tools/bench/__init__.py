@@ -13,7 +13,7 @@ What a run does:
 3. for each cell (temperature x concurrent clients), runs the shipped prompt
    set through every mode: `target-only` (the baseline: speculation off,
    through the same services), `fixed-K`, `auto`, ... over the Coordinator
-   API (streaming, timed per message), and the peer, Hugging Face
+   API (streaming, timed per message), and the HF baseline, Hugging Face
    transformers' assisted generation, in this process on the same pair;
 4. checks that every mode's greedy (T = 0) output equals target-only's;
 5. writes JSON (one record per mode x temperature x concurrency), a
@@ -26,7 +26,7 @@ SERVICE_FAMILIES (bench/modes.py), or without any code change with
 request options). docs/bench.md defines every reported number.
 
 The package, one concern per module: modes, prompts, results (one request),
-services (the specd runner), peer (transformers' assisted generation), cost
+services (the specd runner), the HF baseline (transformers' assisted generation), cost
 (c), stats (a, S(K)), records (one record per cell), compare (speed-up and the
 greedy check), report / plot / output (the files), plan / args (flags),
 cells (the measured cells), learning (drafters that learn across requests:

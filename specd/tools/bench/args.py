@@ -22,7 +22,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--address",
         default="",
         help="use running services at this coordinator HOST:PORT "
-        "(--target/--draft then name the same models, for the tokenizer, c and the peer)",
+        "(--target/--draft then name the same models, for the tokenizer, c and the HF baseline)",
     )
     g.add_argument("--cache-dir", default="", help="model cache (default: SPECD_CACHE_DIR or ~/.cache/specd)")
     g.add_argument(
@@ -37,7 +37,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--hf-threads",
         type=int,
         default=0,
-        help="torch threads of the in-process peer and of the bench process (default: the target service's)",
+        help="torch threads of the in-process HF baseline and of the bench process (default: the target service's)",
     )
     for svc in ("target", "draft", "coordinator"):
         g.add_argument(f"--{svc}-args", default="", help=f"extra flags for `specd serve {svc}` (one string)")
@@ -63,7 +63,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--modes",
         default=DEFAULT_MODES,
         help="comma list: target-only, auto, fixed-K (bare 'fixed': "
-        "every --draft-lengths K), hf-K / hf (the peer, K assistant tokens, constant), hf-default, "
+        "every --draft-lengths K), hf-K / hf (the HF baseline, K assistant tokens, constant), hf-default, "
         f"hf-target-only (default: {DEFAULT_MODES})",
     )
     g.add_argument(
@@ -79,7 +79,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     g.add_argument("--temperatures", default=None, help="comma list (default: 0,0.7)")
     g.add_argument(
-        "--concurrency", default=None, help="concurrent clients, comma list (default: 1,8); the peer runs at 1"
+        "--concurrency", default=None, help="concurrent clients, comma list (default: 1,8); the HF baseline runs at 1"
     )
     g.add_argument(
         "--prompts", type=int, default=None, help="prompts per cell, mixed over categories (default: 30; quick: 6)"
@@ -111,7 +111,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--no-inprocess",
         action="store_true",
         help="skip everything that loads the models in this "
-        "process: the peer and the measured c (S(K) then stays empty)",
+        "process: the HF baseline and the measured c (S(K) then stays empty)",
     )
     g.add_argument("--timeout", type=float, default=600.0, help="seconds per request (default: 600)")
     g.add_argument(

@@ -9,10 +9,10 @@ from typing import Any
 
 from coordinator.client import CoordinatorClient
 from specd.tools.bench.console import progress, say
+from specd.tools.bench.hf_baseline import HFBaseline
 from specd.tools.bench.learning import per_request
 from specd.tools.bench.modes import Mode
 from specd.tools.bench.overhead import Buckets, add, difference, quantile_ms
-from specd.tools.bench.peer import HFPeer
 from specd.tools.bench.plan import BenchError, Plan, interleave_slices
 from specd.tools.bench.prompts import BenchPrompt
 from specd.tools.bench.records import summarize
@@ -26,7 +26,7 @@ def warm_up(
     modes: Sequence[Mode],
     items: Sequence[tuple[BenchPrompt, list[int]]],
     address: str,
-    peer: HFPeer | None,
+    hf_baseline: HFBaseline | None,
     quiet: bool,
     metadata: Callable[[], Sequence[tuple[str, str]]] = lambda: (),
 ) -> None:
@@ -34,7 +34,7 @@ def warm_up(
     say("warming up ...", quiet)
     with CoordinatorClient(address, timeout=args.timeout) as client:
         for m in modes:
-            if not m.peer:
+            if not m.hf_baseline:
                 r = run_service_request(
                     client,
                     "warmup",
@@ -44,11 +44,11 @@ def warm_up(
                 )
                 if r.error:
                     raise BenchError(f"mode {m.name} fails on its warm-up request: {r.error}")
-    if peer is not None:
+    if hf_baseline is not None:
         for m in modes:
-            if m.peer:
-                peer.configure(m)
-                peer.run("warmup", items[0][1], m, temperature=0.0, seed=0, max_new_tokens=4, stop_at_eos=False)
+            if m.hf_baseline:
+                hf_baseline.configure(m)
+                hf_baseline.run("warmup", items[0][1], m, temperature=0.0, seed=0, max_new_tokens=4, stop_at_eos=False)
 
 
 def run_cells(
@@ -57,7 +57,7 @@ def run_cells(
     modes: Sequence[Mode],
     items: Sequence[tuple[BenchPrompt, list[int]]],
     address: str,
-    peer: HFPeer | None,
+    hf_baseline: HFBaseline | None,
     cost: Mapping[str, Any],
     records: list[dict[str, Any]],
     outputs: dict[tuple[str, str, float, int], dict[str, list[int]]],
@@ -80,7 +80,9 @@ def run_cells(
     """
     for temperature in plan.temperatures:
         for concurrency in plan.concurrency:
-            cell_modes = [m for m in modes if not m.peer or concurrency == 1]  # the peer serves one sequence at a time
+            cell_modes = [
+                m for m in modes if not m.hf_baseline or concurrency == 1
+            ]  # the HF baseline serves one sequence at a time
             slices = interleave_slices(len(items) - plan.warm_requests, concurrency, args.interleave)
             slices = [range(r.start + plan.warm_requests, r.stop + plan.warm_requests) for r in slices]
             if plan.warm_requests:
@@ -91,20 +93,20 @@ def run_cells(
             overheads: dict[str, Buckets] = {m.name: {} for m in cell_modes}
             for part, rows in enumerate(slices):
                 for m in cell_modes:
-                    if part == 0 and before_mode is not None and not m.peer:
+                    if part == 0 and before_mode is not None and not m.hf_baseline:
                         before_mode(m)
                     chunk = [items[i] for i in rows]
                     where = f" {part + 1}/{len(slices)}" if len(slices) > 1 else ""
                     desc = f"T={temperature:g} c={concurrency} {m.name}{f' [{services}]' if services else ''}{where}"
                     with progress(len(chunk), desc, quiet) as bar:
-                        if m.peer:
-                            assert peer is not None
-                            peer.configure(m)
+                        if m.hf_baseline:
+                            assert hf_baseline is not None
+                            hf_baseline.configure(m)
                             start = time.perf_counter()
                             got = []
                             for i, (p, ids) in zip(rows, chunk):
                                 got.append(
-                                    peer.run(
+                                    hf_baseline.run(
                                         p.id,
                                         ids,
                                         m,
@@ -151,7 +153,7 @@ def run_cells(
                     results[m.name],
                     walls[m.name],
                     max_new_tokens=plan.max_new_tokens,
-                    cost=cost.get("hf" if m.peer else "service"),
+                    cost=cost.get("hf" if m.hf_baseline else "service"),
                 )
                 rec["services"] = services
                 rec["interleave_slices"] = len(slices) - (1 if plan.warm_requests else 0)

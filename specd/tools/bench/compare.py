@@ -20,7 +20,9 @@ def finish_records(
     base = {(r.get("services", ""), r["temperature"], r["concurrency"]): r for r in records if r["mode"] == BASELINE}
     for r in records:
         b = base.get((r.get("services", ""), r["temperature"], r["concurrency"]))
-        if b is None and r["runner"] == RUNNER_HF:  # the peer runs at 1 client; compare with the 1-client baseline
+        if (
+            b is None and r["runner"] == RUNNER_HF
+        ):  # the HF baseline runs at 1 client; compare with the 1-client baseline
             b = base.get((r.get("services", ""), r["temperature"], 1))
         if b and r.get("per_request") and b.get("per_request"):
             r["warmup_curve"] = warmup_curve(r["per_request"], b["per_request"])

@@ -8,10 +8,11 @@ from typing import Any
 
 import torch
 
-from specd.core.drafting import NgramDrafter
-from specd.core.runner import CausalLMRunner
-from specd.core.sampling import SamplingParams
-from specd.core.suffix import SuffixDrafter
+from specd.core.draft.ngram import NgramDrafter
+from specd.core.draft.suffix import SuffixDrafter
+from specd.core.model.runner import CausalLMRunner
+from specd.core.rounds.steps import ProposeRequest
+from specd.core.sampling.sampler import SamplingParams
 from specd.tools.bench.stats import percentile
 
 
@@ -52,7 +53,7 @@ def measure_ngram_ms(
     for i in range(samples + warmup):
         drafter.open("probe", prompt_ids, SamplingParams(temperature=0.0))
         t0 = time.perf_counter()
-        found = drafter.propose("probe", len(prompt_ids), len(prompt_ids), [], num_tokens)
+        found = drafter.propose(ProposeRequest("probe", len(prompt_ids), len(prompt_ids), [], num_tokens))
         dt = (time.perf_counter() - t0) * 1e3
         if i >= warmup:
             times.append(dt / max(1, len(found.token_ids)))

@@ -16,19 +16,19 @@ from typing import Any
 
 from transformers import AutoTokenizer
 
-from specd.core import catalog
-from specd.core.catalog import MODEL_FREE_DRAFTS
 from specd.core.errors import InvalidArgument
-from specd.core.sim import SimProfile
+from specd.core.model import catalog
+from specd.core.model.catalog import MODEL_FREE_DRAFTS
+from specd.core.model.sim import SimProfile
 from specd.serving.config import default_cache_dir
 from specd.tools.bench.cells import run_cells, warm_up
 from specd.tools.bench.compare import finish_records
 from specd.tools.bench.console import say
+from specd.tools.bench.hf_baseline import HFBaseline
 from specd.tools.bench.learning import PROBE_TEXT, wait_until_drafting
 from specd.tools.bench.modes import BASELINE, DEFAULT_MODES, RUNNER_HF, Mode, largest_k
 from specd.tools.bench.output import build_meta, write_report
 from specd.tools.bench.overhead import Buckets, metrics_address, read_overhead
-from specd.tools.bench.peer import HFPeer
 from specd.tools.bench.plan import (
     BATCHING_SETUPS,
     BenchError,
@@ -69,7 +69,7 @@ class _State:
     cost: dict[str, Any] = field(default_factory=dict)
     peak: dict[str, Any] = field(default_factory=dict)
     items: list[tuple[BenchPrompt, list[int]]] = field(default_factory=list)  # prompts as token IDs
-    peer: HFPeer | None = None
+    hf_baseline: HFBaseline | None = None
     tracing: dict[str, Any] | None = None
     interrupted: bool = False
     address: str = ""  # the last services' coordinator
@@ -292,18 +292,20 @@ def _measure(
     """On running services: prepare (first set-up only), warm up, run every cell (and the tracing cell)."""
     quiet = args.no_progress
     if not state.items:
-        state.items, state.peer = prepare_run(
+        state.items, state.hf_baseline = prepare_run(
             args, plan, state.address, pair.tokenizer, pair.target_dir, pair.draft_dir, state.cost, quiet, phase
         )
         if pair.sim is not None:
             lengths = sorted(len(ids) for _, ids in state.items)
             verify_ks = sorted({m.draft_length for m in plan.modes if m.draft_length} | set(plan.draft_lengths))
             state.cost["service"] = sim_cost(pair.sim, lengths[len(lengths) // 2], verify_ks)
-    peer = state.peer if index == 0 else None  # the peer does not depend on the services: measured once
-    modes = [m for m in plan.modes if not m.peer or peer is not None]
+    hf_baseline = (
+        state.hf_baseline if index == 0 else None
+    )  # the HF baseline does not depend on the services: measured once
+    modes = [m for m in plan.modes if not m.hf_baseline or hf_baseline is not None]
     # With tracing on, the ordinary cells opt out per request, so they cost what they cost without it.
     metadata = untraced_metadata if receiver is not None else (lambda: ())
-    warm_up(args, plan, modes, state.items, state.address, peer, quiet, metadata)
+    warm_up(args, plan, modes, state.items, state.address, hf_baseline, quiet, metadata)
     phase(f"warmup{setup.label and '_' + setup.label}_s")
     try:
         run_cells(
@@ -312,7 +314,7 @@ def _measure(
             modes,
             state.items,
             state.address,
-            peer,
+            hf_baseline,
             state.cost,
             state.records,
             state.outputs,

@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 RUNNER_SERVICE = "service"  # through the Coordinator API of the services
-RUNNER_HF = "hf"  # transformers' generate(), in this process (the peer)
+RUNNER_HF = "hf"  # transformers' generate(), in this process (the HF baseline)
 
 BASELINE = "target-only"
 
@@ -37,7 +37,7 @@ class Mode:
         return self.name == BASELINE
 
     @property
-    def peer(self) -> bool:
+    def hf_baseline(self) -> bool:
         return self.runner == RUNNER_HF
 
 
@@ -57,13 +57,13 @@ SERVICE_FAMILIES: dict[str, Callable[[int], dict[str, Any]]] = {
     "speccache": lambda k: {"speculation": "fixed", "draft_length": k, "pipeline": "spec-cache"},  # SSD / Saguaro's
 }
 
-# The peer: transformers' assisted generation. hf-K: K assistant tokens, constant
+# The HF baseline: transformers' assisted generation. hf-K: K assistant tokens, constant
 # schedule, no confidence early stop (like for like with fixed-K).
 HF_DEFAULT = "hf-default"  # transformers' own defaults for the assistant
 HF_TARGET_ONLY = "hf-target-only"  # transformers' generate() on the target alone
 
 
-HF_LOOKUP = "hf-lookup"  # transformers' prompt lookup decoding: the peer of --draft ngram (hf-lookup-K)
+HF_LOOKUP = "hf-lookup"  # transformers' prompt lookup decoding: the HF baseline of --draft ngram (hf-lookup-K)
 
 
 def _hf_fixed(k: int) -> dict[str, Any]:

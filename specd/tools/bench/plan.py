@@ -94,14 +94,16 @@ def make_plan(args: argparse.Namespace) -> Plan:
     draft_lengths = _int_list(pick("draft_lengths"), "--draft-lengths")
     modes = cap_adaptive_modes(parse_modes(args.modes, draft_lengths, args.custom_mode), draft_lengths)
     if args.no_inprocess or args.draft in MODEL_FREE_DRAFTS:
-        modes = [m for m in modes if not m.peer or (not m.request.get("assistant", True) and not args.no_inprocess)]
+        modes = [
+            m for m in modes if not m.hf_baseline or (not m.request.get("assistant", True) and not args.no_inprocess)
+        ]
     prompts_n, max_new = int(pick("prompts")), int(pick("max_new_tokens"))
     if prompts_n < 1 or max_new < 1:
         raise ValueError("--prompts and --max-new-tokens must be >= 1")
     if args.interleave < 1:
         raise ValueError(f"--interleave must be >= 1 (got {args.interleave})")
     learning = learns_across_requests(args.draft)
-    drafting = [m.name for m in modes if not m.peer and m.request.get("speculation") != "off"]
+    drafting = [m.name for m in modes if not m.hf_baseline and m.request.get("speculation") != "off"]
     if learning and args.interleave > 1 and len(drafting) > 1:
         # Target-only requests never reach the draft: one drafting mode may take turns with them, its
         # index learning from its own requests only. Two would learn from each other's outputs.

@@ -1,4 +1,4 @@
-"""Once per run, on the first services: the prompts as token IDs, the cost ratio c and the in-process peer."""
+"""Once per run, on the first services: the prompts as token IDs, the cost ratio c and the in-process HF baseline."""
 
 from __future__ import annotations
 
@@ -8,11 +8,11 @@ from pathlib import Path
 from typing import Any
 
 from coordinator.client import CoordinatorClient
-from specd.core.catalog import MODEL_FREE_DRAFTS
+from specd.core.model.catalog import MODEL_FREE_DRAFTS
 from specd.serving.cpu_budget import service_threads
 from specd.tools.bench.console import say
 from specd.tools.bench.cost import measure_cost
-from specd.tools.bench.peer import HFPeer, load_inprocess
+from specd.tools.bench.hf_baseline import HFBaseline, load_inprocess
 from specd.tools.bench.plan import BenchError, Plan
 from specd.tools.bench.prompts import BenchPrompt, tokenize_prompt
 
@@ -27,8 +27,8 @@ def prepare_run(
     cost: dict[str, Any],
     quiet: bool,
     phase: Callable[[str], None],
-) -> tuple[list[tuple[BenchPrompt, list[int]]], HFPeer | None]:
-    """Once per run: the prompts as token IDs (fitted to the context), c and the in-process peer."""
+) -> tuple[list[tuple[BenchPrompt, list[int]]], HFBaseline | None]:
+    """Once per run: the prompts as token IDs (fitted to the context), c and the in-process HF baseline."""
     try:
         with CoordinatorClient(address, timeout=min(args.timeout, 30.0)) as client:
             max_context = int(client.model_info().max_context) or 1 << 30
@@ -36,9 +36,9 @@ def prepare_run(
         raise BenchError(f"cannot reach the coordinator at {address}: {exc}") from exc
     room = max(1, max_context - plan.max_new_tokens)
     items = [(p, tokenize_prompt(tokenizer, p)[-room:]) for p in plan.prompts]
-    peer: HFPeer | None = None
+    hf_baseline: HFBaseline | None = None
     if not args.no_inprocess:
-        say("loading the models in-process (the peer and the cost ratio c) ...", quiet)
+        say("loading the models in-process (the HF baseline and the cost ratio c) ...", quiet)
         target_m, draft_m = load_inprocess(target_dir, draft_dir)
         phase("load_inprocess_s")
         probe = items[0][1]
@@ -55,7 +55,7 @@ def prepare_run(
                 draft_lengths=verify_ks,
                 model_free=args.draft,
             )
-            if draft_m is not None and any(m.peer for m in plan.modes):
+            if draft_m is not None and any(m.hf_baseline for m in plan.modes):
                 same = plan.hf_threads == service_threads(args.target_threads) == service_threads(args.draft_threads)
                 cost["hf"] = (
                     cost["service"]
@@ -70,8 +70,10 @@ def prepare_run(
                         draft_lengths=verify_ks,
                     )
                 )
-        if any(m.peer for m in plan.modes):
+        if any(m.hf_baseline for m in plan.modes):
             pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (tokenizer.eos_token_id or 0)
-            peer = HFPeer(target_m.model, draft_m.model if draft_m else None, threads=plan.hf_threads, pad_token_id=pad)
+            hf_baseline = HFBaseline(
+                target_m.model, draft_m.model if draft_m else None, threads=plan.hf_threads, pad_token_id=pad
+            )
     phase("measure_cost_s")
-    return items, peer
+    return items, hf_baseline

@@ -58,7 +58,7 @@ def summarize(
     # -- rounds and acceptance
     accepted_rounds = [max(0, n - 1) for r in ok for n in r.round_tokens]
     per_round_drafted: list[int] | None = None
-    if mode.peer:
+    if mode.hf_baseline:
         drafted = [d for r in ok for d in (r.drafted or [0] * len(r.round_tokens))]
         per_round_drafted = drafted
         drafts, draft_tokens = sum(1 for d in drafted if d > 0), sum(drafted)

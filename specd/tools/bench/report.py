@@ -42,7 +42,7 @@ def render_markdown(report: Mapping[str, Any]) -> str:
         f"Target `{meta['models']['target']}`, draft `{meta['models']['draft']}`; {s['prompts']} prompts "
         f"({', '.join(s['categories'])}), {s['max_new_tokens']} new tokens each"
         f"{'' if s['stop_at_eos'] else ' (past end-of-sequence)'}; threads target {s['target_threads']}, "
-        f"draft {s['draft_threads']}, peer {s['hf_threads']}; {meta['machine']['cpus']} CPUs; "
+        f"draft {s['draft_threads']}, HF baseline {s['hf_threads']}; {meta['machine']['cpus']} CPUs; "
         f"{meta['duration_s']:.0f} s."
         + (
             f" Modes interleaved over up to {s['interleave']} slices of the prompts per cell."
@@ -213,11 +213,15 @@ def render_markdown(report: Mapping[str, Any]) -> str:
     corr = meta.get("correctness") or {}
     if corr.get("reference"):
         verdict = "identical" if corr["identical"] else "**NOT identical**"
-        peer = "" if corr.get("peer_identical") in (None, True) else " The peer's output differs (reported, not ours)."
+        hf_baseline = (
+            ""
+            if corr.get("peer_identical") in (None, True)
+            else " The HF baseline's output differs (reported, not ours)."
+        )
         lines += [
             "",
             f"Greedy check: every specd mode's temperature-0 output is {verdict} to "
-            f"{corr['reference']} ({corr['records_checked']} records checked).{peer}",
+            f"{corr['reference']} ({corr['records_checked']} records checked).{hf_baseline}",
         ]
     lines += [
         "",

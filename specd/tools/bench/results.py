@@ -17,7 +17,7 @@ class RequestResult:
     ttft_s: float | None = None
     itl_s: list[float] = field(default_factory=list)  # one entry per token after the first message
     round_tokens: list[int] = field(default_factory=list)  # tokens committed per round (= per stream message)
-    drafted: list[int] | None = None  # draft tokens per round, when known exactly (the peer)
+    drafted: list[int] | None = None  # draft tokens per round, when known exactly (the HF baseline)
     stats: dict[str, Any] | None = None  # the service's GenerateStats
     error: str | None = None
 

@@ -1,4 +1,4 @@
-"""`specd bench --sim PROFILE`: the bench on emulated accelerators (specd.core.sim).
+"""`specd bench --sim PROFILE`: the bench on emulated accelerators (specd.core.model.sim).
 
 Both model services run `--model sim:PROFILE` (the real servicers, batching,
 sessions and sampler; only the model is emulated), so the bench measures the
@@ -12,11 +12,9 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from specd.core.sim import EMULATED, SIM_PREFIX, SimProfile, list_profiles, parse_sim_spec
+from specd.core.model.sim import EMULATED, SIM_PREFIX, SimProfile, list_profiles, parse_sim_spec
 
-SIM_MODES = (
-    "target-only,fixed,pipelined,postverify,speccache,auto"  # the default modes on an emulator (no in-process peer)
-)
+SIM_MODES = "target-only,fixed,pipelined,postverify,speccache,auto"  # the default modes on an emulator (no in-process HF baseline)
 
 
 def sim_spec(text: str) -> str:
@@ -25,7 +23,7 @@ def sim_spec(text: str) -> str:
 
 
 def apply_sim(args: argparse.Namespace, default_modes: str) -> SimProfile:
-    """Point the run at the emulated pair: both services' --model, one torch thread each, no peer."""
+    """Point the run at the emulated pair: both services' --model, one torch thread each, no HF baseline."""
     profile = parse_sim_spec(sim_spec(args.sim))  # InvalidArgument names the shipped profiles
     args.target = args.draft = profile.spec
     args.target_threads = args.draft_threads = 1  # the emulated models' host work is small tensors

@@ -81,7 +81,7 @@ def tracing_cell(
     receiver: Any,
     quiet: bool,
 ) -> dict[str, Any]:
-    service_modes = [m for m in modes if not m.peer]
+    service_modes = [m for m in modes if not m.hf_baseline]
     if args.tracing_mode:
         chosen = next((m for m in service_modes if m.name == args.tracing_mode), None)
         if chosen is None:

@@ -43,7 +43,7 @@ tokens/s against target-only decoding (``python -m specd.tools.distill evaluate`
 
 The package, one module per stage: config (settings), texts and prompts
 (offline data), teacher (1), packing (2), model (3), train (4), output (5;
-the format itself is specd.core.draft_checkpoint), evaluate, and cli.
+the format itself is specd.core.model.draft_checkpoint), evaluate, and cli.
 """
 
 from specd.tools.distill.cli import add_arguments, config_from_args, main_distill

@@ -9,7 +9,7 @@ import logging
 from collections.abc import Sequence
 from pathlib import Path
 
-from specd.core.catalog import draft_folder, target_folder
+from specd.core.model.catalog import draft_folder, target_folder
 from specd.serving import config as cfg
 from specd.tools.distill.config import SOURCES, DistillConfig
 from specd.tools.distill.evaluate import evaluate

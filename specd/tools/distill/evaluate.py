@@ -10,14 +10,15 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
-from specd.core.draft_checkpoint import install_reduced_head
-from specd.core.drafting import Drafter, NgramDrafter
-from specd.core.model_drafter import ModelDrafter
-from specd.core.models import load_pretrained
-from specd.core.rounds import speculative_generate
-from specd.core.runner import CausalLMRunner
-from specd.core.sampling import SamplingParams
-from specd.core.verification import Verifier
+from specd.core.draft.model_drafter import ModelDrafter
+from specd.core.draft.ngram import NgramDrafter
+from specd.core.draft.protocol import Drafter
+from specd.core.inprocess import speculative_generate
+from specd.core.model.draft_checkpoint import install_reduced_head
+from specd.core.model.loading import load_pretrained
+from specd.core.model.runner import CausalLMRunner
+from specd.core.sampling.sampler import SamplingParams
+from specd.core.target.verifier import Verifier
 from specd.tools.distill.prompts import render_prompt
 from specd.tools.distill.teacher import eos_ids
 

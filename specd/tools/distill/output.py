@@ -1,4 +1,4 @@
-"""What `specd distill` writes: the model folder and its compact form (format: specd.core.draft_checkpoint)."""
+"""What `specd distill` writes: the model folder and its compact form (format: specd.core.model.draft_checkpoint)."""
 
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ from pathlib import Path
 
 from torch import Tensor
 
-from specd.core.draft_checkpoint import REDUCED_HEAD_FILE, write_compact, write_reduced_head
-from specd.core.models import share_readable
+from specd.core.model.draft_checkpoint import REDUCED_HEAD_FILE, write_compact, write_reduced_head
+from specd.core.model.loading import share_readable
 from specd.tools.distill.model import DraftTrainer, borrowed_names
 
 

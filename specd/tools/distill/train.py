@@ -15,9 +15,9 @@ import torch
 from torch import Tensor
 from tqdm.auto import tqdm
 
-from specd.core.draft_checkpoint import target_fingerprint
 from specd.core.errors import FailedPrecondition
-from specd.core.models import load_pretrained
+from specd.core.model.draft_checkpoint import target_fingerprint
+from specd.core.model.loading import load_pretrained
 from specd.tools.distill.config import CHECKPOINT, DistillConfig, bf16_ok, pick_device
 from specd.tools.distill.model import DraftTrainer, agreement, build_draft, kl_loss
 from specd.tools.distill.output import save_draft_folder

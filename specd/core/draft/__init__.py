@@ -1,0 +1,1 @@
+"""Drafters: the protocol, n-gram, suffix, hybrid and model drafters, and a speculation cache's branches."""

@@ -1,0 +1,469 @@
+"""The model drafter: a causal LM drafting for many sessions, one batched forward per step.
+
+Each session keeps one KV cache of the draft model, rolled back by position
+(specd.core.model.runner). A propose drafts K tokens after the committed prefix; a
+speculation cache's branch call (specd.core.draft.branching) drafts K tokens after
+each of the likeliest verdicts of the proposal being verified, every branch a
+fork of the session's cache, all of them rows of the same forward passes.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Unpack
+
+import torch
+from torch import Tensor
+
+from specd.core import phases as ph
+from specd.core.draft.branching import BranchChoice, Ranking, calibrated_greedy, select_branches, top_ranking
+from specd.core.draft.protocol import propose_one
+from specd.core.errors import Internal, InvalidArgument, SessionNotFound
+from specd.core.model.pool import BatchRun, PooledModel, PoolLimits, Ready
+from specd.core.model.reduced_head import check_token_map
+from specd.core.model.runner import CausalLMRunner, KVSession
+from specd.core.phases import PhaseLog
+from specd.core.rounds.adaptive import PositionAcceptance
+from specd.core.rounds.steps import (
+    MAX_BRANCH_BUDGET,
+    Branch,
+    Branches,
+    BranchRequest,
+    DraftResult,
+    DraftWork,
+    ProposeRequest,
+    check_num_tokens,
+    check_sync,
+)
+from specd.core.sampling import sampler, sparse_q
+from specd.core.sampling.greedy import greedy_tokens
+from specd.core.sampling.proposal import Proposal
+from specd.core.sampling.sampler import UNUSABLE_LOGITS, SamplingParams
+from specd.core.sampling.sparse_q import QSettings
+
+
+def _common(a: Sequence[int], b: Sequence[int]) -> int:
+    """Length of the common prefix of a and b."""
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+@dataclass
+class _ModelDraftSession:
+    kv: KVSession
+    params: SamplingParams
+    q: QSettings  # how this session's sparse q is truncated and rounded
+    # A branch call's forks (each a sequence of its own), kept until the session's next call:
+    branches: list[_ModelDraftSession] = field(default_factory=list)
+    fork_at: int = 0  # tokens kv and every branch share (the committed prefix of the branch call)
+
+
+_Key = tuple[int, ...]  # a drafting row: (request index,) for a propose, (request index, branch) for a branch
+
+
+@dataclass
+class _BranchPass:
+    """One branch call in a batched draft: step 0 reads the pending positions, steps 1.. draft every branch."""
+
+    request: BranchRequest
+    steps: int  # draft tokens per branch
+    choices: list[BranchChoice] = field(default_factory=list)
+    forks: list[_ModelDraftSession] = field(default_factory=list)  # parallel to choices
+
+
+class ModelDrafter(PooledModel[_ModelDraftSession]):
+    """Drafts with a causal LM, one KV cache per session, rolled back by position.
+
+    token_map [N] (optional): the draft proposes only among these target token
+    ids (a reduced-vocabulary head, see ReducedLMHead); logit column
+    token_map[i] is its row i. q is the draft's distribution over those N
+    tokens and 0 elsewhere; sampled tokens and wire ids are target ids, and
+    the draft still samples from exactly the sparse q it sends.
+    """
+
+    kind = "model"
+
+    def __init__(
+        self,
+        runner: CausalLMRunner,
+        *,
+        q: QSettings | None = None,
+        wire_top_k: int = 0,
+        token_map: Tensor | None = None,
+        **limits: Unpack[PoolLimits],
+    ) -> None:
+        super().__init__(runner, **limits)
+        self.token_map: Tensor | None = None  # [N] int64 on the model's device
+        if token_map is not None:
+            self.token_map = check_token_map(token_map, runner.vocab_size).to(runner.model.device)
+        if wire_top_k < 0:
+            raise InvalidArgument(f"wire_top_k must be >= 0 (0: q by mass), got {wire_top_k}")
+        self.q = (q or QSettings()).validate()
+        self.default_q = QSettings.top_k(wire_top_k, self.q.bits) if wire_top_k else self.q
+
+    def open(self, session_id: str, token_ids: Sequence[int], params: SamplingParams, wire_top_k: int = 0) -> None:
+        params.validate()
+        if wire_top_k < 0:
+            raise InvalidArgument("wire_top_k must be >= 0 (0 means the server default)")
+        q = QSettings.top_k(wire_top_k, self.q.bits) if wire_top_k else self.default_q
+        self._pool.open(session_id, token_ids, lambda kv: _ModelDraftSession(kv, params, q))
+
+    def propose(self, request: ProposeRequest) -> Proposal:
+        return propose_one(self, request)
+
+    def propose_batch(self, requests: Sequence[ProposeRequest]) -> list[Proposal | Exception]:
+        out: list[Proposal | Exception] = []
+        for result in self.draft_batch(requests):
+            assert not isinstance(result, Branches)
+            out.append(result)
+        return out
+
+    def close(self, session_id: str) -> None:
+        try:
+            self._drop_branches(self._pool.get(session_id))
+        except SessionNotFound:
+            return
+        self._pool.close(session_id)
+
+    def kv_bytes(self) -> int:
+        return self._pool.kv_bytes() + sum(self.runner.kv_bytes(b.kv) for s in self._pool.values() for b in s.branches)
+
+    @torch.inference_mode()
+    def draft_batch(self, requests: Sequence[DraftWork]) -> list[DraftResult | Exception]:
+        """Draft for many sessions at once: step i runs one forward over every row still drafting.
+
+        A propose is one row per step. A branch call is one row at step 0 (the
+        pending positions and the one after them, read in one go, choose the
+        branches) and one row per branch at every later step. Per-request
+        checks, and a row that cannot be sampled (non-finite numbers), fail
+        only that request; a failing forward fails the sessions in it. A failed
+        session is rolled back to its committed prefix and forgets its
+        branches. The tokens do not depend on the batch: greedy is an argmax,
+        sampling uses the (seed, position) coins, so a branch drafts what a
+        propose for its prefix would.
+        """
+        drafted: dict[_Key, _Draft] = {}
+        branched: dict[int, _BranchPass] = {}
+        run = self._pool.run_batch(
+            requests,
+            self._prepare_any,
+            lambda part, batch: self._draft_group(part, batch, requests, drafted, branched),
+            what="drafting",
+        )
+        out: list[DraftResult | Exception] = []
+        for i, error in enumerate(run.errors):
+            if error is not None:
+                if isinstance(requests[i], BranchRequest):
+                    self._forget_branches(requests[i].session_id)
+                out.append(error)
+            elif i in branched:
+                out.append(self._branches(i, branched[i], drafted, run.logs[i]))
+            else:
+                out.append(drafted[(i,)].proposal(run.logs[i]))
+        return out
+
+    def _prepare_any(self, req: DraftWork) -> tuple[_ModelDraftSession, int]:
+        return self._prepare_branches(req) if isinstance(req, BranchRequest) else self._prepare(req)
+
+    def _prepare(self, req: ProposeRequest) -> tuple[_ModelDraftSession, int]:
+        """A request's checks and sync: its session, brought to the committed prefix, and the tokens to draft."""
+        check_num_tokens(req.num_tokens)
+        s = self._pool.get(req.session_id)
+        self._sync(s, req.committed_length, req.start, req.tail)
+        n = min(req.num_tokens, self.runner.max_context - req.committed_length)
+        if n < 1:
+            raise InvalidArgument("the session fills the draft model's context; nothing left to draft")
+        return s, n
+
+    def _prepare_branches(self, req: BranchRequest) -> tuple[_ModelDraftSession, int]:
+        """A branch call's checks and sync; the steps it runs: 1 (read the pending positions) + tokens per branch.
+
+        No room left in the context for a branch: 0 steps, no branches (not an error)."""
+        check_num_tokens(req.num_tokens)
+        if not 1 <= req.budget <= MAX_BRANCH_BUDGET:
+            raise InvalidArgument(f"budget must be in 1..{MAX_BRANCH_BUDGET} branches (got {req.budget})")
+        if not 1 <= req.pending < req.committed_length:
+            raise InvalidArgument(
+                f"pending must be in 1..{req.committed_length - 1} (the prefix's tokens after the first), "
+                f"got {req.pending}"
+            )
+        if req.acceptance and (len(req.acceptance) != req.pending or not all(0.0 <= a <= 1.0 for a in req.acceptance)):
+            raise InvalidArgument(f"acceptance needs {req.pending} rates in [0, 1], one per pending token, or none")
+        s = self._pool.get(req.session_id)
+        self._sync(s, req.committed_length, req.start, req.tail)
+        n = min(req.num_tokens, self.runner.max_context - req.committed_length - 1)  # the bonus branch is longest
+        return s, (n + 1 if n >= 1 else 0)
+
+    def _sync(self, s: _ModelDraftSession, committed_length: int, start: int, tail: Sequence[int]) -> None:
+        """Bring the session to its prefix, adopting the branch that holds the most of it (no recompute).
+
+        Every branch shares the first `fork_at` tokens with the sequence, so a
+        `start` within them means the same tokens in all of them; the sequence
+        or branch agreeing longest with `tail` becomes the sequence, and every
+        other branch is dropped (branches live until the next call).
+        """
+        check_sync(len(s.kv.tokens), committed_length, start, tail)
+        if s.branches:
+            kept = s.kv
+            if start <= s.fork_at:
+                kept = max(
+                    [s.kv, *(b.kv for b in s.branches)],
+                    key=lambda kv: _common(kv.tokens[start : start + len(tail)], tail),
+                )
+            if kept is not s.kv:
+                self.runner.release(s.kv)
+                s.kv = kept
+            self._drop_branches(s, keep=kept)
+        self.runner.splice(s.kv, start, tail)
+
+    def _drop_branches(self, s: _ModelDraftSession, keep: KVSession | None = None) -> None:
+        for b in s.branches:
+            if b.kv is not keep:
+                self.runner.release(b.kv)
+        s.branches = []
+
+    def _forget_branches(self, session_id: str) -> None:
+        try:
+            self._drop_branches(self._pool.get(session_id))
+        except SessionNotFound:
+            pass
+
+    def _branch_room(self, wanted: int, tokens: int) -> int:
+        """How many branches of `tokens` tokens each fit the pool's KV budget next to what it holds."""
+        limit = self._pool.budget.max_bytes
+        if not limit or wanted <= 0:
+            return max(0, wanted)
+        held = sum(len(s.kv) + sum(len(b.kv) for b in s.branches) for s in self._pool.values())
+        free_tokens = limit // max(1, self.runner.kv_bytes_per_token) - held
+        return max(0, min(wanted, free_tokens // max(1, tokens)))
+
+    def _draft_group(
+        self,
+        part: list[Ready[_ModelDraftSession]],
+        run: BatchRun[_ModelDraftSession],
+        requests: Sequence[DraftWork],
+        drafted: dict[_Key, _Draft],
+        branched: dict[int, _BranchPass],
+    ) -> dict[int, Exception]:
+        """One forward group: at each step, one forward over every row that still drafts.
+
+        Returns {request index: error} for the requests that could not be sampled: they drop out alone.
+        """
+        for r in part:
+            req = requests[r.index]
+            if isinstance(req, BranchRequest):
+                branched[r.index] = _BranchPass(req, max(0, r.extra - 1))
+            else:
+                drafted[(r.index,)] = _Draft()
+        failed: dict[int, Exception] = {}
+        for step in range(max((r.extra for r in part), default=0)):
+            rows: list[tuple[_Key, _ModelDraftSession]] = []
+            parents: list[tuple[int, _ModelDraftSession]] = []
+            for r in part:
+                if r.extra <= step or r.index in failed:
+                    continue
+                bp = branched.get(r.index)
+                if bp is None:
+                    rows.append(((r.index,), r.session))
+                elif step == 0:
+                    parents.append((r.index, r.session))
+                else:
+                    rows.extend(((r.index, b), fork) for b, fork in enumerate(bp.forks))
+            if rows or parents:
+                failed.update(self._draft_step(rows, parents, drafted, branched, run.logs))
+        return failed
+
+    def _draft_step(
+        self,
+        active: list[tuple[_Key, _ModelDraftSession]],
+        parents: list[tuple[int, _ModelDraftSession]],
+        drafted: dict[_Key, _Draft],
+        branched: dict[int, _BranchPass],
+        logs: list[PhaseLog],
+    ) -> dict[int, Exception]:
+        """One token for each active row and the branches of each parent: a batched forward, then q and sampling.
+
+        Returns {request index: error} for the requests with a row that could not
+        be sampled (non-finite numbers); the others are unaffected.
+        """
+        t0 = time.time_ns()
+        num_last = [1] * len(active) + [branched[i].request.pending + 1 for i, _ in parents]
+        out = self.runner.logits_batch([s.kv for _, s in active] + [s.kv for _, s in parents], num_last)
+        t1 = time.time_ns()
+        failed = self._sample_step(active, out[: len(active)], drafted) if active else {}
+        for (i, s), logits in zip(parents, out[len(active) :]):  # logits [pending + 1, V]
+            try:
+                self._choose_branches(i, s, logits, branched[i], drafted)
+            except Exception as exc:  # noqa: BLE001 - this request's rows could not be ranked: it alone fails
+                failed[i] = exc
+        t2 = time.time_ns()
+        for i in dict.fromkeys([key[0] for key, _ in active] + [i for i, _ in parents]):
+            logs[i].add(ph.FORWARD, t0, t1)
+            logs[i].add(ph.SAMPLING, t1, t2)
+        return failed
+
+    def _sample_step(
+        self, active: list[tuple[_Key, _ModelDraftSession]], rows: list[Tensor], drafted: dict[_Key, _Draft]
+    ) -> dict[int, Exception]:
+        """Sample one token per active row from its logits (A x [1, V]) and append it; {request: error}."""
+        logits = torch.cat(rows)  # [A, V]
+        if self.token_map is not None:
+            logits = logits[:, self.token_map]  # [A, N]: the reduced head's own rows
+        failed: dict[int, Exception] = {}
+        tokens: dict[int, int] = {}  # row -> token
+        greedy = [a for a, (_, s) in enumerate(active) if s.params.is_greedy]
+        if greedy:  # the argmax, off the logits (specd.core.sampling.greedy); q one-hot: nothing to send
+            best, bad = greedy_tokens(logits[greedy])
+            for a, token, unusable in zip(greedy, best.tolist(), bad.tolist()):
+                if unusable:
+                    failed[active[a][0][0]] = Internal(UNUSABLE_LOGITS)
+                else:
+                    tokens[a] = self._target_id(token)
+        rest = [a for a in range(len(active)) if not active[a][1].params.is_greedy]
+        sampled: dict[QSettings, list[int]] = {}  # rows by q settings: each group shares one build
+        probs = logits  # [A, V or N]: the processed p of the sampled rows (greedy rows: unused)
+        if rest:
+            everyone = len(rest) == len(active)
+            rest_logits = (logits if everyone else logits[rest])[:, None, :]  # [R, 1, V or N]
+            rest_probs = sampler.processed_probs(rest_logits, [active[a][1].params for a in rest])
+            unusable = sampler.unusable_rows(rest_logits, rest_probs)
+            probs = rest_probs[:, 0]
+            if not everyone:  # back to row a of the batch
+                idx = torch.tensor(rest, dtype=torch.int64, device=probs.device)
+                probs = probs.new_zeros(logits.shape).index_copy_(0, idx, probs)
+            for r, a in enumerate(rest):
+                if r in unusable:
+                    failed[active[a][0][0]] = unusable[r]
+                else:
+                    sampled.setdefault(active[a][1].q, []).append(a)
+        tq = time.perf_counter_ns()
+        for settings, group in sampled.items():
+            try:
+                self._sample_rows(group, settings, probs, active, drafted, tokens)
+            except Exception:  # noqa: BLE001 - find the row(s) at fault: each alone, the others go on
+                for a in group:
+                    try:
+                        self._sample_rows([a], settings, probs, active, drafted, tokens)
+                    except Exception as exc:  # noqa: BLE001 - this row's sampling failed: its request alone
+                        failed[active[a][0][0]] = exc
+        q_ms = (time.perf_counter_ns() - tq) / 1e6
+        for a, (key, s) in enumerate(active):
+            if a not in tokens:
+                continue
+            self.runner.append(s.kv, [tokens[a]])
+            drafted[key].tokens.append(tokens[a])
+            if not s.params.is_greedy:
+                drafted[key].q_ms += q_ms  # a batch's shared build counts whole, like its forward
+        return failed
+
+    def _choose_branches(
+        self, i: int, s: _ModelDraftSession, logits: Tensor, bp: _BranchPass, drafted: dict[_Key, _Draft]
+    ) -> None:
+        """Rank the verdicts of the pending tokens by the rule (specd.core.draft.branching) and fork the chosen ones.
+
+        logits: [K+1, V] rows predicting each pending token and the one after them.
+        """
+        req, k = bp.request, bp.request.pending
+        if self.token_map is not None:
+            logits = logits[:, self.token_map]  # [K+1, N]
+        base = len(s.kv.tokens) - k  # the committed prefix
+        pending = s.kv.tokens[base:]
+        columns = pending if self.token_map is None else [self._column(t) for t in pending]
+        acceptance = req.acceptance or PositionAcceptance().rates(k)
+        width = req.budget + 1  # a row's own token is no alternative to itself
+        # Ranked by the request's processed distribution with the measured acceptance; a greedy
+        # request's is a one-hot, so it ranks by the calibrated softmax (specd.core.draft.branching).
+        if s.params.is_greedy:
+            if bool(greedy_tokens(logits)[1].any()):
+                raise Internal(UNUSABLE_LOGITS)
+            ranking, acceptance = calibrated_greedy(logits, columns, acceptance, width)
+        else:
+            processed = sampler.processed_probs(logits[None], [s.params])  # [1, K+1, V or N]
+            unusable = sampler.unusable_rows(logits[None], processed)
+            if unusable:
+                raise unusable[0]
+            ranking = top_ranking(processed[0], columns, width)
+        if self.token_map is not None:  # the reduced head's columns -> target ids
+            ranking = Ranking(self.token_map[ranking.ids], ranking.probs, ranking.own)
+        budget = self._branch_room(req.budget, len(s.kv.tokens) + 1 + bp.steps)
+        bp.choices = select_branches(ranking, pending, acceptance, budget)
+        for b, choice in enumerate(bp.choices):
+            kv = self.runner.fork(s.kv)  # shares the cache: the crop below only narrows the fork's view
+            self.runner.truncate(kv, base + choice.accepted)
+            self.runner.append(kv, [choice.token_id])
+            bp.forks.append(_ModelDraftSession(kv, s.params, s.q))
+            drafted[(i, b)] = _Draft()
+        s.branches, s.fork_at = list(bp.forks), base
+
+    def _branches(self, i: int, bp: _BranchPass, drafted: dict[_Key, _Draft], log: PhaseLog) -> Branches:
+        compute_ms = (log.phases[-1].end_ns - log.phases[0].start_ns) / 1e6 if log.phases else 0.0
+        out = []
+        for b, choice in enumerate(bp.choices):
+            proposal = drafted[(i, b)].proposal(log)
+            if len(proposal):
+                out.append(Branch(choice.accepted, choice.token_id, proposal))
+        return Branches(tuple(out), compute_ms, log)
+
+    def _sample_rows(
+        self,
+        group: list[int],
+        settings: QSettings,
+        probs: Tensor,
+        active: list[tuple[_Key, _ModelDraftSession]],
+        drafted: dict[_Key, _Draft],
+        tokens: dict[int, int],
+    ) -> None:
+        """Build q for rows `group` of probs [A, V or N] at once, sample from it, record token and q per row."""
+        seeds = torch.tensor([active[a][1].params.seed for a in group], dtype=torch.int64)  # [G]
+        positions = torch.tensor([len(active[a][1].kv.tokens) for a in group], dtype=torch.int64)  # [G]
+        tok, ids, weights = sparse_q.draft(probs[group], settings, seeds, positions)  # [G], [G, W], [G, W]
+        if self.token_map is not None:  # same numbers, target ids: q(token_map[j]) = weight j, 0 off the map
+            tok, ids = self.token_map[tok], torch.where(weights > 0, self.token_map[ids], 0)
+        widths = (weights > 0).sum(-1).tolist()  # each row's own width (a prefix of its slots)
+        for g, a in enumerate(group):  # nothing below can fail: a retry never records a row twice
+            d = drafted[active[a][0]]
+            d.q_ids.append(ids[g, : widths[g]])
+            d.q_probs.append(weights[g, : widths[g]])
+            tokens[a] = int(tok[g])
+
+    def _column(self, token: int) -> int:
+        """A target token id -> its logit column (a reduced head: its row in token_map)."""
+        if self.token_map is None:
+            return token
+        hit = (self.token_map == token).nonzero()
+        if not len(hit):
+            raise InvalidArgument(f"token {token} is not in the draft's reduced vocabulary")
+        return int(hit[0, 0])
+
+    def _target_id(self, index: Tensor | int) -> int:
+        """A logit column index -> the target token id it stands for."""
+        return int(index) if self.token_map is None else int(self.token_map[int(index)])
+
+
+@dataclass
+class _Draft:
+    """One session's tokens and q rows, growing step by step in a batched draft."""
+
+    tokens: list[int] = field(default_factory=list)
+    q_ids: list[Tensor] = field(default_factory=list)  # per position [W_i] int64
+    q_probs: list[Tensor] = field(default_factory=list)  # per position [W_i] float32 integer weights
+    q_ms: float = 0.0  # time spent building q and sampling from it
+
+    def proposal(self, log: PhaseLog) -> Proposal:
+        compute_ms = (log.phases[-1].end_ns - log.phases[0].start_ns) / 1e6 if log.phases else 0.0
+        if not self.q_ids:
+            return Proposal(self.tokens, compute_ms=compute_ms, phases=log)
+        # Positions have their own widths: pad to the widest with weight-0 slots.
+        width = max(int(r.shape[0]) for r in self.q_ids)
+        ids = torch.zeros(len(self.q_ids), width, dtype=torch.int64)  # [K, W]
+        weights = torch.zeros(len(self.q_ids), width, dtype=torch.float32)  # [K, W]
+        for k, (r_ids, r_w) in enumerate(zip(self.q_ids, self.q_probs)):
+            ids[k, : r_ids.shape[0]] = r_ids
+            weights[k, : r_w.shape[0]] = r_w
+        return Proposal(self.tokens, ids, weights, compute_ms, phases=log, q_ms=self.q_ms)

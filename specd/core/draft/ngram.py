@@ -1,0 +1,110 @@
+"""The n-gram drafter: prompt lookup, continuing the earliest occurrence of the sequence's last n-gram."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from specd.core.draft.protocol import propose_each
+from specd.core.model.pool import SessionTable
+from specd.core.rounds.steps import ProposeRequest, check_num_tokens, check_prompt, sync_prefix
+from specd.core.sampling.proposal import Proposal
+from specd.core.sampling.sampler import SamplingParams
+
+
+@dataclass
+class _NgramSession:
+    tokens: list[int]
+
+
+class NgramDrafter:
+    """Prompt lookup: continue the earliest occurrence of the sequence's last n-gram.
+
+    No model and no q: proposals are one-hot, which the sampler treats exactly.
+    Returns fewer than K tokens (possibly none) when the history offers fewer.
+    """
+
+    kind = "ngram"
+
+    def __init__(
+        self,
+        vocab_size: int,
+        *,
+        max_ngram: int = 3,
+        min_ngram: int = 1,
+        max_sessions: int = 256,
+        idle_timeout_s: float = 600.0,
+        cap_at_match: bool = True,
+    ) -> None:
+        if not 1 <= min_ngram <= max_ngram:
+            raise ValueError("need 1 <= min_ngram <= max_ngram")
+        self.vocab_size = vocab_size
+        self.max_ngram = max_ngram
+        self.min_ngram = min_ngram
+        self.cap_at_match = cap_at_match  # see lookup_continuation
+        self._sessions: SessionTable[_NgramSession] = SessionTable(max_sessions, idle_timeout_s=idle_timeout_s)
+
+    def open(self, session_id: str, token_ids: Sequence[int], params: SamplingParams, wire_top_k: int = 0) -> None:
+        params.validate()
+        tokens = check_prompt(token_ids, self.vocab_size)
+        self._sessions.put(session_id, _NgramSession(tokens))
+
+    def close(self, session_id: str) -> None:
+        self._sessions.pop(session_id)
+
+    def active_sessions(self) -> int:
+        return len(self._sessions)
+
+    def propose(self, request: ProposeRequest) -> Proposal:
+        num_tokens = check_num_tokens(request.num_tokens)
+        t0 = time.perf_counter()
+        s = self._sessions.get(request.session_id)
+        s.tokens = sync_prefix(s.tokens, request.committed_length, request.start, request.tail)
+        found = lookup_continuation(
+            s.tokens, num_tokens, self.max_ngram, self.min_ngram, cap_at_match=self.cap_at_match
+        )
+        # The drafts join the sequence, as a model drafter's do: the caller's next `start`
+        # counts the accepted ones as already known here.
+        s.tokens.extend(found)
+        return Proposal(found, compute_ms=(time.perf_counter() - t0) * 1e3)
+
+    def propose_batch(self, requests: Sequence[ProposeRequest]) -> list[Proposal | Exception]:
+        """No model to share: each request on its own (a lookup takes microseconds)."""
+        return propose_each(self.propose, requests)
+
+
+def lookup_continuation(
+    tokens: Sequence[int], k: int, max_ngram: int, min_ngram: int, *, cap_at_match: bool = False
+) -> list[int]:
+    """Up to k tokens that followed the earliest match of the longest suffix n-gram.
+
+    Earliest, not latest: when an answer reproduces text from the prompt (code
+    being edited), the first occurrence is usually the source being copied,
+    while the latest is often a short repeat inside the answer itself (measured:
+    docs/results/code-choices.md).
+
+    cap_at_match: propose at most as many tokens as the match's agreeing
+    context, L (the n-gram, extended backwards while the tokens before both
+    occurrences agree). A long shared history predicts a long shared future,
+    a one-token coincidence does not, and on a CPU every proposed token makes
+    the target's verify dearer; min(L, 12) beats every fixed K on the edit
+    prompts (docs/results/code-choices.md).
+    """
+    n_tokens = len(tokens)
+    for n in range(min(max_ngram, n_tokens - 1), min_ngram - 1, -1):
+        suffix = list(tokens[n_tokens - n :])
+        for begin in range(n_tokens - n):
+            if list(tokens[begin : begin + n]) == suffix:
+                take = k
+                if cap_at_match:
+                    agree = n  # extend backwards: tokens[begin - j] == tokens[n_tokens - n - j]
+                    while (
+                        agree < k
+                        and begin - (agree - n) - 1 >= 0
+                        and (tokens[begin - (agree - n) - 1] == tokens[n_tokens - agree - 1])
+                    ):
+                        agree += 1
+                    take = min(k, agree)
+                return list(tokens[begin + n : begin + n + take])
+    return []

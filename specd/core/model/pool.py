@@ -1,0 +1,321 @@
+"""Per-session state of the draft and target engines: one session pool, shared by both.
+
+SessionTable bounds how many sessions there are (and expires idle ones);
+KVBudget bounds the KV-cache memory they hold and splits a batch into
+forward passes; KVSessionPool puts the two together for sessions that own a
+KV cache and runs the skeleton of a batched step: per-request checks,
+forward groups, a failed group rolled back. PooledModel is the base of the
+engines built on one (ModelDrafter, Verifier).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Generic, Protocol, TypedDict, TypeVar, Unpack
+
+from specd.core import phases as ph
+from specd.core.errors import InvalidArgument, ResourceExhausted, SessionNotFound
+from specd.core.model.runner import CausalLMRunner, KVSession
+from specd.core.phases import PhaseLog
+
+T = TypeVar("T")
+
+
+@dataclass
+class _Entry(Generic[T]):
+    value: T
+    last_used: float = field(default_factory=time.monotonic)
+
+
+class KVBudget:
+    """Admission by KV-cache memory: a session is admitted if all held tokens plus its own fit.
+
+    Sessions grow as they generate, so the budget bounds what is admitted, and
+    idle expiry and closes give memory back; size it with headroom.
+    """
+
+    def __init__(self, max_bytes: int, bytes_per_token: Callable[[], int]) -> None:
+        self.max_bytes = max_bytes
+        self._bytes_per_token = bytes_per_token
+
+    def admit(self, held_tokens: int, new_tokens: int) -> None:
+        if not self.max_bytes:
+            return
+        per_token = self._bytes_per_token()
+        needed = (held_tokens + new_tokens) * per_token
+        if needed > self.max_bytes:
+            raise ResourceExhausted(
+                f"KV-cache budget reached: {held_tokens} tokens held + {new_tokens} new need {needed} bytes, "
+                f"the budget is {self.max_bytes} (--max-kv-bytes); retry later"
+            )
+
+    def forward_groups(
+        self, lengths: Sequence[int], max_batch: int, new_tokens: Sequence[int] | None = None
+    ) -> list[list[int]]:
+        """Split a batch (indices into `lengths`, session lengths) into forward passes.
+
+        A batched forward pads every session to the longest cache and to the
+        most new tokens. Two rules keep that cheap:
+        - new tokens: a session whose step runs many more positions than the
+          others (a prompt's prefill next to K+1-token verifies) gets its own
+          pass: a group's most new tokens stay within 2 x its fewest + 16;
+        - memory: the padded copy holds n x L positions for n sessions of at
+          most L tokens; with a budget each group's copy stays within
+          max_bytes, so a step never needs more than twice the budget (the
+          admitted sessions plus one pass's copy).
+        Sessions are taken in order of (new tokens, length), at most
+        `max_batch` per group.
+        """
+        new = list(new_tokens) if new_tokens is not None else [0] * len(lengths)
+        order = sorted(range(len(lengths)), key=lambda i: (new[i], lengths[i]))
+        limit = self.max_bytes // max(1, self._bytes_per_token()) if self.max_bytes else 0
+        groups: list[list[int]] = []
+        for i in order:
+            g = groups[-1] if groups else None
+            fits = (
+                g is not None
+                and len(g) < max_batch
+                and new[i] <= 2 * new[g[0]] + 16  # sorted: g[0] has the fewest new tokens
+                and (not limit or (len(g) + 1) * max(lengths[i], max(lengths[j] for j in g)) <= limit)
+            )
+            if fits:
+                assert g is not None
+                g.append(i)
+            else:
+                groups.append([i])
+        return groups
+
+
+class SessionTable(Generic[T]):
+    """Session ID -> state, with an admission limit and idle expiry.
+
+    Not thread-safe on purpose: each engine touches its table from one thread.
+    """
+
+    def __init__(
+        self,
+        max_sessions: int,
+        *,
+        idle_timeout_s: float = 600.0,
+        on_evict: Callable[[str, T], None] | None = None,
+    ) -> None:
+        if max_sessions < 1:
+            raise ValueError("max_sessions must be >= 1")
+        self.max_sessions = max_sessions
+        self.idle_timeout_s = idle_timeout_s
+        self._entries: dict[str, _Entry[T]] = {}
+        self._on_evict = on_evict
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def __contains__(self, session_id: str) -> bool:
+        return session_id in self._entries
+
+    def __iter__(self) -> Iterator[tuple[str, T]]:
+        return ((sid, e.value) for sid, e in self._entries.items())
+
+    def put(self, session_id: str, value: T) -> None:
+        """Add or replace a session; ResourceExhausted when the table is full."""
+        old = self._entries.pop(session_id, None)
+        if old is not None and self._on_evict is not None:
+            self._on_evict(session_id, old.value)
+        self.expire_idle()
+        if len(self._entries) >= self.max_sessions:
+            raise ResourceExhausted(
+                f"session limit reached ({self.max_sessions} active); retry later or raise --max-sessions"
+            )
+        self._entries[session_id] = _Entry(value)
+
+    def get(self, session_id: str) -> T:
+        entry = self._entries.get(session_id)
+        if entry is None:
+            raise SessionNotFound(f"unknown session {session_id!r}; open it first")
+        entry.last_used = time.monotonic()
+        return entry.value
+
+    def pop(self, session_id: str) -> T | None:
+        entry = self._entries.pop(session_id, None)
+        return None if entry is None else entry.value
+
+    def expire_idle(self, now: float | None = None) -> list[str]:
+        """Drop sessions unused for idle_timeout_s; return their IDs."""
+        now = time.monotonic() if now is None else now
+        expired = [sid for sid, e in self._entries.items() if now - e.last_used > self.idle_timeout_s]
+        for sid in expired:
+            entry = self._entries.pop(sid)
+            if self._on_evict is not None:
+                self._on_evict(sid, entry.value)
+        return expired
+
+
+class HasKV(Protocol):
+    """A session's state that owns a KV cache (kv.tokens: the session's sequence)."""
+
+    @property
+    def kv(self) -> KVSession: ...
+
+
+class StepRequest(Protocol):
+    """What a batched step needs of each request: whose session, and its committed prefix."""
+
+    @property
+    def session_id(self) -> str: ...
+
+    @property
+    def committed_length(self) -> int: ...
+
+
+S = TypeVar("S", bound=HasKV)
+R = TypeVar("R", bound=StepRequest)
+
+
+@dataclass(frozen=True)
+class Ready(Generic[S]):
+    """A request that passed its checks and reaches the forward pass."""
+
+    index: int  # its place in the batch
+    session: S
+    extra: int = 0  # positions the step will still add to the cache (a drafter's tokens to draft)
+
+
+@dataclass
+class BatchRun(Generic[S]):
+    """A batched step's bookkeeping: per request its error (None: fine so far) and its phase log."""
+
+    errors: list[Exception | None]
+    logs: list[PhaseLog]
+    ready: list[Ready[S]] = field(default_factory=list)
+
+
+class KVSessionPool(Generic[S]):
+    """The sessions of one model (a drafter's or the verifier's), each owning a KV cache of `runner`.
+
+    Admission by count (max_sessions) and by KV memory (max_kv_bytes, 0: no
+    limit); a session's cache is released when it is closed, re-opened or
+    expires. Not thread-safe on purpose: an engine touches it from its model
+    thread only.
+    """
+
+    def __init__(
+        self,
+        runner: CausalLMRunner,
+        *,
+        max_sessions: int = 256,
+        idle_timeout_s: float = 600.0,
+        max_kv_bytes: int = 0,
+        max_batch: int = 32,
+    ) -> None:
+        if max_batch < 1:
+            raise InvalidArgument(f"max_batch must be >= 1 (got {max_batch})")
+        self.runner = runner
+        self.max_batch = max_batch
+        self.budget = KVBudget(max_kv_bytes, lambda: runner.kv_bytes_per_token)
+        self._table: SessionTable[S] = SessionTable(
+            max_sessions, idle_timeout_s=idle_timeout_s, on_evict=lambda _sid, s: runner.release(s.kv)
+        )
+
+    def __len__(self) -> int:
+        return len(self._table)
+
+    def open(self, session_id: str, token_ids: Sequence[int], make: Callable[[KVSession], S]) -> S:
+        """A new session over `token_ids` (a re-open replaces the session and its memory); `make` wraps its cache."""
+        self.close(session_id)
+        self.budget.admit(sum(len(s.kv) for _, s in self._table), len(token_ids))
+        session = make(self.runner.new_session(token_ids))
+        self._table.put(session_id, session)
+        return session
+
+    def close(self, session_id: str) -> None:
+        session = self._table.pop(session_id)
+        if session is not None:
+            self.runner.release(session.kv)
+
+    def get(self, session_id: str) -> S:
+        """The session (SessionNotFound if there is none); marks it used."""
+        return self._table.get(session_id)
+
+    def kv_bytes(self) -> int:
+        return sum(self.runner.kv_bytes(s.kv) for _, s in self._table)
+
+    def values(self) -> Iterator[S]:
+        """The sessions' states (no use marked)."""
+        return (s for _, s in self._table)
+
+    def run_batch(
+        self,
+        requests: Sequence[R],
+        prepare: Callable[[R], tuple[S, int]],
+        run_group: Callable[[list[Ready[S]], BatchRun[S]], dict[int, Exception]],
+        *,
+        what: str,
+    ) -> BatchRun[S]:
+        """The skeleton of a batched step over many sessions.
+
+        prepare(request), timed as the SYNC phase: the request's own checks
+        and sync; returns its session and the positions the step will add.
+        A request that fails them gets its exception and leaves the others
+        alone. The requests that pass run in forward groups (KVBudget's
+        split); run_group(group, run) runs one and returns {index: error}
+        for requests that failed alone. A failed request, or every request
+        of a group whose run raised, is rolled back to its committed prefix.
+        """
+        run: BatchRun[S] = BatchRun([None] * len(requests), [PhaseLog() for _ in requests])
+        seen: set[str] = set()
+        for i, req in enumerate(requests):
+            try:
+                if req.session_id in seen:
+                    raise InvalidArgument(f"session {req.session_id!r} appears twice in one {what} batch")
+                seen.add(req.session_id)
+                with run.logs[i].phase(ph.SYNC):
+                    session, extra = prepare(req)
+                run.ready.append(Ready(i, session, extra))
+            except Exception as exc:  # noqa: BLE001 - this request's error, reported in its slot
+                run.errors[i] = exc
+        ready = run.ready
+        groups = self.budget.forward_groups(
+            [len(r.session.kv) + r.extra for r in ready],  # lengths at the end of the step bound its padded copy
+            self.max_batch,
+            [len(r.session.kv) - r.session.kv.cached for r in ready],
+        )
+        for group in groups:
+            part = [ready[g] for g in group]
+            try:
+                failed = run_group(part, run)
+            except Exception as exc:  # noqa: BLE001 - the shared forward failed: every request in it fails
+                failed = {r.index: exc for r in part}
+            for r in part:
+                if r.index in failed:
+                    self.runner.truncate(r.session.kv, requests[r.index].committed_length)
+                    run.errors[r.index] = failed[r.index]
+                run.logs[r.index].batch_size = len(part)
+        return run
+
+
+class PoolLimits(TypedDict, total=False):
+    """KVSessionPool's limits, as keyword arguments of the engines built on one."""
+
+    max_sessions: int
+    idle_timeout_s: float
+    max_kv_bytes: int
+    max_batch: int
+
+
+class PooledModel(Generic[S]):
+    """Base of the engines whose sessions own KV caches of one model: ModelDrafter, Verifier."""
+
+    def __init__(self, runner: CausalLMRunner, **limits: Unpack[PoolLimits]) -> None:
+        self.runner = runner
+        self.vocab_size = runner.vocab_size
+        self._pool: KVSessionPool[S] = KVSessionPool(runner, **limits)
+
+    def close(self, session_id: str) -> None:
+        self._pool.close(session_id)
+
+    def active_sessions(self) -> int:
+        return len(self._pool)
+
+    def kv_bytes(self) -> int:
+        return self._pool.kv_bytes()

@@ -1,0 +1,159 @@
+"""SimRunner: the CausalLMRunner interface over an emulated accelerator.
+
+The drafter and the verifier call a runner: sessions of token ids with a
+rollback-able "KV cache", `logits` / `logits_batch` for the last rows of
+each. SimRunner keeps exactly that bookkeeping (it inherits session edits,
+validation and the `cached` prefix from CausalLMRunner, with an empty
+cache), but a forward pass neither runs a model nor holds a core:
+
+- the logits come from `SimLM` (an exact function of each row's context);
+- the pass takes the wall time the profile's `CostModel` gives for the
+  batch (positions recomputed per session, their lengths), measured from
+  the start of the call; the logits are computed inside that time and the
+  rest is slept (time.sleep releases the GIL), so several emulated services
+  on a couple of cores behave like several accelerators. The sleep ends
+  early by the recent wake-up delay of this thread (on a loaded host a
+  sleeper is woken late), so passes end on time on average.
+
+A pass whose own compute outlasts its modelled time is late; `stats`
+counts those, so a report can say when the host could not keep up.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+from torch import Tensor
+
+from specd.core.errors import InvalidArgument
+from specd.core.model.runner import CausalLMRunner, KVSession
+from specd.core.model.sim.cost import CostModel
+from specd.core.model.sim.lm import SimLM
+
+__all__ = ["SimRunner", "SimStats"]
+
+_LATE_SLACK_MS = 0.5  # a pass this much past its modelled time counts as late
+_OVERSLEEP_ALPHA = 0.2  # weight of the latest wake-up delay in its running estimate
+_OVERSLEEP_MAX = 0.010  # s: never wake more than this much early
+
+
+@dataclass
+class SimStats:
+    """What the emulated accelerator did (read by tests and reports)."""
+
+    forwards: int = 0  # passes run
+    modelled_ms: float = 0.0  # sum of their modelled durations
+    wall_ms: float = 0.0  # sum of their actual durations
+    late: int = 0  # passes whose host-side compute took longer than their modelled time
+    late_ms: float = 0.0  # total time past the modelled durations
+    positions: int = 0  # positions run (prefill, decode and verify tokens)
+    rows: int = 0  # logit rows returned
+
+
+class SimRunner(CausalLMRunner):
+    """CausalLMRunner over an emulated model: same sessions and rollback, p from SimLM, time from CostModel.
+
+    Not thread-safe (like CausalLMRunner: the service's single model thread calls it).
+    """
+
+    def __init__(
+        self,
+        lm: SimLM,
+        cost: CostModel,
+        *,
+        max_context: int,
+        kv_bytes_per_token: int,
+        clock: Callable[[], float] = time.perf_counter,
+        sleep: Callable[[float], None] = time.sleep,
+    ) -> None:
+        # No model: CausalLMRunner.__init__ inspects one, so set its attributes here.
+        if max_context < 2:
+            raise InvalidArgument(f"max_context must be >= 2, got {max_context}")
+        if kv_bytes_per_token < 0:
+            raise InvalidArgument(f"kv_bytes_per_token must be >= 0, got {kv_bytes_per_token}")
+        self.lm = lm
+        self.cost = cost
+        self.vocab_size = lm.vocab_size
+        self.max_context = int(max_context)
+        self._sim_kv_bytes = int(kv_bytes_per_token)
+        self._clock = clock
+        self._sleep = sleep
+        self._oversleep = 0.0  # s: running estimate of how late sleep() returns here
+        self._stats_lock = threading.Lock()  # stats are read from other threads (metrics, tests)
+        self.stats = SimStats()
+
+    # ---- forward ---------------------------------------------------------
+
+    def logits(self, s: KVSession, num_last: int = 1) -> Tensor:
+        """Logits of the last `num_last` positions -> [num_last, V] float32, after the modelled time."""
+        n = len(s.tokens)
+        if isinstance(num_last, bool) or not isinstance(num_last, int) or not 1 <= num_last <= n:
+            raise InvalidArgument(f"num_last must be an int in [1, {n}] (the sequence length), got {num_last!r}")
+        return self._forward([(s, num_last)])[0]
+
+    def logits_batch(self, sessions: Sequence[KVSession], num_last: Sequence[int]) -> list[Tensor]:
+        """`logits(sessions[b], num_last[b])` for every b, as ONE emulated pass (batch-aware cost)."""
+        pairs = self._check_batch(sessions, num_last)
+        return self._forward(pairs) if pairs else []
+
+    def _forward(self, pairs: list[tuple[KVSession, int]]) -> list[Tensor]:
+        started = self._clock()
+        # Positions [start_b, n_b) run, as in CausalLMRunner: the uncached ones, or
+        # at least the num_last rows returned (recomputed after a rollback).
+        news, lengths, contexts = [], [], []
+        width = self.lm.shape.context_tokens  # p reads only the last this-many tokens of a context
+        for s, k in pairs:
+            n = len(s.tokens)
+            start = min(s.cached, n - k)
+            news.append(n - start)
+            lengths.append(n)
+            for i in range(k):  # row i predicts token n - k + i + 1: its context ends there
+                end = n - k + i + 1
+                contexts.append(s.tokens[max(0, end - width) : end])
+        modelled_ms = self.cost.forward_ms(news, lengths)
+        logits = self.lm.logits(contexts)  # [sum k, V]
+        for s, _ in pairs:
+            s.cached = len(s.tokens)
+        deadline = started + modelled_ms / 1e3
+        # Wake up early by the recent oversleep: on a loaded host a sleeping thread
+        # is woken milliseconds late (run-queue wait); the pass should end on time.
+        now = self._clock()
+        remaining = deadline - now - self._oversleep
+        if remaining > 0:
+            self._sleep(remaining)
+            woke = self._clock()
+            late_by = max(0.0, woke - now - remaining)
+            self._oversleep = min(_OVERSLEEP_ALPHA * late_by + (1 - _OVERSLEEP_ALPHA) * self._oversleep, _OVERSLEEP_MAX)
+        wall_ms = (self._clock() - started) * 1e3
+        with self._stats_lock:
+            st = self.stats
+            st.forwards += 1
+            st.modelled_ms += modelled_ms
+            st.wall_ms += wall_ms
+            st.positions += sum(news)
+            st.rows += len(contexts)
+            if wall_ms > modelled_ms + _LATE_SLACK_MS:
+                st.late += 1
+                st.late_ms += wall_ms - modelled_ms
+        return list(logits.split([k for _, k in pairs]))
+
+    # ---- memory ------------------------------------------------------------
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        """KV-cache bytes the emulated model holds per cached token (the profile's figure)."""
+        return self._sim_kv_bytes
+
+    def kv_bytes(self, s: KVSession) -> int:  # type: ignore[override]  # an instance method here: it needs the profile
+        return s.cached * self._sim_kv_bytes
+
+    def release(self, s: KVSession) -> None:
+        """Nothing to free: the session holds no tensors."""
+
+    def snapshot(self) -> SimStats:
+        """A copy of the stats, consistent at one instant."""
+        with self._stats_lock:
+            return SimStats(**vars(self.stats))

@@ -1,0 +1,353 @@
+"""The round loop: the one place a request's rounds run, whatever carries them.
+
+Per round (ARCHITECTURE §2): choose K (fixed, or adaptive from measured
+acceptance and cost), take the draft tokens (a pipelined pre-draft made for
+exactly this prefix, or a fresh propose), send them to the target, let the
+pipeline strategy pre-draft the next round meanwhile, commit the verdict,
+apply the stop rules, and emit one immutable `RoundRecord`.
+
+It talks to a `DraftPort` and a `TargetPort` (specd.core.rounds.ports) and nothing
+else: the coordinator plugs in gRPC adapters, the in-process oracle plugs in
+a Drafter and a Verifier (specd.core.inprocess), tests plug in scripted fakes.
+
+Exactness does not depend on the draft: a draft that fails, is slow, lies or
+is missing turns the round target-only (the target samples the token
+itself), and a pre-draft is used only when it was made for the committed
+prefix (specd.core.rounds.pipeline). The target failing is retried within
+`target_timeout_s` of the first failure or the deadline, then the request
+fails with Unavailable.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+import time
+from collections.abc import AsyncGenerator, Awaitable, Callable, Coroutine, Sequence
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+from specd.core.errors import REQUEST_ERRORS, SpecdError
+from specd.core.rounds.adaptive import ServiceEstimates
+from specd.core.rounds.generation import FinishReason, Generation, StopRule
+from specd.core.rounds.pipeline import Off, PipelineRound, PipelineSettings, PreDraft, make_pipeline
+from specd.core.rounds.port_sessions import DraftSession, TargetSession
+from specd.core.rounds.ports import Carrier, DraftPort, NoObserver, RoundObserver, TargetPort
+from specd.core.rounds.record import PipelineHit, RoundRecord, RoundStats, TargetOnly, TokenKind
+from specd.core.rounds.steps import DEFAULT_BRANCH_BUDGET, VerifyOutcome
+from specd.core.sampling.proposal import Proposal
+from specd.core.sampling.sampler import SamplingParams
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+
+SPECULATION_MODES = ("auto", "fixed", "off")
+
+# Given the tokens a round committed: how many of them to keep when a stop string ended in them, else None.
+StopCheck = Callable[[Sequence[int]], int | None]
+
+
+@dataclass(frozen=True)
+class GenerateSpec:
+    """A validated request in core terms."""
+
+    prompt_ids: list[int]
+    params: SamplingParams  # seed always set
+    max_new_tokens: int
+    stop_strings: tuple[str, ...] = ()  # applied by the caller's StopCheck (the coordinator's detokenizer)
+    stop_token_ids: frozenset[int] = frozenset()
+    speculation: str = "auto"  # one of SPECULATION_MODES
+    draft_length: int = 4  # fixed K, or the largest K automatic mode may pick
+    pipeline: str = "off"  # a name in specd.core.rounds.pipeline.PIPELINES
+
+
+@dataclass(frozen=True)
+class LoopSettings:
+    draft_timeout_s: float = 5.0  # a draft answer later than this: target-only round
+    target_timeout_s: float = 30.0  # per target call, and the retry budget after a first failure
+    draft_retry_s: float = 2.0  # after a draft failure, rounds are target-only this long
+    close_timeout_s: float = 2.0
+    branch_budget: int = DEFAULT_BRANCH_BUDGET  # spec-cache pipelining: verdicts pre-drafted per round
+
+
+class RoundLoop:
+    """Runs requests' rounds over two ports; one per service, shared by its requests.
+
+    Shared: the service-wide adaptive estimates (acceptance, cost, target
+    load) and the draft's health (a failure pauses speculation for every
+    request for draft_retry_s).
+    """
+
+    def __init__(self, target: TargetPort, draft: DraftPort | None, settings: LoopSettings | None = None) -> None:
+        self.target = target
+        self.draft = draft
+        self.settings = settings or LoopSettings()
+        self.estimates = ServiceEstimates()
+        self._draft_down_until = 0.0
+        self._background: set[asyncio.Task[None]] = set()
+
+    def run(
+        self,
+        spec: GenerateSpec,
+        *,
+        max_context: int,
+        session_id: str,
+        deadline: float = math.inf,
+        stop: StopCheck | None = None,
+        observer: RoundObserver | None = None,
+    ) -> RequestRun:
+        """A request ready to run (InvalidArgument now if it cannot); iterate its `rounds()`."""
+        return RequestRun(self, spec, max_context, session_id, deadline, stop, observer or NoObserver())
+
+    async def draft_usable(self) -> bool:
+        if self.draft is None or time.monotonic() < self._draft_down_until:
+            return False
+        return await self.draft.available()
+
+    def draft_failed(self, exc: BaseException) -> None:
+        self._draft_down_until = time.monotonic() + self.settings.draft_retry_s
+        log.warning(
+            "draft failed (%s: %s); target-only for %.1f s", type(exc).__name__, exc, self.settings.draft_retry_s
+        )
+
+    def close_later(
+        self, target: TargetSession | None, draft: DraftSession | None, committed: Sequence[int] = ()
+    ) -> None:
+        """Free a finished request's sessions without holding it up (or being cancelled with it).
+
+        The draft's close carries the final committed tokens (a learning drafter indexes the answer)."""
+
+        async def close() -> None:
+            for session in (target, draft):
+                if session is None:
+                    continue
+                try:
+                    if isinstance(session, DraftSession):
+                        await session.close(self.settings.close_timeout_s, committed)
+                    else:
+                        await session.close(self.settings.close_timeout_s)
+                except Exception as exc:  # noqa: BLE001 - the peer's idle expiry frees it anyway
+                    log.debug("closing session %s failed: %s", session.session_id, exc)
+
+        task = asyncio.get_running_loop().create_task(close())
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+    async def drain(self, timeout: float | None = None) -> None:
+        """Wait for background session closes."""
+        if self._background:
+            await asyncio.wait(set(self._background), timeout=timeout)
+
+
+class RequestRun:
+    """One request's rounds: iterate `rounds()`, then read `generation` and `stats`."""
+
+    def __init__(
+        self,
+        loop: RoundLoop,
+        spec: GenerateSpec,
+        max_context: int,
+        session_id: str,
+        deadline: float,
+        stop: StopCheck | None,
+        observer: RoundObserver,
+    ) -> None:
+        spec.params.validate()
+        self.spec = spec
+        self.session_id = session_id
+        self.generation = Generation(spec.prompt_ids, StopRule(spec.max_new_tokens, max_context, spec.stop_token_ids))
+        self.stats = RoundStats()
+        self._loop = loop
+        self._deadline = deadline
+        self._stop = stop
+        self._observer = observer
+        speculating = spec.speculation != "off"
+        pipeline_settings = PipelineSettings(branch_budget=loop.settings.branch_budget)
+        self._pipeline = make_pipeline(spec.pipeline, pipeline_settings) if speculating else Off()
+        self._adaptive = loop.estimates.controller(spec.draft_length) if spec.speculation == "auto" else None
+        self._target = TargetSession(loop.target, session_id, spec.params, loop.settings.target_timeout_s)
+        self._draft = DraftSession(loop.draft, session_id, spec.params) if loop.draft is not None else None
+        self._ready: tuple[Proposal, PipelineHit] | None = None  # a pre-draft for the committed prefix
+        self._draft_refused = False  # the draft refused this request alone: target-only rounds for it
+
+    @property
+    def finish_reason(self) -> FinishReason | None:
+        return self.generation.finish_reason
+
+    async def rounds(self) -> AsyncGenerator[RoundRecord, None]:
+        """Run rounds until the request stops, yielding each round's record as it commits."""
+        try:
+            while not self.generation.done:
+                try:
+                    record = await self._round()
+                except BaseException as exc:
+                    self._observer.round_failed(exc)
+                    raise
+                yield record
+        finally:
+            self._loop.close_later(self._target, self._draft, list(self.generation.committed))
+
+    # ---- one round ------------------------------------------------------------------
+
+    async def _round(self) -> RoundRecord:
+        gen = self.generation
+        t0 = time.perf_counter()
+        index, committed = self.stats.rounds, gen.committed
+        carrier = self._observer.round_started(index, len(committed))
+        wanted, why = self._wanted()
+        budget = gen.draft_budget(wanted)
+        if why is None and budget == 0:
+            why = TargetOnly.BUDGET
+        proposal, hit = Proposal([]), None
+        draft_wall_ms = 0.0  # how long this round waited for a draft call (0: pipelined, or none made)
+        ready, self._ready = self._ready, None
+        if budget > 0:
+            if ready is not None:
+                proposal, hit = ready[0].window(0, budget), ready[1]
+            elif self._draft is None:
+                why = TargetOnly.NO_DRAFT
+            elif not await self._loop.draft_usable():
+                why = TargetOnly.DRAFT_UNAVAILABLE
+            else:
+                t_draft = time.perf_counter()
+                proposal, why = await self._propose(committed, (), budget, carrier)
+                draft_wall_ms = (time.perf_counter() - t_draft) * 1e3
+
+        async def draft_after(extension: Sequence[int], k: int) -> Proposal:
+            return (await self._propose(committed, extension, k, carrier))[0]
+
+        async def draft_branches(branches: int, acceptance: Sequence[float], k: int) -> list[PreDraft]:
+            pending = tuple(proposal.token_ids)
+            result = await self._draft_call(
+                lambda draft, timeout: draft.propose_branches(
+                    committed, pending, k, budget=branches, acceptance=acceptance, timeout=timeout, carrier=carrier
+                )
+            )
+            if isinstance(result, TargetOnly):
+                return []
+            return [PreDraft(b.extension(pending), b.proposal) for b in result.branches]
+
+        rnd = PipelineRound(committed, proposal, budget, wanted, draft_after, draft_branches)
+        verify = self._target.verify(
+            committed,
+            proposal,
+            defer_bonus=self._pipeline.defers_bonus(rnd),
+            deadline=self._deadline,
+            carrier=carrier,
+            on_retry=self._target_retry,
+        )
+        pre_drafts: list[PreDraft] = []
+        if isinstance(self._pipeline, Off):  # nothing runs beside the verify: await it here (no task, no loop turn)
+            outcome, launched = await verify, 0
+        else:
+            outcome, launched, pre_drafts = await self._verify_beside_pipeline(verify, rnd)
+        kind = _kind(outcome)
+        token = None if outcome.deferred else outcome.token_id
+        extension = (*proposal.token_ids[: outcome.accepted], *(() if token is None else (token,)))
+        for pre in pre_drafts:  # only a draft for exactly the prefix this round commits
+            if pre.extension == extension and len(pre.proposal) > 0:
+                self._ready = (pre.proposal, PipelineHit(self._pipeline.name, outcome.accepted, kind, launched))
+                break
+        self._learn(proposal, outcome, draft_wall_ms)
+        new = gen.commit(proposal.token_ids, outcome.accepted, token)
+        if self._stop is not None:
+            keep = self._stop(new)
+            if keep is not None:
+                gen.finish(FinishReason.STOP_STRING, keep=len(gen.generated) - len(new) + keep)
+                new = new[:keep]
+        record = RoundRecord(
+            index=index,
+            committed_length=len(committed),
+            draft_length=budget,
+            draft_token_ids=tuple(proposal.token_ids),
+            accepted=outcome.accepted,
+            token_id=outcome.token_id,
+            token_kind=kind,
+            committed=tuple(new),
+            wall_ms=(time.perf_counter() - t0) * 1e3,
+            draft_ms=proposal.compute_ms,
+            verify_ms=outcome.compute_ms,
+            target_only=None if len(proposal) else why,
+            pipeline_hit=hit,
+            pipeline_launched=launched,
+            draft_transit=proposal.transit,
+            verify_transit=outcome.transit,
+        )
+        self.stats.add(record)
+        self._observer.round_ended(record)
+        return record
+
+    async def _verify_beside_pipeline(
+        self, verify: Coroutine[Any, Any, VerifyOutcome], rnd: PipelineRound
+    ) -> tuple[VerifyOutcome, int, list[PreDraft]]:
+        """The verdict, with the pre-drafts the strategy made while the target verified."""
+        task = asyncio.ensure_future(verify)
+        launched = self._pipeline.launch(rnd)  # after the verify: it goes out first
+        outcome: VerifyOutcome | None = None
+        try:
+            outcome = await task
+        finally:
+            task.cancel()  # no-op once done; stops the round if the request was cancelled
+            pre_drafts = await self._pipeline.settle(outcome)
+        return outcome, launched, pre_drafts
+
+    def _wanted(self) -> tuple[int, TargetOnly | None]:
+        """K this round would like (before the budget), or 0 and why not."""
+        if self.spec.speculation == "off":
+            return 0, TargetOnly.SPECULATION_OFF
+        if self._adaptive is not None:
+            k = self._adaptive.next_k(self._loop.estimates.batch_share())
+            return (k, None) if k > 0 else (0, TargetOnly.ADAPTIVE)
+        return self.spec.draft_length, None
+
+    async def _propose(
+        self, committed: Sequence[int], extension: Sequence[int], k: int, carrier: Carrier
+    ) -> tuple[Proposal, TargetOnly | None]:
+        """k draft tokens after committed + extension, or none and why: speculation pauses, output stays exact."""
+        result = await self._draft_call(
+            lambda draft, timeout: draft.propose(committed, extension, k, timeout=timeout, carrier=carrier)
+        )
+        if isinstance(result, TargetOnly):
+            return Proposal([]), result
+        return result, None if len(result) else TargetOnly.DRAFT_EMPTY
+
+    async def _draft_call(self, call: Callable[[DraftSession, float], Awaitable[T]]) -> T | TargetOnly:
+        """call(draft session, timeout), or why the draft gave nothing: its failure pauses speculation."""
+        if self._draft is None:
+            return TargetOnly.NO_DRAFT
+        if self._draft_refused:
+            return TargetOnly.DRAFT_REFUSED
+        timeout = min(self._loop.settings.draft_timeout_s, max(0.0, self._deadline - time.monotonic()))
+        try:
+            return await call(self._draft, timeout)
+        except REQUEST_ERRORS as exc:  # this request's own problem: it alone goes target-only, nobody pauses
+            self._draft_refused = True
+            log.warning(
+                "draft refused session %s (%s: %s); target-only for it", self.session_id, type(exc).__name__, exc
+            )
+            self._observer.round_event("draft refused the request; target-only", exc)
+            return TargetOnly.DRAFT_REFUSED
+        except SpecdError as exc:  # slow, gone, lying or full: speculation pauses for every request
+            self._loop.draft_failed(exc)
+            self._observer.round_event("draft failed; target-only round", exc)
+            return TargetOnly.DRAFT_FAILED
+
+    def _target_retry(self, exc: BaseException) -> None:
+        log.warning("target round failed (%s: %s); retrying", type(exc).__name__, exc)
+        self._observer.round_event("target failed; retrying", exc)
+
+    def _learn(self, proposal: Proposal, outcome: VerifyOutcome, draft_wall_ms: float) -> None:
+        estimates = self._loop.estimates
+        phases = outcome.phases
+        estimates.observe_target(phases.batch_tokens, phases.batch_size, outcome.compute_ms, self.spec.draft_length + 1)
+        if self._adaptive is not None:
+            estimates.observe(
+                self._adaptive, len(proposal), outcome.accepted, proposal.compute_ms, outcome.compute_ms, draft_wall_ms
+            )
+
+
+def _kind(outcome: VerifyOutcome) -> TokenKind:
+    if outcome.deferred:
+        return TokenKind.DEFERRED
+    return TokenKind.BONUS if outcome.is_bonus else TokenKind.RECOVERED

@@ -1,0 +1,254 @@
+"""Pipelining strategies: draft round r+1 while the target verifies round r.
+
+A strategy owns the pre-draft state of one request. Each round the loop
+
+1. asks `defers_bonus(round)`: should the target leave the bonus position
+   to the next round's first draft token (PEARL post-verify)?
+2. sends the verify, then calls `launch(round)`: the strategy may start any
+   number of pre-drafts, each with `round.draft_after(extension, k)` for a
+   hypothetical outcome of this round, i.e. the tokens `extension` it assumes
+   this round commits (j accepted draft tokens, then a recovered or bonus
+   token t, or nothing when the bonus is deferred);
+3. after the verdict (or a failure: None), awaits `settle(verdict)`, which
+   returns the pre-drafts that finished, each as a `PreDraft`.
+
+The loop, not the strategy, picks the next round's drafts: the first
+pre-draft whose extension equals what the round really committed, token for
+token. Any other pre-draft was drafted for a prefix that is not the committed
+prefix and is discarded, never verified (ARCHITECTURE §3): a strategy cannot
+bend the output whatever it launches. Coins are (seed, position, role), so a
+draft made early for the right prefix is the draft that would be made now.
+
+`draft_after` calls on one session run one at a time, in call order (the
+draft holds one sequence per session), so B of them cost B drafts.
+`draft_branches` is the one call for many outcomes: the draft picks the
+likeliest verdicts by its own distribution and the measured acceptance, and
+drafts all of them in one batched pass (SpecCache, specd.core.draft.branching).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+from specd.core.errors import InvalidArgument
+from specd.core.rounds.adaptive import PositionAcceptance
+from specd.core.rounds.steps import DEFAULT_BRANCH_BUDGET, MAX_BRANCH_BUDGET, VerifyOutcome
+from specd.core.sampling.proposal import Proposal
+
+# k draft tokens after the round's committed prefix + extension; an empty proposal if the draft failed.
+DraftAfter = Callable[[Sequence[int], int], Awaitable[Proposal]]
+# (budget, acceptance per draft position, k): up to `budget` verdicts of this round's proposal, chosen
+# by the draft, with k draft tokens after each, as pre-drafts; none if the draft failed.
+DraftBranches = Callable[[int, Sequence[float], int], Awaitable["list[PreDraft]"]]
+
+
+@dataclass(frozen=True)
+class PipelineRound:
+    """What a strategy sees of the round being verified."""
+
+    committed: Sequence[int]  # the committed prefix before this round (do not modify)
+    proposal: Proposal  # draft tokens the target is verifying now
+    budget: int  # draft tokens the round asked for (len(proposal) < budget: the draft ran short)
+    next_k: int  # draft tokens the next round is expected to want
+    draft_after: DraftAfter
+    draft_branches: DraftBranches
+
+
+@dataclass(frozen=True)
+class PreDraft:
+    extension: tuple[int, ...]  # tokens it assumes this round commits (after the committed prefix)
+    proposal: Proposal  # the next round's draft tokens for that prefix
+
+
+class PipelineStrategy(Protocol):
+    name: str
+
+    def defers_bonus(self, rnd: PipelineRound) -> bool: ...
+
+    def launch(self, rnd: PipelineRound) -> int:
+        """Start pre-drafts for this round's outcomes; returns how many."""
+        ...
+
+    async def settle(self, verdict: VerifyOutcome | None) -> list[PreDraft]:
+        """The finished pre-drafts. verdict None: the round failed or was cancelled; cancel them, return none."""
+        ...
+
+
+class Off:
+    """No pipelining: the next round drafts after its verdict."""
+
+    name = "off"
+
+    def defers_bonus(self, rnd: PipelineRound) -> bool:
+        return False
+
+    def launch(self, rnd: PipelineRound) -> int:
+        return 0
+
+    async def settle(self, verdict: VerifyOutcome | None) -> list[PreDraft]:
+        return []
+
+
+class _AllAccepted:
+    """One pre-draft, after the prefix with every draft token of this round accepted.
+
+    Only for a full proposal (a draft that ran short is unlikely to be all accepted
+    and has nothing more to say). The draft is busy with the pre-draft either way,
+    so settle waits for it even when the verdict already rules it out.
+    """
+
+    name = ""
+    extra = 0  # draft tokens beyond next_k
+
+    def __init__(self) -> None:
+        self._task: asyncio.Task[Proposal] | None = None
+        self._assumed: tuple[int, ...] = ()
+
+    def _applies(self, rnd: PipelineRound) -> bool:
+        return 0 < len(rnd.proposal) == rnd.budget and rnd.next_k > 0
+
+    def launch(self, rnd: PipelineRound) -> int:
+        if not self._applies(rnd):
+            return 0
+        self._assumed = tuple(rnd.proposal.token_ids)
+        self._task = asyncio.ensure_future(rnd.draft_after(self._assumed, rnd.next_k + self.extra))
+        return 1
+
+    async def settle(self, verdict: VerifyOutcome | None) -> list[PreDraft]:
+        task, self._task = self._task, None
+        if task is None:
+            return []
+        if verdict is None:  # the request is ending: do not wait for a draft nobody will use
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+            return []
+        try:
+            pre = await task
+        finally:
+            task.cancel()  # no-op once done; a request cancelled meanwhile cancels its pre-draft
+        return self._shape(pre)
+
+    def _shape(self, pre: Proposal) -> list[PreDraft]:
+        raise NotImplementedError
+
+
+class BonusMatch(_AllAccepted):
+    """Pre-draft K+1 tokens after all K accepted; the first is a guess of the bonus token.
+
+    Hit: every draft accepted and the target's bonus equals the guess; the next
+    round verifies the other K at once, with no draft latency.
+    """
+
+    name = "bonus-match"
+    extra = 1
+
+    def defers_bonus(self, rnd: PipelineRound) -> bool:
+        return False
+
+    def _shape(self, pre: Proposal) -> list[PreDraft]:
+        if len(pre) < 2:
+            return []
+        return [PreDraft(self._assumed + (pre.token_ids[0],), pre.window(1))]
+
+
+class PostVerify(_AllAccepted):
+    """Pre-draft K tokens after all K accepted and ask the target to defer the bonus (PEARL).
+
+    Hit: every draft accepted; the next round's first draft token is verified at the
+    bonus position against the p the target already computed (an accept or recover
+    coin there instead of a bonus coin, never both: exact).
+    """
+
+    name = "post-verify"
+
+    def defers_bonus(self, rnd: PipelineRound) -> bool:
+        return self._applies(rnd)
+
+    def _shape(self, pre: Proposal) -> list[PreDraft]:
+        if len(pre) < 1:
+            return []
+        return [PreDraft(self._assumed, pre.window(0))]
+
+
+class SpecCache:
+    """A speculation cache (SSD / Saguaro): pre-draft the next round for the likeliest verdicts.
+
+    While the target verifies, one branch call has the draft choose up to
+    `budget` verdicts (j, t) of this round's proposal, the all-accepted one
+    with its best bonus guesses and j accepted with its best recovered guesses,
+    by P(exactly j accepted) x P(t | j) (specd.core.draft.branching), and draft the
+    next round after each in one batched pass. Hit: the verdict is one of them;
+    the next round verifies that branch's drafts at once.
+
+    P(exactly j accepted) comes from this request's verdicts per position
+    (`PositionAcceptance`); the draft supplies P(t | j). A drafter with no
+    distribution (n-gram, suffix) covers the all-accepted verdict with its
+    own bonus guess, as bonus-match does. A hit gives the very tokens a fresh
+    draft would (the draft's coins are (seed, position)), so the output is the
+    same as without pipelining, greedy and seeded.
+    """
+
+    name = "spec-cache"
+
+    def __init__(self, budget: int = DEFAULT_BRANCH_BUDGET) -> None:
+        if not 1 <= budget <= MAX_BRANCH_BUDGET:
+            raise InvalidArgument(f"the branch budget must be in 1..{MAX_BRANCH_BUDGET}, got {budget}")
+        self.budget = budget
+        self.acceptance = PositionAcceptance()
+        self._task: asyncio.Task[list[PreDraft]] | None = None
+        self._drafted = 0  # draft tokens of the round whose verdict settle will see
+
+    def defers_bonus(self, rnd: PipelineRound) -> bool:
+        return False
+
+    def launch(self, rnd: PipelineRound) -> int:
+        """One branch call; returns the budget (the draft decides how many of them it drafts)."""
+        self._drafted = len(rnd.proposal)
+        if not self._drafted or rnd.next_k <= 0:
+            return 0
+        rates = self.acceptance.rates(self._drafted)
+        self._task = asyncio.ensure_future(rnd.draft_branches(self.budget, rates, rnd.next_k))
+        return self.budget
+
+    async def settle(self, verdict: VerifyOutcome | None) -> list[PreDraft]:
+        if verdict is not None and self._drafted:
+            self.acceptance.observe(self._drafted, verdict.accepted)
+        task, self._task = self._task, None
+        if task is None:
+            return []
+        if verdict is None:  # the request is ending: do not wait for branches nobody will use
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+            return []
+        try:
+            return await task
+        finally:
+            task.cancel()  # no-op once done; a request cancelled meanwhile cancels its branch call
+
+
+@dataclass(frozen=True)
+class PipelineSettings:
+    """What strategies are built with (the coordinator's settings)."""
+
+    branch_budget: int = DEFAULT_BRANCH_BUDGET  # spec-cache: branches per round
+
+
+# Name (as requests and the coordinator's --pipeline say it) -> a factory of fresh strategies.
+PIPELINES: dict[str, Callable[[PipelineSettings], PipelineStrategy]] = {
+    Off.name: lambda _: Off(),
+    BonusMatch.name: lambda _: BonusMatch(),
+    PostVerify.name: lambda _: PostVerify(),
+    SpecCache.name: lambda settings: SpecCache(settings.branch_budget),
+}
+
+
+def make_pipeline(name: str, settings: PipelineSettings | None = None) -> PipelineStrategy:
+    """A fresh strategy (it holds one request's pre-draft state)."""
+    try:
+        factory = PIPELINES[name]
+    except KeyError:
+        raise InvalidArgument(f"unknown pipeline {name!r}; use one of {sorted(PIPELINES)}") from None
+    return factory(settings or PipelineSettings())

@@ -1,0 +1,53 @@
+"""The sampler's greedy limit, read straight off the logits.
+
+At temperature 0 the processed p is one-hot at the float32 argmax (lowest id
+on ties; specd.core.sampling.sampler.processed_probs), so the rejection sampler's
+verdict needs no probabilities at all: a draft token is accepted iff it is the
+argmax at its position (p(x) = 1 >= u; p(x) = 0 < u otherwise), and the
+recovered token (residual max(0, p - q) = p, since q sits on the rejected
+draft token) and the bonus token are the argmax where the run of accepts
+stops. These functions give exactly those answers from one argmax and one max
+per row, instead of a softmax, a one-hot, a residual and a float64 cumsum over
+the vocabulary: what a CPU host saves per greedy step grows with the
+vocabulary (tests/test_sampling.py checks they equal the general path).
+
+A row whose logits hold NaN or +inf, or only -inf at some position, cannot be
+sampled (as in specd.core.sampling.sampler.unusable_rows): it is reported, and its
+other numbers are meaningless.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from torch import Tensor
+
+__all__ = ["greedy_tokens", "greedy_verdict"]
+
+
+def greedy_tokens(logits: Tensor) -> tuple[Tensor, Tensor]:
+    """logits [..., V] -> (argmax [...] int64, unusable [...] bool: NaN, +inf, or no finite logit)."""
+    # One pass: the max (NaN if any logit is NaN, +inf if any is +inf, -inf if all are) and
+    # where it is (the first maximal index: the lowest id on ties, as argmax).
+    top, best = logits.to(torch.float32).max(-1)
+    return best, ~top.isfinite()
+
+
+def greedy_verdict(logits: Tensor, draft_token_ids: Sequence[int]) -> tuple[int, int, bool] | None:
+    """One session's verdict when it is greedy, from its logits alone (no padded batch tensor needed).
+
+    logits:          [k+1, V] the target's logits at the session's k draft positions and one more
+    draft_token_ids: its k draft tokens
+    returns:         (accepted, recovered or bonus token, is_bonus), or None if its logits cannot be sampled
+    """
+    k = len(draft_token_ids)
+    assert logits.dim() == 2 and logits.shape[0] == k + 1, f"logits must be [k+1, V] for k={k}"
+    best, bad = greedy_tokens(logits)  # [k+1] each
+    if bool(bad.any()):
+        return None
+    argmax = best.tolist()
+    j = 0  # the leading run of drafts that are the argmax at their position
+    while j < k and int(draft_token_ids[j]) == argmax[j]:
+        j += 1
+    return j, argmax[j], j == k

@@ -1,0 +1,110 @@
+"""What a drafter hands to the verifier: K draft tokens and, optionally, sparse q."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from specd.core.errors import InvalidArgument
+from specd.core.phases import PhaseLog
+from specd.core.transit import Transit
+
+# What a proposal from the wire may hold unless the service says otherwise: K draft
+# tokens, and entries per q row (also capped by the vocabulary). Together they bound
+# the dense q a message can make anyone allocate: 256 x 4096 x 12 bytes = 12 MiB.
+DEFAULT_MAX_DRAFT_TOKENS = 256
+DEFAULT_MAX_Q_WIDTH = 4096
+
+
+@dataclass(frozen=True)
+class Proposal:
+    """K draft tokens after a committed prefix.
+
+    q_ids / q_probs give, per draft position, the sparse distribution the token
+    was sampled from (probability of q_ids[i, j] is q_probs[i, j] / q_probs[i].sum());
+    None means one-hot at each draft token (n-gram drafts, greedy drafts). A
+    model draft's q_probs are integer weights (specd.core.sampling.sparse_q), which the
+    wire carries in its compact form.
+    """
+
+    token_ids: list[int]
+    q_ids: torch.Tensor | None = None  # [K, W] int64
+    q_probs: torch.Tensor | None = None  # [K, W] float32 (the wire values)
+    compute_ms: float = 0.0
+    phases: PhaseLog = field(default_factory=PhaseLog, compare=False, repr=False)  # where the time went
+    q_ms: float = field(default=0.0, compare=False)  # draft time building q and sampling from it (part of compute_ms)
+    transit: Transit | None = field(default=None, compare=False, repr=False)  # the call's hops (a transport's port)
+
+    def __len__(self) -> int:
+        return len(self.token_ids)
+
+    def window(self, start: int, stop: int | None = None, *, compute_ms: float = 0.0) -> Proposal:
+        """Draft tokens [start:stop] with their q rows (e.g. a pre-draft minus its first token)."""
+        q_ids = None if self.q_ids is None else self.q_ids[start:stop]
+        q_probs = None if self.q_probs is None else self.q_probs[start:stop]
+        return Proposal(self.token_ids[start:stop], q_ids, q_probs, compute_ms)
+
+    @staticmethod
+    def from_wire(
+        token_ids: Sequence[int],
+        q: Sequence[tuple[Sequence[int], Sequence[float]]],
+        vocab_size: int,
+        *,
+        max_draft_tokens: int = DEFAULT_MAX_DRAFT_TOKENS,
+        max_q_width: int = DEFAULT_MAX_Q_WIDTH,
+    ) -> Proposal:
+        """Build (and validate) a proposal from per-position (ids, probs) pairs.
+
+        The sizes are checked first, from lengths alone, before anything is
+        copied or allocated: at most max_draft_tokens tokens, and at most
+        min(max_q_width, vocab_size) entries per q row, so the dense
+        [K, W] tensors built here (and the batch's padded copy) stay within
+        max_draft_tokens x max_q_width entries whatever a message says.
+        """
+        k = len(token_ids)
+        if k > max_draft_tokens:
+            raise InvalidArgument(f"{k} draft tokens; this service verifies at most {max_draft_tokens}")
+        if q and len(q) != k:
+            raise InvalidArgument(f"q has {len(q)} positions for {k} draft tokens; send one per token or none")
+        cap = min(max_q_width, vocab_size)
+        width = 0
+        for i, (ids, probs) in enumerate(q):
+            if len(ids) != len(probs) or not ids:
+                raise InvalidArgument(f"q at draft position {i}: need equal, non-zero numbers of token_ids and probs")
+            if len(ids) > cap:
+                raise InvalidArgument(f"q at draft position {i} has {len(ids)} entries; the limit is {cap}")
+            width = max(width, len(ids))
+        tokens = [int(t) for t in token_ids]
+        for t in tokens:
+            if not 0 <= t < vocab_size:
+                raise InvalidArgument(f"draft token id {t} is outside the vocabulary [0, {vocab_size})")
+        if not q:
+            return Proposal(tokens)
+        q_ids = torch.zeros(k, width, dtype=torch.int64)
+        q_probs = torch.zeros(k, width, dtype=torch.float32)
+        for i, (ids, probs) in enumerate(q):
+            row_ids = torch.tensor(list(ids), dtype=torch.int64)
+            row_probs = torch.tensor(list(probs), dtype=torch.float32)
+            if bool((row_ids >= vocab_size).any()) or bool((row_ids < 0).any()):
+                raise InvalidArgument(
+                    f"q at draft position {i} names a token id outside the vocabulary [0, {vocab_size})"
+                )
+            if not bool(torch.isfinite(row_probs).all()) or bool((row_probs < 0).any()) or float(row_probs.sum()) <= 0:
+                raise InvalidArgument(f"q at draft position {i}: probabilities must be finite, >= 0 and not all 0")
+            if not bool((row_ids == tokens[i]).logical_and(row_probs > 0).any()):
+                raise InvalidArgument(f"draft token {tokens[i]} at position {i} has probability 0 in its own q")
+            q_ids[i, : len(ids)] = row_ids
+            q_probs[i, : len(ids)] = row_probs
+        return Proposal(tokens, q_ids, q_probs)
+
+    def to_wire(self) -> list[tuple[list[int], list[float]]]:
+        """Per-position (ids, probs), dropping zero-probability padding slots."""
+        if self.q_ids is None or self.q_probs is None:
+            return []
+        out = []
+        for ids, probs in zip(self.q_ids.tolist(), self.q_probs.tolist()):
+            kept = [(i, p) for i, p in zip(ids, probs) if p > 0]
+            out.append(([i for i, _ in kept], [p for _, p in kept]))
+        return out

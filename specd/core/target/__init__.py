@@ -1,0 +1,1 @@
+"""The target's side of a round: the verifier."""

@@ -1,0 +1,232 @@
+"""The verifier: one target forward pass over K draft tokens, then the rejection sampler.
+
+The target commits its own verdicts, so p never leaves this module and the
+coordinator only hears (accepted, token, kind).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Unpack
+
+import torch
+
+from specd.core import phases as ph
+from specd.core.errors import Internal, InvalidArgument
+from specd.core.model.pool import PooledModel, PoolLimits, Ready
+from specd.core.model.runner import CausalLMRunner, KVSession
+from specd.core.phases import PhaseLog
+from specd.core.rounds.steps import VerifyOutcome, VerifyRequest, check_sync
+from specd.core.sampling import sampler
+from specd.core.sampling.greedy import greedy_verdict
+from specd.core.sampling.proposal import DEFAULT_MAX_DRAFT_TOKENS, DEFAULT_MAX_Q_WIDTH, Proposal
+from specd.core.sampling.rejection import SparseProposal, rejection_sample
+from specd.core.sampling.sampler import UNUSABLE_LOGITS, SamplingParams
+
+
+@dataclass
+class _TargetSession:
+    kv: KVSession  # kv.tokens is exactly the committed sequence between rounds
+    params: SamplingParams
+
+
+class Verifier(PooledModel[_TargetSession]):
+    """Sessions of the target model (Verifier(runner, max_sessions=..., ...): see PoolLimits) and the
+    verification step over them."""
+
+    def __init__(
+        self,
+        runner: CausalLMRunner,
+        *,
+        max_draft_tokens: int = DEFAULT_MAX_DRAFT_TOKENS,
+        max_q_width: int = DEFAULT_MAX_Q_WIDTH,
+        **limits: Unpack[PoolLimits],
+    ) -> None:
+        if max_draft_tokens < 1 or max_q_width < 1:
+            raise InvalidArgument("max_draft_tokens and max_q_width must be >= 1")
+        super().__init__(runner, **limits)
+        # K and q entries per row a verify may carry: the batch pads q to at most
+        # max_batch x max_draft_tokens x max_q_width entries (proposal.Proposal.from_wire).
+        self.max_draft_tokens = max_draft_tokens
+        self.max_q_width = max_q_width
+
+    def open(self, session_id: str, token_ids: Sequence[int], params: SamplingParams) -> None:
+        params.validate()
+        self._pool.open(session_id, token_ids, lambda kv: _TargetSession(kv, params))
+
+    def verify(self, request: VerifyRequest) -> VerifyOutcome:
+        """Verify `proposal` after the committed prefix and commit the verdict (a batch of one)."""
+        result = self.verify_batch([request])[0]
+        if isinstance(result, BaseException):
+            raise result
+        return result
+
+    @torch.inference_mode()
+    def verify_batch(self, requests: Sequence[VerifyRequest]) -> list[VerifyOutcome | Exception]:
+        """Verify many sessions' proposals in one target forward pass; per-request outcome or error.
+
+        A request that fails its own checks (unknown session, out of sync, bad
+        drafts), or whose row cannot be sampled (non-finite numbers, a proposal
+        that breaks the sampler's rules), gets its exception and leaves the
+        others alone; only a failing forward pass fails every request that
+        reached it. Greedy and seeded outcomes do not depend on the batch:
+        coins hash (seed, position).
+        """
+        outcomes: dict[int, VerifyOutcome] = {}
+        run = self._pool.run_batch(
+            requests,
+            self._prepare,
+            lambda part, batch: self._verify_ready(requests, part, batch.logs, outcomes),
+            what="verification",
+        )
+        results: list[VerifyOutcome | Exception] = []
+        for i, (error, log) in enumerate(zip(run.errors, run.logs)):
+            if error is not None:
+                results.append(error)
+            else:
+                ms = (log.phases[-1].end_ns - log.phases[0].start_ns) / 1e6
+                results.append(dataclasses.replace(outcomes[i], compute_ms=ms, phases=log))
+        return results
+
+    def _prepare(self, req: VerifyRequest) -> tuple[_TargetSession, int]:
+        """Sync the session to the committed prefix and append the drafts (no forward yet)."""
+        s = self._pool.get(req.session_id)
+        start = len(s.kv.tokens) if req.start is None else req.start
+        check_sync(len(s.kv.tokens), req.committed_length, start, req.tail)
+        self.runner.splice(s.kv, start, req.tail)
+        k = len(req.proposal)
+        if k > self.max_draft_tokens:
+            raise InvalidArgument(f"{k} draft tokens; this service verifies at most {self.max_draft_tokens}")
+        if req.proposal.q_ids is not None and int(req.proposal.q_ids.shape[-1]) > self.max_q_width:
+            raise InvalidArgument(
+                f"q rows of {int(req.proposal.q_ids.shape[-1])} entries; the limit is {self.max_q_width}"
+            )
+        if req.committed_length + k + 1 > self.runner.max_context:
+            raise InvalidArgument(
+                f"{k} draft tokens after {req.committed_length} committed exceed the context of "
+                f"{self.runner.max_context}"
+            )
+        if any(not 0 <= t < self.vocab_size for t in req.proposal.token_ids):
+            raise InvalidArgument(f"a draft token id is outside the vocabulary [0, {self.vocab_size})")
+        self.runner.append(s.kv, req.proposal.token_ids)
+        return s, 0
+
+    def _verify_ready(
+        self,
+        requests: Sequence[VerifyRequest],
+        part: list[Ready[_TargetSession]],
+        logs: list[PhaseLog],
+        outcomes: dict[int, VerifyOutcome],
+    ) -> dict[int, Exception]:
+        """Forward, rejection sampler and commit for one forward group of sessions that passed their checks.
+
+        Returns {request index: error} for the rows that could not be sampled (the pool rolls them back).
+        """
+        ready = [(r.index, r.session) for r in part]
+        ks = [len(requests[i].proposal) for i, _ in ready]
+        k_max = max(ks)
+        batch_tokens = sum(len(s.kv.tokens) - s.kv.cached for _, s in ready)  # positions the forward runs
+        for i, _ in ready:
+            logs[i].batch_tokens = batch_tokens
+        t0 = time.time_ns()
+        logits = self.runner.logits_batch([s.kv for _, s in ready], [k + 1 for k in ks])  # B x [K_b+1, V]
+        t1 = time.time_ns()
+        verdicts: dict[int, tuple[int, int, bool] | Exception]
+        if all(s.params.is_greedy for _, s in ready):  # p one-hot: the verdict comes off the logits (greedy.py)
+            verdicts = {}
+            for b, (lg, (i, _)) in enumerate(zip(logits, ready)):
+                greedy = greedy_verdict(lg, requests[i].proposal.token_ids)
+                verdicts[b] = greedy if greedy is not None else Internal(UNUSABLE_LOGITS)
+        else:
+            # Pad each row to K_max + 1 positions (repeating its last row: never read, the
+            # sampler stops at num_draft) and each q to the widest W; q = 0 on padding.
+            rows = torch.stack(
+                [torch.cat([lg, lg[-1:].expand(k_max - k, -1)]) if k < k_max else lg for lg, k in zip(logits, ks)]
+            )  # [B, K_max+1, V]
+            p = sampler.processed_probs(rows, [s.params for _, s in ready])  # [B, K_max+1, V]
+            # A row whose numbers are not finite fails its own request only; the others go on.
+            verdicts = dict(sampler.unusable_rows(rows, p))
+            verdicts.update(self._sample([b for b in range(len(ready)) if b not in verdicts], p, ready, requests, ks))
+        t2 = time.time_ns()
+        failed: dict[int, Exception] = {}
+        for b, (i, s) in enumerate(ready):
+            logs[i].add(ph.FORWARD, t0, t1)
+            logs[i].add(ph.SAMPLING, t1, t2)
+            verdict = verdicts[b]
+            committed = requests[i].committed_length
+            if isinstance(verdict, Exception):
+                failed[i] = verdict  # its drafts go (rolled back by the pool); the session stays usable
+                continue
+            with logs[i].phase(ph.ROLLBACK):
+                accepted, token, is_bonus = verdict
+                deferred = requests[i].defer_bonus and is_bonus and ks[b] > 0
+                self.runner.truncate(s.kv, committed + accepted)
+                if not deferred:  # deferred: the bonus coin is never used; that position is the next draft's
+                    self.runner.append(s.kv, [token])
+            outcomes[i] = VerifyOutcome(
+                accepted, -1 if deferred else token, is_bonus and not deferred, len(s.kv.tokens), 0.0, deferred=deferred
+            )
+        return failed
+
+    @staticmethod
+    def _sample(
+        rows: list[int],
+        p: torch.Tensor,
+        ready: list[tuple[int, _TargetSession]],
+        requests: Sequence[VerifyRequest],
+        ks: list[int],
+    ) -> dict[int, tuple[int, int, bool] | Exception]:
+        """The rejection sampler over the given rows of p: {row: (accepted, token, is_bonus) or its error}.
+
+        One batched call; if it refuses (a row breaks a sampler rule), each row
+        again on its own, so that only the offending row fails. Verdicts do not
+        depend on the batch (coins hash (seed, position)), so this changes nothing
+        for the others.
+        """
+        if not rows:
+            return {}
+        k_max = p.shape[1] - 1
+        idx = torch.tensor(rows, dtype=torch.int64)
+        drafts = torch.zeros(len(rows), k_max, dtype=torch.int64)  # [B', K_max]
+        for r, b in enumerate(rows):
+            drafts[r, : ks[b]] = torch.tensor(requests[ready[b][0]].proposal.token_ids, dtype=torch.int64)
+        try:
+            v = rejection_sample(
+                p[idx],
+                drafts,
+                _sparse_batch([requests[ready[b][0]].proposal for b in rows], k_max),
+                seeds=torch.tensor([ready[b][1].params.seed for b in rows], dtype=torch.int64),
+                start_positions=torch.tensor([requests[ready[b][0]].committed_length for b in rows], dtype=torch.int64),
+                num_draft=torch.tensor([ks[b] for b in rows], dtype=torch.int64),
+            )
+        except Exception as exc:  # noqa: BLE001 - find the row(s) at fault, one by one
+            if len(rows) == 1:
+                return {rows[0]: exc}
+            out: dict[int, tuple[int, int, bool] | Exception] = {}
+            for b in rows:
+                out.update(Verifier._sample([b], p, ready, requests, ks))
+            return out
+        return {b: (int(v.num_accepted[r]), int(v.next_token[r]), bool(v.is_bonus[r])) for r, b in enumerate(rows)}
+
+
+def _sparse_batch(proposals: Sequence[Proposal], k_max: int) -> SparseProposal | None:
+    """The batch's q as [B, K_max, W]: None if every proposal is one-hot; one-hot rows spelled out otherwise."""
+    if k_max == 0 or all(p.q_ids is None or p.q_probs is None for p in proposals):
+        return None
+    width = max(int(p.q_ids.shape[1]) for p in proposals if p.q_ids is not None)
+    ids = torch.zeros(len(proposals), k_max, width, dtype=torch.int64)
+    probs = torch.zeros(len(proposals), k_max, width, dtype=torch.float32)
+    for b, p in enumerate(proposals):
+        k = len(p)
+        if k == 0:
+            continue
+        if p.q_ids is None or p.q_probs is None:  # one-hot at each draft token: q(token) = 1
+            ids[b, :k, 0] = torch.tensor(p.token_ids, dtype=torch.int64)
+            probs[b, :k, 0] = 1.0
+        else:
+            ids[b, :k, : p.q_ids.shape[1]] = p.q_ids
+            probs[b, :k, : p.q_probs.shape[1]] = p.q_probs
+    return SparseProposal(ids, probs)

@@ -79,6 +79,8 @@ def reachable(url: str, timeout: float) -> tuple[bool, str]:
         try:
             with urllib.request.urlopen(url, timeout=timeout + 1) as response:  # the join below ends it first
                 result.append((response.status < 400, f"HTTP {response.status}"))
+        except urllib.error.HTTPError as e:  # an answer, but not an index (a proxy's error page, say)
+            result.append((False, f"HTTP {e.code} {e.reason}"))
         except (urllib.error.URLError, OSError, ValueError) as e:
             reason = getattr(e, "reason", e)
             result.append((False, f"{type(reason).__name__}: {reason}"[:160]))

@@ -91,8 +91,8 @@ def reachable(url: str, timeout: float) -> tuple[bool, str]:
     return result[0] if result else (False, f"no answer in {timeout:g} s")
 
 
-def configured_torch(python: str, version: str, timeout: float) -> tuple[str, bool] | None:
-    """(the torch version the configured index would install, whether it is a CUDA build), or None.
+def configured_torch(python: str, version: str, timeout: float) -> tuple[str, bool] | str:
+    """(the torch version the configured index would install, whether it is a CUDA build), or why not.
 
     A pip dry run with a report: it reads the wheel's metadata (PyPI serves it apart from the
     wheel), not the wheel. A CUDA build requires nvidia-* / cuda-* packages.
@@ -103,10 +103,11 @@ def configured_torch(python: str, version: str, timeout: float) -> tuple[str, bo
         cmd += ["--disable-pip-version-check", "--timeout", str(int(timeout)), "--report", report]
         try:
             done = subprocess.run([*cmd, f"torch=={version}"], capture_output=True, text=True, timeout=600)
-        except (OSError, subprocess.TimeoutExpired):
-            return None
+        except (OSError, subprocess.TimeoutExpired) as e:
+            return f"{type(e).__name__}: {e}"[:200]
         if done.returncode != 0 or not os.path.exists(report):
-            return None
+            errors = [line for line in done.stderr.splitlines() if line.startswith("ERROR")]
+            return (errors[-1] if errors else f"pip exited {done.returncode}")[:200]
         with open(report) as f:
             items = json.load(f).get("install", [])
     for item in items:
@@ -115,7 +116,7 @@ def configured_torch(python: str, version: str, timeout: float) -> tuple[str, bo
             requires = meta.get("requires_dist") or []
             cuda = any(r.lower().startswith(("nvidia-", "cuda-")) for r in requires)
             return str(meta.get("version", version)), cuda or "+cu" in str(meta.get("version", ""))
-    return None
+    return "pip's report names no torch"
 
 
 def decide(python: str, version: str, cpu_index: str, gpu_override: str, timeout: float, fresh: bool) -> Choice:
@@ -138,10 +139,10 @@ def decide(python: str, version: str, cpu_index: str, gpu_override: str, timeout
         )
     unreachable = f"PyTorch's CPU index {cpu_index} is unreachable ({why}; {timeout:g} s limit)"
     found = configured_torch(python, version, timeout)
-    if found is None:
+    if isinstance(found, str):
         return Choice(
-            f"setup: torch: no GPU ({why_gpu}); {unreachable}; the configured index could not be asked either: "
-            f"trying torch=={version} from it",
+            f"setup: torch: no GPU ({why_gpu}); {unreachable}; the configured index could not be asked either "
+            f"({found}): trying torch=={version} from it",
             [f"torch=={version}"],
         )
     got, cuda = found

@@ -1,15 +1,31 @@
 #!/usr/bin/env bash
 # Install specd into .venv with everything it needs; safe to run again.
 #
-# torch is installed first and pinned: on a CPU machine torch==2.13.0 is the
-# CPU wheel. On a GPU machine install the CUDA build of torch into .venv
-# before running this (PyTorch's CUDA wheel index); setup keeps a torch that
-# is already there, so pip never swaps it for another build.
+#   scripts/setup.sh                  set up (or update) .venv
+#   scripts/setup.sh --torch-choice   print which torch build setup would install, and why; install nothing
+#
+# torch is installed first and pinned (torch==2.13.0), in the build that suits
+# the machine (scripts/torch_choice.py decides, and setup prints one line
+# saying what it chose and why): a torch already in .venv is kept (CUDA or
+# not); with a GPU the configured index's default (PyPI's CUDA build); without
+# one the CPU build from PyTorch's CPU index if it answers within 5 s, else
+# the configured index's +cpu wheel (a local wheel folder), else its default.
+# pip then keeps that torch. SPECD_GPU=yes|no overrides the GPU detection,
+# SPECD_TORCH_CPU_INDEX the CPU index.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
 PYTHON=${PYTHON:-python3}
 TORCH_VERSION=${SPECD_TORCH_VERSION:-2.13.0}
+CPU_INDEX=${SPECD_TORCH_CPU_INDEX:-https://download.pytorch.org/whl/cpu}
+
+torch_choice() {  # torch_choice PYTHON [--fresh]: two lines, the reason and the pip arguments
+  "$PYTHON" scripts/torch_choice.py --python "$1" --version "$TORCH_VERSION" --cpu-index "$CPU_INDEX" "${@:2}"
+}
+if [ "${1:-}" = "--torch-choice" ]; then
+  if [ -x .venv/bin/python ]; then torch_choice .venv/bin/python | head -n 1; else torch_choice "$PYTHON" --fresh | head -n 1; fi
+  exit 0
+fi
 
 if [ ! -x .venv/bin/python ]; then
   echo "setup: creating .venv"
@@ -17,9 +33,13 @@ if [ ! -x .venv/bin/python ]; then
 fi
 pip_install() { .venv/bin/python -m pip install -q --disable-pip-version-check "$@" 2>&1 | grep -v "is ignored: it is neither" || true; }
 
-if ! .venv/bin/python -c "import torch" 2>/dev/null; then
-  echo "setup: installing torch==$TORCH_VERSION"
-  pip_install "torch==$TORCH_VERSION"
+mapfile -t choice < <(torch_choice .venv/bin/python)
+[ -n "${choice[0]:-}" ] || { echo "setup: could not decide which torch to install (scripts/torch_choice.py failed)" >&2; exit 1; }
+echo "${choice[0]}"
+if [ -n "${choice[1]:-}" ]; then
+  read -r -a torch_args <<<"${choice[1]}"
+  pip_install "${torch_args[@]}"
+  .venv/bin/python -c "import torch" 2>/dev/null || { echo "setup: torch did not install (see above)" >&2; exit 1; }
 fi
 echo "setup: installing specd and its dependencies"
 pip_install -e ".[dev,ray,bench]"
@@ -32,4 +52,4 @@ if ! command -v prometheus >/dev/null 2>&1 && command -v apt-get >/dev/null 2>&1
     echo "setup: could not install prometheus; tests/test_prometheus.py will be skipped" >&2
   fi
 fi
-.venv/bin/python -c "import specd, torch, transformers; print(f'setup: ok (torch {torch.__version__}, transformers {transformers.__version__})')"
+.venv/bin/python -c "import specd, torch, transformers; print(f'setup: ok (torch {torch.__version__}, CUDA {torch.version.cuda or \"none\"}, transformers {transformers.__version__})')"

@@ -17,8 +17,9 @@ import pytest
 import torch
 
 from specd.core.model.demo_target import demo_target_path
+from specd.tools.tiny_models import build_tiny_gpt2, build_tiny_pair
 from tests.cluster import Cluster
-from tests.tiny_models import build_tiny_gpt2, build_tiny_pair
+from tests.devices import DEVICE, service_device_args
 
 # ---- models -------------------------------------------------------------------
 
@@ -59,6 +60,12 @@ def demo_target_dir() -> Path:
         return demo_target_path(cache_dir, progress=False)
 
 
+def pytest_sessionstart(session: pytest.Session) -> None:
+    """SPECD_TEST_DEVICE names a device torch cannot use: stop at once, not test by test."""
+    if DEVICE.type == "cuda" and not torch.cuda.is_available():
+        raise pytest.UsageError(f"SPECD_TEST_DEVICE={DEVICE} but torch {torch.__version__} sees no CUDA device")
+
+
 # ---- torch threads -------------------------------------------------------------
 
 
@@ -86,5 +93,8 @@ def tiny_cluster(tiny_pair: tuple[Path, Path], tmp_path_factory: pytest.TempPath
     """target + draft + coordinator processes on the tiny pair, shared by the tests that do not break them."""
 
     target, draft = tiny_pair
-    with Cluster(target, draft, cache_dir=tmp_path_factory.mktemp("cluster-cache")) as cluster:
+    device = service_device_args()  # SPECD_TEST_DEVICE: the device-marked service tests run there
+    with Cluster(
+        target, draft, cache_dir=tmp_path_factory.mktemp("cluster-cache"), target_args=device, draft_args=device
+    ) as cluster:
         yield cluster

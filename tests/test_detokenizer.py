@@ -8,7 +8,7 @@ from hypothesis import strategies as st
 from transformers import AutoTokenizer
 
 from coordinator.detokenizer import IncrementalDetokenizer
-from tests.tiny_models import build_tiny_tokenizer
+from specd.tools.tiny_models import build_tiny_tokenizer
 
 
 @pytest.fixture(scope="module")

@@ -20,7 +20,7 @@ import pytest
 from specd.core.errors import InvalidArgument
 from specd.core.model import catalog
 from specd.core.model.loading import load_pretrained
-from tests.tiny_models import build_tiny_pair
+from specd.tools.tiny_models import build_tiny_pair
 
 pytestmark = pytest.mark.usefixtures("torch_single_thread")
 

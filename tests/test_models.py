@@ -17,8 +17,8 @@ from specd.core.model import demo_target
 from specd.core.model.demo_target import demo_target_path
 from specd.core.model.loading import load_pretrained, vocab_fingerprint
 from specd.core.model.runner import CausalLMRunner
+from specd.tools.tiny_models import build_tiny_gpt2, build_tiny_pair, build_tiny_tokenizer
 from tests import tiny_models
-from tests.tiny_models import build_tiny_gpt2, build_tiny_pair, build_tiny_tokenizer
 
 pytestmark = pytest.mark.usefixtures("torch_single_thread")
 

@@ -12,6 +12,7 @@ from torch import Tensor
 from specd.core.errors import InvalidArgument
 from specd.core.model.loading import load_pretrained
 from specd.core.model.runner import CausalLMRunner, KVSession
+from tests.devices import DEVICE
 
 pytestmark = pytest.mark.usefixtures("torch_single_thread")
 
@@ -19,12 +20,17 @@ pytestmark = pytest.mark.usefixtures("torch_single_thread")
 # order than a full one, and the kernels chosen differ per CPU (CI's reached 1.04e-5 where this
 # machine stays under 1e-5); a wrong cache position or a stale KV row differs by 0.1 or more.
 TOL = 5e-5
+# Max abs difference allowed between the same walk's logits on SPECD_TEST_DEVICE and on the CPU
+# (float32 both; a GPU's kernels reduce in their own order). A broken cache on one side differs
+# by 0.1 or more, as above.
+DEVICE_TOL = 2e-4
 
 
 @pytest.fixture(scope="module", params=["llama", "gpt2"])
 def runner(request: pytest.FixtureRequest, tiny_pair: tuple[Path, Path], tiny_gpt2_dir: Path) -> CausalLMRunner:
+    """On SPECD_TEST_DEVICE (the tests marked `device` use it there)."""
     path = tiny_pair[0] if request.param == "llama" else tiny_gpt2_dir
-    return CausalLMRunner(load_pretrained(path).model)
+    return CausalLMRunner(load_pretrained(path).model.to(DEVICE))
 
 
 @pytest.fixture(scope="module")
@@ -35,7 +41,7 @@ def llama_runner(tiny_pair: tuple[Path, Path]) -> CausalLMRunner:
 @torch.inference_mode()
 def reference(r: CausalLMRunner, tokens: list[int], num_last: int) -> Tensor:
     """Logits of the last num_last positions from a fresh full forward, no cache -> [num_last, V]."""
-    out = r.model(input_ids=torch.tensor([tokens]), use_cache=False)
+    out = r.model(input_ids=torch.tensor([tokens], device=r.model.device), use_cache=False)
     return out.logits[0, -num_last:].float()
 
 
@@ -58,6 +64,7 @@ def random_ids(rng: random.Random, r: CausalLMRunner, n: int) -> list[int]:
 # ---- the speculative round, step by step ----------------------------------------
 
 
+@pytest.mark.device
 def test_prefill_decode_verify_rollback(runner: CausalLMRunner) -> None:
     r = runner
     rng = random.Random(1)
@@ -80,6 +87,7 @@ def test_prefill_decode_verify_rollback(runner: CausalLMRunner) -> None:
     check(r, s, num_last=4)
 
 
+@pytest.mark.device
 def test_rollback_to_one_token_and_reverify(runner: CausalLMRunner) -> None:
     r = runner
     rng = random.Random(2)
@@ -95,6 +103,7 @@ def test_rollback_to_one_token_and_reverify(runner: CausalLMRunner) -> None:
     check(r, s, num_last=2)  # fully cached: recompute just the last two
 
 
+@pytest.mark.device
 def test_splice_from_the_start_keeps_common_prefix(runner: CausalLMRunner) -> None:
     r = runner
     rng = random.Random(3)
@@ -114,6 +123,7 @@ def test_splice_from_the_start_keeps_common_prefix(runner: CausalLMRunner) -> No
     check(r, s, num_last=7)
 
 
+@pytest.mark.device
 def test_splice_keeps_the_cache_of_the_common_prefix(runner: CausalLMRunner) -> None:
     r = runner
     rng = random.Random(5)
@@ -134,6 +144,7 @@ def test_splice_keeps_the_cache_of_the_common_prefix(runner: CausalLMRunner) -> 
     assert s.tokens == base[:4]  # a refused splice changes nothing
 
 
+@pytest.mark.device
 def test_random_walk_matches_full_forward(runner: CausalLMRunner) -> None:
     """Seeded random sequences of every edit; each logits call checked against a full forward."""
     r = runner
@@ -167,6 +178,7 @@ def test_random_walk_matches_full_forward(runner: CausalLMRunner) -> None:
         assert checks > 5
 
 
+@pytest.mark.device
 def test_sessions_are_independent(runner: CausalLMRunner) -> None:
     r = runner
     rng = random.Random(4)
@@ -178,6 +190,29 @@ def test_sessions_are_independent(runner: CausalLMRunner) -> None:
         check(r, b)
         r.append(b, random_ids(rng, r, 1))
         r.truncate(a, len(a.tokens) - 1)
+
+
+@pytest.mark.device
+def test_device_logits_match_the_cpu(runner: CausalLMRunner, tiny_pair: tuple[Path, Path], tiny_gpt2_dir: Path) -> None:
+    """One walk of decode, verify and rollback on SPECD_TEST_DEVICE and on the CPU: the same logits."""
+    path = tiny_pair[0] if runner.model.config.model_type == "llama" else tiny_gpt2_dir
+    cpu = CausalLMRunner(load_pretrained(path).model)
+    rng = random.Random(6)
+    prompt = random_ids(rng, runner, 11)
+    s, c = runner.new_session(prompt), cpu.new_session(prompt)
+    for step in range(12):
+        k = rng.randint(1, 5)
+        drafts = random_ids(rng, runner, k)
+        runner.append(s, drafts)
+        cpu.append(c, drafts)
+        got, want = runner.logits(s, k + 1), cpu.logits(c, k + 1)  # a verify of k drafts
+        assert got.device.type == DEVICE.type
+        diff = (got.cpu() - want).abs().max().item()
+        assert diff <= DEVICE_TOL, f"step {step}: {DEVICE} logits differ from the CPU's by {diff:.3g}"
+        keep = len(s.tokens) - k + rng.randint(0, k)  # accept some drafts, roll back the rest
+        runner.truncate(s, keep)
+        cpu.truncate(c, keep)
+        assert s.tokens == c.tokens and s.cached == c.cached
 
 
 # ---- the cache is used, not bypassed ------------------------------------------------

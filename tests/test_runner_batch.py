@@ -16,6 +16,7 @@ from specd.core.errors import InvalidArgument
 from specd.core.model.loading import load_pretrained
 from specd.core.model.runner import CausalLMRunner, KVSession
 from target_service.workers.tp_runner import TensorParallelRunner
+from tests.devices import DEVICE
 
 pytestmark = pytest.mark.usefixtures("torch_single_thread")
 
@@ -30,9 +31,11 @@ TOL = 2e-5
 
 @pytest.fixture(scope="module", params=["llama", "gpt2", "llama-eager", "gpt2-eager"])
 def runner(request: pytest.FixtureRequest, tiny_pair: tuple[Path, Path], tiny_gpt2_dir: Path) -> CausalLMRunner:
-    """Both architectures, with SDPA (the default) and eager attention: each builds its own 4D mask."""
+    """Both architectures, with SDPA (the default) and eager attention: each builds its own 4D mask.
+
+    On SPECD_TEST_DEVICE (the tests marked `device` use it there)."""
     path = tiny_pair[0] if request.param.startswith("llama") else tiny_gpt2_dir
-    model = load_pretrained(path).model
+    model = load_pretrained(path).model.to(DEVICE)
     if request.param.endswith("eager"):
         model.set_attn_implementation("eager")
     return CausalLMRunner(model)
@@ -90,6 +93,7 @@ def mixed_sessions(r: CausalLMRunner, rng: random.Random, count: int) -> list[KV
 # ---- results and caches ----------------------------------------------------------------
 
 
+@pytest.mark.device
 def test_batch_matches_per_session_logits(runner: CausalLMRunner) -> None:
     r = runner
     for seed in range(3):
@@ -108,6 +112,7 @@ def test_batch_matches_per_session_logits(runner: CausalLMRunner) -> None:
             assert diff <= TOL
 
 
+@pytest.mark.device
 def test_batched_verify_walk(runner: CausalLMRunner) -> None:
     """Rounds of speculative verification, batched, against the same rounds unbatched."""
     r = runner
@@ -138,6 +143,7 @@ def test_batched_verify_walk(runner: CausalLMRunner) -> None:
         assert (r.logits(s, 3) - r.logits(c, 3)).abs().max().item() <= TOL
 
 
+@pytest.mark.device
 def test_near_max_context(runner: CausalLMRunner) -> None:
     """A full-context session next to one with many new tokens: padded positions run past the table."""
     r = runner

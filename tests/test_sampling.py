@@ -21,6 +21,7 @@ from specd.core.sampling.sampler import (
     sample_sparse,
     sparse_proposal,
 )
+from tests.devices import DEVICE
 
 F32 = torch.float32
 F64 = torch.float64
@@ -38,7 +39,7 @@ def _one_thread():
 
 def _logits_of(probs: list[float]) -> torch.Tensor:
     """[1, 1, V] logits whose softmax is `probs` (zero -> -inf)."""
-    return torch.tensor(probs, dtype=F64).log().to(F32)[None, None, :]
+    return torch.tensor(probs, dtype=F64).log().to(DEVICE, F32)[None, None, :]
 
 
 def _pp(probs: list[float], **kw) -> torch.Tensor:
@@ -47,7 +48,8 @@ def _pp(probs: list[float], **kw) -> torch.Tensor:
 
 
 def _t(x, dtype=I64) -> torch.Tensor:
-    return torch.tensor(x, dtype=dtype)
+    """On SPECD_TEST_DEVICE, as are the other inputs of the `device`-marked tests."""
+    return torch.tensor(x, dtype=dtype, device=DEVICE)
 
 
 # --------------------------------------------------------------------------
@@ -133,10 +135,11 @@ P4 = [0.5, 0.3, 0.15, 0.05]
         ([0.5, 0.0, 0.5, 0.0], dict(top_p=0.9), [0.5, 0, 0.5, 0]),
     ],
 )
+@pytest.mark.device
 def test_processed_probs_table(probs, kw, expected):
     got = _pp(probs, **kw)
-    assert got.dtype == F32
-    torch.testing.assert_close(got, torch.tensor(expected, dtype=F32), atol=2e-6, rtol=1e-5)
+    assert got.dtype == F32 and got.device.type == DEVICE.type
+    torch.testing.assert_close(got.cpu(), torch.tensor(expected, dtype=F32), atol=2e-6, rtol=1e-5)
     assert abs(float(got.double().sum()) - 1.0) < 1e-6
 
 
@@ -378,7 +381,7 @@ def test_coins_are_uniform_and_roles_independent():
 
 
 def _prop(ids, probs) -> SparseProposal:
-    return SparseProposal(_t(ids), torch.tensor(probs, dtype=F32))
+    return SparseProposal(_t(ids), torch.tensor(probs, dtype=F32, device=DEVICE))
 
 
 def _verdict(v: Verdict) -> tuple[list[int], list[int], list[bool]]:
@@ -477,20 +480,23 @@ REJECTION_CASES = {
 
 @pytest.mark.parametrize("name", [n for n, c in REJECTION_CASES.items() if c[4] is not None])
 @pytest.mark.parametrize("seed", [0, 1, 12345])
+@pytest.mark.device
 def test_rejection_sample_table(name, seed):
     p, drafts, prop, num_draft, (n, tok, bonus) = REJECTION_CASES[name]
-    p = torch.tensor(p, dtype=F32)
-    drafts = torch.tensor(drafts, dtype=I64).reshape(1, p.shape[1] - 1)
+    p = torch.tensor(p, dtype=F32, device=DEVICE)
+    drafts = torch.tensor(drafts, dtype=I64, device=DEVICE).reshape(1, p.shape[1] - 1)
     nd = None if num_draft is None else _t(num_draft)
     v = rejection_sample(p, drafts, prop, _t([seed]), _t([17]), nd)
     assert _verdict(v) == ([n], [tok], [bonus])
     assert v.num_accepted.dtype == I64 and v.next_token.dtype == I64 and v.is_bonus.dtype == torch.bool
+    assert v.next_token.device.type == DEVICE.type
 
 
+@pytest.mark.device
 def test_rejection_sample_second_rejected_follows_the_coin():
     p, drafts, prop, _, _ = REJECTION_CASES["second rejected -> recovered"]
-    p = torch.tensor(p, dtype=F32).expand(64, 3, 4)
-    seeds, start = torch.arange(64, dtype=I64), torch.full((64,), 5, dtype=I64)
+    p = torch.tensor(p, dtype=F32, device=DEVICE).expand(64, 3, 4)
+    seeds, start = torch.arange(64, dtype=I64, device=DEVICE), torch.full((64,), 5, dtype=I64, device=DEVICE)
     prop = SparseProposal(prop.token_ids.expand(64, 2, 2), prop.probs.expand(64, 2, 2))
     v = rejection_sample(p, _t(drafts).expand(64, 2), prop, seeds, start)
     u = coins(seeds, start[:, None] + _t([[0, 1]]), Role.ACCEPT)  # [B, 2]
@@ -555,18 +561,22 @@ def test_rejection_sample_matches_hand_computation_with_coins():
     assert set(v.num_accepted.tolist()) == set(range(K + 1))
 
 
+@pytest.mark.device
 def test_rejection_sample_k0_is_target_only_sampling():
     torch.manual_seed(2)
     B, V = 200, 9
-    p = torch.softmax(torch.randn(B, 1, V), -1)
-    seeds, start = torch.arange(B, dtype=I64), torch.arange(B, dtype=I64) + 4
-    v = rejection_sample(p, torch.zeros(B, 0, dtype=I64), None, seeds, start)
+    p = torch.softmax(torch.randn(B, 1, V), -1).to(DEVICE)
+    seeds, start = torch.arange(B, dtype=I64, device=DEVICE), torch.arange(B, dtype=I64, device=DEVICE) + 4
+    v = rejection_sample(p, torch.zeros(B, 0, dtype=I64, device=DEVICE), None, seeds, start)
     u = coins(seeds, start[:, None], Role.BONUS)[:, 0]
     assert torch.equal(v.next_token, sample_from_probs(p[:, 0], u))
     assert bool(v.is_bonus.all()) and int(v.num_accepted.abs().sum()) == 0
     # an empty sparse proposal is the same thing
-    empty = SparseProposal(torch.zeros(B, 0, 4, dtype=I64), torch.zeros(B, 0, 4, dtype=F32))
-    assert torch.equal(rejection_sample(p, torch.zeros(B, 0, dtype=I64), empty, seeds, start).next_token, v.next_token)
+    empty = SparseProposal(
+        torch.zeros(B, 0, 4, dtype=I64, device=DEVICE), torch.zeros(B, 0, 4, dtype=F32, device=DEVICE)
+    )
+    nothing = torch.zeros(B, 0, dtype=I64, device=DEVICE)
+    assert torch.equal(rejection_sample(p, nothing, empty, seeds, start).next_token, v.next_token)
 
 
 def test_rejection_sample_zero_residual_guard_samples_from_p():

@@ -33,6 +33,7 @@ from specd.core.sampling.sampler import (
     sparse_proposal,
 )
 from specd.core.sampling.sparse_q import QSettings
+from tests.devices import DEVICE
 
 pytestmark = pytest.mark.slow
 
@@ -58,10 +59,10 @@ def chi2_pvalue(tokens: torch.Tensor, probs: torch.Tensor) -> float:
     tokens: [n] int64 sample ids in [0, len(probs)); probs: [M] expected probabilities.
     A sample in a zero-probability bin is an outright failure (p-value 0).
     """
-    probs = probs.to(F64).numpy()
+    probs = probs.to("cpu", F64).numpy()
     probs = probs / probs.sum()
     n = tokens.numel()
-    counts = np.bincount(tokens.numpy(), minlength=probs.size).astype(np.float64)
+    counts = np.bincount(tokens.cpu().numpy(), minlength=probs.size).astype(np.float64)
     if counts[probs == 0].sum() > 0:
         return 0.0
     expected = probs * n
@@ -105,11 +106,13 @@ def first_token(
     one_hot: bool = False,
     seed0: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Run B rows (seed per row) of one K=1 round; return (emitted first tokens [B], target p [V])."""
-    p = _processed(TARGET_LOGITS, params)  # [V]
-    q = _processed(DRAFT_LOGITS, params)  # [V] the draft applies the request's settings too
-    seeds = torch.arange(B, dtype=I64) + seed0
-    start = torch.full((B,), 11, dtype=I64)
+    """Run B rows (seed per row) of one K=1 round; return (emitted first tokens [B], target p [V]).
+
+    On SPECD_TEST_DEVICE: the tests marked `device` are the chi-square cells scripts/gpu_check.sh runs on CUDA."""
+    p = _processed(TARGET_LOGITS.to(DEVICE), params)  # [V]
+    q = _processed(DRAFT_LOGITS.to(DEVICE), params)  # [V] the draft applies the request's settings too
+    seeds = torch.arange(B, dtype=I64, device=DEVICE) + seed0
+    start = torch.full((B,), 11, dtype=I64, device=DEVICE)
     if one_hot:
         # n-gram-like draft, no q sent: half the rows propose the draft's favourite, half a spread of tokens
         tok = torch.where(seeds % 2 == 0, q.argmax(), (seeds * 7 + 3) % V1)
@@ -133,6 +136,7 @@ GRID = list(
 )
 
 
+@pytest.mark.device
 @pytest.mark.parametrize("temperature, top_k, top_p, wire_top_k", GRID)
 def test_first_token_matches_target(temperature, top_k, top_p, wire_top_k):
     params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p)
@@ -140,6 +144,7 @@ def test_first_token_matches_target(temperature, top_k, top_p, wire_top_k):
     assert chi2_pvalue(emitted, p) > PASS_P
 
 
+@pytest.mark.device
 @pytest.mark.parametrize(
     "params",
     [SamplingParams(min_p=0.05), SamplingParams(temperature=1.2, top_k=10, top_p=0.8, min_p=0.02)],
@@ -150,6 +155,7 @@ def test_first_token_matches_target_min_p_and_coarse_wire(params, wire_bits):
     assert chi2_pvalue(emitted, p) > PASS_P
 
 
+@pytest.mark.device
 @pytest.mark.parametrize("params", [SamplingParams(), SamplingParams(temperature=0.7, top_k=20, top_p=0.9)])
 def test_first_token_one_hot_draft_matches_target(params):
     emitted, p = first_token(params, 1, one_hot=True)

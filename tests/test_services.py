@@ -39,6 +39,7 @@ def cluster(tiny_cluster: Cluster) -> Cluster:
     return tiny_cluster
 
 
+@pytest.mark.device  # services on SPECD_TEST_DEVICE (tiny_cluster), reference on the CPU
 def test_greedy_generate_and_stream_equal_target_only(cluster: Cluster, tiny_pair: tuple[Path, Path]) -> None:
     target, _ = tiny_pair
     with cluster.client() as client:

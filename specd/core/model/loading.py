@@ -2,7 +2,7 @@
 
 Everything here works offline: folders are loaded with ``local_files_only``.
 Callers pass every path; nothing here reads the environment. The demo target
-(specd.core.model.demo_target) and the tiny test models (tests.tiny_models)
+(specd.core.model.demo_target) and the tiny test models (specd.tools.tiny_models)
 are built into folders with `atomic_folder`.
 
 Folders written with `atomic_folder` appear atomically: they are written

@@ -3,7 +3,7 @@
 Speculative decoding appends tokens that may later be rejected, so both the
 draft and the target need a cache they can cut back to any earlier length.
 `CausalLMRunner` wraps a Hugging Face causal LM (Llama family, GPT-2 family,
-anything that takes ``cache=`` / ``position_ids=`` / ``logits_to_keep=``) and
+anything that takes a cache / ``position_ids=`` / ``logits_to_keep=``) and
 keeps, per sequence, a `KVSession`: the tokens the owner knows about and the
 KV cache of a prefix of them. The cache is filled lazily: `append` and
 `truncate` only edit token lists and crop; the model runs in `logits`, over
@@ -13,11 +13,20 @@ Invariant of a session ``s``:
     1 <= len(s.tokens) <= max_context
     0 <= s.cached <= len(s.tokens)
     s.cache holds exactly the keys/values of s.tokens[:s.cached] (every layer)
+
+transformers versions differ in two things this module uses (both read off
+the model, see `_cache_argument` and `_takes_row_mask`): the forward's cache
+argument is ``cache=`` in 5.24 and ``past_key_values=`` in 5.17 (5.17 takes
+``cache=`` into **kwargs and silently runs without the session's cache), and
+only 5.24 takes a 2D boolean ``logits_to_keep`` (5.17 indexes dimension 1
+with it and fails).
 """
 
 from __future__ import annotations
 
+import inspect
 import operator
+import sys
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, cast
@@ -72,6 +81,21 @@ def _context_limit(model: PreTrainedModel) -> int | None:
     return None
 
 
+def _cache_argument(model: PreTrainedModel) -> str:
+    """The forward's keyword for the KV cache: ``cache`` (transformers 5.24) or ``past_key_values`` (5.17)."""
+    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+
+
+def _takes_row_mask(model: PreTrainedModel) -> bool:
+    """Does the model's LM head take a 2D boolean ``logits_to_keep`` (rows of several sequences)?
+
+    transformers 5.24's modeling code slices with ``slice_logits_to_keep``, which does; 5.17's
+    ``hidden_states[:, logits_to_keep]`` does not.
+    """
+    module = sys.modules.get(type(model).__module__)
+    return module is not None and hasattr(module, "slice_logits_to_keep")
+
+
 class CausalLMRunner:
     """Runs a causal LM over `KVSession`s: append, roll back, read logits.
 
@@ -108,6 +132,8 @@ class CausalLMRunner:
         self.vocab_size: int = int(getattr(head, "out_features", None) or head.weight.shape[0])
         self.max_context: int = int(max_context)
         self._kv_bytes_per_token: int | None = None
+        self._cache_kw = _cache_argument(model)
+        self._row_mask = _takes_row_mask(model)
 
     # ---- validation -----------------------------------------------------
 
@@ -235,8 +261,8 @@ class CausalLMRunner:
             out = self.model(
                 input_ids=input_ids,
                 position_ids=position_ids,
-                cache=s.cache,
                 use_cache=True,
+                **{self._cache_kw: s.cache},
                 logits_to_keep=num_last,  # LM head over the rows we return only
             )
         except BaseException:
@@ -367,15 +393,16 @@ class CausalLMRunner:
             input_ids=input_ids,
             attention_mask=mask,
             position_ids=position_ids,
-            cache=cache,
             use_cache=True,
             # A 2D boolean mask keeps exactly the rows returned, flattened in
             # (session, position) order: no LM head work on rows nobody reads
             # (padding, or recomputed positions before the last num_last).
-            logits_to_keep=rows,
+            # Older transformers: the head runs over every row (0), selected below.
+            logits_to_keep=rows if self._row_mask else 0,
+            **{self._cache_kw: cache},
         )
         flat = out.logits
-        if flat.ndim == 3:  # a model that ignored the row selection: select here
+        if flat.ndim == 3:  # all rows came back (older transformers, or a model that ignored the mask): select here
             flat = flat[rows]
         del out
 

@@ -1,8 +1,9 @@
-"""Shared pytest fixtures.
+"""Shared pytest fixtures and the tiers (tests/tiers.py: each test gets its folder's marker).
 
 Model fixtures are session-scoped: tiny models are built once per test run
 (well under a second) into pytest's temporary folder; the demo target is
-converted once into the user's specd cache and reused across runs.
+converted once into the user's specd cache and reused across runs. The
+services' fixtures (clusters, the bench runner) are in tests/services/conftest.py.
 """
 
 from __future__ import annotations
@@ -18,7 +19,19 @@ import torch
 
 from specd.core.demo_target import demo_target_path
 from specd.core.tiny_models import build_tiny_gpt2, build_tiny_pair
-from tests.cluster import Cluster
+from tests.tiers import TIERS, mark_by_tier, tier_of
+
+# ---- tiers --------------------------------------------------------------------
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Mark each test with its tier, and run the tiers lightest first (unit, slow, services, deploy).
+
+    The sort is stable, so each module's tests stay together and in order (module fixtures are built once).
+    """
+    mark_by_tier(items)
+    items.sort(key=lambda item: TIERS.index(tier_of(item.path) or TIERS[0]))
+
 
 # ---- models -------------------------------------------------------------------
 
@@ -62,9 +75,9 @@ def demo_target_dir() -> Path:
 # ---- torch threads -------------------------------------------------------------
 
 
-@pytest.fixture
+@pytest.fixture(scope="module")
 def torch_single_thread() -> Iterator[None]:
-    """Run a test with one intra-op thread, then restore the previous count.
+    """Run a module's tests (and its module fixtures) with one intra-op thread, then restore the count.
 
     Tiny models make many microsecond-sized ops; on a small shared machine,
     thread hand-offs cost more than the ops (measured: 20x slower with 2
@@ -76,15 +89,3 @@ def torch_single_thread() -> Iterator[None]:
         yield
     finally:
         torch.set_num_threads(previous)
-
-
-# ---- services -------------------------------------------------------------------
-
-
-@pytest.fixture(scope="session")
-def tiny_cluster(tiny_pair: tuple[Path, Path], tmp_path_factory: pytest.TempPathFactory):
-    """target + draft + coordinator processes on the tiny pair, shared by the tests that do not break them."""
-
-    target, draft = tiny_pair
-    with Cluster(target, draft, cache_dir=tmp_path_factory.mktemp("cluster-cache")) as cluster:
-        yield cluster

@@ -49,7 +49,7 @@ from specd.serving.metrics import CoordinatorMetrics, DraftMetrics, TargetMetric
 from specd.tools.cli import build_parser
 from specd.v1 import coordinator_pb2
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 CHART = ROOT / "k8s" / "helm" / "specd"
 MANIFESTS = ROOT / "k8s" / "manifests"
 TOOLS = ROOT / ".tools"

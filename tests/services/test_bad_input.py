@@ -9,8 +9,6 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from coordinator.requests import spec_from_request
-from specd.serving.config import CoordinatorConfig
 from specd.v1 import common_pb2, coordinator_pb2, coordinator_pb2_grpc
 from tests.cluster import Cluster
 
@@ -150,17 +148,3 @@ def test_fuzzed_requests_never_crash(stub, fields) -> None:
             fields,
         )
         assert err.details() and "internal" not in err.details().lower()
-
-
-@pytest.mark.parametrize("mode, asked, expected", [(AUTO, 12, 12), (AUTO, 0, 4), (FIXED, 6, 6), (FIXED, 0, 4)])
-def test_draft_length_is_fixed_k_or_autos_largest_k(mode: int, asked: int, expected: int) -> None:
-    r = req(token_ids=[1, 2, 3], speculation={"mode": mode, "draft_length": asked})
-    spec = spec_from_request(
-        r,
-        None,
-        CoordinatorConfig(),
-        vocab_size=VOCAB,
-        max_context=100,  # type: ignore[arg-type]
-        eos_token_ids=frozenset(),
-    )
-    assert spec.draft_length == expected  # 0: the server's --draft-length (4)

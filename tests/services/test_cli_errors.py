@@ -15,7 +15,7 @@ from specd.tools.client_errors import EXIT_AUTH, EXIT_DEADLINE, EXIT_TLS, EXIT_U
 from tests.certs import Pki, make_pki
 from tests.cluster import Cluster
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 TOKEN = "cli-errors-token"
 
 
@@ -84,14 +84,18 @@ def pki(tmp_path_factory: pytest.TempPathFactory) -> Pki:
 
 
 @pytest.fixture(scope="module")
-def secure(tiny_pair: tuple[Path, Path], pki: Pki, tmp_path_factory: pytest.TempPathFactory):
-    """A coordinator with TLS and an API token, over a target (no draft)."""
+def secure(tiny_pair: tuple[Path, Path], tiny_cluster: Cluster, pki: Pki, tmp_path_factory: pytest.TempPathFactory):
+    """A coordinator with TLS and an API token, over the session's target (no draft)."""
     token_file = tmp_path_factory.mktemp("token") / "token"
     token_file.write_text(TOKEN + "\n")
     coordinator = ["--tls-cert", str(pki.server_cert), "--tls-key", str(pki.server_key)]
     coordinator += ["--api-token-file", str(token_file)]
     with Cluster(
-        tiny_pair[0], None, cache_dir=tmp_path_factory.mktemp("cache"), coordinator_args=coordinator
+        tiny_pair[0],
+        None,
+        cache_dir=tmp_path_factory.mktemp("cache"),
+        coordinator_args=coordinator,
+        borrow_target=tiny_cluster,
     ) as cluster:
         yield cluster, token_file
 

@@ -46,12 +46,13 @@ def _references(target: Path, n_tokens: int) -> dict[str, list[int]]:
 
 
 @pytest.mark.parametrize("drafter_cls", [LyingDrafter, SlowDrafter], ids=["lying", "slow"])
-def test_lying_or_slow_draft_never_changes_the_output(tiny_pair, tmp_path: Path, drafter_cls) -> None:
+def test_lying_or_slow_draft_never_changes_the_output(tiny_pair, tiny_cluster, tmp_path: Path, drafter_cls) -> None:
     target, draft = tiny_pair
     refs = _references(target, 24)
     with InProcessDraftServer(drafter_cls, draft) as bad_draft:
         args = ["--draft", bad_draft.address, "--draft-timeout-s", "1", "--draft-retry-s", "0.2"]
-        with Cluster(target, None, cache_dir=tmp_path, coordinator_args=args) as c, c.client() as client:
+        cluster = Cluster(target, None, cache_dir=tmp_path, coordinator_args=args, borrow_target=tiny_cluster)
+        with cluster as c, c.client() as client:
             for text in PROMPTS[:4]:
                 reply = client.generate(
                     _ids(target, text),
@@ -65,23 +66,27 @@ def test_lying_or_slow_draft_never_changes_the_output(tiny_pair, tmp_path: Path,
         assert bad_draft.drafter.calls > 0
 
 
-def test_chaos_draft_killed_restarted_and_paused_under_32_streams(tiny_pair, tmp_path: Path) -> None:
-    """32 concurrent streams for 20 s while the draft dies, comes back and freezes (twice): no failure, exact output."""
+def test_chaos_draft_killed_restarted_and_paused_under_32_streams(tiny_pair, tiny_cluster, tmp_path: Path) -> None:
+    """32 concurrent streams while the draft dies, comes back and freezes (twice): no failure, exact output.
+
+    Event-driven: each chaos step waits until PER_STEP more requests have finished (bounded),
+    so requests run through every state (draft up, dead, restarted, frozen) however fast the machine.
+    """
     target, draft = tiny_pair
     refs = _references(target, 40)
-    duration_s = 20.0
-    with Cluster(
-        target, draft, cache_dir=tmp_path, coordinator_args=["--draft-timeout-s", "1", "--draft-retry-s", "0.5"]
-    ) as c:
+    per_step, step_timeout_s = 8, 60.0
+    args = ["--draft-timeout-s", "1", "--draft-retry-s", "0.5"]
+    with Cluster(target, draft, cache_dir=tmp_path, coordinator_args=args, borrow_target=tiny_cluster) as c:
         assert c.draft is not None
-        stop = time.monotonic() + duration_s
+        stop = threading.Event()
+        progress = threading.Condition()
         failures: list[str] = []
         done = [0]
 
         def client_loop(worker: int) -> None:
             rng = random.Random(worker)
             with c.client(timeout=120) as client:
-                while time.monotonic() < stop:
+                while not stop.is_set():
                     text = rng.choice(PROMPTS)
                     try:
                         got = [
@@ -101,19 +106,31 @@ def test_chaos_draft_killed_restarted_and_paused_under_32_streams(tiny_pair, tmp
                         continue
                     if got != refs[text]:
                         failures.append(f"wrong output for {text!r}")
-                    done[0] += 1
+                    with progress:
+                        done[0] += 1
+                        progress.notify_all()
+
+        def served(what: str) -> None:
+            """Wait until per_step more requests have finished (at most step_timeout_s)."""
+            with progress:
+                goal = done[0] + per_step
+                if not progress.wait_for(lambda: done[0] >= goal, step_timeout_s):
+                    failures.append(f"fewer than {per_step} requests finished in {step_timeout_s:.0f} s {what}")
 
         def chaos() -> None:
             assert c.draft is not None
-            while time.monotonic() < stop - 8:  # one cycle is 8 s (a restart waits for the banner): 2 in all
-                time.sleep(2)
-                c.draft.kill()
-                time.sleep(1.5)
-                c.draft.restart(c.env)
-                time.sleep(2.5)
-                c.draft.signal(signal.SIGSTOP)
-                time.sleep(2)
-                c.draft.signal(signal.SIGCONT)
+            try:
+                for _ in range(2):
+                    served("with the draft up")
+                    c.draft.kill()
+                    served("with the draft dead")
+                    c.draft.restart(c.env)  # returns once the new draft printed its banner
+                    served("after the draft's restart")
+                    c.draft.signal(signal.SIGSTOP)
+                    served("with the draft frozen")
+                    c.draft.signal(signal.SIGCONT)
+            finally:
+                stop.set()
 
         agent = threading.Thread(target=chaos)
         agent.start()
@@ -124,13 +141,13 @@ def test_chaos_draft_killed_restarted_and_paused_under_32_streams(tiny_pair, tmp
         assert done[0] >= 32
 
 
-def test_target_killed_mid_load_fails_fast_then_recovers(tiny_pair, tmp_path: Path) -> None:
+def test_target_killed_mid_load_fails_fast_then_recovers(tiny_pair, tiny_cluster, tmp_path: Path) -> None:
     target, draft = tiny_pair
     ids = _ids(target, PROMPTS[0])
-    with Cluster(
-        target, draft, cache_dir=tmp_path, coordinator_args=["--target-timeout-s", "3", "--request-timeout-s", "20"]
-    ) as c:
+    args = ["--target-timeout-s", "3", "--request-timeout-s", "20"]
+    with Cluster(target, draft, cache_dir=tmp_path, coordinator_args=args, borrow_draft=tiny_cluster) as c:
         outcomes: list[tuple[str, float, int]] = []
+        streaming = threading.Semaphore(0)  # released once per request at its first tokens
 
         def call() -> None:
             started = time.monotonic()
@@ -138,6 +155,8 @@ def test_target_killed_mid_load_fails_fast_then_recovers(tiny_pair, tmp_path: Pa
             try:
                 with c.client(timeout=60) as client:
                     for msg in client.generate_stream(ids, max_new_tokens=400, temperature=0, ignore_eos=True):
+                        if not received:
+                            streaming.release()
                         received += len(msg.token_ids)
                 outcomes.append(("ok", time.monotonic() - started, received))
             except grpc.RpcError as exc:
@@ -146,7 +165,9 @@ def test_target_killed_mid_load_fails_fast_then_recovers(tiny_pair, tmp_path: Pa
         workers = [threading.Thread(target=call) for _ in range(8)]
         for w in workers:
             w.start()
-        time.sleep(1.5)
+        deadline = time.monotonic() + 30  # the kill comes once every request streams (or after 30 s)
+        for _ in workers:
+            streaming.acquire(timeout=max(0.0, deadline - time.monotonic()))
         killed_at = time.monotonic()
         c.target.kill()
         for w in workers:
@@ -168,10 +189,12 @@ def test_target_killed_mid_load_fails_fast_then_recovers(tiny_pair, tmp_path: Pa
                     time.sleep(0.5)
 
 
-def test_overload_gets_resource_exhausted_quickly(tiny_pair, tmp_path: Path) -> None:
+def test_overload_gets_resource_exhausted_quickly(tiny_pair, tiny_cluster, tmp_path: Path) -> None:
     target, draft = tiny_pair
     ids = _ids(target, PROMPTS[1])
-    with Cluster(target, draft, cache_dir=tmp_path, coordinator_args=["--max-concurrent-requests", "2"]) as c:
+    args = ["--max-concurrent-requests", "2"]
+    shared = {"borrow_target": tiny_cluster, "borrow_draft": tiny_cluster}
+    with Cluster(target, draft, cache_dir=tmp_path, coordinator_args=args, **shared) as c:
         results: list[tuple[str, float]] = []
 
         def call() -> None:
@@ -191,14 +214,15 @@ def test_overload_gets_resource_exhausted_quickly(tiny_pair, tmp_path: Path) -> 
         assert all(t < 5 for code, t in results if code == "RESOURCE_EXHAUSTED"), results
 
 
-def test_cancelled_requests_free_their_sessions(tiny_pair, tmp_path: Path) -> None:
-    """100 requests cancelled mid-stream: the draft's and target's session counts return to 0."""
+def test_cancelled_requests_free_their_sessions(tiny_pair, tiny_cluster, tmp_path: Path) -> None:
+    """100 requests cancelled mid-stream: the draft's and target's session counts return to 0.
+
+    The draft and target are the session's (started with --metrics-port 0), idle between tests.
+    """
 
     target, draft = tiny_pair
     ids = _ids(target, PROMPTS[2])
-    with Cluster(
-        target, draft, cache_dir=tmp_path, target_args=["--metrics-port", "0"], draft_args=["--metrics-port", "0"]
-    ) as c:
+    with Cluster(target, draft, cache_dir=tmp_path, borrow_target=tiny_cluster, borrow_draft=tiny_cluster) as c:
         assert c.draft is not None
         addresses = {s.name: metrics_address(s) for s in (c.draft, c.target)}
 
@@ -220,13 +244,14 @@ def test_cancelled_requests_free_their_sessions(tiny_pair, tmp_path: Path) -> No
             time.sleep(0.2)
 
 
-def test_kv_budget_refuses_sessions_and_bounds_memory(tiny_pair, tmp_path: Path) -> None:
+def test_kv_budget_refuses_sessions_and_bounds_memory(tiny_pair, tiny_cluster, tmp_path: Path) -> None:
     """Beyond the target's KV-cache budget, requests get RESOURCE_EXHAUSTED at once; RSS stays bounded."""
     target, draft = tiny_pair
     per_token = 2 * 3 * 2 * 16 * 4  # K and V x layers x KV heads x head dim x float32 (tiny target)
     budget = per_token * 64
     ids = _ids(target, "a prompt of about thirty byte-level tokens!")
-    with Cluster(target, draft, cache_dir=tmp_path, target_args=["--max-kv-bytes", str(budget)]) as c:
+    target_args = ["--max-kv-bytes", str(budget)]
+    with Cluster(target, draft, cache_dir=tmp_path, target_args=target_args, borrow_draft=tiny_cluster) as c:
         assert c.target.pid is not None
         rss_before = c.target.peak_rss_bytes()
         results: list[tuple[str, float]] = []

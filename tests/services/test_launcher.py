@@ -24,7 +24,7 @@ import pytest
 
 from coordinator.client import CoordinatorClient
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 START_S = 300.0  # bound on any wait for a start (the machine may be busy); never a speed assertion
 PROMPT = [72, 101, 108, 108, 111, 44, 32, 119]  # token ids of the tiny byte-level tokenizer: "Hello, w"
 

@@ -17,9 +17,7 @@ from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoRe
 
 from coordinator.client import CoordinatorClient, build_request
 from coordinator.requests import CHARS_PER_TOKEN, public_message_limit
-from specd.core.errors import InvalidArgument
 from specd.serving.config import CoordinatorConfig
-from specd.serving.security import MIN_TOKEN_CHARS, read_token
 from specd.v1 import coordinator_pb2_grpc, session_pb2, target_pb2, target_pb2_grpc
 from tests.cluster import Cluster
 
@@ -37,7 +35,8 @@ def _rss_bytes(pid: int) -> int:
 
 
 @pytest.fixture(scope="module")
-def cluster(tiny_pair: tuple[Path, Path], tmp_path_factory: pytest.TempPathFactory):
+def cluster(tiny_pair: tuple[Path, Path], tiny_cluster: Cluster, tmp_path_factory: pytest.TempPathFactory):
+    """A coordinator with a token and tight caps, on the session's target and draft."""
     target, draft = tiny_pair
     token_file = tmp_path_factory.mktemp("token") / "token"
     token_file.write_text(TOKEN)
@@ -45,7 +44,8 @@ def cluster(tiny_pair: tuple[Path, Path], tmp_path_factory: pytest.TempPathFacto
         *("--api-token-file", str(token_file), "--max-concurrent-requests", "2", "--max-concurrent-rpcs", "300"),
         *("--max-active-tokens", str(ACTIVE_TOKENS)),
     ]
-    with Cluster(target, draft, cache_dir=tmp_path_factory.mktemp("cache"), coordinator_args=args) as c:
+    shared = {"borrow_target": tiny_cluster, "borrow_draft": tiny_cluster}
+    with Cluster(target, draft, cache_dir=tmp_path_factory.mktemp("cache"), coordinator_args=args, **shared) as c:
         yield c
 
 
@@ -172,12 +172,14 @@ def test_admission_counts_prompt_and_new_tokens(cluster: Cluster) -> None:
         assert reply.stats.completion_tokens >= 1
 
 
-def test_concurrent_rpcs_are_capped(tiny_pair: tuple[Path, Path], tmp_path: Path) -> None:
+def test_concurrent_rpcs_are_capped(tiny_pair: tuple[Path, Path], tiny_cluster: Cluster, tmp_path: Path) -> None:
     token_file = tmp_path / "token"
     token_file.write_text(TOKEN)
     args = ["--api-token-file", str(token_file), "--max-concurrent-rpcs", "4"]
     meta = (("authorization", f"Bearer {TOKEN}"),)
-    cluster = Cluster(tiny_pair[0], None, cache_dir=tmp_path / "cache", coordinator_args=args)
+    cluster = Cluster(
+        tiny_pair[0], None, cache_dir=tmp_path / "cache", coordinator_args=args, borrow_target=tiny_cluster
+    )
     with cluster as c, grpc.insecure_channel(c.address) as channel:
         stub = health_pb2_grpc.HealthStub(channel)
         held = [stub.Watch(health_pb2.HealthCheckRequest(), timeout=30, metadata=meta) for _ in range(4)]
@@ -188,38 +190,6 @@ def test_concurrent_rpcs_are_capped(tiny_pair: tuple[Path, Path], tmp_path: Path
         assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
         for call in held:
             call.cancel()
-
-
-# ---- the token ---------------------------------------------------------------------------------
-
-
-def test_a_short_token_is_refused(tmp_path: Path) -> None:
-    path = tmp_path / "token"
-    path.write_text("x" * (MIN_TOKEN_CHARS - 1) + "\n")
-    with pytest.raises(InvalidArgument, match="at least"):
-        read_token(str(path))
-    path.write_text("x" * MIN_TOKEN_CHARS)
-    assert read_token(str(path)) == "x" * MIN_TOKEN_CHARS
-
-
-@pytest.mark.parametrize("host, ok", [("127.0.0.1", True), ("::1", True), ("localhost", True), ("0.0.0.0", False)])
-def test_a_token_needs_tls_off_loopback(tmp_path: Path, host: str, ok: bool) -> None:
-    path = tmp_path / "token"
-    path.write_text(TOKEN)
-    config = CoordinatorConfig(host=host, api_token_file=str(path))
-    if ok:
-        config.validate()
-    else:
-        with pytest.raises(InvalidArgument, match="TLS"):
-            config.validate()
-        CoordinatorConfig(host=host, api_token_file=str(path), allow_plaintext_token=True).validate()
-
-
-def test_float_settings_must_be_finite() -> None:
-    with pytest.raises(InvalidArgument, match="finite"):
-        CoordinatorConfig(draft_retry_s=float("nan")).validate()
-    with pytest.raises(InvalidArgument, match="finite"):
-        CoordinatorConfig(grace_s=float("inf")).validate()
 
 
 # ---- sessions belong to their stream -------------------------------------------------------------

@@ -32,7 +32,7 @@ from coordinator.client import build_request
 from specd.v1 import coordinator_pb2_grpc
 from tests.cluster import Cluster, metrics_address, scrape, total
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 DASHBOARD = ROOT / "k8s" / "helm" / "specd" / "dashboards" / "specd.json"
 SCRAPE_INTERVAL = "1s"
 WINDOW = "5m"  # stands for Grafana's $__rate_interval: the whole run
@@ -152,9 +152,15 @@ def prometheus_binary() -> str:
 
 @pytest.fixture(scope="module")
 def scraped(
-    prometheus_binary: str, tiny_pair: tuple[Path, Path], tmp_path_factory: pytest.TempPathFactory
+    prometheus_binary: str,
+    tiny_pair: tuple[Path, Path],
+    tiny_cluster: Cluster,
+    tmp_path_factory: pytest.TempPathFactory,
 ) -> Iterator[tuple[Cluster, Prometheus]]:
-    """The services (the target as its own draft, so drafts are accepted) and a Prometheus scraping them."""
+    """The services (the target as its own draft, so drafts are accepted) and a Prometheus scraping them.
+
+    The target is the session's (it serves metrics); the draft and the coordinator are this module's.
+    """
     flags = ["--metrics-port", "0"]
     target = tiny_pair[0]
     cluster = Cluster(
@@ -162,8 +168,8 @@ def scraped(
         target,
         cache_dir=tmp_path_factory.mktemp("cache"),
         coordinator_args=flags,
-        target_args=flags,
         draft_args=flags,
+        borrow_target=tiny_cluster,
     )
     with cluster:
         assert cluster.coordinator is not None and cluster.draft is not None

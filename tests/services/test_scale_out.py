@@ -27,7 +27,7 @@ from coordinator.client import CoordinatorClient
 from specd.serving import trace_names
 from specd.tools.otlp_receiver import OtlpReceiver
 from tests.cluster import QuietService, metrics_address, scrape, stop_together, total
-from tests.test_faults import PROMPTS, _ids, _references
+from tests.services.test_faults import PROMPTS, _ids, _references
 
 pytestmark = pytest.mark.slow
 
@@ -172,7 +172,11 @@ def test_two_targets_two_drafts_split_heal_and_grow(tiny_pair, tmp_path: Path, r
 
         def chaos() -> None:
             try:
-                time.sleep(3)
+                deadline = (
+                    time.monotonic() + 60
+                )  # the kill comes under load: once a quarter of the streams finished a request
+                while done[0] < STREAMS // 4 and time.monotonic() < deadline and not stop.is_set():
+                    time.sleep(0.05)
                 before = done[0]
                 targets[0].kill()
                 timeline["killed"] = time.monotonic()
@@ -271,7 +275,9 @@ def test_a_frozen_target_replica_loses_its_sessions_to_the_other(tiny_pair, tmp_
         def freeze() -> None:
             assert targets[0].proc is not None
             try:
-                time.sleep(2)
+                deadline = time.monotonic() + 60  # the freeze comes under load: once 4 requests finished
+                while done[0] < 4 and time.monotonic() < deadline:
+                    time.sleep(0.05)
                 targets[0].proc.send_signal(signal.SIGSTOP)
                 deadline = time.monotonic() + 60
                 while time.monotonic() < deadline and not any(

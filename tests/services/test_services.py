@@ -215,14 +215,16 @@ def test_draft_killed_mid_request_and_target_restarted(tiny_pair: tuple[Path, Pa
         assert list(resp.token_ids) == ref[:30], c.logs()
 
 
-def test_sigterm_lets_in_flight_request_finish(tiny_pair: tuple[Path, Path], tmp_path: Path) -> None:
+def test_sigterm_lets_in_flight_request_finish(
+    tiny_pair: tuple[Path, Path], tiny_cluster: Cluster, tmp_path: Path
+) -> None:
     """SIGTERM drains: the coordinator finishes its in-flight request. A draft, whose round stream is one call that
     never ends by itself, serves the request's rounds until its session closes and then ends the stream, so it
     exits long before its grace; the tokens are target-only greedy's."""
     target, draft = tiny_pair
     ids = prompt_ids(target, PROMPTS[1])
     greedy = reference(target, None, ids, SamplingParams(temperature=0.0), max_new_tokens=150)
-    c = Cluster(target, draft, cache_dir=tmp_path, draft_args=["--grace-s", "120"]).start()
+    c = Cluster(target, draft, cache_dir=tmp_path, draft_args=["--grace-s", "120"], borrow_target=tiny_cluster).start()
     try:
         assert c.coordinator is not None and c.draft is not None
         client = c.client()
@@ -254,11 +256,14 @@ def test_sigterm_lets_in_flight_request_finish(tiny_pair: tuple[Path, Path], tmp
         c.stop()
 
 
-def test_pipelining_and_auto_give_the_same_tokens(tiny_pair: tuple[Path, Path], tmp_path: Path) -> None:
+def test_pipelining_and_auto_give_the_same_tokens(
+    tiny_pair: tuple[Path, Path], tiny_cluster: Cluster, tmp_path: Path
+) -> None:
     """Bonus-match pipelining is exact and changes no token; post-verify pipelining gives target-only's greedy
     tokens, and sampled, the in-process loop's tokens; automatic K is exact (greedy)."""
     target, _ = tiny_pair
-    with Cluster(target, target, cache_dir=tmp_path) as c, c.client() as client:  # the target drafts for itself
+    cluster = Cluster(target, target, cache_dir=tmp_path, borrow_target=tiny_cluster)  # the target drafts for itself
+    with cluster as c, c.client() as client:
         hits = post_hits = auto_drafted = cache_hits = 0
         for seed, text in enumerate(PROMPTS[:4]):
             ids = prompt_ids(target, text)

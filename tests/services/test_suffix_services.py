@@ -88,7 +88,7 @@ def _seeded(i: int) -> SamplingParams:
 
 
 def test_suffix_through_the_services_equals_the_in_process_loop(
-    tiny_pair: tuple[Path, Path], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+    tiny_pair: tuple[Path, Path], tiny_cluster: Cluster, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     target, _ = tiny_pair
     vocab = Verifier(CausalLMRunner(loaded(str(target)).model)).vocab_size
@@ -97,7 +97,7 @@ def test_suffix_through_the_services_equals_the_in_process_loop(
     seeded_ref = _in_process(target, reference, _seeded, 4)
     assert _in_process(target, reference, _greedy, 4) == greedy_ref
     args = ["--metrics-port", "0", "--suffix-index-bytes", str(1 << 20)]
-    with Cluster(target, "suffix", cache_dir=tmp_path, draft_args=args) as cluster:
+    with Cluster(target, "suffix", cache_dir=tmp_path, draft_args=args, borrow_target=tiny_cluster) as cluster:
         assert _run(cluster, target, _seeded, 4) == seeded_ref
         assert _run(cluster, target, _greedy, 4, done=len(TEXTS)) == greedy_ref
         samples = scrape(metrics_address(cluster.draft))
@@ -116,7 +116,9 @@ def test_suffix_through_the_services_equals_the_in_process_loop(
         assert "no draft tokens verified" in capsys.readouterr().err
 
 
-def test_hybrid_through_the_services_equals_the_in_process_loop(tiny_pair: tuple[Path, Path], tmp_path: Path) -> None:
+def test_hybrid_through_the_services_equals_the_in_process_loop(
+    tiny_pair: tuple[Path, Path], tiny_cluster: Cluster, tmp_path: Path
+) -> None:
     target, draft = tiny_pair
 
     def hybrid() -> HybridDrafter:
@@ -127,6 +129,6 @@ def test_hybrid_through_the_services_equals_the_in_process_loop(tiny_pair: tuple
     seeded_ref = _in_process(target, reference, _seeded, 3)
     assert _in_process(target, reference, _greedy, 3) == greedy_ref
     args = ["--metrics-port", "0", "--no-hybrid-adaptive-k", "--hybrid-threshold", "1.0"]
-    with Cluster(target, f"suffix+{draft}", cache_dir=tmp_path, draft_args=args) as cluster:
+    with Cluster(target, f"suffix+{draft}", cache_dir=tmp_path, draft_args=args, borrow_target=tiny_cluster) as cluster:
         assert _run(cluster, target, _seeded, 3) == seeded_ref
         assert _run(cluster, target, _greedy, 3, done=len(TEXTS)) == greedy_ref

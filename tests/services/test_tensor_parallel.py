@@ -1,9 +1,9 @@
 """Tensor-parallel target (tp=2 on CPU with gloo): same logits and tokens as tp=1, 1/N weights, failure.
 
-Three layers: sharding checks without any process; rank 0 in this process with
-one `mp` follower (logits, weight bytes, a killed worker); and the three
-services as processes with `--tp 2` for each executor (tokens), the Ray one
-on a local Ray this module starts with a capped object store.
+Two layers: rank 0 in this process with one `mp` follower (logits, weight
+bytes, a killed worker); and the three services as processes with `--tp 2` for
+each executor (tokens), the Ray one on a local Ray this module starts with a
+capped object store. The sharding rules: tests/unit/core/test_tensor_parallel_shapes.py.
 """
 
 from __future__ import annotations
@@ -21,16 +21,14 @@ import grpc
 import pytest
 import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-from transformers import AutoModelForCausalLM, LlamaConfig
 
 from specd.core import tensor_parallel
-from specd.core.errors import InvalidArgument, Unavailable
+from specd.core.errors import Unavailable
 from specd.core.models import load_pretrained
 from specd.core.proposal import Proposal
 from specd.core.runner import CausalLMRunner
 from specd.core.sampling import SamplingParams
 from specd.core.verification import Verifier
-from specd.tools import cli
 from specd.v1 import common_pb2, session_pb2, target_pb2, target_pb2_grpc
 from target_service.servicer import TargetServicer
 from target_service.workers.runner import TensorParallelRunner, build_tp_runner
@@ -55,59 +53,6 @@ def _wait(predicate, timeout_s: float, what: str) -> None:
         if time.monotonic() > deadline:
             raise AssertionError(f"timed out after {timeout_s:.0f} s waiting for {what}")
         time.sleep(0.05)
-
-
-# ---- sharding rules, no processes ------------------------------------------------------
-
-
-SMOLLM2_LIKE = dict(  # the demo target's shape (SmolLM2-135M), built on the meta device
-    vocab_size=49152,
-    hidden_size=576,
-    intermediate_size=1536,
-    num_hidden_layers=30,
-    num_attention_heads=9,
-    num_key_value_heads=3,
-    tie_word_embeddings=True,
-)
-
-
-def test_head_counts_that_tp_does_not_divide_are_refused_by_name() -> None:
-    config = LlamaConfig(**SMOLLM2_LIKE)
-    with pytest.raises(InvalidArgument) as info:
-        tensor_parallel.check_config(config, 2)
-    message = str(info.value)
-    assert "num_attention_heads=9" in message and "num_key_value_heads=3" in message
-    assert "--tp 1 or 3" in message
-    tensor_parallel.check_config(config, 3)  # 9 heads, 3 KV heads, 1536: all divisible
-
-
-def test_gpt2_is_refused_with_a_clear_error(tiny_gpt2_dir: Path) -> None:
-    with pytest.raises(InvalidArgument, match=r"GPT-2|gpt2") as info:
-        tensor_parallel.check_model_folder(str(tiny_gpt2_dir), 2)
-    assert "c_attn" in str(info.value) and "--tp 1" in str(info.value)
-
-
-@pytest.mark.parametrize("shape, tp", [("tiny", 2), ("smollm2", 3)])
-def test_each_rank_holds_one_nth_of_the_sharded_weights(tiny_pair: tuple[Path, Path], shape: str, tp: int) -> None:
-    config = load_pretrained(tiny_pair[0]).model.config if shape == "tiny" else LlamaConfig(**SMOLLM2_LIKE)
-
-    def skeleton() -> torch.nn.Module:
-        with torch.device("meta"):  # shapes only: measuring needs no weights
-            model = AutoModelForCausalLM.from_config(config)
-        model.tie_weights()
-        return model
-
-    full = tensor_parallel.shardable_bytes(skeleton())
-    per_rank = []
-    for rank in range(tp):
-        sharded, replicated = tensor_parallel.weight_bytes(tensor_parallel.shard_model(skeleton(), rank, tp))
-        per_rank.append(sharded)
-        print(
-            f"{shape} tp={tp} rank {rank}: {sharded} B sharded ({sharded / full:.4f} of {full} B), {replicated} B replicated"
-        )
-    for sharded in per_rank:
-        # 1/N exactly, plus at most the zero rows padding the vocabulary to a multiple of N
-        assert full / tp <= sharded <= full / tp * 1.01
 
 
 # ---- rank 0 in this process, one mp follower ------------------------------------------
@@ -295,12 +240,6 @@ def test_exit_on_worker_failure_hands_over_instead_of_restarting(tp_runner: Tens
         tp_runner.logits(tp_runner.new_session([1, 2]))
     time.sleep(1.0)
     assert group.restarts == restarts and group.state != group.READY
-
-
-def test_specd_up_passes_tp_flags_to_the_target() -> None:
-    args = cli.build_parser().parse_args(["up", "--tp", "3", "--executor", "ray", "--ray-address", "head:6379"])
-    assert cli._tp_args(args) == ["--tp", "3", "--executor", "ray", "--ray-address", "head:6379"]
-    assert cli._tp_args(cli.build_parser().parse_args(["up"])) == ["--tp", "1", "--executor", "mp"]
 
 
 # ---- the three services, target with --tp 2 ------------------------------------------------

@@ -34,22 +34,13 @@ from specd.core.sampling import (
 )
 from specd.core.sparse_q import QSettings
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("torch_single_thread")]
 
 F64 = torch.float64
 I64 = torch.int64
 B = 20_000
 PASS_P = 1e-3  # a correct sampler must not be rejected at this level
 FAIL_P = 1e-6  # a broken one must be rejected at this level
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Small tensors on a shared 2-core box: intra-op threads only add contention."""
-    saved = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(saved)
 
 
 def chi2_pvalue(tokens: torch.Tensor, probs: torch.Tensor) -> float:

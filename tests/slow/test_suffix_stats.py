@@ -25,7 +25,7 @@ from specd.core.proposal import Proposal
 from specd.core.rejection import SparseProposal, rejection_sample
 from specd.core.sampling import SamplingParams, draft_token, processed_probs
 from specd.core.suffix import SuffixDrafter, SuffixSettings
-from tests.test_sampling_stats import D_TABLE, MAXLEN, PASS_P, T_TABLE, V3, chi2_pvalue, model_logits
+from tests.slow.test_sampling_stats import D_TABLE, MAXLEN, PASS_P, T_TABLE, V3, chi2_pvalue, model_logits
 
 pytestmark = pytest.mark.slow
 

@@ -22,18 +22,11 @@ from specd.core.sampling import (
     sparse_proposal,
 )
 
+pytestmark = pytest.mark.usefixtures("torch_single_thread")  # small tensors: intra-op threads only add contention
+
 F32 = torch.float32
 F64 = torch.float64
 I64 = torch.int64
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Small tensors on a shared 2-core box: intra-op threads only add contention."""
-    saved = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(saved)
 
 
 def _logits_of(probs: list[float]) -> torch.Tensor:

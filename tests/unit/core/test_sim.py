@@ -26,14 +26,7 @@ from specd.core.sim import CostModel, SimLM, SimRunner, SimShape, list_profiles,
 from specd.core.sim.lm import DRAFT_NOISE_ROLE, TARGET_ROLE
 from specd.core.verification import Verifier, VerifyRequest
 
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Small tensors on a shared 2-core box: intra-op threads only add contention."""
-    saved = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(saved)
+pytestmark = pytest.mark.usefixtures("torch_single_thread")  # small tensors: intra-op threads only add contention
 
 
 # ---- p by hand: an independent, slow, pure-Python evaluation of the module docstring ----------------

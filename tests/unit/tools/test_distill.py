@@ -26,7 +26,6 @@ from specd.core.sampling import SamplingParams
 from specd.core.verification import Verifier
 from specd.tools import cli
 from specd.tools.distill import DistillConfig, build_draft, builtin_prompts, render_prompt, run_distill
-from tests.cluster import Cluster
 
 pytestmark = pytest.mark.usefixtures("torch_single_thread")
 
@@ -225,7 +224,7 @@ def test_reduced_head_drafter_samples_only_its_tokens(distilled: tuple[Path, dic
 
 def test_builtin_prompts_avoid_the_demo_heldout_set() -> None:
     heldout = json.loads(
-        (Path(__file__).resolve().parents[1] / "specd/assets/demo-draft/heldout-prompts.json").read_text()
+        (Path(__file__).resolve().parents[3] / "specd/assets/demo-draft/heldout-prompts.json").read_text()
     )
     prompts = builtin_prompts(2000, seed=0)
     assert len(prompts) == len(set(prompts)) == 2000
@@ -238,24 +237,6 @@ def test_cli_rejects_bad_settings(tiny_pair: tuple[Path, Path], tmp_path: Path, 
     assert "--layers 9 is more than the target's 3" in capsys.readouterr().err
     assert cli.main(["distill", "--target", str(target), "--out", str(tmp_path), "--source", "nope"]) == 2
     assert "--source 'nope'" in capsys.readouterr().err
-
-
-def test_ngram_drafter_through_the_services(tiny_pair: tuple[Path, Path], tmp_path: Path) -> None:
-    """`--draft ngram`: the services give exactly the in-process target-only tokens, with drafts verified."""
-
-    target, _ = tiny_pair
-    loaded = load_pretrained(target)
-    verifier = Verifier(CausalLMRunner(loaded.model))
-    prompts = ["abc abc abc abc abc abc", "def f(x):\n    return x\n\ndef f(x):"]
-    with Cluster(target, "ngram", cache_dir=tmp_path) as cluster, cluster.client() as client:
-        for text in prompts:
-            ids = list(loaded.tokenizer(text, add_special_tokens=False).input_ids)
-            ref = speculative_generate(ids, verifier, None, GREEDY, draft_length=0, max_new_tokens=24)
-            got = client.generate(
-                ids, max_new_tokens=24, temperature=0.0, ignore_eos=True, speculation="fixed", draft_length=4
-            )
-            assert list(got.token_ids) == ref.token_ids and len(ref.token_ids) == 24
-            assert got.stats.draft_tokens > 0
 
 
 def test_ngram_drafts_that_are_accepted_keep_the_drafter_in_step(tiny_pair: tuple[Path, Path]) -> None:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import json
 from pathlib import Path
 
 import pytest
@@ -14,7 +13,7 @@ from specd.tools.bench import plan as bench_plan
 from specd.tools.bench.args import add_arguments
 from specd.tools.bench.learning import warmup_curve
 from specd.tools.bench.plan import make_plan
-from specd.tools.cli import build_parser, main
+from specd.tools.cli import build_parser
 from specd.tools.workloads import REPETITIVE_FILE, repetitive_prompts, to_jsonl
 
 
@@ -68,58 +67,6 @@ def test_warmup_curve_groups_requests_in_order() -> None:
     assert [g["requests"] for g in curve] == ["1-2", "3-4", "5-6"]
     assert curve[0]["speedup"] == 20 / 1.5 / 10 and curve[2]["speedup"] > curve[0]["speedup"]
     assert curve[1]["acceptance_rate"] == (2 + 3) / 8
-
-
-def test_bench_runs_the_repetitive_set_in_sequence_with_a_fresh_suffix_draft_per_mode(
-    tiny_pair: tuple[Path, Path], tmp_path: Path
-) -> None:
-    target, _ = tiny_pair
-    out = tmp_path / "bench.json"
-    rc = main(
-        [
-            "bench",
-            "--target",
-            str(target),
-            "--draft",
-            "suffix",
-            "--prompt-file",
-            "repetitive",
-            "--modes",
-            "target-only,auto,fixed-4",
-            "--draft-lengths",
-            "4",
-            "--prompts",
-            "5",
-            "--warm-requests",
-            "2",
-            "--max-new-tokens",
-            "8",
-            "--temperatures",
-            "0",
-            "--target-threads",
-            "1",
-            "--no-inprocess",  # the tiny model's 512-token context cannot also time a verify after these prompts
-            "--cache-dir",
-            str(tmp_path),
-            "--json",
-            str(out),
-            "--no-progress",
-            "--strict",
-        ]
-    )
-    assert rc == 0
-    report = json.loads(out.read_text())
-    meta, records = report["meta"], report["records"]
-    assert meta["settings"]["concurrency"] == [1]  # a learning drafter's requests run in sequence
-    assert meta["settings"]["learning_draft"] is True and meta["settings"]["warm_requests"] == 2
-    assert [r["mode"] for r in records] == ["target-only", "auto", "fixed-4"]
-    for r in records:
-        assert r["errors"] == 0 and r["prompts"] == 3 and r["completion_tokens"] == 3 * 8  # after the 2 warm ones
-        assert {"mode", "tokens_per_s", "speedup", "acceptance_rate"} <= set(r)
-        assert [p["prompt_id"] for p in r["per_request"]] == meta["settings"]["prompt_ids"]  # all 5, in order
-        assert len(r["warmup_curve"]) == 5
-    assert all(r["greedy_identical"] is True for r in records)
-    assert "Warm-up curve" in out.with_suffix(".md").read_text()
 
 
 def test_specd_up_serves_suffix_until_a_trained_demo_draft_ships(tmp_path: Path) -> None:

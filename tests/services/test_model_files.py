@@ -1,8 +1,9 @@
-"""Model folders specd writes are readable by every user; loading errors name the path and the real cause.
+"""Model folders as users meet them: `specd prepare` writes files others can read; unreadable ones fail clearly.
 
 A container image bakes its models as root and serves them as a non-root
 user, so every file specd writes must be readable by others (0644, folders
 0755), although transformers' weights writer makes private (0600) files.
+These run real commands; the in-process checks are in tests/unit/core/test_model_files_errors.py.
 """
 
 from __future__ import annotations
@@ -10,42 +11,17 @@ from __future__ import annotations
 import importlib.util
 import os
 import shutil
-import stat
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-from specd.core import catalog
-from specd.core.errors import InvalidArgument
-from specd.core.models import load_pretrained
-from specd.core.tiny_models import build_tiny_pair
+from tests.permissions import unreadable_by_others
 
 pytestmark = pytest.mark.usefixtures("torch_single_thread")
 
-REPO = Path(__file__).resolve().parents[1]
-
-
-def unreadable_by_others(folder: Path) -> list[str]:
-    """Files without o+r and folders without o+rx under `folder` (and `folder` itself)."""
-    bad = []
-    for path in [folder, *folder.rglob("*")]:
-        mode = path.lstat().st_mode
-        if stat.S_ISLNK(mode):
-            continue
-        need = stat.S_IROTH | stat.S_IXOTH if stat.S_ISDIR(mode) else stat.S_IROTH
-        if mode & need != need:
-            bad.append(f"{path} {stat.filemode(mode)}")
-    return bad
-
-
-def test_built_folders_are_readable_by_others(tmp_path: Path) -> None:
-    target, draft = build_tiny_pair(tmp_path / "tiny")
-    cut = catalog._untrained_cut(target, tmp_path / "cut")  # the demo draft's recipe, on the tiny target
-    for folder in (target, draft, cut):
-        assert (folder / "model.safetensors").is_file()
-        assert unreadable_by_others(folder) == []
+REPO = Path(__file__).resolve().parents[2]
 
 
 @pytest.mark.demo
@@ -70,24 +46,6 @@ def test_prepared_folders_are_readable_by_others_and_prepare_is_quiet(tmp_path: 
         assert unreadable_by_others(folder) == []
     assert "LOAD REPORT" not in out and "UNEXPECTED" not in out, out
     assert "Loading weights" not in out, out
-
-
-def test_corrupt_weights_are_named(tmp_path: Path, tiny_pair: tuple[Path, Path]) -> None:
-    folder = tmp_path / "model"
-    shutil.copytree(tiny_pair[0], folder)
-    weights = folder / "model.safetensors"
-    weights.write_bytes(weights.read_bytes()[:1000])  # truncated, e.g. a copy that ran out of disk
-    with pytest.raises(InvalidArgument, match="corrupt or truncated") as info:
-        load_pretrained(folder)
-    assert str(weights) in str(info.value)
-
-
-def test_missing_weights_are_named(tmp_path: Path, tiny_pair: tuple[Path, Path]) -> None:
-    folder = tmp_path / "model"
-    shutil.copytree(tiny_pair[0], folder)
-    (folder / "model.safetensors").unlink()
-    with pytest.raises(InvalidArgument, match="has no weights"):
-        load_pretrained(folder)
 
 
 def _can_drop_file_capabilities() -> bool:

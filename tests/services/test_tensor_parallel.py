@@ -273,11 +273,14 @@ def _tp_args(executor: str, ray_address: str = "") -> list[str]:
 
 
 @pytest.fixture(scope="module")
-def services(tiny_pair: tuple[Path, Path], tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
-    """draft + coordinator + a --tp 2 target, started once for both executors (2-core CI: every
-    `specd serve` start costs seconds of imports); `tp_cluster` swaps the target's executor."""
+def services(
+    tiny_pair: tuple[Path, Path], tiny_cluster: Cluster, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[Cluster]:
+    """coordinator + a --tp 2 target, started once for both executors, on the session's draft (2-core CI:
+    every `specd serve` start costs seconds of imports); `tp_cluster` swaps the target's executor."""
     target, draft = tiny_pair
-    cluster = Cluster(target, draft, cache_dir=tmp_path_factory.mktemp("cache"), target_args=_tp_args("mp"))
+    cache = tmp_path_factory.mktemp("cache")
+    cluster = Cluster(target, draft, cache_dir=cache, target_args=_tp_args("mp"), borrow_draft=tiny_cluster)
     try:
         cluster.start()
     except Exception:

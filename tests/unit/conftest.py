@@ -10,15 +10,12 @@ from collections.abc import Iterator
 
 import pytest
 
-from tests.tiers import no_process_start, tier_of
-
-ATTEMPTS = pytest.StashKey[list[str]]()
+from tests.tiers import PROCESS_STARTS, no_process_start
 
 
 def _guarded(item: pytest.Item) -> Iterator[None]:
-    if tier_of(item.path) != "unit":  # hooks of this file see only its own folder; checked anyway
-        return (yield)
-    attempts = item.stash.setdefault(ATTEMPTS, [])
+    # pytest calls these hooks only for the tests under this folder
+    attempts = item.stash.setdefault(PROCESS_STARTS, [])
     with no_process_start(item.nodeid, attempts):
         result = yield
     return result
@@ -37,7 +34,7 @@ def pytest_runtest_call(item: pytest.Item) -> Iterator[None]:
 @pytest.hookimpl(wrapper=True)
 def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None) -> Iterator[None]:
     result = yield from _guarded(item)
-    attempts = item.stash.get(ATTEMPTS, [])
+    attempts = item.stash.get(PROCESS_STARTS, [])
     if attempts:  # also when the code under test swallowed the ProcessStartRefused
         pytest.fail(f"{item.nodeid} tried to start a process in the unit tier ({', '.join(attempts)})", pytrace=False)
     return result

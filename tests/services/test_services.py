@@ -15,7 +15,7 @@ from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoRe
 
 from specd.core.sampling import SamplingParams
 from specd.v1 import common_pb2
-from tests.cluster import Cluster
+from tests.cluster import Cluster, metrics_address, scrape, total
 from tests.references import loaded, reference
 
 PROMPTS = [
@@ -240,7 +240,10 @@ def test_sigterm_lets_in_flight_request_finish(
 
         worker = threading.Thread(target=call)
         worker.start()
-        time.sleep(1.0)
+        target_metrics = metrics_address(c.target)  # the session's target serves metrics
+        deadline = time.monotonic() + 30  # the signals come while the request runs: its session is open
+        while total(scrape(target_metrics), "specd:sessions_active") < 1 and time.monotonic() < deadline:
+            time.sleep(0.05)
         signalled = time.monotonic()
         c.draft.signal(signal.SIGTERM)
         c.coordinator.signal(signal.SIGTERM)  # both while the request runs

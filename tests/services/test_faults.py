@@ -69,7 +69,7 @@ def test_lying_or_slow_draft_never_changes_the_output(tiny_pair, tiny_cluster, t
 def test_chaos_draft_killed_restarted_and_paused_under_32_streams(tiny_pair, tiny_cluster, tmp_path: Path) -> None:
     """32 concurrent streams while the draft dies, comes back and freezes (twice): no failure, exact output.
 
-    Event-driven: each chaos step waits until PER_STEP more requests have finished (bounded),
+    Event-driven: each chaos step waits until per_step more requests have finished (bounded),
     so requests run through every state (draft up, dead, restarted, frozen) however fast the machine.
     """
     target, draft = tiny_pair

@@ -224,7 +224,7 @@ def test_reduced_head_drafter_samples_only_its_tokens(distilled: tuple[Path, dic
 
 def test_builtin_prompts_avoid_the_demo_heldout_set() -> None:
     heldout = json.loads(
-        (Path(__file__).resolve().parents[3] / "specd/assets/demo-draft/heldout-prompts.json").read_text()
+        (Path(__file__).resolve().parents[2] / "specd/assets/demo-draft/heldout-prompts.json").read_text()
     )
     prompts = builtin_prompts(2000, seed=0)
     assert len(prompts) == len(set(prompts)) == 2000

@@ -74,7 +74,7 @@ def test_chaos_draft_killed_restarted_and_paused_under_32_streams(tiny_pair, tin
     """
     target, draft = tiny_pair
     refs = _references(target, 40)
-    per_step, step_timeout_s = 8, 60.0
+    per_step, step_timeout_s = 4, 60.0  # 8 steps of 4: the 32 requests the test asks for at least
     args = ["--draft-timeout-s", "1", "--draft-retry-s", "0.5"]
     with Cluster(target, draft, cache_dir=tmp_path, coordinator_args=args, borrow_target=tiny_cluster) as c:
         assert c.draft is not None

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import argparse
 import copy
-import os
 import random
 import statistics
 import sys
@@ -33,14 +32,16 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import torch
+from measure_args import ints
 
 from specd.core.model.demo_target import demo_target_path
 from specd.core.model.loading import load_pretrained
 from specd.core.model.runner import CausalLMRunner, KVSession
+from specd.serving.config import default_cache_dir
 
 
 def find_demo_target() -> Path | None:
-    cache_dir = Path(os.environ.get("SPECD_CACHE_DIR") or Path.home() / ".cache" / "specd")
+    cache_dir = default_cache_dir()
     try:
         return demo_target_path(cache_dir, progress=False)
     except Exception as e:  # noqa: BLE001 - not installed, not converted, conversion failed: nothing to time
@@ -101,7 +102,7 @@ def main() -> int:
         f"{'max |diff|':>11} {'argmax same':>12}"
     )
     rng = random.Random(0)
-    for b in [int(x) for x in args.batches.split(",")]:
+    for b in ints(args.batches):
         batched_sessions = make_sessions(r, rng, b, args.prompt)
         single_sessions = [copy.deepcopy(s) for s in batched_sessions]
         t_batched: list[float] = []

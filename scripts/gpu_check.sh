@@ -67,7 +67,7 @@ print('gpu_check: transformers', transformers.__version__, '(specd is tested on 
 if [ "$DRY" = 1 ]; then TEST_LIMIT=300; else TEST_LIMIT=240; fi
 step tests "$TEST_LIMIT" env SPECD_TEST_DEVICE="$DEVICE" "$PY" -m pytest -q -m device -p no:cacheprovider \
   --junitxml="$WORK/tests.xml" -o junit_family=xunit1 \
-  tests/test_runner.py tests/test_runner_batch.py tests/test_sampling.py tests/test_sampling_stats.py tests/test_services.py
+  tests/
 
 step measure 240 "$PY" -m specd.tools.gpu_check measure --work "$WORK" $FLAG
 

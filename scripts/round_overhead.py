@@ -28,6 +28,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import grpc
+from measure_args import ints
 
 from coordinator.client import build_request
 from coordinator.server import create_server
@@ -145,7 +146,7 @@ def main() -> None:
     args = parser.parse_args()
     args.target = args.target or args.model
     args.draft = args.draft or args.model
-    args.streams = [int(s) for s in args.streams.split(",")]
+    args.streams = ints(args.streams)
     sys.setswitchinterval(args.gil_switch_ms / 1e3)  # as the services do (--gil-switch-ms)
     results = run_event_loop(measure(args), args.event_loop)
     if args.json:

@@ -37,6 +37,8 @@ from prometheus_client.parser import text_string_to_metric_families
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from measure_args import ints
+
 from coordinator.client import build_request
 from specd.core.model.sim import EMULATED, parse_sim_spec
 from specd.tools.localcluster import LocalCluster, ServiceProcess
@@ -152,7 +154,7 @@ def main(argv: list[str] | None = None) -> int:
     args.model = args.profile if args.profile.startswith("sim:") else "sim:" + args.profile
     parse_sim_spec(args.model)  # fails early on an unknown profile
     records = []
-    for n in (int(x) for x in args.replicas.split(",")):
+    for n in ints(args.replicas):
         print(f"[{EMULATED}] {n} target replica(s), {n * args.streams_per_replica} streams ...", flush=True)
         record = run_one(n, args)
         base = records[0]["tokens_per_s"] / records[0]["target_replicas"] if records else None

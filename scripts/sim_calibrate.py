@@ -49,6 +49,7 @@ from specd.core.rounds.steps import ProposeRequest, VerifyRequest
 from specd.core.sampling.proposal import Proposal
 from specd.core.sampling.sampler import SamplingParams
 from specd.core.target.verifier import Verifier
+from specd.serving.config import default_cache_dir
 
 PROMPTS = Path(__file__).resolve().parent.parent / "specd" / "prompts" / "bench.jsonl"
 K = 4
@@ -145,7 +146,7 @@ def main() -> int:
     parser.add_argument("--write", default="", help="write the fitted profile JSON here")
     args = parser.parse_args()
     random.seed(0)
-    cache = Path(os.environ.get("SPECD_CACHE_DIR") or Path.home() / ".cache" / "specd")
+    cache = default_cache_dir()
     target_dir = catalog.target_folder(args.target, cache)
     draft_dir = catalog.draft_folder(args.draft, args.target, cache)
     t_loaded, t_runner = catalog.load_for_serving(target_dir, "cpu")

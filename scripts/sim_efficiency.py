@@ -29,6 +29,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from measure_args import floats, ints, names
+
 
 def bench(profile: str, agreement: float, args: argparse.Namespace, out: Path) -> list[dict[str, Any]]:
     modes = ["target-only", *(f"fixed-{k}" for k in args.draft_lengths), "auto"]
@@ -131,12 +133,12 @@ def main() -> None:
     ap.add_argument("--json", default="")
     ap.add_argument("--markdown", default="")
     args = ap.parse_args()
-    args.draft_lengths = [int(k) for k in args.draft_lengths.split(",")]
+    args.draft_lengths = ints(args.draft_lengths)
     started = time.monotonic()
     rows = []
     with tempfile.TemporaryDirectory(prefix="specd-efficiency-") as tmp:
-        for profile in args.profiles.split(","):
-            for agreement in (float(a) for a in args.agreements.split(",")):
+        for profile in names(args.profiles):
+            for agreement in floats(args.agreements):
                 records = bench(profile, agreement, args, Path(tmp) / f"{profile}-{agreement}.json")
                 rows.append(summarise(profile, agreement, records))
                 print(

@@ -21,6 +21,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import torch
+from measure_args import floats, ints
 
 from specd.core.draft.model_drafter import ModelDrafter
 from specd.core.model.sim import parse_sim_spec
@@ -63,8 +64,8 @@ def main() -> int:
     print(f"host ms per K=4 round, one session, in-process, time_scale 0 ({spec}; median of {args.rounds})")
     print("| vocabulary | T | draft (4 steps) ms | verify ms | round ms |")
     print("|---|---|---|---|---|")
-    for v in [int(x) for x in args.vocab.split(",")]:
-        for t in [float(x) for x in args.temperatures.split(",")]:
+    for v in ints(args.vocab):
+        for t in floats(args.temperatures):
             d, vf = host_round_ms(f"{spec},vocab_size={v}", t, args.rounds)
             print(f"| {v} | {t:g} | {d:.1f} | {vf:.1f} | {d + vf:.1f} |", flush=True)
     return 0

@@ -38,6 +38,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from measure_args import floats, ints, names
 
 from specd.core.model import catalog
 from specd.core.model.runner import CausalLMRunner
@@ -155,14 +156,6 @@ def legacy_build_ms(q: torch.Tensor, time_rows: int) -> float:
     return statistics.median(times)
 
 
-def _floats(s: str) -> list[float]:
-    return [float(x) for x in s.split(",") if x]
-
-
-def _ints(s: str) -> list[int]:
-    return [int(x) for x in s.split(",") if x]
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--target", default="demo", help="target model folder or 'demo'")
@@ -186,7 +179,7 @@ def main() -> None:
     target_dir = catalog.target_folder(args.target, cache)
     loaded_target, target = catalog.load_for_serving(target_dir, "cpu")
     drafts: dict[str, CausalLMRunner] = {}
-    for name in args.drafts.split(","):
+    for name in names(args.drafts):
         if name == "self":
             drafts[name] = target
         else:
@@ -198,11 +191,10 @@ def main() -> None:
             drafts[name] = runner
     prompts = [loaded_target.tokenizer(t, add_special_tokens=False).input_ids for t in PROMPTS]
     settings = [
-        QSettings(e, m, b)
-        for b, e, m in itertools.product(_ints(args.bits), _floats(args.epsilons), _ints(args.budgets))
-    ] + [QSettings.top_k(k, 16) for k in _ints(args.top_k)]
+        QSettings(e, m, b) for b, e, m in itertools.product(ints(args.bits), floats(args.epsilons), ints(args.budgets))
+    ] + [QSettings.top_k(k, 16) for k in ints(args.top_k)]
     records = []
-    for temperature, top_p in itertools.product(_floats(args.temperatures), _floats(args.top_ps)):
+    for temperature, top_p in itertools.product(floats(args.temperatures), floats(args.top_ps)):
         params = SamplingParams(temperature=temperature, top_p=top_p)
         t0 = time.perf_counter()
         d = distributions(target, drafts, prompts, params, args.seeds, args.tokens)

@@ -22,6 +22,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import torch
+from measure_args import floats, ints
 
 from specd.core.draft.model_drafter import ModelDrafter
 from specd.core.inprocess import speculative_generate_batch
@@ -67,10 +68,10 @@ def main() -> int:
     spec = args.profile if args.profile.startswith("sim:") else "sim:" + args.profile
     print("| T | K | strategy | branches | hit rate | acc. rate | hits by outcome |")
     print("|---|---|---|---|---|---|---|")
-    for t in [float(x) for x in args.temperatures.split(",")]:
-        for k in [int(x) for x in args.draft_lengths.split(",")]:
+    for t in floats(args.temperatures):
+        for k in ints(args.draft_lengths):
             print(run(spec, t, k, "bonus-match", 0, args.requests, args.new_tokens), flush=True)
-            for b in [int(x) for x in args.budgets.split(",")]:
+            for b in ints(args.budgets):
                 print(run(spec, t, k, "spec-cache", b, args.requests, args.new_tokens), flush=True)
     return 0
 

@@ -33,6 +33,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import torch
+from measure_args import ints
 
 from scripts.batch_forward_speed import find_demo_target
 from specd.core.model.loading import load_pretrained
@@ -57,7 +58,7 @@ def main() -> int:
     )
     ap.add_argument("--json", default="", help="write the figures here")
     args = ap.parse_args()
-    counts = sorted({int(x) for x in args.tokens.split(",")})
+    counts = sorted(set(ints(args.tokens)))
     path = find_demo_target()
     if path is None:
         return 0

@@ -4,6 +4,13 @@ Every process is started and stopped by the tests, with bounded waits. The
 machinery lives in specd.tools.localcluster (shared with `specd bench`); this
 module keeps the tests' defaults: one torch thread per service and a
 coordinator that gives up on a slow draft quickly and retries it soon.
+
+A cluster may borrow the target or the draft of another, running cluster
+(`borrow_target=` / `borrow_draft=`, usually the session's `tiny_cluster`):
+it then starts only what it does not borrow, its own coordinator at least,
+and never stops or signals what it borrowed. Each service start costs 3-4
+CPU-s (imports), so a test that needs other coordinator flags, or breaks only
+its draft, borrows the rest.
 """
 
 from __future__ import annotations
@@ -20,9 +27,43 @@ import grpc
 from prometheus_client.parser import text_string_to_metric_families
 
 from coordinator.client import CoordinatorClient
-from specd.tools.localcluster import READY_TIMEOUT_S, LocalCluster, QuietService, _with_port
+from specd.tools.localcluster import READY_TIMEOUT_S, LocalCluster, QuietService, ServiceFailed, _with_port
 
-__all__ = ["READY_TIMEOUT_S", "Cluster", "QuietService", "_with_port"]
+__all__ = ["READY_TIMEOUT_S", "Borrowed", "Cluster", "QuietService", "_with_port"]
+
+
+class Borrowed(QuietService):
+    """A running service of another cluster, lent to this one: its address and its log lines.
+
+    It has no process of its own (`proc` is None), so this cluster neither starts,
+    stops nor signals it; kill(), restart() and signal() fail, as they should in a
+    test that borrowed what it breaks.
+    """
+
+    def __init__(self, lender: QuietService) -> None:
+        super().__init__(lender.name, lender.args)
+        self.lender = lender
+        self.lines = lender.lines  # the lender's relay appends to this very list
+
+    def start(self, env: dict[str, str] | None = None) -> None:
+        if not self.lender.ready:
+            raise ServiceFailed(self.name, "was lent to this cluster but is not running", self.lender.tail())
+        self.address = self.lender.address
+
+    def failure(self) -> ServiceFailed | None:
+        return self.lender.failure()
+
+    def tail(self, n: int = 15) -> list[str]:
+        return self.lender.tail(n)
+
+    def peak_rss_bytes(self) -> int | None:
+        return self.lender.peak_rss_bytes()
+
+    def start_again(self, env: dict[str, str], args: list[str] | None = None) -> None:
+        raise AssertionError(f"{self.name} is borrowed: a test that restarts it needs its own")
+
+    def stop(self, grace_s: float) -> None:
+        pass  # its lender's
 
 
 class Cluster(LocalCluster):
@@ -37,6 +78,8 @@ class Cluster(LocalCluster):
         coordinator_args: list[str] | None = None,
         target_args: list[str] | None = None,
         draft_args: list[str] | None = None,
+        borrow_target: Cluster | None = None,
+        borrow_draft: Cluster | None = None,
     ) -> None:
         super().__init__(
             target_model,
@@ -49,6 +92,16 @@ class Cluster(LocalCluster):
             draft_args=draft_args or [],
             ready_timeout_s=READY_TIMEOUT_S,
         )
+        if borrow_target is not None:
+            assert target_args is None, "a borrowed target runs with its lender's flags"
+            self.targets = [Borrowed(t) for t in borrow_target.targets]
+            self.target = self.targets[0]
+        if borrow_draft is not None:
+            assert draft_model is not None and draft_args is None, (
+                "a borrowed draft runs with its lender's model and flags"
+            )
+            self.drafts = [Borrowed(d) for d in borrow_draft.drafts]
+            self.draft = self.drafts[0] if self.drafts else None
 
     def start(self) -> Cluster:
         super().start()

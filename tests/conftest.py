@@ -1,8 +1,9 @@
-"""Shared pytest fixtures.
+"""Shared pytest fixtures and the tiers (tests/tiers.py: each test gets its folder's marker).
 
 Model fixtures are session-scoped: tiny models are built once per test run
 (well under a second) into pytest's temporary folder; the demo target is
-converted once into the user's specd cache and reused across runs.
+converted once into the user's specd cache and reused across runs. The
+services' fixtures (clusters, the bench runner) are in tests/services/conftest.py.
 """
 
 from __future__ import annotations
@@ -18,8 +19,22 @@ import torch
 
 from specd.core.model.demo_target import demo_target_path
 from specd.tools.tiny_models import build_tiny_gpt2, build_tiny_pair
-from tests.cluster import Cluster
-from tests.devices import DEVICE, service_device_args
+from tests.devices import DEVICE
+from tests.tiers import TIERS, mark_by_tier, tier_of
+
+pytest_plugins = ["pytester"]  # tests/unit/test_tiers.py runs the unit guard in a session of its own
+
+# ---- tiers --------------------------------------------------------------------
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Mark each test with its tier, and run the tiers lightest first (unit, slow, services, deploy).
+
+    The sort is stable, so each module's tests stay together and in order (module fixtures are built once).
+    """
+    mark_by_tier(items)
+    items.sort(key=lambda item: TIERS.index(tier_of(item.path) or TIERS[0]))
+
 
 # ---- models -------------------------------------------------------------------
 
@@ -69,9 +84,9 @@ def pytest_sessionstart(session: pytest.Session) -> None:
 # ---- torch threads -------------------------------------------------------------
 
 
-@pytest.fixture
+@pytest.fixture(scope="module")
 def torch_single_thread() -> Iterator[None]:
-    """Run a test with one intra-op thread, then restore the previous count.
+    """Run a module's tests (and its module fixtures) with one intra-op thread, then restore the count.
 
     Tiny models make many microsecond-sized ops; on a small shared machine,
     thread hand-offs cost more than the ops (measured: 20x slower with 2
@@ -83,18 +98,3 @@ def torch_single_thread() -> Iterator[None]:
         yield
     finally:
         torch.set_num_threads(previous)
-
-
-# ---- services -------------------------------------------------------------------
-
-
-@pytest.fixture(scope="session")
-def tiny_cluster(tiny_pair: tuple[Path, Path], tmp_path_factory: pytest.TempPathFactory):
-    """target + draft + coordinator processes on the tiny pair, shared by the tests that do not break them."""
-
-    target, draft = tiny_pair
-    device = service_device_args()  # SPECD_TEST_DEVICE: the device-marked service tests run there
-    with Cluster(
-        target, draft, cache_dir=tmp_path_factory.mktemp("cluster-cache"), target_args=device, draft_args=device
-    ) as cluster:
-        yield cluster

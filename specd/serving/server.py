@@ -60,7 +60,7 @@ def server_options(max_message_bytes: int, max_streams_per_connection: int) -> l
         # No BDP probing: it grows every stream's receive window, so calls that are refused
         # unread still had their messages buffered. 200 refused health calls with 1 MiB
         # names grew the coordinator by 38.5 MiB with probing, 1.3 MiB without (one run
-        # each, tests/test_limits.py). The services' messages are small; nothing needs it.
+        # each, tests/services/test_limits.py). The services' messages are small; nothing needs it.
         ("grpc.http2.bdp_probe", 0),
         *KEEPALIVE_OPTIONS,
     ]

@@ -219,7 +219,7 @@ class CausalLMRunner:
         Sharing is safe because nothing writes a cache tensor in place: a crop
         slices (DynamicLayer.crop: a view) and a forward concatenates
         (DynamicLayer.update: a new tensor), so editing either session leaves
-        the other's keys and values as they were (tests/test_runner.py checks
+        the other's keys and values as they were (tests/unit/core/model/test_runner.py checks
         this against transformers' DynamicLayer). The fork's first forward
         gives it tensors of its own; until then it costs no memory.
         """
@@ -388,7 +388,7 @@ class CausalLMRunner:
 
         # HF turns the 2D mask into the 4D causal mask itself, padding in the
         # cached part included (query i sits at L + i; checked for Llama and
-        # GPT-2 with SDPA and eager attention in tests/test_runner_batch.py).
+        # GPT-2 with SDPA and eager attention in tests/unit/core/model/test_runner_batch.py).
         out = self.model(
             input_ids=input_ids,
             attention_mask=mask,

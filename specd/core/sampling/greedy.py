@@ -9,7 +9,7 @@ draft token) and the bonus token are the argmax where the run of accepts
 stops. These functions give exactly those answers from one argmax and one max
 per row, instead of a softmax, a one-hot, a residual and a float64 cumsum over
 the vocabulary: what a CPU host saves per greedy step grows with the
-vocabulary (tests/test_sampling.py checks they equal the general path).
+vocabulary (tests/unit/core/sampling/test_sampling.py checks they equal the general path).
 
 A row whose logits hold NaN or +inf, or only -inf at some position, cannot be
 sampled (as in specd.core.sampling.sampler.unusable_rows): it is reported, and its

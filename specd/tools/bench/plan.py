@@ -14,7 +14,7 @@ from specd.tools.bench.prompts import BenchPrompt, load_prompts, select_prompts
 
 # --draft values that load no draft model (catalog.MODEL_FREE_DRAFTS), and the ones that learn
 # across requests (catalog.SUFFIX, catalog.HYBRID_PREFIX): spelled here because the catalog imports
-# torch, and the CLI builds this parser at every start (tests/test_suffix_bench.py checks they agree).
+# torch, and the CLI builds this parser at every start (tests/unit/tools/test_suffix_bench.py checks they agree).
 MODEL_FREE_DRAFTS = ("ngram", "suffix")
 HYBRID_PREFIX = "suffix+"
 

@@ -1,0 +1,414 @@
+"""Tensor-parallel target (tp=2 on CPU with gloo): same logits and tokens as tp=1, 1/N weights, failure.
+
+Two layers: rank 0 in this process with one `mp` follower (logits, weight
+bytes, a killed worker); and the three services as processes with `--tp 2` for
+each executor (tokens), the Ray one on a local Ray this module starts with a
+capped object store. The sharding rules: tests/unit/core/model/test_tensor_parallel_shapes.py.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import re
+import signal
+import time
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import grpc
+import pytest
+import torch
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from specd.core.errors import Unavailable
+from specd.core.model import tensor_parallel
+from specd.core.model.loading import load_pretrained
+from specd.core.model.runner import CausalLMRunner
+from specd.core.rounds.steps import VerifyRequest
+from specd.core.sampling.proposal import Proposal
+from specd.core.sampling.sampler import SamplingParams
+from specd.core.target.verifier import Verifier
+from specd.v1 import common_pb2, session_pb2, target_pb2, target_pb2_grpc
+from target_service.servicer import TargetServicer
+from target_service.workers.tp_runner import TensorParallelRunner, build_tp_runner
+from tests.cluster import READY_TIMEOUT_S, Cluster, QuietService, metrics_address, scrape, total
+from tests.references import loaded, reference
+
+pytestmark = [pytest.mark.usefixtures("torch_single_thread"), pytest.mark.timeout(240)]
+
+TP = 2
+TOL = 1e-4  # max abs difference between tp=2 and tp=1 logits
+RECOVERY_TIMEOUT_S = 90.0
+PROMPTS = ["The quick brown fox", "def fibonacci(n):", "To be, or not to be", "1, 1, 2, 3, 5, 8,"]
+
+
+def _ids(target: Path, text: str) -> list[int]:
+    return list(loaded(str(target)).tokenizer(text, add_special_tokens=False).input_ids)
+
+
+def _wait(predicate, timeout_s: float, what: str) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout_s:.0f} s waiting for {what}")
+        time.sleep(0.05)
+
+
+# ---- rank 0 in this process, one mp follower ------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def tp_runner(tiny_pair: tuple[Path, Path]) -> Iterator[TensorParallelRunner]:
+    _, runner = build_tp_runner(tiny_pair[0], tp=TP, executor="mp", torch_threads=1, ready_timeout_s=120)
+    try:
+        yield runner
+    finally:
+        runner.group.shutdown()
+
+
+@pytest.fixture(scope="module")
+def tp1_runner(tiny_pair: tuple[Path, Path]) -> CausalLMRunner:
+    return CausalLMRunner(load_pretrained(tiny_pair[0]).model)
+
+
+def _close(a: torch.Tensor, b: torch.Tensor) -> float:
+    assert a.shape == b.shape
+    return float((a - b).abs().max())
+
+
+def test_tp2_logits_match_tp1_after_prefill_verify_and_rollback(
+    tp_runner: TensorParallelRunner, tp1_runner: CausalLMRunner
+) -> None:
+    rng = random.Random(3)
+    assert tp_runner.vocab_size == tp1_runner.vocab_size
+    prompt = [rng.randrange(tp1_runner.vocab_size) for _ in range(11)]
+    a, b = tp_runner.new_session(prompt), tp1_runner.new_session(prompt)
+    steps = []
+
+    def both(fn, *args) -> None:
+        fn(tp_runner, a, *args)
+        fn(tp1_runner, b, *args)
+
+    def compare(num_last: int, what: str) -> None:
+        diff = _close(tp_runner.logits(a, num_last), tp1_runner.logits(b, num_last))
+        steps.append((what, diff))
+        assert diff <= TOL, f"{what}: tp={TP} logits differ from tp=1 by {diff:.3g}"
+
+    compare(1, "prefill")
+    for _ in range(3):  # decode
+        both(CausalLMRunner.append, [int(tp1_runner.logits(b)[-1].argmax())])
+        compare(1, "decode")
+    committed = len(b.tokens)
+    both(CausalLMRunner.append, [rng.randrange(tp1_runner.vocab_size) for _ in range(5)])
+    compare(6, "verify K=5")
+    both(CausalLMRunner.truncate, committed + 2)  # 2 accepted
+    both(CausalLMRunner.append, [7])  # the recovered token
+    compare(1, "after roll back")
+    both(CausalLMRunner.truncate, 3)  # deep roll back, then re-verify from there
+    both(CausalLMRunner.append, [1, 2, 3, 4])
+    compare(5, "deep roll back + verify")
+    both(CausalLMRunner.splice, 0, prompt[:6] + [9, 9])  # prefix edit keeps the common cache
+    compare(2, "splice from the start")
+    print("max |logits(tp=2) - logits(tp=1)|:", ", ".join(f"{w} {d:.2g}" for w, d in steps))
+    tp_runner.release(a)
+
+
+def test_tp2_batched_forward_matches_tp1_and_keeps_followers_in_step(
+    tp_runner: TensorParallelRunner, tp1_runner: CausalLMRunner
+) -> None:
+    """Sessions of different lengths through one batched forward on both ranks, then a rollback
+    and another batch, then a single-session forward: all within TOL of tp=1."""
+    rng = random.Random(5)
+    prompts = [[rng.randrange(tp1_runner.vocab_size) for _ in range(n)] for n in (3, 9, 14)]
+    tp = [tp_runner.new_session(p) for p in prompts]
+    one = [tp1_runner.new_session(p) for p in prompts]
+
+    def compare(num_last: list[int], what: str) -> None:
+        got = tp_runner.logits_batch(tp, num_last)
+        want = tp1_runner.logits_batch(one, num_last)
+        for g, w in zip(got, want):
+            assert _close(g, w) <= TOL, what
+
+    compare([1, 1, 1], "batched prefill")
+    for runner, sessions in ((tp_runner, tp), (tp1_runner, one)):
+        for i, s in enumerate(sessions):
+            runner.append(s, [7 + i] * (i + 1))  # different K per session
+    compare([2, 3, 4], "batched verify")
+    for runner, sessions in ((tp_runner, tp), (tp1_runner, one)):
+        runner.truncate(sessions[1], len(sessions[1].tokens) - 2)  # a rejection: roll back two
+        runner.append(sessions[1], [5])
+    compare([1, 1, 1], "batched after roll back")
+    assert _close(tp_runner.logits(tp[2], 1), tp1_runner.logits(one[2], 1)) <= TOL  # followers still in step
+    for s in tp:
+        tp_runner.release(s)
+
+
+def test_live_ranks_report_one_nth_of_the_sharded_weights(
+    tp_runner: TensorParallelRunner, tiny_pair: tuple[Path, Path]
+) -> None:
+    full = tensor_parallel.shardable_bytes(load_pretrained(tiny_pair[0]).model)
+    rank0, _ = tensor_parallel.weight_bytes(tp_runner.model)
+    per_rank = [rank0] + [w["sharded_bytes"] for w in tp_runner.group.workers]
+    print(f"tiny target, tp={TP}: sharded weight bytes per rank {per_rank} of {full} unsharded")
+    assert len(per_rank) == TP
+    for b in per_rank:
+        assert full / TP <= b <= full / TP * 1.01
+
+
+def _listening_addresses(port: int) -> set[str]:
+    """Local addresses (hex, as /proc/net/tcp* writes them) with a socket listening on `port`."""
+    out = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        for line in Path(table).read_text().splitlines()[1:]:
+            local, state = line.split()[1], line.split()[3]
+            if state == "0A" and local.endswith(f":{port:04X}"):
+                out.add(local.rsplit(":", 1)[0])
+    return out
+
+
+def test_the_rendezvous_store_of_local_workers_listens_on_loopback_only(tp_runner: TensorParallelRunner) -> None:
+    store = tp_runner.group._store
+    assert store is not None
+    assert _listening_addresses(store.port) == {"0100007F"}  # 127.0.0.1, nothing else
+
+
+def _verify_request(sid: str, committed: int, drafts: list[int]) -> target_pb2.TargetRequest:
+    return target_pb2.TargetRequest(
+        request_id=2,
+        session_id=sid,
+        committed_length=committed,
+        verify=target_pb2.Verify(start=committed, draft_token_ids=drafts),
+    )
+
+
+def test_killed_worker_gives_unavailable_then_the_group_recovers(
+    tp_runner: TensorParallelRunner, tp1_runner: CausalLMRunner
+) -> None:
+    group = tp_runner.group
+    health: list[bool] = []
+    group.on_health = health.append
+    verifier = Verifier(tp_runner)
+    servicer = TargetServicer(verifier, executor=None, info=common_pb2.ModelInfo())  # type: ignore[arg-type]
+    prompt = [5, 6, 7, 8, 9]
+    params = SamplingParams(temperature=0, seed=1)
+    verifier.open("s", prompt, params)
+    before = verifier.verify(VerifyRequest("s", len(prompt), Proposal([1, 2])))
+    restarts, pid = group.restarts, group.workers[0]["pid"]
+
+    os.kill(pid, signal.SIGKILL)
+    resp = servicer.handle_batch([_verify_request("s", before.committed_length, [3])])[0]
+    assert resp.WhichOneof("result") == "error"
+    assert resp.error.code == session_pb2.SessionError.CODE_UNAVAILABLE, resp.error
+    assert "restarting" in resp.error.message
+    with pytest.raises(Unavailable):
+        tp_runner.logits(tp_runner.new_session([1, 2]))  # fails fast while the group is down
+
+    _wait(lambda: group.restarts > restarts and group.state == group.READY, RECOVERY_TIMEOUT_S, "the group to restart")
+    assert health == [False, True]
+    assert group.workers[0]["pid"] != pid
+    # The session survived on rank 0; the followers' caches are rebuilt on the next forward.
+    n = before.committed_length
+    after = verifier.verify(VerifyRequest("s", n, Proposal([3]), start=n))  # as the coordinator sends it: from `start`
+    want = Verifier(tp1_runner)
+    want.open("s", prompt, params)
+    assert want.verify(VerifyRequest("s", len(prompt), Proposal([1, 2]))).token_id == before.token_id
+    expected = want.verify(VerifyRequest("s", n, Proposal([3]), start=n))
+    assert (after.accepted, after.token_id, after.committed_length) == (
+        expected.accepted,
+        expected.token_id,
+        expected.committed_length,
+    )
+    verifier.close("s")
+    want.close("s")
+    group.on_health = None
+
+
+def test_exit_on_worker_failure_hands_over_instead_of_restarting(tp_runner: TensorParallelRunner) -> None:
+    """With --exit-on-worker-failure the group calls on_fatal (the server exits, code 3) and does not restart.
+
+    Runs last among the in-process tests: it leaves the group down.
+    """
+    group = tp_runner.group
+    fatal: list[str] = []
+    group.exit_on_failure, group.on_fatal = True, fatal.append
+    restarts = group.restarts
+    os.kill(group.workers[0]["pid"], signal.SIGKILL)
+    _wait(lambda: bool(fatal), 30, "on_fatal")
+    assert "exited" in fatal[0] or "rank 0" in fatal[0]
+    with pytest.raises(Unavailable):
+        tp_runner.logits(tp_runner.new_session([1, 2]))
+    time.sleep(1.0)
+    assert group.restarts == restarts and group.state != group.READY
+
+
+# ---- the three services, target with --tp 2 ------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def local_ray() -> Iterator[tuple[str, dict[str, str]]]:
+    """A local Ray for this module (2 CPUs, 100 MB object store).
+
+    Yields its address and the environment a process needs to join it: Ray
+    turns token auth on for the clusters it starts (the token in
+    ~/.ray/auth_token), and a joining process must be told the mode.
+    """
+    ray = pytest.importorskip("ray")
+    saved = os.environ.get("RAY_AUTH_MODE")
+    context = ray.init(num_cpus=2, object_store_memory=100 * 1024**2, include_dashboard=False, log_to_driver=False)
+    try:
+        mode = os.environ.get("RAY_AUTH_MODE")  # set by ray.init when it enabled token auth
+        yield context.address_info["gcs_address"], ({"RAY_AUTH_MODE": mode} if mode else {})
+    finally:
+        ray.shutdown()
+        if saved is None:
+            os.environ.pop("RAY_AUTH_MODE", None)
+        else:
+            os.environ["RAY_AUTH_MODE"] = saved
+
+
+def _tp_args(executor: str, ray_address: str = "") -> list[str]:
+    args = ["--tp", str(TP), "--executor", executor, "--worker-ready-timeout-s", "120", "--metrics-port", "0"]
+    return args + (["--ray-address", ray_address] if ray_address else [])
+
+
+@pytest.fixture(scope="module")
+def services(
+    tiny_pair: tuple[Path, Path], tiny_cluster: Cluster, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[Cluster]:
+    """coordinator + a --tp 2 target, started once for both executors, on the session's draft (2-core CI:
+    every `specd serve` start costs seconds of imports); `tp_cluster` swaps the target's executor."""
+    target, draft = tiny_pair
+    cache = tmp_path_factory.mktemp("cache")
+    cluster = Cluster(target, draft, cache_dir=cache, target_args=_tp_args("mp"), borrow_draft=tiny_cluster)
+    try:
+        cluster.start()
+    except Exception:
+        cluster.stop()
+        print(cluster.logs())
+        raise
+    try:
+        yield cluster
+    finally:
+        cluster.stop()
+
+
+@pytest.fixture(scope="module", params=["mp", "ray"])
+def tp_cluster(request: pytest.FixtureRequest, services: Cluster) -> Iterator[Cluster]:
+    """The services with the target running its tp ranks on `request.param`."""
+    address, env = request.getfixturevalue("local_ray") if request.param == "ray" else ("", {})
+    args = _tp_args(request.param, address)
+    if services.target.args[-len(args) :] != args:
+        # Restart the target alone on its port with the other executor; the coordinator
+        # reconnects and its sessions heal, as after any target restart.
+        old = services.target
+        old.stop(grace_s=10.0)
+        port = (old.address or ":0").rsplit(":", 1)[1]
+        base = old.args[: old.args.index("--tp")]
+        base[base.index("--port") + 1] = port
+        # A fresh QuietService: the stopped one's log relay may still be draining.
+        services.target = QuietService("target", base + args)
+        services.target.start({**services.env, **env})
+        try:
+            services.target.wait_ready(READY_TIMEOUT_S)
+        except RuntimeError:
+            print(services.logs())
+            raise
+    yield services
+    if request.param == "ray":
+        services.target.stop(grace_s=10.0)  # before the module's Ray goes away
+
+
+def _worker_pid(cluster: Cluster) -> int:
+    found = re.findall(r"tp worker rank 1 ready: pid (\d+)", "".join(cluster.target.lines))
+    assert found, cluster.logs()
+    return int(found[-1])
+
+
+def _health(channel: grpc.Channel) -> int:
+    try:
+        return health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=5).status
+    except grpc.RpcError:
+        return -1
+
+
+def test_tp2_services_give_tp1_tokens_greedy_and_seeded(tp_cluster: Cluster, tiny_pair: tuple[Path, Path]) -> None:
+    """Five requests at once, so the tp=2 target batches them (forward_batch on both ranks)."""
+    target, draft = tiny_pair
+    calls = []
+    for k, text in zip([1, 4, 6], PROMPTS):
+        ids = _ids(target, text)
+        want = reference(target, None, ids, SamplingParams(temperature=0), max_new_tokens=24)
+        calls.append((ids, dict(max_new_tokens=24, temperature=0, speculation="fixed", draft_length=k), want))
+    for seed, (temperature, top_k, top_p) in enumerate([(0.8, 0, 1.0), (1.2, 20, 0.9)]):
+        ids = _ids(target, PROMPTS[seed])
+        params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed + 11)
+        want = reference(target, draft, ids, params, max_new_tokens=20, draft_length=4)
+        calls.append(
+            (
+                ids,
+                dict(
+                    max_new_tokens=20,
+                    temperature=temperature,
+                    top_k=top_k,
+                    top_p=top_p,
+                    seed=seed + 11,
+                    speculation="fixed",
+                    draft_length=4,
+                ),
+                want,
+            )
+        )
+
+    def run(call):
+        ids, kwargs, _ = call
+        with tp_cluster.client() as client:
+            return client.generate(ids, ignore_eos=True, **kwargs)
+
+    with ThreadPoolExecutor(max_workers=len(calls)) as pool:
+        results = list(pool.map(run, calls))
+    for (_, _, want), got in zip(calls, results):
+        assert list(got.token_ids) == want.token_ids, tp_cluster.logs()
+        assert got.stats.draft_tokens > 0 and got.stats.accepted_tokens == want.stats.accepted_tokens
+    assert tp_cluster.target is not None
+    samples = scrape(metrics_address(tp_cluster.target))
+    mean_batch = total(samples, "specd:target_batch_size_sum") / total(samples, "specd:target_batch_size_count")
+    assert mean_batch > 1.0  # some verifies shared a forward pass: forward_batch ran on both ranks
+
+
+@pytest.mark.parametrize("tp_cluster", ["ray"], indirect=True)  # mp: the in-process test above
+def test_killing_a_worker_fails_rounds_fast_then_the_service_recovers(
+    tp_cluster: Cluster, tiny_pair: tuple[Path, Path]
+) -> None:
+    target, _ = tiny_pair
+    pid = _worker_pid(tp_cluster)
+    assert tp_cluster.target.address
+    with grpc.insecure_channel(tp_cluster.target.address) as channel:
+        assert _health(channel) == health_pb2.HealthCheckResponse.SERVING
+        os.kill(pid, signal.SIGKILL)
+        _wait(lambda: _health(channel) == health_pb2.HealthCheckResponse.NOT_SERVING, 30, "NOT_SERVING")
+        # A round sent while the group restarts fails at once, in-band UNAVAILABLE (retryable).
+        prompt = [72, 105, 33]
+        requests = [
+            target_pb2.TargetRequest(
+                request_id=1,
+                session_id="killed",
+                committed_length=len(prompt),
+                open=target_pb2.TargetOpen(token_ids=prompt, sampling=common_pb2.SamplingParams(temperature=0, seed=1)),
+            ),
+            _verify_request("killed", len(prompt), [1, 2]),
+        ]
+        started = time.monotonic()
+        responses = list(target_pb2_grpc.TargetStub(channel).Rounds(iter(requests), timeout=30))
+        assert time.monotonic() - started < 10
+        assert responses[1].error.code == session_pb2.SessionError.CODE_UNAVAILABLE, responses[1]
+        _wait(lambda: _health(channel) == health_pb2.HealthCheckResponse.SERVING, RECOVERY_TIMEOUT_S, "SERVING again")
+    assert _worker_pid(tp_cluster) != pid
+    ids = _ids(target, PROMPTS[0])
+    want = reference(target, None, ids, SamplingParams(temperature=0), max_new_tokens=16)
+    with tp_cluster.client() as client:
+        got = client.generate(
+            ids, max_new_tokens=16, temperature=0, ignore_eos=True, speculation="fixed", draft_length=4
+        )
+    assert list(got.token_ids) == want.token_ids

@@ -1,0 +1,134 @@
+"""Tracing in-process: settings, context in messages, sampling, a dead collector (end to end: tests/services/test_tracing.py)."""
+
+from __future__ import annotations
+
+import secrets
+import socket
+import time
+
+import pytest
+from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+from opentelemetry.sdk.trace.sampling import ParentBased, TraceIdRatioBased
+from opentelemetry.trace import INVALID_SPAN, SpanKind
+
+from specd.serving import trace_names, trace_spans
+from specd.serving import tracing as tr
+from specd.serving.config import CoordinatorConfig, DraftConfig
+
+
+def test_tracing_is_off_without_an_endpoint() -> None:
+    t = tr.setup_tracing("coordinator", CoordinatorConfig(), env={})
+    assert t is tr.TRACING_OFF and not t.enabled and t.provider is None
+    assert t.start_generate("Generate", [("traceparent", "00-" + "1" * 32 + "-" + "2" * 16 + "-01")]) is INVALID_SPAN
+    assert t.start_round(INVALID_SPAN, 0, 5) is INVALID_SPAN
+    assert t.inject(INVALID_SPAN) == {}
+    assert (
+        t.start_remote_child(
+            trace_names.SPAN_DRAFT_PROPOSE, {"traceparent": "00-" + "1" * 32 + "-" + "2" * 16 + "-01"}, {}
+        )
+        is None
+    )
+    t.shutdown()  # nothing to do
+
+
+def test_settings_follow_flags_then_standard_variables() -> None:
+    env = {"OTEL_EXPORTER_OTLP_ENDPOINT": "http://collector:4317"}
+    s = tr.resolve_settings("draft", DraftConfig(), env)
+    assert (s.service_name, s.endpoint, s.protocol, s.from_flag) == (
+        "specd-draft",
+        "http://collector:4317",
+        "grpc",
+        False,
+    )
+    s = tr.resolve_settings("draft", DraftConfig(), {**env, "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT": "http://traces:4317"})
+    assert s.endpoint == "http://traces:4317"
+    s = tr.resolve_settings("draft", DraftConfig(otlp_endpoint="jaeger:4317", trace_sample_ratio=0.25), env)
+    assert (s.endpoint, s.from_flag, s.sample_ratio) == ("http://jaeger:4317", True, 0.25)  # no scheme: plaintext
+    s = tr.resolve_settings(
+        "target", DraftConfig(otlp_endpoint="http://jaeger:4318", otlp_protocol="http/protobuf"), {}
+    )
+    assert (s.service_name, s.endpoint, s.protocol) == ("specd-target", "http://jaeger:4318/v1/traces", "http/protobuf")
+    s = tr.resolve_settings("coordinator", CoordinatorConfig(), {**env, "OTEL_EXPORTER_OTLP_PROTOCOL": "http/protobuf"})
+    assert s.protocol == "http/protobuf" and s.service_name == "specd-coordinator"
+    for protocol in ("grpc", "http/protobuf"):  # both exporters build (nothing is sent until spans end)
+        t = tr.setup_tracing(
+            "coordinator", CoordinatorConfig(otlp_endpoint="127.0.0.1:9", otlp_protocol=protocol), env={}
+        )
+        assert t.enabled
+        resource = t.provider.resource.attributes
+        assert resource["service.name"] == "specd-coordinator" and resource["service.version"]
+        t.shutdown(timeout_s=2.0)
+
+
+def _in_memory(ratio: float = 1.0) -> tuple[tr.Tracing, InMemorySpanExporter]:
+    exporter = InMemorySpanExporter()
+    provider = TracerProvider(sampler=ParentBased(TraceIdRatioBased(ratio)), shutdown_on_exit=False)
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    return tr.Tracing(provider.get_tracer("test"), provider), exporter
+
+
+def test_round_context_rides_in_messages() -> None:
+    coordinator, exported = _in_memory()
+    draft, draft_exported = _in_memory()
+    client_trace, client_span = secrets.token_hex(16), secrets.token_hex(8)
+    generate = coordinator.start_generate("Generate", [("traceparent", f"00-{client_trace}-{client_span}-01")])
+    rounds = [coordinator.start_round(generate, i, 10 + i) for i in range(2)]
+    carriers = [coordinator.inject(r) for r in rounds]
+    assert all(set(c) == {"traceparent"} for c in carriers)
+    for carrier in carriers:
+        child = draft.start_remote_child(trace_names.SPAN_DRAFT_PROPOSE, carrier, {trace_names.ATTR_SESSION_ID: "s"})
+        trace_spans.end_message_span(child, {trace_names.ATTR_DRAFT_TOKENS: 4}, None)
+    for r in rounds:
+        r.end()
+    try:
+        raise RuntimeError("boom")
+    except RuntimeError as exc:
+        trace_spans.record_error(generate, exc)
+    generate.end()
+    spans = {s.context.span_id: s for s in exported.get_finished_spans()}
+    gen = next(s for s in spans.values() if s.name == trace_names.SPAN_GENERATE)
+    assert f"{gen.context.trace_id:032x}" == client_trace and f"{gen.parent.span_id:016x}" == client_span
+    assert (
+        gen.kind == SpanKind.SERVER
+        and not gen.status.is_ok
+        and gen.attributes[trace_names.ATTR_ERROR_TYPE] == "RuntimeError"
+    )
+    round_spans = [s for s in spans.values() if s.name == trace_names.SPAN_ROUND]
+    assert [s.parent.span_id for s in round_spans] == [gen.context.span_id] * 2
+    children = draft_exported.get_finished_spans()
+    assert [c.parent.span_id for c in children] == [r.context.span_id for r in round_spans]
+    assert all(c.context.trace_id == gen.context.trace_id and c.kind == SpanKind.SERVER for c in children)
+
+
+def test_unsampled_requests_send_no_context() -> None:
+    coordinator, exported = _in_memory(ratio=0.0)
+    generate = coordinator.start_generate("Generate", ())
+    assert not generate.is_recording()
+    round_span = coordinator.start_round(generate, 0, 3)
+    assert round_span is INVALID_SPAN and coordinator.inject(round_span) == {}
+    generate.end()
+    assert exported.get_finished_spans() == ()
+
+
+def test_dead_collector_neither_blocks_spans_nor_shutdown(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A collector that accepts connections and never answers: ending spans stays cheap, exit is bounded."""
+    monkeypatch.setenv("OTEL_BSP_SCHEDULE_DELAY", "10")
+    monkeypatch.setenv("OTEL_BSP_MAX_QUEUE_SIZE", "64")
+    monkeypatch.setenv("OTEL_BSP_MAX_EXPORT_BATCH_SIZE", "32")
+    with socket.socket() as blackhole:
+        blackhole.bind(("127.0.0.1", 0))
+        blackhole.listen(64)  # never accepted: the exporter's calls hang until their timeout
+        port = blackhole.getsockname()[1]
+        t = tr.setup_tracing("target", DraftConfig(otlp_endpoint=f"127.0.0.1:{port}"), env={})
+        parent = t.start_generate("Generate", ())
+        start = time.perf_counter()
+        for i in range(3000):
+            t.start_round(parent, i, i).end()
+        per_span_us = (time.perf_counter() - start) / 3000 * 1e6
+        parent.end()
+        start = time.perf_counter()
+        t.shutdown(timeout_s=1.0)
+        assert time.perf_counter() - start < 3.0
+    assert per_span_us < 500, per_span_us

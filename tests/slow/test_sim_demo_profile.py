@@ -13,6 +13,7 @@ import pytest
 
 from specd.core.draft.model_drafter import ModelDrafter
 from specd.core.model.sim import load_profile
+from specd.core.rounds.steps import ProposeRequest, VerifyRequest
 from specd.core.sampling.sampler import SamplingParams
 from specd.core.target.verifier import Verifier
 
@@ -40,8 +41,8 @@ def test_demo_profile_reproduces_the_measured_round_at_k4():
         committed, known = list(prompt), len(prompt)
         while len(committed) - len(prompt) < min(12, m["new_tokens"]):
             t0 = time.perf_counter()
-            proposal = drafter.propose(sid, len(committed), known, committed[known:], 4)
-            outcome = verifier.verify(sid, len(committed), proposal)
+            proposal = drafter.propose(ProposeRequest(sid, len(committed), known, committed[known:], 4))
+            outcome = verifier.verify(VerifyRequest(sid, len(committed), proposal))
             rounds.append((time.perf_counter() - t0) * 1e3)
             known = len(committed) + outcome.accepted
             committed += proposal.token_ids[: outcome.accepted] + [outcome.token_id]

@@ -9,37 +9,16 @@ from specd.core.errors import InvalidArgument
 from specd.core.sampling.rejection import SparseProposal, Verdict, rejection_sample
 from specd.core.sampling.sampler import (
     Role,
-    SamplingParams,
     coins,
     draft_token,
-    processed_probs,
     sample_from_probs,
     sample_sparse,
     sparse_proposal,
 )
 from tests.devices import DEVICE
+from tests.unit.core.sampling.tables import F32, F64, I64, on_device
 
 pytestmark = pytest.mark.usefixtures("torch_single_thread")  # small tensors: intra-op threads only add contention
-
-F32 = torch.float32
-F64 = torch.float64
-I64 = torch.int64
-
-
-def _logits_of(probs: list[float]) -> torch.Tensor:
-    """[1, 1, V] logits whose softmax is `probs` (zero -> -inf)."""
-    return torch.tensor(probs, dtype=F64).log().to(DEVICE, F32)[None, None, :]
-
-
-def _pp(probs: list[float], **kw) -> torch.Tensor:
-    """processed_probs of one row given as target probabilities -> [V]."""
-    return processed_probs(_logits_of(probs), [SamplingParams(**kw)])[0, 0]
-
-
-def _t(x, dtype=I64) -> torch.Tensor:
-    """On SPECD_TEST_DEVICE, as are the other inputs of the `device`-marked tests."""
-    return torch.tensor(x, dtype=dtype, device=DEVICE)
-
 
 # --------------------------------------------------------------------------
 # rejection_sample
@@ -47,7 +26,7 @@ def _t(x, dtype=I64) -> torch.Tensor:
 
 
 def _prop(ids, probs) -> SparseProposal:
-    return SparseProposal(_t(ids), torch.tensor(probs, dtype=F32, device=DEVICE))
+    return SparseProposal(on_device(ids), torch.tensor(probs, dtype=F32, device=DEVICE))
 
 
 def _verdict(v: Verdict) -> tuple[list[int], list[int], list[bool]]:
@@ -151,8 +130,8 @@ def test_rejection_sample_table(name, seed):
     p, drafts, prop, num_draft, (n, tok, bonus) = REJECTION_CASES[name]
     p = torch.tensor(p, dtype=F32, device=DEVICE)
     drafts = torch.tensor(drafts, dtype=I64, device=DEVICE).reshape(1, p.shape[1] - 1)
-    nd = None if num_draft is None else _t(num_draft)
-    v = rejection_sample(p, drafts, prop, _t([seed]), _t([17]), nd)
+    nd = None if num_draft is None else on_device(num_draft)
+    v = rejection_sample(p, drafts, prop, on_device([seed]), on_device([17]), nd)
     assert _verdict(v) == ([n], [tok], [bonus])
     assert v.num_accepted.dtype == I64 and v.next_token.dtype == I64 and v.is_bonus.dtype == torch.bool
     assert v.next_token.device.type == DEVICE.type
@@ -164,8 +143,8 @@ def test_rejection_sample_second_rejected_follows_the_coin():
     p = torch.tensor(p, dtype=F32, device=DEVICE).expand(64, 3, 4)
     seeds, start = torch.arange(64, dtype=I64, device=DEVICE), torch.full((64,), 5, dtype=I64, device=DEVICE)
     prop = SparseProposal(prop.token_ids.expand(64, 2, 2), prop.probs.expand(64, 2, 2))
-    v = rejection_sample(p, _t(drafts).expand(64, 2), prop, seeds, start)
-    u = coins(seeds, start[:, None] + _t([[0, 1]]), Role.ACCEPT)  # [B, 2]
+    v = rejection_sample(p, on_device(drafts).expand(64, 2), prop, seeds, start)
+    u = coins(seeds, start[:, None] + on_device([[0, 1]]), Role.ACCEPT)  # [B, 2]
     accepted_1 = u[:, 1] < 0.25 / 0.75  # draft 0 always accepted (ratio 1/1)
     assert v.num_accepted.tolist() == (1 + accepted_1.long()).tolist()
     assert bool(v.is_bonus.eq(accepted_1).all())
@@ -182,7 +161,7 @@ def test_rejection_sample_one_hot_q_follows_the_coin():
     B = 4000
     p = torch.tensor(p, dtype=F32).expand(B, 2, 4)
     seeds, start = torch.arange(B, dtype=I64), torch.full((B,), 3, dtype=I64)
-    v = rejection_sample(p, _t(drafts).expand(B, 1), None, seeds, start)
+    v = rejection_sample(p, on_device(drafts).expand(B, 1), None, seeds, start)
     acc = coins(seeds, start[:, None], Role.ACCEPT)[:, 0] < float(torch.tensor(0.999, dtype=F32))
     assert torch.equal(v.num_accepted, acc.long())
     assert set(v.next_token[~acc].tolist()) == {3}  # p with the draft token removed
@@ -251,7 +230,7 @@ def test_rejection_sample_zero_residual_guard_samples_from_p():
     B = 400
     p = torch.tensor([[p_row, [0, 0, 0, 1.0]]], dtype=F32).expand(B, 2, 4)
     prop = SparseProposal(
-        _t([[[0, 1, 2]]]).expand(B, 1, 3), torch.tensor([[[0.25, 0.25, 0.25]]], dtype=F32).expand(B, 1, 3)
+        on_device([[[0, 1, 2]]]).expand(B, 1, 3), torch.tensor([[[0.25, 0.25, 0.25]]], dtype=F32).expand(B, 1, 3)
     )
     seeds, start = torch.arange(B, dtype=I64), torch.zeros(B, dtype=I64)
     drafts = (seeds % 3)[:, None]
@@ -282,33 +261,39 @@ def test_rejection_sample_near_equal_p_q_is_finite():
 
 def _ok_inputs():
     p = torch.full((2, 3, 4), 0.25, dtype=F32)  # [B, K+1, V]
-    drafts = _t([[0, 1], [2, 3]])
-    prop = SparseProposal(_t([[[0, 1], [1, 2]], [[2, 3], [3, 0]]]), torch.full((2, 2, 2), 0.5, dtype=F32))
-    return dict(target_probs=p, draft_token_ids=drafts, proposal=prop, seeds=_t([1, 2]), start_positions=_t([0, 0]))
+    drafts = on_device([[0, 1], [2, 3]])
+    prop = SparseProposal(on_device([[[0, 1], [1, 2]], [[2, 3], [3, 0]]]), torch.full((2, 2, 2), 0.5, dtype=F32))
+    return dict(
+        target_probs=p,
+        draft_token_ids=drafts,
+        proposal=prop,
+        seeds=on_device([1, 2]),
+        start_positions=on_device([0, 0]),
+    )
 
 
 @pytest.mark.parametrize(
     "change, match",
     [
-        (dict(draft_token_ids=_t([[0, 4], [2, 3]])), "token id"),
-        (dict(draft_token_ids=_t([[0, -1], [2, 3]])), "token id"),
-        (dict(draft_token_ids=_t([[0, 1, 2], [2, 3, 0]])), "draft_token_ids"),
-        (dict(seeds=_t([1, 2, 3])), "seeds"),
-        (dict(start_positions=_t([[0], [0]])), "start_positions"),
-        (dict(num_draft=_t([3, 0])), "num_draft"),
-        (dict(num_draft=_t([1])), "num_draft"),
-        (dict(draft_token_ids=_t([[3, 1], [2, 3]])), "support"),  # 3 not in row 0's proposal
+        (dict(draft_token_ids=on_device([[0, 4], [2, 3]])), "token id"),
+        (dict(draft_token_ids=on_device([[0, -1], [2, 3]])), "token id"),
+        (dict(draft_token_ids=on_device([[0, 1, 2], [2, 3, 0]])), "draft_token_ids"),
+        (dict(seeds=on_device([1, 2, 3])), "seeds"),
+        (dict(start_positions=on_device([[0], [0]])), "start_positions"),
+        (dict(num_draft=on_device([3, 0])), "num_draft"),
+        (dict(num_draft=on_device([1])), "num_draft"),
+        (dict(draft_token_ids=on_device([[3, 1], [2, 3]])), "support"),  # 3 not in row 0's proposal
         (
-            dict(proposal=SparseProposal(_t([[[0, 9], [1, 2]], [[2, 3], [3, 0]]]), torch.full((2, 2, 2), 0.5))),
+            dict(proposal=SparseProposal(on_device([[[0, 9], [1, 2]], [[2, 3], [3, 0]]]), torch.full((2, 2, 2), 0.5))),
             "proposal token ids",
         ),
-        (dict(proposal=SparseProposal(_t([[[0, 1]], [[2, 3]]]), torch.full((2, 1, 2), 0.5))), "proposal"),
+        (dict(proposal=SparseProposal(on_device([[[0, 1]], [[2, 3]]]), torch.full((2, 1, 2), 0.5))), "proposal"),
         (
-            dict(proposal=SparseProposal(_t([[[0, 1], [1, 2]], [[2, 3], [3, 0]]]), torch.full((2, 2, 2), -0.5))),
+            dict(proposal=SparseProposal(on_device([[[0, 1], [1, 2]], [[2, 3], [3, 0]]]), torch.full((2, 2, 2), -0.5))),
             "proposal probabilities",
         ),
         (
-            dict(proposal=SparseProposal(_t([[[0, 1], [1, 2]], [[2, 3], [3, 0]]]), torch.zeros(2, 2, 2))),
+            dict(proposal=SparseProposal(on_device([[[0, 1], [1, 2]], [[2, 3], [3, 0]]]), torch.zeros(2, 2, 2))),
             "positive mass",
         ),
         (dict(target_probs=torch.full((2, 3), 0.25)), "target_probs"),

@@ -22,28 +22,9 @@ from specd.core.sampling.sampler import (
     sparse_proposal,
 )
 from tests.devices import DEVICE
+from tests.unit.core.sampling.tables import F32, F64, I64, on_device, processed_row
 
 pytestmark = pytest.mark.usefixtures("torch_single_thread")  # small tensors: intra-op threads only add contention
-
-F32 = torch.float32
-F64 = torch.float64
-I64 = torch.int64
-
-
-def _logits_of(probs: list[float]) -> torch.Tensor:
-    """[1, 1, V] logits whose softmax is `probs` (zero -> -inf)."""
-    return torch.tensor(probs, dtype=F64).log().to(DEVICE, F32)[None, None, :]
-
-
-def _pp(probs: list[float], **kw) -> torch.Tensor:
-    """processed_probs of one row given as target probabilities -> [V]."""
-    return processed_probs(_logits_of(probs), [SamplingParams(**kw)])[0, 0]
-
-
-def _t(x, dtype=I64) -> torch.Tensor:
-    """On SPECD_TEST_DEVICE, as are the other inputs of the `device`-marked tests."""
-    return torch.tensor(x, dtype=dtype, device=DEVICE)
-
 
 # --------------------------------------------------------------------------
 # SamplingParams validation
@@ -130,7 +111,7 @@ P4 = [0.5, 0.3, 0.15, 0.05]
 )
 @pytest.mark.device
 def test_processed_probs_table(probs, kw, expected):
-    got = _pp(probs, **kw)
+    got = processed_row(probs, **kw)
     assert got.dtype == F32 and got.device.type == DEVICE.type
     torch.testing.assert_close(got.cpu(), torch.tensor(expected, dtype=F32), atol=2e-6, rtol=1e-5)
     assert abs(float(got.double().sum()) - 1.0) < 1e-6
@@ -204,7 +185,7 @@ def test_sample_from_probs_batched_never_picks_zero_weight():
 
 
 def test_sample_sparse_uses_slot_order_and_ids():
-    ids = _t([[7, 2, 5], [0, 9, 3]])  # [B, W]
+    ids = on_device([[7, 2, 5], [0, 9, 3]])  # [B, W]
     wire = torch.tensor([[0.5, 0.25, 0.25], [0.0, 1.0, 0.0]], dtype=F32)
     assert sample_sparse(ids, wire, torch.tensor([0.6, 0.0], dtype=F64)).tolist() == [2, 9]
     assert sample_sparse(ids, wire, torch.tensor([0.8, 0.99], dtype=F64)).tolist() == [5, 9]
@@ -282,7 +263,7 @@ def test_sparse_proposal_bad_args(k, bits, field):
 
 def test_draft_token_samples_from_the_wire_numbers_with_draft_coins():
     probs = torch.tensor([P4] * 3, dtype=F32)  # [B, V]
-    seeds, pos = _t([1, 2, 3]), _t([10, 11, 12])
+    seeds, pos = on_device([1, 2, 3]), on_device([10, 11, 12])
     tok, ids, wire = draft_token(probs, 3, 3, seeds, pos)
     u = coins(seeds, pos[:, None], Role.DRAFT)[:, 0]
     assert torch.equal(tok, sample_sparse(ids, wire, u))
@@ -297,8 +278,8 @@ def test_draft_token_samples_from_the_wire_numbers_with_draft_coins():
 
 def test_coins_golden_values():
     # The hash is a wire contract (draft and target must draw the same coins): pin it.
-    got = coins(_t([0, 1, 2**63 - 1]), _t([[0, 1], [0, 1], [5, 2**40]]), Role.ACCEPT)
-    again = coins(_t([0, 1, 2**63 - 1]), _t([[0, 1], [0, 1], [5, 2**40]]), Role.ACCEPT)
+    got = coins(on_device([0, 1, 2**63 - 1]), on_device([[0, 1], [0, 1], [5, 2**40]]), Role.ACCEPT)
+    again = coins(on_device([0, 1, 2**63 - 1]), on_device([[0, 1], [0, 1], [5, 2**40]]), Role.ACCEPT)
     assert got.dtype == F64 and got.shape == (3, 2)
     assert torch.equal(got, again)
     assert got.tolist() == GOLDEN_ACCEPT
@@ -331,7 +312,7 @@ def test_coins_match_the_reference_hash():
     seeds = [0, 1, 42, 2**40 + 3, 2**63 - 1]
     positions = [0, 1, 7, 1000, 2**31 + 5]
     for role in Role:
-        got = coins(_t(seeds), _t([positions] * len(seeds)), role)
+        got = coins(on_device(seeds), on_device([positions] * len(seeds)), role)
         for b, s in enumerate(seeds):
             for n, pos in enumerate(positions):
                 assert float(got[b, n]) == _coin_reference(s, pos, int(role))

@@ -1,18 +1,18 @@
 """Intra-op threads that follow the CPUs other processes leave free.
 
 A CPU forward pass is a chain of OpenMP parallel regions, and each region
-ends at a barrier. Two wait policies, measured on 2 cores with the demo
-target (docs/results/contention.md):
+ends at a barrier. Of the two wait policies (measured in
+docs/results/verify-cost.md and docs/results/contention.md):
 
 - spinning (OpenMP's own default: a bounded spin, then sleep) keeps a
-  5-token verify at about 1.3x a decode step, but beside a busy core a
-  thread that is not scheduled holds every region's barrier: a verify took
-  3-8x as long;
+  multi-token verify close to a decode step, but beside a busy core a
+  thread that is not scheduled holds every region's barrier, and a verify
+  takes several times as long;
 - PASSIVE (sleep at once) keeps the busy case, but every region pays a
-  wake-up: a 5-token verify cost 2.5x a decode step.
+  wake-up, and a multi-token verify costs twice a decode step or more.
 
-One thread has no barrier: it loses nothing at one token on that machine
-and is untouched by a busy core. So the services keep OpenMP's spin and run
+One thread has no barrier: at one token it was as fast as two on 2 cores,
+and a busy core leaves it alone. So the services keep OpenMP's spin and run
 each forward pass with as many threads as there are CPUs that no other
 process wants right now (at least 1, at most the configured maximum). The
 governor samples the runnable threads of other processes before a pass (at

@@ -4,9 +4,10 @@
 torch ships, for the few rows of a decode step or a verify, that product is
 slow and grows with n, up to several times the time it takes to stream W
 once. The same product as (W @ x.T).T, with a single row doubled so that it
-is a GEMM and not a matrix-vector product, streams the weights once: a
-verify of a few tokens then costs about what a decode step costs, and the
-decode step itself gets faster (measured: docs/results/verify-cost.md).
+is a GEMM and not a matrix-vector product, streams the weights once: the
+decode step gets faster, and so does every verify of up to 8 tokens, whose
+cost then grows with its rows only by the arithmetic (measured:
+docs/results/verify-cost.md).
 
 The values are those of the same sums in another order (float rounding
 only); specd's target-only decoding runs the same kernels, so exactness

@@ -90,6 +90,10 @@ def test_bench_smoke_on_the_tiny_pair(tiny_cluster, tiny_pair: tuple[Path, Path]
     assert all(r["theoretical_speedup_measured_verify"] for r in records if r["mode"] in ("fixed-2", "pipelined-3"))
     md = out.with_suffix(".md").read_text()
     assert "| T | clients | mode | tok/s | speed-up" in md and "`fixed-2`" in md and "Greedy check" in md
+    # The thread and OpenMP settings the services ran under (issue 28), from the bench's own torch.
+    runtime = report["meta"]["machine"]["openmp"]["openmp"]
+    assert runtime in ("GNU libgomp", "Intel libiomp5", "LLVM libomp")
+    assert f"OpenMP {runtime}, " in md
     assert out.with_suffix(".png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 

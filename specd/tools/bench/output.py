@@ -13,6 +13,7 @@ from typing import Any
 import torch
 import transformers
 
+from specd.serving.cpu_threads import openmp_settings
 from specd.tools.bench.plan import Plan, learns_across_requests
 from specd.tools.bench.plot import write_plot
 from specd.tools.bench.report import render_markdown
@@ -42,6 +43,8 @@ def build_meta(
             "python": platform.python_version(),
             "torch": torch.__version__,
             "transformers": transformers.__version__,
+            # what the services' torch loads and reads: the runtime, and any wait setting in the environment
+            "openmp": openmp_settings(),
         },
         "models": {"target": str(target_dir), "draft": str(draft_dir) if draft_dir else args.draft},
         "address": address,

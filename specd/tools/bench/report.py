@@ -19,6 +19,20 @@ def _fmt(x: Any, digits: int = 2, suffix: str = "") -> str:
     return f"{x}{suffix}"
 
 
+def _threads(n: int) -> str:
+    """A service's --torch-threads as the report says it: 0 is the governed default."""
+    return str(n) if n else "0 (up to the CPUs available, fewer while other processes take them)"
+
+
+def _openmp(machine: Mapping[str, Any]) -> str:
+    """The OpenMP runtime and the wait settings the environment gave it (older reports have none)."""
+    omp = machine.get("openmp")
+    if not omp:
+        return "OpenMP settings not recorded"
+    waits = ", ".join(f"{k}={v}" for k, v in omp.items() if k != "openmp") or "its default wait policy"
+    return f"OpenMP {omp.get('openmp', 'unknown')}, {waits}"
+
+
 def render_markdown(report: Mapping[str, Any]) -> str:
     meta, records = report["meta"], report["records"]
     s = meta["settings"]
@@ -41,9 +55,9 @@ def render_markdown(report: Mapping[str, Any]) -> str:
         ),
         f"Target `{meta['models']['target']}`, draft `{meta['models']['draft']}`; {s['prompts']} prompts "
         f"({', '.join(s['categories'])}), {s['max_new_tokens']} new tokens each"
-        f"{'' if s['stop_at_eos'] else ' (past end-of-sequence)'}; threads target {s['target_threads']}, "
-        f"draft {s['draft_threads']}, HF baseline {s['hf_threads']}; {meta['machine']['cpus']} CPUs; "
-        f"{meta['duration_s']:.0f} s."
+        f"{'' if s['stop_at_eos'] else ' (past end-of-sequence)'}; threads target {_threads(s['target_threads'])}, "
+        f"draft {_threads(s['draft_threads'])}, HF baseline {s['hf_threads']}; {meta['machine']['cpus']} CPUs; "
+        f"{_openmp(meta['machine'])}; {meta['duration_s']:.0f} s."
         + (
             f" Modes interleaved over up to {s['interleave']} slices of the prompts per cell."
             if s.get("interleave", 1) > 1

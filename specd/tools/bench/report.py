@@ -19,9 +19,11 @@ def _fmt(x: Any, digits: int = 2, suffix: str = "") -> str:
     return f"{x}{suffix}"
 
 
-def _threads(n: int) -> str:
-    """A service's --torch-threads as the report says it: 0 is the governed default."""
-    return str(n) if n else "0 (up to the CPUs available, fewer while other processes take them)"
+def _threads(n: int, emulated: bool) -> str:
+    """A service's --torch-threads as the report says it: 0 is the governed default (an emulated model: 1)."""
+    if n:
+        return str(n)
+    return "1 (emulated model)" if emulated else "0 (up to the CPUs available, fewer while other processes take them)"
 
 
 def _openmp(machine: Mapping[str, Any]) -> str:
@@ -55,8 +57,8 @@ def render_markdown(report: Mapping[str, Any]) -> str:
         ),
         f"Target `{meta['models']['target']}`, draft `{meta['models']['draft']}`; {s['prompts']} prompts "
         f"({', '.join(s['categories'])}), {s['max_new_tokens']} new tokens each"
-        f"{'' if s['stop_at_eos'] else ' (past end-of-sequence)'}; threads target {_threads(s['target_threads'])}, "
-        f"draft {_threads(s['draft_threads'])}, HF baseline {s['hf_threads']}; {meta['machine']['cpus']} CPUs; "
+        f"{'' if s['stop_at_eos'] else ' (past end-of-sequence)'}; threads target {_threads(s['target_threads'], bool(emu))}, "
+        f"draft {_threads(s['draft_threads'], bool(emu))}, HF baseline {s['hf_threads']}; {meta['machine']['cpus']} CPUs; "
         f"{_openmp(meta['machine'])}; {meta['duration_s']:.0f} s."
         + (
             f" Modes interleaved over up to {s['interleave']} slices of the prompts per cell."

@@ -21,7 +21,7 @@ from typing import Any, Generic, Literal, Protocol, TypeVar
 
 import grpc
 
-from specd.core.errors import DeadlineExceeded, FailedPrecondition, InvalidArgument, Unavailable
+from specd.core.errors import DeadlineExceeded, FailedPrecondition, InvalidArgument, ProposalRefused, Unavailable
 from specd.core.rounds import steps
 from specd.core.rounds.ports import Carrier
 from specd.core.sampling.proposal import Proposal
@@ -235,6 +235,10 @@ class GrpcTarget(Peer[target_pb2.TargetRequest, target_pb2.TargetResponse]):
             answer = await self.call(wire.verify_request(request, carrier), timeout)
             return wire.verdict_from_proto(answer.response, answer.round_trip_ms, answer.wake_ms)
         except InvalidArgument as exc:
+            # Everything else in a verify is the coordinator's own (checked) state, so a refused
+            # round that carried a relayed q is the draft's: the loop verifies again without it.
+            if request.proposal.wire_q is not None:
+                raise ProposalRefused(f"the target refused the draft's proposal: {exc}") from exc
             raise FailedPrecondition(f"the target refused a round: {exc}") from exc
 
 
@@ -264,9 +268,9 @@ class GrpcDraft(Peer[draft_pb2.DraftRequest, draft_pb2.DraftResponse]):
     async def propose(self, request: steps.ProposeRequest, *, timeout: float, carrier: Carrier) -> Proposal:
         assert self.target_info is not None, "target_info first"
         answer = await self.call(wire.propose_request(request, carrier), timeout)
-        # Validates ids and q against the target's vocabulary.
+        # Checks the ids against the target's vocabulary; q goes on to the target undecoded (it checks it).
         return wire.proposal_from_answer(
-            answer.response, self.target_info.vocab_size, answer.round_trip_ms, answer.wake_ms
+            answer.response, self.target_info.vocab_size, answer.round_trip_ms, answer.wake_ms, relay=True
         )
 
     async def propose_branches(
@@ -274,7 +278,8 @@ class GrpcDraft(Peer[draft_pb2.DraftRequest, draft_pb2.DraftResponse]):
     ) -> steps.Branches:
         assert self.target_info is not None, "target_info first"
         answer = await self.call(wire.branches_request(request, carrier), timeout)
-        return wire.branches_from_proto(answer.response.branches, self.target_info.vocab_size)  # validates ids and q
+        # Checks the ids; each branch's q goes on to the target undecoded.
+        return wire.branches_from_proto(answer.response.branches, self.target_info.vocab_size, relay=True)
 
     async def close(self, request: steps.CloseRequest, *, timeout: float) -> None:
         await self.call(wire.draft_close_request(request), timeout)

@@ -38,6 +38,11 @@ class FailedPrecondition(SpecdError):
     """The system is not in a state that allows this (e.g. models disagree)."""
 
 
+class ProposalRefused(SpecdError):
+    """The target refused a draft's proposal that the coordinator relayed to it undecoded (its q was
+    malformed): the draft lied, so the round is verified again without it and speculation pauses."""
+
+
 class Internal(SpecdError):
     """Something failed inside a service for this request alone (e.g. the model's numbers
     for its row were not finite). Retrying gives the same result, so nobody retries it;

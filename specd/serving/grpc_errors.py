@@ -33,6 +33,7 @@ _STATUS: dict[type[errors.SpecdError], grpc.StatusCode] = {
     errors.Unavailable: grpc.StatusCode.UNAVAILABLE,
     errors.DeadlineExceeded: grpc.StatusCode.DEADLINE_EXCEEDED,
     errors.FailedPrecondition: grpc.StatusCode.FAILED_PRECONDITION,
+    errors.ProposalRefused: grpc.StatusCode.UNAVAILABLE,  # a peer's fault; the loop handles it before any edge
     errors.Internal: grpc.StatusCode.INTERNAL,
 }
 

@@ -43,6 +43,8 @@ def params_to_proto(params: SamplingParams) -> common_pb2.SamplingParams:
 
 def sparse_to_proto(proposal: Proposal) -> list[common_pb2.SparseDistribution]:
     """Per draft position, q as sent: compact when the weights are integers (a model draft's), else plain."""
+    if proposal.wire_q is not None:  # relayed as the draft sent it: the target validates it
+        return list(proposal.wire_q)
     if proposal.q_ids is None or proposal.q_probs is None:
         return []
     if sparse_q.is_integral(proposal.q_probs):
@@ -93,8 +95,23 @@ def proposal_from_proto(
     max_draft_tokens: int = DEFAULT_MAX_DRAFT_TOKENS,
     max_q_width: int = DEFAULT_MAX_Q_WIDTH,
     transit: Transit | None = None,
+    relay: bool = False,
 ) -> Proposal:
-    """Validated proposal (InvalidArgument on out-of-range IDs, bad probabilities or sizes over the limits)."""
+    """Validated proposal (InvalidArgument on out-of-range IDs, bad probabilities or sizes over the limits).
+
+    relay: check only what the lengths and the token ids show, and keep q as it came (wire_q) for
+    the target, which validates it (the coordinator never needs q's numbers: decoding and
+    re-encoding them was most of its event-loop time at T > 0).
+    """
+    if relay:
+        tokens = _relayed_tokens(msg.token_ids, msg.q, vocab_size, max_draft_tokens, max_q_width)
+        return Proposal(
+            tokens,
+            compute_ms=msg.compute_ms,
+            phases=PhaseLog(batch_size=max(1, msg.batch_size)),
+            transit=transit,
+            wire_q=tuple(msg.q) if len(msg.q) else None,
+        )
     proposal = _checked_proposal(msg.token_ids, msg.q, vocab_size, max_draft_tokens, max_q_width)
     return Proposal(
         proposal.token_ids,
@@ -104,6 +121,33 @@ def proposal_from_proto(
         phases=PhaseLog(batch_size=max(1, msg.batch_size)),
         transit=transit,
     )
+
+
+def _relayed_tokens(
+    token_ids: Sequence[int],
+    q: Sequence[common_pb2.SparseDistribution],
+    vocab_size: int,
+    max_draft_tokens: int,
+    max_q_width: int,
+) -> list[int]:
+    """The draft tokens, checked, and q's shape checked from lengths alone (one row per token or none,
+    one form per row, no row wider than the limits); q's numbers are the target's to check."""
+    k = len(token_ids)
+    if k > max_draft_tokens:
+        raise InvalidArgument(f"{k} draft tokens; this service verifies at most {max_draft_tokens}")
+    if len(q) not in (0, k):
+        raise InvalidArgument(f"q has {len(q)} positions for {k} draft tokens; send one per token or none")
+    cap = min(max_q_width, vocab_size)
+    for i, d in enumerate(q):
+        plain, compact = max(len(d.token_ids), len(d.probs)), max(len(d.id_gaps), len(d.weights))
+        if (plain > 0) == (compact > 0):
+            raise InvalidArgument(f"q at draft position {i} must use exactly one of the plain and the compact form")
+        if max(plain, compact) > cap:
+            raise InvalidArgument(f"q at draft position {i} has more than {cap} tokens")
+    tokens = list(token_ids)
+    if tokens and not (min(tokens) >= 0 and max(tokens) < vocab_size):
+        raise InvalidArgument(f"a draft token id is outside the vocabulary [0, {vocab_size})")
+    return tokens
 
 
 def proposal_from_verify(
@@ -258,13 +302,13 @@ def branches_request(request: steps.BranchRequest, carrier: Mapping[str, str]) -
     return req
 
 
-def branches_from_proto(msg: draft_pb2.DraftBranchSet, vocab_size: int) -> steps.Branches:
+def branches_from_proto(msg: draft_pb2.DraftBranchSet, vocab_size: int, *, relay: bool = False) -> steps.Branches:
     """Validated branches: each proposal as proposal_from_proto checks it, each token within the vocabulary."""
     out = []
     for b in msg.branches:
         if not 0 <= b.token_id < vocab_size:
             raise InvalidArgument(f"branch token id {b.token_id} is outside the vocabulary [0, {vocab_size})")
-        out.append(steps.Branch(b.accepted, b.token_id, proposal_from_proto(b.proposal, vocab_size)))
+        out.append(steps.Branch(b.accepted, b.token_id, proposal_from_proto(b.proposal, vocab_size, relay=relay)))
     return steps.Branches(tuple(out), msg.compute_ms, PhaseLog(batch_size=max(1, msg.batch_size)))
 
 
@@ -282,11 +326,12 @@ def verify_request(request: steps.VerifyRequest, carrier: Mapping[str, str]) -> 
 
 
 def proposal_from_answer(
-    resp: draft_pb2.DraftResponse, vocab_size: int, round_trip_ms: float, wake_ms: float
+    resp: draft_pb2.DraftResponse, vocab_size: int, round_trip_ms: float, wake_ms: float, *, relay: bool = False
 ) -> Proposal:
-    """A DraftResponse's validated proposal, with the call's hops."""
+    """A DraftResponse's validated proposal (relay: see proposal_from_proto), with the call's hops."""
     msg = resp.proposal
-    return proposal_from_proto(msg, vocab_size, transit=transit(resp.timing, msg.compute_ms, round_trip_ms, wake_ms))
+    hops = transit(resp.timing, msg.compute_ms, round_trip_ms, wake_ms)
+    return proposal_from_proto(msg, vocab_size, transit=hops, relay=relay)
 
 
 def verdict_from_proto(

@@ -28,7 +28,7 @@ from collections.abc import AsyncGenerator, Awaitable, Callable, Coroutine, Sequ
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
-from specd.core.errors import REQUEST_ERRORS, SpecdError
+from specd.core.errors import REQUEST_ERRORS, ProposalRefused, SpecdError
 from specd.core.rounds.adaptive import ServiceEstimates
 from specd.core.rounds.generation import FinishReason, Generation, StopRule
 from specd.core.rounds.pipeline import Off, PipelineRound, PipelineSettings, PreDraft, make_pipeline
@@ -229,19 +229,14 @@ class RequestRun:
             return [PreDraft(b.extension(pending), b.proposal) for b in result.branches]
 
         rnd = PipelineRound(committed, proposal, budget, wanted, draft_after, draft_branches)
-        verify = self._target.verify(
-            committed,
-            proposal,
-            defer_bonus=self._pipeline.defers_bonus(rnd),
-            deadline=self._deadline,
-            carrier=carrier,
-            on_retry=self._target_retry,
-        )
+        verify = self._verify(committed, proposal, self._pipeline.defers_bonus(rnd), carrier)
         pre_drafts: list[PreDraft] = []
         if isinstance(self._pipeline, Off):  # nothing runs beside the verify: await it here (no task, no loop turn)
-            outcome, launched = await verify, 0
+            (outcome, verified), launched = await verify, 0
         else:
-            outcome, launched, pre_drafts = await self._verify_beside_pipeline(verify, rnd)
+            (outcome, verified), launched, pre_drafts = await self._verify_beside_pipeline(verify, rnd)
+        if verified is not proposal:  # the target refused the draft's proposal: this round ran target-only
+            proposal, hit, why = verified, None, TargetOnly.DRAFT_FAILED
         kind = _kind(outcome)
         token = None if outcome.deferred else outcome.token_id
         extension = (*proposal.token_ids[: outcome.accepted], *(() if token is None else (token,)))
@@ -278,19 +273,44 @@ class RequestRun:
         self._observer.round_ended(record)
         return record
 
+    async def _verify(
+        self, committed: Sequence[int], proposal: Proposal, defer_bonus: bool, carrier: Carrier
+    ) -> tuple[VerifyOutcome, Proposal]:
+        """The verdict on `proposal`, and the proposal it is on: an empty one if the target refused the
+        draft's (a relayed q it found malformed), which pauses speculation like any draft failure."""
+        try:
+            return await self._target.verify(
+                committed,
+                proposal,
+                defer_bonus=defer_bonus,
+                deadline=self._deadline,
+                carrier=carrier,
+                on_retry=self._target_retry,
+            ), proposal
+        except ProposalRefused as exc:
+            self._loop.draft_failed(exc)
+            self._observer.round_event("target refused the draft's proposal; target-only round", exc)
+        empty = Proposal([])
+        outcome = await self._target.verify(
+            committed, empty, defer_bonus=False, deadline=self._deadline, carrier=carrier, on_retry=self._target_retry
+        )
+        return outcome, empty
+
     async def _verify_beside_pipeline(
-        self, verify: Coroutine[Any, Any, VerifyOutcome], rnd: PipelineRound
-    ) -> tuple[VerifyOutcome, int, list[PreDraft]]:
+        self, verify: Coroutine[Any, Any, tuple[VerifyOutcome, Proposal]], rnd: PipelineRound
+    ) -> tuple[tuple[VerifyOutcome, Proposal], int, list[PreDraft]]:
         """The verdict, with the pre-drafts the strategy made while the target verified."""
         task = asyncio.ensure_future(verify)
         launched = self._pipeline.launch(rnd)  # after the verify: it goes out first
-        outcome: VerifyOutcome | None = None
+        result: tuple[VerifyOutcome, Proposal] | None = None
         try:
-            outcome = await task
+            result = await task
         finally:
             task.cancel()  # no-op once done; stops the round if the request was cancelled
-            pre_drafts = await self._pipeline.settle(outcome)
-        return outcome, launched, pre_drafts
+            refused = result is not None and result[1] is not rnd.proposal
+            pre_drafts = await self._pipeline.settle(None if result is None or refused else result[0])
+        assert result is not None  # else the await raised
+        return result, launched, pre_drafts
 
     def _wanted(self) -> tuple[int, TargetOnly | None]:
         """K this round would like (before the budget), or 0 and why not."""

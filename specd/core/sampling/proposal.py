@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -27,6 +28,10 @@ class Proposal:
     None means one-hot at each draft token (n-gram drafts, greedy drafts). A
     model draft's q_probs are integer weights (specd.core.sampling.sparse_q), which the
     wire carries in its compact form.
+
+    wire_q holds instead, per draft position, q exactly as it arrived from a draft
+    service (opaque wire rows), for a transport that relays it to the target without
+    decoding it: q_ids / q_probs are then None, and the target validates the rows.
     """
 
     token_ids: list[int]
@@ -36,6 +41,7 @@ class Proposal:
     phases: PhaseLog = field(default_factory=PhaseLog, compare=False, repr=False)  # where the time went
     q_ms: float = field(default=0.0, compare=False)  # draft time building q and sampling from it (part of compute_ms)
     transit: Transit | None = field(default=None, compare=False, repr=False)  # the call's hops (a transport's port)
+    wire_q: tuple[Any, ...] | None = field(default=None, compare=False, repr=False)  # [K] q rows as received, relayed
 
     def __len__(self) -> int:
         return len(self.token_ids)
@@ -44,7 +50,8 @@ class Proposal:
         """Draft tokens [start:stop] with their q rows (e.g. a pre-draft minus its first token)."""
         q_ids = None if self.q_ids is None else self.q_ids[start:stop]
         q_probs = None if self.q_probs is None else self.q_probs[start:stop]
-        return Proposal(self.token_ids[start:stop], q_ids, q_probs, compute_ms)
+        wire_q = None if self.wire_q is None else self.wire_q[start:stop]
+        return Proposal(self.token_ids[start:stop], q_ids, q_probs, compute_ms, wire_q=wire_q)
 
     @staticmethod
     def from_wire(

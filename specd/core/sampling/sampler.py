@@ -260,8 +260,16 @@ def unusable_rows(logits: Tensor, probs: Tensor) -> dict[int, SpecdError]:
         f"logits and probs must both be [B, N, V], got {tuple(logits.shape)} and {tuple(probs.shape)}"
     )
     x = logits.detach()
-    bad_logits = (x.isnan() | (x == math.inf)).flatten(1).any(-1) | (x.amax(-1) == -math.inf).any(-1)  # [B]
-    bad_probs = ~probs.isfinite().flatten(1).all(-1) | (probs.sum(-1) <= 0).any(-1)  # [B]
+    # One pass each over the logits and p (the precise checks run only on rows these flag):
+    # a row's logit sum is finite unless it holds a NaN or an infinity (or overflows), and a
+    # p row's sum is finite and positive iff the row is finite with mass (p >= 0, sum <= V).
+    suspect = (~x.sum(-1).isfinite()).any(-1)  # [B]
+    bad_logits = torch.zeros_like(suspect)
+    if bool(suspect.any()):
+        xs = x[suspect]
+        bad_logits[suspect] = (xs.isnan() | (xs == math.inf)).flatten(1).any(-1) | (xs.amax(-1) == -math.inf).any(-1)
+    p_sum = probs.sum(-1)  # [B, N]
+    bad_probs = (~p_sum.isfinite() | (p_sum <= 0)).any(-1)  # [B]
     out: dict[int, SpecdError] = {}
     for b in bad_logits.nonzero().flatten().tolist():
         out[b] = Internal(UNUSABLE_LOGITS)

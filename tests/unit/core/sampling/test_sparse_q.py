@@ -257,3 +257,17 @@ def test_draft_service_exports_q_bytes_and_build_time(tiny_target) -> None:
     assert len(sent) == 3  # the greedy session sent no q
     assert got["specd:draft_q_bytes_count"] == 3 and got["specd:draft_q_bytes_sum"] == sum(sent)
     assert got["specd:draft_q_build_seconds_count"] == 1 and got["specd:draft_q_build_seconds_sum"] > 0
+
+
+def test_the_partial_first_selection_keeps_exactly_what_the_full_top_k_keeps(monkeypatch) -> None:
+    # Rows from sharp (a few tokens keep the mass) to flat (over a thousand do), in one batch.
+    g = torch.Generator().manual_seed(11)
+    probs = torch.softmax(torch.randn(6, 5000, generator=g) * torch.tensor([8.0, 4.0, 2.0, 1.0, 0.5, 0.1])[:, None], -1)
+    settings = sparse_q.QSettings()
+    ids, weights = sparse_q.build(probs, settings)
+    first = sparse_q._FIRST_TOP
+    monkeypatch.setattr(sparse_q, "_FIRST_TOP", settings.max_tokens)  # one full selection for every row
+    full_ids, full_weights = sparse_q.build(probs, settings)
+    assert torch.equal(ids, full_ids) and torch.equal(weights, full_weights)
+    widths = (weights > 0).sum(-1)
+    assert widths.min() < first < widths.max()  # both paths ran

@@ -14,7 +14,7 @@ from specd.core.rounds import steps
 from specd.core.rounds.generation import FinishReason
 from specd.core.rounds.record import RequestStats
 from specd.core.sampling import sparse_q
-from specd.core.sampling.proposal import DEFAULT_MAX_DRAFT_TOKENS, DEFAULT_MAX_Q_WIDTH, Proposal
+from specd.core.sampling.proposal import DEFAULT_MAX_DRAFT_TOKENS, DEFAULT_MAX_Q_WIDTH, Proposal, QRow
 from specd.core.sampling.sampler import SamplingParams
 from specd.core.transit import Transit
 from specd.v1 import common_pb2, coordinator_pb2, draft_pb2, session_pb2, target_pb2
@@ -168,14 +168,12 @@ def _checked_proposal(
     return Proposal.from_wire(token_ids, rows, vocab_size, max_draft_tokens=max_draft_tokens, max_q_width=max_q_width)
 
 
-def _q_rows(
-    q: Sequence[common_pb2.SparseDistribution], k: int, vocab_size: int, max_q_width: int
-) -> list[tuple[Sequence[int], Sequence[float]]]:
+def _q_rows(q: Sequence[common_pb2.SparseDistribution], k: int, vocab_size: int, max_q_width: int) -> list[QRow]:
     """(ids, probs) of the q rows in either form; plain rows are views (no copy). Refused before any
     decoding if there are more rows than tokens or a compact row is wider than max_q_width."""
     if len(q) > k:
         raise InvalidArgument(f"q has {len(q)} positions for {k} draft tokens; send one per token or none")
-    rows: list[tuple[Sequence[int], Sequence[float]]] = []
+    rows: list[QRow] = []
     for i, d in enumerate(q):
         if d.id_gaps or d.weights:
             if d.token_ids or d.probs:

@@ -6,6 +6,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import torch
 
 from specd.core.errors import InvalidArgument
@@ -17,6 +18,9 @@ from specd.core.transit import Transit
 # the dense q a message can make anyone allocate: 256 x 4096 x 12 bytes = 12 MiB.
 DEFAULT_MAX_DRAFT_TOKENS = 256
 DEFAULT_MAX_Q_WIDTH = 4096
+
+# One q row from the wire: (token ids, probabilities or integer weights), as lists, wire fields or tensors.
+QRow = tuple[Sequence[int] | torch.Tensor, Sequence[float] | torch.Tensor]
 
 
 @dataclass(frozen=True)
@@ -56,7 +60,7 @@ class Proposal:
     @staticmethod
     def from_wire(
         token_ids: Sequence[int],
-        q: Sequence[tuple[Sequence[int], Sequence[float]]],
+        q: Sequence[QRow],
         vocab_size: int,
         *,
         max_draft_tokens: int = DEFAULT_MAX_DRAFT_TOKENS,
@@ -78,7 +82,7 @@ class Proposal:
         cap = min(max_q_width, vocab_size)
         width = 0
         for i, (ids, probs) in enumerate(q):
-            if len(ids) != len(probs) or not ids:
+            if len(ids) != len(probs) or len(ids) == 0:
                 raise InvalidArgument(f"q at draft position {i}: need equal, non-zero numbers of token_ids and probs")
             if len(ids) > cap:
                 raise InvalidArgument(f"q at draft position {i} has {len(ids)} entries; the limit is {cap}")
@@ -92,8 +96,8 @@ class Proposal:
         q_ids = torch.zeros(k, width, dtype=torch.int64)
         q_probs = torch.zeros(k, width, dtype=torch.float32)
         for i, (ids, probs) in enumerate(q):
-            row_ids = torch.tensor(list(ids), dtype=torch.int64)
-            row_probs = torch.tensor(list(probs), dtype=torch.float32)
+            row_ids = _as_tensor(ids, torch.int64, np.int64)
+            row_probs = _as_tensor(probs, torch.float32, np.float32)
             if bool((row_ids >= vocab_size).any()) or bool((row_ids < 0).any()):
                 raise InvalidArgument(
                     f"q at draft position {i} names a token id outside the vocabulary [0, {vocab_size})"
@@ -115,3 +119,12 @@ class Proposal:
             kept = [(i, p) for i, p in zip(ids, probs) if p > 0]
             out.append(([i for i, _ in kept], [p for _, p in kept]))
         return out
+
+
+def _as_tensor(
+    values: Sequence[int] | Sequence[float] | torch.Tensor, dtype: torch.dtype, np_dtype: type
+) -> torch.Tensor:
+    """A q row as a 1-D tensor: a tensor as it is (cast), anything else (a list, a wire field) through numpy."""
+    if isinstance(values, torch.Tensor):
+        return values.to(dtype)
+    return torch.from_numpy(np.asarray(values, dtype=np_dtype))

@@ -25,6 +25,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -173,17 +174,20 @@ def to_compact(ids: Tensor, weights: Tensor) -> tuple[list[int], list[int]]:
     return gaps.tolist(), merged.to(torch.int64).tolist()
 
 
-def from_compact(gaps: Sequence[int], weights: Sequence[int], vocab_size: int) -> tuple[list[int], list[float]]:
-    """(ids, weights) from the compact form, or InvalidArgument saying what is wrong with it."""
+def from_compact(gaps: Sequence[int], weights: Sequence[int], vocab_size: int) -> tuple[Tensor, Tensor]:
+    """(ids [W] int64, weights [W] float32) from the compact form, or InvalidArgument saying what is wrong.
+
+    Decoded in numpy from the wire's repeated fields (no Python list per row: the target decodes
+    every draft position of every verify)."""
     if len(gaps) != len(weights) or not gaps:
         raise InvalidArgument("compact q needs equal, non-zero numbers of id gaps and weights")
-    g = torch.tensor(list(gaps), dtype=torch.int64)
-    w = torch.tensor(list(weights), dtype=torch.int64)
-    if bool((g[1:] < 1).any()) or bool((g < 0).any()):
+    g = np.asarray(gaps, dtype=np.int64)  # [W]
+    w = np.asarray(weights, dtype=np.int64)  # [W]
+    if (g[1:] < 1).any() or (g < 0).any():
         raise InvalidArgument("compact q: id gaps after the first must be >= 1 (ids increase, each once)")
-    if bool((w < 0).any()) or bool((w > MAX_WEIGHT).any()):
+    if (w < 0).any() or (w > MAX_WEIGHT).any():
         raise InvalidArgument(f"compact q: weights must be integers in [0, {MAX_WEIGHT}]")
-    ids = torch.cumsum(g, dim=0)
+    ids = np.cumsum(g)
     if int(ids[-1]) >= vocab_size:
         raise InvalidArgument(f"compact q names a token id outside the vocabulary [0, {vocab_size})")
-    return ids.tolist(), [float(x) for x in w.tolist()]
+    return torch.from_numpy(ids), torch.from_numpy(w.astype(np.float32))

@@ -130,7 +130,8 @@ def test_compact_form_round_trips_and_merges_duplicates() -> None:
     w = torch.tensor([5.0, 2.0, 1000.0, 0.0, 1.0, 7.0])  # id 3 twice, a zero slot
     gaps, ints = sparse_q.to_compact(ids, w)
     assert gaps == [3, 6, 8, 23] and ints == [3, 7, 1000, 5]
-    assert sparse_q.from_compact(gaps, ints, 41) == ([3, 9, 17, 40], [3.0, 7.0, 1000.0, 5.0])
+    ids, weights = sparse_q.from_compact(gaps, ints, 41)
+    assert (ids.tolist(), weights.tolist()) == ([3, 9, 17, 40], [3.0, 7.0, 1000.0, 5.0])
 
 
 @pytest.mark.parametrize(

@@ -14,7 +14,15 @@ from specd.core.rounds import steps
 from specd.core.rounds.generation import FinishReason
 from specd.core.rounds.record import RequestStats
 from specd.core.sampling import sparse_q
-from specd.core.sampling.proposal import DEFAULT_MAX_DRAFT_TOKENS, DEFAULT_MAX_Q_WIDTH, Proposal, QRow
+from specd.core.sampling.proposal import (
+    DEFAULT_MAX_DRAFT_TOKENS,
+    DEFAULT_MAX_Q_WIDTH,
+    Proposal,
+    QRow,
+    check_row_width,
+    check_sizes,
+    checked_tokens,
+)
 from specd.core.sampling.sampler import SamplingParams
 from specd.core.transit import Transit
 from specd.v1 import common_pb2, coordinator_pb2, draft_pb2, session_pb2, target_pb2
@@ -133,21 +141,10 @@ def _relayed_tokens(
     """The draft tokens, checked, and q's shape checked from lengths alone (one row per token or none,
     one form per row, no row wider than the limits); q's numbers are the target's to check."""
     k = len(token_ids)
-    if k > max_draft_tokens:
-        raise InvalidArgument(f"{k} draft tokens; this service verifies at most {max_draft_tokens}")
-    if len(q) not in (0, k):
-        raise InvalidArgument(f"q has {len(q)} positions for {k} draft tokens; send one per token or none")
-    cap = min(max_q_width, vocab_size)
+    check_sizes(k, len(q), max_draft_tokens)
     for i, d in enumerate(q):
-        plain, compact = max(len(d.token_ids), len(d.probs)), max(len(d.id_gaps), len(d.weights))
-        if (plain > 0) == (compact > 0):
-            raise InvalidArgument(f"q at draft position {i} must use exactly one of the plain and the compact form")
-        if max(plain, compact) > cap:
-            raise InvalidArgument(f"q at draft position {i} has more than {cap} tokens")
-    tokens = list(token_ids)
-    if tokens and not (min(tokens) >= 0 and max(tokens) < vocab_size):
-        raise InvalidArgument(f"a draft token id is outside the vocabulary [0, {vocab_size})")
-    return tokens
+        _is_compact(i, d, min(max_q_width, vocab_size))
+    return checked_tokens(token_ids, vocab_size)
 
 
 def proposal_from_verify(
@@ -164,26 +161,32 @@ def _checked_proposal(
     max_draft_tokens: int,
     max_q_width: int,
 ) -> Proposal:
-    rows = _q_rows(q, len(token_ids), vocab_size, max_q_width)
+    check_sizes(len(token_ids), len(q), max_draft_tokens)  # before any row is decoded
+    rows = _q_rows(q, vocab_size, max_q_width)
     return Proposal.from_wire(token_ids, rows, vocab_size, max_draft_tokens=max_draft_tokens, max_q_width=max_q_width)
 
 
-def _q_rows(q: Sequence[common_pb2.SparseDistribution], k: int, vocab_size: int, max_q_width: int) -> list[QRow]:
-    """(ids, probs) of the q rows in either form; plain rows are views (no copy). Refused before any
-    decoding if there are more rows than tokens or a compact row is wider than max_q_width."""
-    if len(q) > k:
-        raise InvalidArgument(f"q has {len(q)} positions for {k} draft tokens; send one per token or none")
+def _q_rows(q: Sequence[common_pb2.SparseDistribution], vocab_size: int, max_q_width: int) -> list[QRow]:
+    """(ids, probs) of the q rows in either form; plain rows are views (no copy). A row in both
+    forms or wider than the limits is refused before it is decoded."""
     rows: list[QRow] = []
     for i, d in enumerate(q):
-        if d.id_gaps or d.weights:
-            if d.token_ids or d.probs:
-                raise InvalidArgument(f"q at draft position {i} mixes the plain and the compact form; send one")
-            if max(len(d.id_gaps), len(d.weights)) > max_q_width:
-                raise InvalidArgument(f"q at draft position {i} has more than {max_q_width} tokens")
+        if _is_compact(i, d, min(max_q_width, vocab_size)):
             rows.append(sparse_q.from_compact(d.id_gaps, d.weights, vocab_size))
         else:
             rows.append((d.token_ids, d.probs))
     return rows
+
+
+def _is_compact(i: int, d: common_pb2.SparseDistribution, cap: int) -> bool:
+    """Whether q row i is in the compact form, from lengths alone; InvalidArgument if it holds both
+    forms or neither, or more than cap entries."""
+    plain = max(len(d.token_ids), len(d.probs))
+    compact = max(len(d.id_gaps), len(d.weights))
+    if (plain > 0) == (compact > 0):
+        raise InvalidArgument(f"q at draft position {i} must use exactly one of the plain and the compact form")
+    check_row_width(i, max(plain, compact), cap)
+    return compact > 0
 
 
 # ---- the draft and target services' stream messages (their servicers) ------------------------

@@ -232,11 +232,11 @@ class RequestRun:
         verify = self._verify(committed, proposal, self._pipeline.defers_bonus(rnd), carrier)
         pre_drafts: list[PreDraft] = []
         if isinstance(self._pipeline, Off):  # nothing runs beside the verify: await it here (no task, no loop turn)
-            (outcome, verified), launched = await verify, 0
+            (outcome, refused), launched = await verify, 0
         else:
-            (outcome, verified), launched, pre_drafts = await self._verify_beside_pipeline(verify, rnd)
-        if verified is not proposal:  # the target refused the draft's proposal: this round ran target-only
-            proposal, hit, why = verified, None, TargetOnly.DRAFT_FAILED
+            (outcome, refused), launched, pre_drafts = await self._verify_beside_pipeline(verify, rnd)
+        if refused:  # the target refused the draft's proposal: this round ran target-only
+            proposal, hit, why = Proposal([]), None, TargetOnly.DRAFT_FAILED
         kind = _kind(outcome)
         token = None if outcome.deferred else outcome.token_id
         extension = (*proposal.token_ids[: outcome.accepted], *(() if token is None else (token,)))
@@ -275,9 +275,9 @@ class RequestRun:
 
     async def _verify(
         self, committed: Sequence[int], proposal: Proposal, defer_bonus: bool, carrier: Carrier
-    ) -> tuple[VerifyOutcome, Proposal]:
-        """The verdict on `proposal`, and the proposal it is on: an empty one if the target refused the
-        draft's (a relayed q it found malformed), which pauses speculation like any draft failure."""
+    ) -> tuple[VerifyOutcome, bool]:
+        """The verdict on `proposal`, and whether the target refused it (a relayed q it found malformed):
+        then the verdict is a target-only round's, and speculation pauses like on any draft failure."""
         try:
             return await self._target.verify(
                 committed,
@@ -286,29 +286,32 @@ class RequestRun:
                 deadline=self._deadline,
                 carrier=carrier,
                 on_retry=self._target_retry,
-            ), proposal
+            ), False
         except ProposalRefused as exc:
             self._loop.draft_failed(exc)
             self._observer.round_event("target refused the draft's proposal; target-only round", exc)
-        empty = Proposal([])
         outcome = await self._target.verify(
-            committed, empty, defer_bonus=False, deadline=self._deadline, carrier=carrier, on_retry=self._target_retry
+            committed,
+            Proposal([]),
+            defer_bonus=False,
+            deadline=self._deadline,
+            carrier=carrier,
+            on_retry=self._target_retry,
         )
-        return outcome, empty
+        return outcome, True
 
     async def _verify_beside_pipeline(
-        self, verify: Coroutine[Any, Any, tuple[VerifyOutcome, Proposal]], rnd: PipelineRound
-    ) -> tuple[tuple[VerifyOutcome, Proposal], int, list[PreDraft]]:
+        self, verify: Coroutine[Any, Any, tuple[VerifyOutcome, bool]], rnd: PipelineRound
+    ) -> tuple[tuple[VerifyOutcome, bool], int, list[PreDraft]]:
         """The verdict, with the pre-drafts the strategy made while the target verified."""
         task = asyncio.ensure_future(verify)
         launched = self._pipeline.launch(rnd)  # after the verify: it goes out first
-        result: tuple[VerifyOutcome, Proposal] | None = None
+        result: tuple[VerifyOutcome, bool] | None = None
         try:
             result = await task
         finally:
             task.cancel()  # no-op once done; stops the round if the request was cancelled
-            refused = result is not None and result[1] is not rnd.proposal
-            pre_drafts = await self._pipeline.settle(None if result is None or refused else result[0])
+            pre_drafts = await self._pipeline.settle(None if result is None or result[1] else result[0])
         assert result is not None  # else the await raised
         return result, launched, pre_drafts
 

@@ -75,22 +75,15 @@ class Proposal:
         max_draft_tokens x max_q_width entries whatever a message says.
         """
         k = len(token_ids)
-        if k > max_draft_tokens:
-            raise InvalidArgument(f"{k} draft tokens; this service verifies at most {max_draft_tokens}")
-        if q and len(q) != k:
-            raise InvalidArgument(f"q has {len(q)} positions for {k} draft tokens; send one per token or none")
+        check_sizes(k, len(q), max_draft_tokens)
         cap = min(max_q_width, vocab_size)
         width = 0
         for i, (ids, probs) in enumerate(q):
             if len(ids) != len(probs) or len(ids) == 0:
                 raise InvalidArgument(f"q at draft position {i}: need equal, non-zero numbers of token_ids and probs")
-            if len(ids) > cap:
-                raise InvalidArgument(f"q at draft position {i} has {len(ids)} entries; the limit is {cap}")
+            check_row_width(i, len(ids), cap)
             width = max(width, len(ids))
-        tokens = [int(t) for t in token_ids]
-        for t in tokens:
-            if not 0 <= t < vocab_size:
-                raise InvalidArgument(f"draft token id {t} is outside the vocabulary [0, {vocab_size})")
+        tokens = checked_tokens(token_ids, vocab_size)
         if not q:
             return Proposal(tokens)
         q_ids = torch.zeros(k, width, dtype=torch.int64)
@@ -119,6 +112,29 @@ class Proposal:
             kept = [(i, p) for i, p in zip(ids, probs) if p > 0]
             out.append(([i for i, _ in kept], [p for _, p in kept]))
         return out
+
+
+def check_sizes(k: int, q_rows: int, max_draft_tokens: int) -> None:
+    """A proposal's size from lengths alone: at most max_draft_tokens tokens, one q row per token or none."""
+    if k > max_draft_tokens:
+        raise InvalidArgument(f"{k} draft tokens; this service verifies at most {max_draft_tokens}")
+    if q_rows not in (0, k):
+        raise InvalidArgument(f"q has {q_rows} positions for {k} draft tokens; send one per token or none")
+
+
+def check_row_width(i: int, width: int, cap: int) -> None:
+    """q row i holds at most cap entries (min(max_q_width, vocab_size))."""
+    if width > cap:
+        raise InvalidArgument(f"q at draft position {i} has {width} entries; the limit is {cap}")
+
+
+def checked_tokens(token_ids: Sequence[int], vocab_size: int) -> list[int]:
+    """The draft token ids as ints, each in [0, vocab_size) (one min/max pass; the culprit named on failure)."""
+    tokens = [int(t) for t in token_ids]
+    if tokens and not (min(tokens) >= 0 and max(tokens) < vocab_size):
+        bad = next(t for t in tokens if not 0 <= t < vocab_size)
+        raise InvalidArgument(f"draft token id {bad} is outside the vocabulary [0, {vocab_size})")
+    return tokens
 
 
 def _as_tensor(

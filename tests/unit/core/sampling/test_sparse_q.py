@@ -171,7 +171,7 @@ def test_wire_sends_integer_weights_compactly_and_float_probs_plainly() -> None:
 
 def test_a_q_that_mixes_both_forms_is_refused() -> None:
     d = common_pb2.SparseDistribution(token_ids=[1], probs=[1.0], id_gaps=[1], weights=[1])
-    with pytest.raises(InvalidArgument, match="mixes"):
+    with pytest.raises(InvalidArgument, match="exactly one of the plain and the compact form"):
         proposal_from_proto(draft_pb2.DraftProposal(token_ids=[1], q=[d]), 10)
 
 

@@ -3,7 +3,8 @@
 Tokens are decoded with a little context before them, and text is released
 only once it is final: a multi-byte character split across tokens shows as
 U+FFFD until its last byte arrives, and text that could still become a stop
-string is held back.
+string is held back. Waiting for a character is bounded (see _undecided), so the
+work per token stays flat whatever bytes the tokens carry.
 """
 
 from __future__ import annotations
@@ -15,6 +16,12 @@ from transformers import PreTrainedTokenizerBase, PreTrainedTokenizerFast
 
 _CONTEXT_TOKENS = 6  # tokens decoded before the new ones, for merges and leading spaces
 _INCOMPLETE = "\ufffd"
+# Waiting re-decodes every pending token on each push: without a bound, a run of tokens that
+# never completes a character (lone UTF-8 continuation bytes, skipped special tokens) costs
+# quadratic work. Valid text waits at most a few tokens (a character is at most 4 bytes).
+_PENDING_LIMIT = 16  # pending tokens before the older ones are settled
+_SETTLE_TOKENS = 3  # a token is >= 1 byte, so 3 tokens after a boundary decide the character across it
+_PENDING_MAX = 64  # past this, release the undecided text as it stands
 
 
 def _decoder(tokenizer: PreTrainedTokenizerBase) -> Callable[[list[int]], str]:
@@ -76,17 +83,41 @@ class IncrementalDetokenizer:
             self._ids.append(int(token))
             prefix_text = self._decode(self._ids[self._prefix : self._read])
             full_text = self._decode(self._ids[self._prefix :])
+            at, text = len(self._ids), full_text
             if full_text.endswith(_INCOMPLETE) or len(full_text) <= len(prefix_text):
-                continue  # wait for the rest of the character (or a token with no text)
+                release = self._undecided(prefix_text, full_text)
+                if release is None:
+                    continue  # wait for the rest of the character (or a token with no text)
+                at, text = release
+                if len(text) <= len(prefix_text):
+                    del self._ids[self._read : at]  # tokens with no text: drop them, keep the context
+                    continue
             old_len = len(self.text)
-            self.text += full_text[len(prefix_text) :]
-            self._prefix, self._read = self._read, len(self._ids)
+            self.text += text[len(prefix_text) :]
+            self._prefix, self._read = self._read, at
             hits = self._stops_in(self.text, old_len)
             if hits:
                 self.text = self.text[: min(hits)]
                 self.stopped = True
                 return i + 1
         return None
+
+    def _undecided(self, prefix_text: str, full_text: str) -> tuple[int, str] | None:
+        """While the tail is undecided: (token boundary, text up to it) to release now, or None to wait.
+
+        Past _PENDING_LIMIT pending tokens, the text up to _SETTLE_TOKENS before the end is final
+        if the full text starts with it (its last character did not change since); past
+        _PENDING_MAX (a long run of tokens each splitting a character) everything is released.
+        Either bounds the tokens decoded per push.
+        """
+        pending = len(self._ids) - self._read
+        if pending >= _PENDING_MAX:
+            return len(self._ids), full_text
+        if pending < _PENDING_LIMIT:
+            return None
+        at = len(self._ids) - _SETTLE_TOKENS
+        settled = self._decode(self._ids[self._prefix : at])
+        return (at, settled) if full_text.startswith(settled) else None
 
     def take(self, final: bool = False) -> str:
         """Text not handed out yet that can no longer change (all of it when final)."""

@@ -41,6 +41,7 @@ from tests.deploy.k8s_common import (
     helm,
     kubernetes_validate,
     load_all,
+    one,
     pod_specs,
     template_args,
 )
@@ -250,7 +251,10 @@ def test_service_monitor_scrapes_the_three_services(objects: dict[str, list[dict
         )
 
     services = {s["metadata"]["name"]: s for s in find(objs, "Service") if selected(s)}
-    assert set(services) == {"specd-coordinator", "specd-draft", "specd-target"}
+    # The coordinators' metrics through their in-cluster Service, never the public one.
+    assert set(services) == {"specd-coordinator-metrics", "specd-draft", "specd-target"}
+    jobs = {n: s["metadata"]["labels"].get(spec["jobLabel"], n) for n, s in services.items()}
+    assert set(jobs.values()) == {"specd-coordinator", "specd-draft", "specd-target"}  # the job names stay
     (endpoint,) = spec["endpoints"]
     assert endpoint["path"] == "/metrics" and endpoint["scheme"] == "http"
     assert (endpoint["interval"], endpoint["scrapeTimeout"]) == ("30s", "10s")
@@ -258,6 +262,33 @@ def test_service_monitor_scrapes_the_three_services(objects: dict[str, list[dict
         port = next(p for p in service["spec"]["ports"] if p["name"] == endpoint["port"])
         assert port["port"] == yaml.safe_load((CHART / "values.yaml").read_text())["metrics"]["port"]
     assert spec["namespaceSelector"] == {"matchNames": ["default"]}  # the release's namespace
+
+
+@pytest.mark.parametrize("name", list(VALUES))
+def test_metrics_are_not_on_the_public_service(objects: dict[str, list[dict[str, Any]]], name: str) -> None:
+    """The public coordinator Service carries only the API; every metrics port is on a ClusterIP Service."""
+    objs = objects[name]
+    public = one(objs, "Service", "specd-coordinator")["spec"]
+    assert [p["name"] for p in public["ports"]] == ["grpc"]
+    if name == "minimal":  # metrics.enabled false: no metrics Service at all
+        assert not find(objs, "Service", "specd-coordinator-metrics")
+    else:
+        metrics = one(objs, "Service", "specd-coordinator-metrics")["spec"]
+        assert metrics["type"] == "ClusterIP" and metrics["selector"] == public["selector"]
+        assert [(p["name"], p["targetPort"]) for p in metrics["ports"]] == [("metrics", "metrics")]
+    for service in find(objs, "Service"):
+        if any(p["name"] == "metrics" for p in service["spec"]["ports"]):
+            assert service["spec"].get("type", "ClusterIP") == "ClusterIP", service["metadata"]["name"]
+
+
+def test_a_load_balancer_publishes_only_the_api(tools: Path) -> None:
+    objs = load_all(helm(*template_args(None), "--set", "coordinator.service.type=LoadBalancer").stdout)
+    public = one(objs, "Service", "specd-coordinator")["spec"]
+    assert public["type"] == "LoadBalancer" and [p["name"] for p in public["ports"]] == ["grpc"]
+    assert one(objs, "Service", "specd-coordinator-metrics")["spec"]["type"] == "ClusterIP"
+    # Who may scrape the pods' metrics port is still networkPolicy.metricsFrom's to say.
+    policy = one(objs, "NetworkPolicy", "specd-coordinator")["spec"]
+    assert any(port["port"] == "metrics" for rule in policy["ingress"] for port in rule["ports"])
 
 
 def exported_metric_names() -> set[str]:

@@ -47,10 +47,18 @@ def build_request(
     draft_length: int = 0,
     pipeline: bool | str | None = None,
     ignore_eos: bool = False,
+    cache_salt: str = "",
 ) -> coordinator_pb2.GenerateRequest:
-    """A GenerateRequest; prompt is text, token IDs, or chat messages ({'role', 'content'} dicts)."""
+    """A GenerateRequest; prompt is text, token IDs, or chat messages ({'role', 'content'} dicts).
+
+    cache_salt: narrows the caller's tenant (what the draft learned from the same tenant's
+    earlier requests drafts for this one; see GenerateRequest.cache_salt)."""
     req = coordinator_pb2.GenerateRequest(
-        max_new_tokens=max_new_tokens, stop=list(stop), stop_token_ids=list(stop_token_ids), ignore_eos=ignore_eos
+        max_new_tokens=max_new_tokens,
+        stop=list(stop),
+        stop_token_ids=list(stop_token_ids),
+        ignore_eos=ignore_eos,
+        cache_salt=cache_salt,
     )
     if isinstance(prompt, str):
         req.text = prompt

@@ -19,6 +19,7 @@ from specd.core.errors import InvalidArgument
 from specd.core.rounds.loop import GenerateSpec
 from specd.core.sampling.sampler import SamplingParams
 from specd.serving.config import CoordinatorConfig
+from specd.serving.tenancy import tenant_key
 from specd.serving.wire import params_from_proto
 from specd.v1 import common_pb2, coordinator_pb2
 
@@ -134,10 +135,13 @@ def spec_from_request(
     max_context: int,
     eos_token_ids: frozenset[int],
     admit: Callable[[], None] | None = None,
+    identity: str = "",
 ) -> GenerateSpec:
     """The validated request. admit: the admission check, run after the size caps and before
-    the per-item work (tokenization, scans), so that an overloaded coordinator refuses cheaply."""
+    the per-item work (tokenization, scans), so that an overloaded coordinator refuses cheaply.
+    identity: the caller's, as the transport proved it (specd.serving.tenancy)."""
     check_sizes(req, config, max_context)
+    tenant = tenant_key(identity, req.cache_salt)
     if admit is not None:
         admit()
     ids = prompt_ids(req, tokenizer, config, vocab_size)
@@ -186,5 +190,6 @@ def spec_from_request(
         stop_token_ids=frozenset(stop_ids),
         speculation=mode,
         draft_length=draft_length,
+        tenant=tenant,
         pipeline=pipeline,
     )

@@ -13,6 +13,7 @@ from coordinator.requests import spec_from_request
 from specd.serving import trace_spans
 from specd.serving import tracing as tr
 from specd.serving.grpc_errors import status_code
+from specd.serving.tenancy import caller_identity
 from specd.serving.wire import FINISH_REASONS, stats_to_proto
 from specd.v1 import common_pb2, coordinator_pb2, coordinator_pb2_grpc
 
@@ -37,6 +38,7 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
             max_context=engine.max_context,
             eos_token_ids=engine.eos_token_ids,
             admit=engine.admit,  # after the size caps, before tokenizing
+            identity=caller_identity(context, token_checked=bool(engine.config.api_token_file)),
         )
         remaining = context.time_remaining()
         budget = (

@@ -14,7 +14,7 @@ from specd.core.draft.model_drafter import ModelDrafter
 from specd.core.draft.ngram import NgramDrafter
 from specd.core.draft.protocol import Drafter
 from specd.core.draft.suffix import SuffixDrafter
-from specd.core.draft.suffix_index import SharedSuffixIndex
+from specd.core.draft.tenant_index import TenantIndexes
 from specd.core.model import catalog
 from specd.core.model.catalog import MODEL_FREE_DRAFTS, SUFFIX
 from specd.core.model.runner import CausalLMRunner
@@ -111,9 +111,9 @@ def create_server(
     """The draft service, bound (port 0 picks one) but not started."""
     if drafter is None or info is None:
         drafter, info = build_drafter(config)
-    index = getattr(drafter, "index", None)
-    if metrics is not None and isinstance(index, SharedSuffixIndex):
-        metrics.watch_suffix_index(index)
+    learned = getattr(drafter, "learned", None)
+    if metrics is not None and isinstance(learned, TenantIndexes):
+        metrics.watch_suffix_index(learned)
     executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="specd-draft-model")
     servicer = DraftServicer(
         drafter,

@@ -89,7 +89,9 @@ class DraftServicer(
 
     def open_session(self, req: draft_pb2.DraftRequest) -> None:
         o = req.open
-        self.engine.open(req.session_id, list(o.token_ids), params_from_proto(o.sampling), o.wire_top_k)
+        self.engine.open(
+            req.session_id, list(o.token_ids), params_from_proto(o.sampling), o.wire_top_k, tenant=o.tenant
+        )
 
     def observe_step(
         self, req: draft_pb2.DraftRequest, resp: draft_pb2.DraftResponse, batch_size: int

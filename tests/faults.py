@@ -37,8 +37,10 @@ class LyingDrafter:
     def vocab_size(self) -> int:
         return self.inner.vocab_size
 
-    def open(self, session_id: str, token_ids: Sequence[int], params: SamplingParams, wire_top_k: int = 0) -> None:
-        self.inner.open(session_id, token_ids, params, wire_top_k)
+    def open(
+        self, session_id: str, token_ids: Sequence[int], params: SamplingParams, wire_top_k: int = 0, tenant: str = ""
+    ) -> None:
+        self.inner.open(session_id, token_ids, params, wire_top_k, tenant)
 
     def close(self, session_id: str) -> None:
         self.inner.close(session_id)

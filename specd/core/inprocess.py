@@ -94,7 +94,7 @@ class LocalDraft:
         return True
 
     async def open(self, request: OpenRequest, *, timeout: float, carrier: Carrier) -> None:
-        self.drafter.open(request.session_id, request.token_ids, request.params)
+        self.drafter.open(request.session_id, request.token_ids, request.params, tenant=request.tenant)
 
     async def propose(self, request: ProposeRequest, *, timeout: float, carrier: Carrier) -> Proposal:
         result = await self._batch.submit(request)
@@ -155,12 +155,14 @@ def speculative_generate(
     speculation: str = "fixed",
     pipeline: str = "off",
     branch_budget: int = DEFAULT_BRANCH_BUDGET,
+    tenant: str = "",
 ) -> GenerationResult:
     """Run one request's rounds in-process; drafter None or draft_length 0 = target-only.
 
     speculation: fixed (K = draft_length) or auto (adaptive K up to draft_length);
     pipeline: off | bonus-match | post-verify | spec-cache (specd.core.rounds.pipeline), the
-    latter with branch_budget branches per round.
+    latter with branch_budget branches per round. tenant: whose learned draft state the
+    request may use (specd.core.draft.tenant_index; "": none).
     """
     return speculative_generate_batch(
         [prompt],
@@ -174,6 +176,7 @@ def speculative_generate(
         speculation=speculation,
         pipeline=pipeline,
         branch_budget=branch_budget,
+        tenant=tenant,
     )[0]
 
 
@@ -190,6 +193,7 @@ def speculative_generate_batch(
     speculation: str = "fixed",
     pipeline: str = "off",
     branch_budget: int = DEFAULT_BRANCH_BUDGET,
+    tenant: str = "",
 ) -> list[GenerationResult]:
     """Many requests at once, each its own loop; their drafts and verifies batch per event-loop turn.
 
@@ -216,6 +220,7 @@ def speculative_generate_batch(
                 speculation=speculation if drafter is not None and k > 0 else "off",
                 draft_length=k,
                 pipeline=pipeline,
+                tenant=tenant,
             )
         )
 

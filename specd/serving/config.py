@@ -172,10 +172,26 @@ class DraftConfig(ModelServiceBase):
         0.1, "suffix drafter: stop where a continuation's estimated probability drops below this"
     )
     suffix_index_bytes: int = _opt(
-        64 << 20, "suffix drafter: memory of the global index of finished sessions (oldest evicted first)"
+        64 << 20,
+        "suffix drafter: memory of all learned indexes of finished sessions together "
+        "(beyond it the least recently used tenants' indexes are dropped)",
+    )
+    suffix_tenant_index_bytes: int = _opt(
+        16 << 20, "suffix drafter: memory of one tenant's learned index (its oldest sessions evicted beyond)"
+    )
+    suffix_sharing: str = _opt(
+        "tenant",
+        "suffix drafter: 'tenant': what finished sessions taught is proposed only to the same tenant "
+        "(caller identity + cache_salt; callers with neither learn nothing across requests); "
+        "'shared': one index for every caller (single-tenant deployments only: "
+        "any caller can probe what others' requests contained)",
+        choices=["tenant", "shared"],
+    )
+    suffix_max_tenants: int = _opt(
+        1024, "suffix drafter: learned tenant indexes kept at most (least recently used dropped)"
     )
     suffix_prompt_tail: int = _opt(
-        24, "suffix drafter: prompt tokens kept before each output in the global index (-1: the whole prompt)"
+        24, "suffix drafter: prompt tokens kept before each output in the learned index (-1: the whole prompt)"
     )
     suffix_fallback: str = _opt(
         "ngram", "suffix drafter: what proposes when its indexes have nothing", choices=["ngram", "none"]
@@ -196,6 +212,9 @@ class DraftConfig(ModelServiceBase):
             max_spec_offset=self.suffix_max_spec_offset,
             min_token_prob=self.suffix_min_token_prob,
             index_bytes=self.suffix_index_bytes,
+            tenant_index_bytes=self.suffix_tenant_index_bytes,
+            sharing=self.suffix_sharing,
+            max_tenants=self.suffix_max_tenants,
             prompt_tail=self.suffix_prompt_tail,
             fallback=self.suffix_fallback,
         )

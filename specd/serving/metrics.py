@@ -25,7 +25,7 @@ from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-from specd.core.draft.suffix_index import SharedSuffixIndex
+from specd.core.draft.tenant_index import TenantIndexes
 from specd.core.rounds.record import RoundRecord
 from specd.core.transit import HOPS
 from specd.serving import genai
@@ -327,18 +327,24 @@ class DraftMetrics(_ModelServiceMetrics):
             registry=r,
         )
 
-    def watch_suffix_index(self, index: SharedSuffixIndex) -> None:
-        """The suffix drafter's global index: its memory against the budget, its tokens and documents."""
+    def watch_suffix_index(self, learned: TenantIndexes) -> None:
+        """The suffix drafter's learned indexes (all tenants'): memory against the budget, tokens, documents."""
         r = self.registry
         for name, doc, read in (
-            ("bytes", "Bytes held by the suffix drafter's global index.", lambda: index.nbytes),
+            ("bytes", "Bytes held by the suffix drafter's learned indexes (all tenants).", lambda: learned.nbytes),
             (
                 "budget_bytes",
-                "The global index's memory budget (oldest sessions evicted beyond).",
-                lambda: index.max_bytes,
+                "The learned indexes' memory budget, all tenants together (least recently used tenants dropped beyond).",
+                lambda: learned.max_bytes,
             ),
-            ("tokens", "Tokens in the suffix drafter's global index.", lambda: index.tokens),
-            ("documents", "Finished sessions held in the suffix drafter's global index.", lambda: index.documents),
+            ("tokens", "Tokens in the suffix drafter's learned indexes.", lambda: learned.tokens),
+            ("documents", "Finished sessions held in the suffix drafter's learned indexes.", lambda: learned.documents),
+            ("tenants", "Tenants with a learned suffix index.", lambda: learned.tenants),
+            (
+                "unscoped_sessions",
+                "Finished sessions with no tenant (no caller identity, no cache_salt), not learnt.",
+                lambda: learned.unscoped_documents,
+            ),
         ):
             Gauge(PREFIX + "draft_suffix_index_" + name, doc, registry=r).set_function(read)
 

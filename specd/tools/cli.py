@@ -161,6 +161,7 @@ def _generate(args: argparse.Namespace) -> int:
         draft_length=args.draft_length or 0,
         pipeline=args.pipeline,
         ignore_eos=args.ignore_eos,
+        cache_salt=args.cache_salt,
     )
     prompt: Prompt = [{"role": "user", "content": args.prompt}] if args.chat else args.prompt
     token = None
@@ -323,6 +324,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="draft the next round while this one is verified (default: server's choice)",
     )
     gen.add_argument("--ignore-eos", action="store_true", help="keep going past end-of-sequence")
+    gen.add_argument(
+        "--cache-salt",
+        default="",
+        help="narrows your tenant: a suffix draft proposes what it learned only to requests with the same "
+        "identity and salt (with no mTLS or token, the salt alone; keep it secret)",
+    )
     gen.add_argument("--chat", action="store_true", help="send the prompt as a user chat message")
     gen.add_argument("--stream", action="store_true", help="print text as it is generated")
     gen.add_argument("--json", action="store_true", help="print one JSON object with text, token_ids, stats")

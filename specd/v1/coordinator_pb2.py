@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from specd.v1 import common_pb2 as specd_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1aspecd/v1/coordinator.proto\x12\x08specd.v1\x1a\x15specd/v1/common.proto\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"7\n\x0c\x43hatMessages\x12\'\n\x08messages\x18\x01 \x03(\x0b\x32\x15.specd.v1.ChatMessage\"\xac\x02\n\x0fGenerateRequest\x12\x0e\n\x04text\x18\x01 \x01(\tH\x00\x12\'\n\ttoken_ids\x18\x02 \x01(\x0b\x32\x12.specd.v1.TokenIdsH\x00\x12&\n\x04\x63hat\x18\x03 \x01(\x0b\x32\x16.specd.v1.ChatMessagesH\x00\x12\x16\n\x0emax_new_tokens\x18\x04 \x01(\r\x12*\n\x08sampling\x18\x05 \x01(\x0b\x32\x18.specd.v1.SamplingParams\x12\x30\n\x0bspeculation\x18\x06 \x01(\x0b\x32\x1b.specd.v1.SpeculationParams\x12\x0c\n\x04stop\x18\x07 \x03(\t\x12\x16\n\x0estop_token_ids\x18\x08 \x03(\r\x12\x12\n\nignore_eos\x18\t \x01(\x08\x42\x08\n\x06prompt\"\xee\x03\n\rGenerateStats\x12\x0e\n\x06rounds\x18\x01 \x01(\r\x12\x0e\n\x06\x64rafts\x18\x02 \x01(\r\x12\x14\n\x0c\x64raft_tokens\x18\x03 \x01(\r\x12\x17\n\x0f\x61\x63\x63\x65pted_tokens\x18\x04 \x01(\r\x12\x19\n\x11\x61\x63\x63\x65ptance_length\x18\x05 \x01(\x01\x12\x17\n\x0f\x61\x63\x63\x65ptance_rate\x18\x06 \x01(\x01\x12\x15\n\rprompt_tokens\x18\x07 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x08 \x01(\r\x12\x1e\n\x16time_to_first_token_ms\x18\t \x01(\x01\x12\x14\n\x0ctokens_per_s\x18\n \x01(\x01\x12\x0c\n\x04seed\x18\x0b \x01(\x04\x12\x1a\n\x12target_only_rounds\x18\x0c \x01(\r\x12\x15\n\rpipeline_hits\x18\r \x01(\r\x12\x1d\n\x15\x61\x63\x63\x65pted_per_position\x18\x0e \x03(\r\x12T\n\x18pipeline_hits_by_outcome\x18\x0f \x03(\x0b\x32\x32.specd.v1.GenerateStats.PipelineHitsByOutcomeEntry\x1a<\n\x1aPipelineHitsByOutcomeEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\r:\x02\x38\x01\"\x8a\x01\n\x10GenerateResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x0c\n\x04text\x18\x02 \x01(\t\x12-\n\rfinish_reason\x18\x03 \x01(\x0e\x32\x16.specd.v1.FinishReason\x12&\n\x05stats\x18\x04 \x01(\x0b\x32\x17.specd.v1.GenerateStats\"\x90\x01\n\x16GenerateStreamResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x0c\n\x04text\x18\x02 \x01(\t\x12-\n\rfinish_reason\x18\x03 \x01(\x0e\x32\x16.specd.v1.FinishReason\x12&\n\x05stats\x18\x04 \x01(\x0b\x32\x17.specd.v1.GenerateStats2\xe5\x01\n\x0b\x43oordinator\x12\x41\n\x08Generate\x12\x19.specd.v1.GenerateRequest\x1a\x1a.specd.v1.GenerateResponse\x12O\n\x0eGenerateStream\x12\x19.specd.v1.GenerateRequest\x1a .specd.v1.GenerateStreamResponse0\x01\x12\x42\n\x0cGetModelInfo\x12\x1d.specd.v1.GetModelInfoRequest\x1a\x13.specd.v1.ModelInfob\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1aspecd/v1/coordinator.proto\x12\x08specd.v1\x1a\x15specd/v1/common.proto\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"7\n\x0c\x43hatMessages\x12\'\n\x08messages\x18\x01 \x03(\x0b\x32\x15.specd.v1.ChatMessage\"\xc0\x02\n\x0fGenerateRequest\x12\x0e\n\x04text\x18\x01 \x01(\tH\x00\x12\'\n\ttoken_ids\x18\x02 \x01(\x0b\x32\x12.specd.v1.TokenIdsH\x00\x12&\n\x04\x63hat\x18\x03 \x01(\x0b\x32\x16.specd.v1.ChatMessagesH\x00\x12\x16\n\x0emax_new_tokens\x18\x04 \x01(\r\x12*\n\x08sampling\x18\x05 \x01(\x0b\x32\x18.specd.v1.SamplingParams\x12\x30\n\x0bspeculation\x18\x06 \x01(\x0b\x32\x1b.specd.v1.SpeculationParams\x12\x0c\n\x04stop\x18\x07 \x03(\t\x12\x16\n\x0estop_token_ids\x18\x08 \x03(\r\x12\x12\n\nignore_eos\x18\t \x01(\x08\x12\x12\n\ncache_salt\x18\n \x01(\tB\x08\n\x06prompt\"\xee\x03\n\rGenerateStats\x12\x0e\n\x06rounds\x18\x01 \x01(\r\x12\x0e\n\x06\x64rafts\x18\x02 \x01(\r\x12\x14\n\x0c\x64raft_tokens\x18\x03 \x01(\r\x12\x17\n\x0f\x61\x63\x63\x65pted_tokens\x18\x04 \x01(\r\x12\x19\n\x11\x61\x63\x63\x65ptance_length\x18\x05 \x01(\x01\x12\x17\n\x0f\x61\x63\x63\x65ptance_rate\x18\x06 \x01(\x01\x12\x15\n\rprompt_tokens\x18\x07 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x08 \x01(\r\x12\x1e\n\x16time_to_first_token_ms\x18\t \x01(\x01\x12\x14\n\x0ctokens_per_s\x18\n \x01(\x01\x12\x0c\n\x04seed\x18\x0b \x01(\x04\x12\x1a\n\x12target_only_rounds\x18\x0c \x01(\r\x12\x15\n\rpipeline_hits\x18\r \x01(\r\x12\x1d\n\x15\x61\x63\x63\x65pted_per_position\x18\x0e \x03(\r\x12T\n\x18pipeline_hits_by_outcome\x18\x0f \x03(\x0b\x32\x32.specd.v1.GenerateStats.PipelineHitsByOutcomeEntry\x1a<\n\x1aPipelineHitsByOutcomeEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\r:\x02\x38\x01\"\x8a\x01\n\x10GenerateResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x0c\n\x04text\x18\x02 \x01(\t\x12-\n\rfinish_reason\x18\x03 \x01(\x0e\x32\x16.specd.v1.FinishReason\x12&\n\x05stats\x18\x04 \x01(\x0b\x32\x17.specd.v1.GenerateStats\"\x90\x01\n\x16GenerateStreamResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x0c\n\x04text\x18\x02 \x01(\t\x12-\n\rfinish_reason\x18\x03 \x01(\x0e\x32\x16.specd.v1.FinishReason\x12&\n\x05stats\x18\x04 \x01(\x0b\x32\x17.specd.v1.GenerateStats2\xe5\x01\n\x0b\x43oordinator\x12\x41\n\x08Generate\x12\x19.specd.v1.GenerateRequest\x1a\x1a.specd.v1.GenerateResponse\x12O\n\x0eGenerateStream\x12\x19.specd.v1.GenerateRequest\x1a .specd.v1.GenerateStreamResponse0\x01\x12\x42\n\x0cGetModelInfo\x12\x1d.specd.v1.GetModelInfoRequest\x1a\x13.specd.v1.ModelInfob\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -39,15 +39,15 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_CHATMESSAGES']._serialized_start=109
   _globals['_CHATMESSAGES']._serialized_end=164
   _globals['_GENERATEREQUEST']._serialized_start=167
-  _globals['_GENERATEREQUEST']._serialized_end=467
-  _globals['_GENERATESTATS']._serialized_start=470
-  _globals['_GENERATESTATS']._serialized_end=964
-  _globals['_GENERATESTATS_PIPELINEHITSBYOUTCOMEENTRY']._serialized_start=904
-  _globals['_GENERATESTATS_PIPELINEHITSBYOUTCOMEENTRY']._serialized_end=964
-  _globals['_GENERATERESPONSE']._serialized_start=967
-  _globals['_GENERATERESPONSE']._serialized_end=1105
-  _globals['_GENERATESTREAMRESPONSE']._serialized_start=1108
-  _globals['_GENERATESTREAMRESPONSE']._serialized_end=1252
-  _globals['_COORDINATOR']._serialized_start=1255
-  _globals['_COORDINATOR']._serialized_end=1484
+  _globals['_GENERATEREQUEST']._serialized_end=487
+  _globals['_GENERATESTATS']._serialized_start=490
+  _globals['_GENERATESTATS']._serialized_end=984
+  _globals['_GENERATESTATS_PIPELINEHITSBYOUTCOMEENTRY']._serialized_start=924
+  _globals['_GENERATESTATS_PIPELINEHITSBYOUTCOMEENTRY']._serialized_end=984
+  _globals['_GENERATERESPONSE']._serialized_start=987
+  _globals['_GENERATERESPONSE']._serialized_end=1125
+  _globals['_GENERATESTREAMRESPONSE']._serialized_start=1128
+  _globals['_GENERATESTREAMRESPONSE']._serialized_end=1272
+  _globals['_COORDINATOR']._serialized_start=1275
+  _globals['_COORDINATOR']._serialized_end=1504
 # @@protoc_insertion_point(module_scope)

@@ -3,7 +3,8 @@
 The draft service learns each finished session: requests run in sequence and
 each waits until the draft has indexed the previous one (its metrics say so),
 so the in-process loop with a fresh drafter fed the same sequence is an exact
-reference, greedy and seeded.
+reference, greedy and seeded. The requests are one tenant (one cache salt); what
+they taught drafts for that tenant only.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from tests.references import loaded
 
 TEXTS = ["abc abc abc", "the cat sat on the mat", "abc abc abc abc", "the cat sat on the mat, the cat"]
 N = 20
+SALT = "suffix-services-tenant"
 
 
 def _index_documents(address: str) -> float:
@@ -61,6 +63,7 @@ def _run(
                 ignore_eos=True,
                 speculation="fixed",
                 draft_length=k,
+                cache_salt=SALT,
             )
             assert got.stats.completion_tokens == N
             out.append(list(got.token_ids))
@@ -74,7 +77,9 @@ def _in_process(target: Path, drafter, params_for: Callable[[int], SamplingParam
     out = []
     for i, text in enumerate(TEXTS):
         ids = list(tok(text, add_special_tokens=False).input_ids)
-        got = speculative_generate(ids, verifier, drafter, params_for(i), draft_length=k, max_new_tokens=N)
+        got = speculative_generate(
+            ids, verifier, drafter, params_for(i), draft_length=k, max_new_tokens=N, tenant="the-tests"
+        )
         out.append(got.token_ids)
     return out
 
@@ -114,6 +119,40 @@ def test_suffix_through_the_services_equals_the_in_process_loop(
         assert "acceptance" not in out.out
         assert cli.main([*argv, "--no-speculation", "abc"]) == 0
         assert "no draft tokens verified" in capsys.readouterr().err
+        _check_tenants(cluster, target)
+
+
+def _check_tenants(cluster: Cluster, target: Path) -> None:
+    """A secret one tenant's request held drafts for that tenant, and for no other caller."""
+    tok = loaded(str(target)).tokenizer
+    metrics = metrics_address(cluster.draft)
+
+    def draft_tokens(text: str, salt: str) -> int:
+        ids = list(tok(text, add_special_tokens=False).input_ids)
+        with cluster.client() as client:
+            got = client.generate(
+                ids,
+                max_new_tokens=8,
+                temperature=0.0,
+                ignore_eos=True,
+                speculation="fixed",
+                draft_length=4,
+                cache_salt=salt,
+            )
+        return int(got.stats.draft_tokens)
+
+    probe = "the vault code is 4815"
+    learnt = _index_documents(metrics)
+    # before the victim's request: what the probe gets from its own tokens (fresh tenants, and nobody)
+    intruder_before, anonymous_before = draft_tokens(probe, "intruder-1"), draft_tokens(probe, "")
+    _wait_for_documents(metrics, learnt + 1)  # the intruder's probe, in its own tenant (the anonymous: none)
+    draft_tokens("note: the vault code is 48159263, keep it", "victim")
+    _wait_for_documents(metrics, learnt + 2)
+    intruder_after, anonymous_after = draft_tokens(probe, "intruder-2"), draft_tokens(probe, "")
+    # the victim's text drafts for neither another tenant nor an anonymous caller
+    assert (intruder_after, anonymous_after) == (intruder_before, anonymous_before)
+    # the victim's own requests still draft from it
+    assert draft_tokens(probe, "victim") > intruder_after
 
 
 def test_hybrid_through_the_services_equals_the_in_process_loop(

@@ -34,6 +34,7 @@ PROMPT = [3]  # the tables cover prefixes of up to 6 tokens: 1 + 2 committed + K
 K = 3
 I64 = torch.int64
 SETTINGS = SuffixSettings(min_token_prob=0.05, fallback="ngram")
+TENANT = "stats"  # every row one tenant: the seeded index drafts for all of them
 
 
 def _probs_batch(table: torch.Tensor, seqs: Sequence[Sequence[int]], params: SamplingParams) -> torch.Tensor:
@@ -56,7 +57,9 @@ class TableDrafter:
     def __init__(self) -> None:
         self.sessions: dict[str, tuple[list[int], SamplingParams]] = {}
 
-    def open(self, session_id: str, token_ids: Sequence[int], params: SamplingParams, wire_top_k: int = 0) -> None:
+    def open(
+        self, session_id: str, token_ids: Sequence[int], params: SamplingParams, wire_top_k: int = 0, tenant: str = ""
+    ) -> None:
         self.sessions[session_id] = (list(token_ids), params)
 
     def close(self, session_id: str) -> None:
@@ -103,7 +106,9 @@ def _seed_index(drafter: SuffixDrafter | HybridDrafter) -> None:
     """Earlier 'requests': sequences that often, not always, continue the prompt the target's way."""
     rng = random.Random(5)
     for i in range(40):
-        drafter.index.add(PROMPT + [rng.randrange(V3) for _ in range(6)] if i % 3 else PROMPT + [2, 2, 0, 4, 1])
+        drafter.learned.learn(
+            TENANT, PROMPT + [rng.randrange(V3) for _ in range(6)] if i % 3 else PROMPT + [2, 2, 0, 4, 1]
+        )
 
 
 def generate3(drafter, params: SamplingParams, seeds: list[int], *, mislabel_q: bool = False) -> torch.Tensor:
@@ -112,7 +117,8 @@ def generate3(drafter, params: SamplingParams, seeds: list[int], *, mislabel_q: 
     committed = [list(PROMPT) for _ in range(n)]
     known = [len(PROMPT)] * n
     for i in range(n):
-        drafter.open(f"r{i}", PROMPT, SamplingParams(params.temperature, params.top_k, params.top_p, seed=seeds[i]))
+        params_i = SamplingParams(params.temperature, params.top_k, params.top_p, seed=seeds[i])
+        drafter.open(f"r{i}", PROMPT, params_i, tenant=TENANT)
     while live := [i for i in range(n) if len(committed[i]) < len(PROMPT) + 3]:
         proposals = drafter.propose_batch(
             [ProposeRequest(f"r{i}", len(committed[i]), known[i], committed[i][known[i] :], K) for i in live]

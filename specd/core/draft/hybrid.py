@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 
 from specd.core.draft.protocol import Drafter, propose_one
 from specd.core.draft.suffix import SuffixSession, SuffixSettings, best_candidate
-from specd.core.draft.suffix_index import SharedSuffixIndex
+from specd.core.draft.tenant_index import NO_TENANT, TenantIndexes
 from specd.core.errors import InvalidArgument, SessionOutOfSync
 from specd.core.model.pool import SessionTable
 from specd.core.rounds.adaptive import Estimate, ProbeBudget, best_draft_length
@@ -101,7 +101,7 @@ class HybridDrafter:
         model: Drafter,
         settings: SuffixSettings | None = None,
         *,
-        index: SharedSuffixIndex | None = None,
+        learned: TenantIndexes | None = None,
         threshold: float = 1.0,
         adaptive_k: bool = True,
         max_sessions: int = 256,
@@ -115,21 +115,28 @@ class HybridDrafter:
         self.vocab_size = model.vocab_size
         self.threshold = threshold
         self.adaptive_k = adaptive_k  # False: the model drafts the K asked for (deterministic choices)
-        self.index = index if index is not None else self.settings.new_global_index()
+        self.learned = learned if learned is not None else self.settings.new_learned()
         self.stats = SourceStats()
         self._probes = ProbeBudget()
         self._sessions: SessionTable[_HybridSession] = SessionTable(
             max_sessions, idle_timeout_s=idle_timeout_s, on_evict=lambda _sid, s: self._learn(s)
         )
 
-    def open(self, session_id: str, token_ids: Sequence[int], params: SamplingParams, wire_top_k: int = 0) -> None:
+    def open(
+        self,
+        session_id: str,
+        token_ids: Sequence[int],
+        params: SamplingParams,
+        wire_top_k: int = 0,
+        tenant: str = NO_TENANT,
+    ) -> None:
         self.model.open(session_id, token_ids, params, wire_top_k)  # validates prompt and settings
         tokens = [int(t) for t in token_ids]
         self._sessions.pop(session_id)
-        self._sessions.put(session_id, _HybridSession(SuffixSession(tokens, self.settings), list(tokens)))
+        self._sessions.put(session_id, _HybridSession(SuffixSession(tokens, self.settings, tenant), list(tokens)))
 
     def finish(self, session_id: str, committed_length: int, start: int, tail: Sequence[int]) -> None:
-        """The session's final committed tokens, for the global index (the close learns them)."""
+        """The session's final committed tokens, for its tenant's learned index (the close learns them)."""
         if session_id not in self._sessions:
             return
         s = self._sessions.get(session_id)
@@ -161,7 +168,7 @@ class HybridDrafter:
                 s = self._sessions.get(req.session_id)
                 s.suffix.sync(req.committed_length, req.start, req.tail)
                 self._observe_previous(s, t0)
-                candidate, _ = best_candidate(s.suffix, self.index, self.settings, req.num_tokens)
+                candidate, _ = best_candidate(s.suffix, self.learned, self.settings, req.num_tokens)
                 confident = len(candidate) > 0 and candidate.score >= self.threshold
                 k_model = 0 if confident else self._model_k(req.num_tokens)
                 if len(candidate) and k_model == 0:
@@ -222,4 +229,4 @@ class HybridDrafter:
         return 1 if self._probes.round_off() else 0
 
     def _learn(self, s: _HybridSession) -> None:
-        self.index.add(s.suffix.document(self.settings.prompt_tail))
+        self.learned.learn(s.suffix.tenant, s.suffix.document(self.settings.prompt_tail))

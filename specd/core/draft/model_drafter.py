@@ -107,7 +107,9 @@ class ModelDrafter(PooledModel[_ModelDraftSession]):
         self.q = (q or QSettings()).validate()
         self.default_q = QSettings.top_k(wire_top_k, self.q.bits) if wire_top_k else self.q
 
-    def open(self, session_id: str, token_ids: Sequence[int], params: SamplingParams, wire_top_k: int = 0) -> None:
+    def open(
+        self, session_id: str, token_ids: Sequence[int], params: SamplingParams, wire_top_k: int = 0, tenant: str = ""
+    ) -> None:
         params.validate()
         if wire_top_k < 0:
             raise InvalidArgument("wire_top_k must be >= 0 (0 means the server default)")

@@ -45,7 +45,9 @@ class NgramDrafter:
         self.cap_at_match = cap_at_match  # see lookup_continuation
         self._sessions: SessionTable[_NgramSession] = SessionTable(max_sessions, idle_timeout_s=idle_timeout_s)
 
-    def open(self, session_id: str, token_ids: Sequence[int], params: SamplingParams, wire_top_k: int = 0) -> None:
+    def open(
+        self, session_id: str, token_ids: Sequence[int], params: SamplingParams, wire_top_k: int = 0, tenant: str = ""
+    ) -> None:
         params.validate()
         tokens = check_prompt(token_ids, self.vocab_size)
         self._sessions.put(session_id, _NgramSession(tokens))

@@ -23,7 +23,12 @@ class Drafter(Protocol):
     kind: str
     vocab_size: int
 
-    def open(self, session_id: str, token_ids: Sequence[int], params: SamplingParams, wire_top_k: int = 0) -> None: ...
+    def open(
+        self, session_id: str, token_ids: Sequence[int], params: SamplingParams, wire_top_k: int = 0, tenant: str = ""
+    ) -> None:
+        """Open (or re-open) a session. tenant: whose learned state it may draft from and teach
+        (specd.core.draft.tenant_index); a drafter that learns nothing across sessions ignores it."""
+        ...
 
     def propose(self, request: ProposeRequest) -> Proposal: ...
 

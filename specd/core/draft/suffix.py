@@ -5,10 +5,11 @@ Two indexes answer each round (specd.core.draft.suffix_index):
 
 - the session's own: its prompt and the tokens committed so far (anchor 1,
   like the n-gram drafter's prompt lookup);
-- the global one, shared by every session: the outputs of finished
+- the learned one, its tenant's: the outputs of the tenant's finished
   sessions (each with the last `prompt_tail` tokens of its prompt, so that the
   start of an answer can be matched too), bounded in bytes, oldest evicted
-  first.
+  first. What one tenant's sessions taught is never proposed to another's
+  (specd.core.draft.tenant_index), unless sharing is "shared".
 
 Each round both are asked for the best continuation of the committed
 prefix's last max_depth tokens, and the higher score proposes (the session's
@@ -20,7 +21,7 @@ instead, if `fallback` is "ngram"; its proposals are exact for the same reason.
 
 The service learns a session's committed tokens from the messages it gets:
 each propose carries the committed prefix as (start, tail), and so does the
-close (`finish`, then `close`). So the whole answer goes into the global
+close (`finish`, then `close`). So the whole answer goes into its tenant's
 index, also the rounds that asked the draft for nothing (auto's K = 0). A
 session that expires idle goes in with the tokens of its last message.
 """
@@ -34,7 +35,8 @@ from typing import Protocol, runtime_checkable
 
 from specd.core.draft.ngram import lookup_continuation
 from specd.core.draft.protocol import propose_each
-from specd.core.draft.suffix_index import NO_CANDIDATE, Candidate, SharedSuffixIndex, SuffixIndex
+from specd.core.draft.suffix_index import NO_CANDIDATE, Candidate, SuffixIndex
+from specd.core.draft.tenant_index import NO_TENANT, PER_TENANT, SHARING_MODES, TenantIndexes
 from specd.core.errors import InvalidArgument, SessionOutOfSync
 from specd.core.model.pool import SessionTable
 from specd.core.rounds.steps import ProposeRequest, check_num_tokens, check_prompt, sync_prefix
@@ -61,11 +63,14 @@ class SuffixSettings:
     max_spec_factor: float = 1.0  # propose at most factor * match length + offset tokens
     max_spec_offset: float = 0.0
     min_token_prob: float = 0.1  # stop where the continuation's estimated probability drops below this
-    index_bytes: int = 64 << 20  # the global index's budget
+    index_bytes: int = 64 << 20  # all learned indexes together
+    tenant_index_bytes: int = 16 << 20  # one tenant's learned index
+    sharing: str = PER_TENANT  # "tenant": learned state per tenant; "shared": one index for all callers
+    max_tenants: int = 1024  # learned indexes kept at most (least recently used dropped)
     global_anchor: int = 2  # tokens a global match needs at least (1 would scan every occurrence of a token)
     request_anchor: int = 1
     max_occurrences: int = 4096  # the most recent occurrences of the context's anchor that a query reads
-    prompt_tail: int = 24  # prompt tokens stored before each output in the global index (-1: the whole prompt)
+    prompt_tail: int = 24  # prompt tokens stored before each output in the learned index (-1: the whole prompt)
     fallback: str = "ngram"  # "ngram": n-gram lookup when the indexes propose nothing; "none"
 
     def validate(self) -> None:
@@ -75,16 +80,26 @@ class SuffixSettings:
             raise InvalidArgument("suffix max_spec_factor must be > 0 and max_spec_offset >= 0")
         if not 0.0 <= self.min_token_prob <= 1.0:
             raise InvalidArgument(f"suffix min_token_prob must be in [0, 1] (got {self.min_token_prob})")
-        if self.index_bytes < 0:
-            raise InvalidArgument(f"suffix index bytes must be >= 0 (got {self.index_bytes})")
+        if self.index_bytes < 0 or self.tenant_index_bytes < 0:
+            raise InvalidArgument(
+                f"suffix index bytes must be >= 0 (got {self.index_bytes}, per tenant {self.tenant_index_bytes})"
+            )
+        if self.sharing not in SHARING_MODES:
+            raise InvalidArgument(f"suffix sharing must be one of {', '.join(SHARING_MODES)} (got {self.sharing!r})")
+        if self.max_tenants < 1:
+            raise InvalidArgument(f"suffix max tenants must be >= 1 (got {self.max_tenants})")
         if self.prompt_tail < -1:
             raise InvalidArgument(f"suffix prompt_tail must be >= -1 (got {self.prompt_tail})")
         if self.fallback not in FALLBACKS:
             raise InvalidArgument(f"suffix fallback must be one of {', '.join(FALLBACKS)} (got {self.fallback!r})")
 
-    def new_global_index(self) -> SharedSuffixIndex:
-        return SharedSuffixIndex(
+    def new_learned(self) -> TenantIndexes:
+        """The learned indexes of finished sessions, by tenant."""
+        return TenantIndexes(
             self.index_bytes,
+            self.tenant_index_bytes,
+            sharing=self.sharing,
+            max_tenants=self.max_tenants,
             anchor=self.global_anchor,
             max_depth=self.max_depth,
             max_occurrences=self.max_occurrences,
@@ -92,9 +107,10 @@ class SuffixSettings:
 
 
 class SuffixSession:
-    """One session's tokens (committed prefix + its last drafts) and its own index over the committed ones."""
+    """One session's tokens (committed prefix + its last drafts), its own index over the committed ones, its tenant."""
 
-    def __init__(self, prompt: Sequence[int], settings: SuffixSettings) -> None:
+    def __init__(self, prompt: Sequence[int], settings: SuffixSettings, tenant: str = NO_TENANT) -> None:
+        self.tenant = tenant
         self.tokens = [int(t) for t in prompt]
         self.prompt_length = len(self.tokens)
         self.committed = len(self.tokens)  # committed prefix as of the last message
@@ -121,7 +137,7 @@ class SuffixSession:
         return self.tokens[max(0, self.committed - depth) : self.committed]
 
     def document(self, prompt_tail: int) -> list[int]:
-        """What the global index keeps of this session: its output after `prompt_tail` prompt tokens."""
+        """What the learned index keeps of this session: its output after `prompt_tail` prompt tokens."""
         begin = 0 if prompt_tail < 0 else max(0, self.prompt_length - prompt_tail)
         if self.committed <= self.prompt_length:
             return []
@@ -129,20 +145,21 @@ class SuffixSession:
 
 
 def best_candidate(
-    session: SuffixSession, index: SharedSuffixIndex, settings: SuffixSettings, num_tokens: int
+    session: SuffixSession, learned: TenantIndexes, settings: SuffixSettings, num_tokens: int
 ) -> tuple[Candidate, str]:
-    """The better of the session's and the global index's continuations, and where it came from."""
+    """The better of the session's and its tenant's learned continuations, and where it came from."""
     ctx = session.context(settings.max_depth)
     rules = dict(factor=settings.max_spec_factor, offset=settings.max_spec_offset, min_prob=settings.min_token_prob)
     own = session.index.speculate(ctx, num_tokens, **rules)
-    shared = index.speculate(ctx, num_tokens, **rules)
+    index = learned.index_for(session.tenant)
+    shared = index.speculate(ctx, num_tokens, **rules) if index is not None else NO_CANDIDATE
     if shared.score > own.score:
         return shared, "global"
     return (own, "request") if len(own) else (NO_CANDIDATE, "none")
 
 
 class SuffixDrafter:
-    """Drafts from the session's own tokens and the global index of finished sessions (see the module doc)."""
+    """Drafts from the session's own tokens and its tenant's index of finished sessions (see the module doc)."""
 
     kind = "suffix"
 
@@ -151,24 +168,31 @@ class SuffixDrafter:
         vocab_size: int,
         settings: SuffixSettings | None = None,
         *,
-        index: SharedSuffixIndex | None = None,
+        learned: TenantIndexes | None = None,
         max_sessions: int = 256,
         idle_timeout_s: float = 600.0,
     ) -> None:
         self.settings = settings or SuffixSettings()
         self.settings.validate()
         self.vocab_size = vocab_size
-        self.index = index if index is not None else self.settings.new_global_index()
+        self.learned = learned if learned is not None else self.settings.new_learned()
         self.proposals_by_source: dict[str, int] = {"request": 0, "global": 0, "ngram": 0, "none": 0}
         self._sessions: SessionTable[SuffixSession] = SessionTable(
             max_sessions, idle_timeout_s=idle_timeout_s, on_evict=lambda _sid, s: self._learn(s)
         )
 
-    def open(self, session_id: str, token_ids: Sequence[int], params: SamplingParams, wire_top_k: int = 0) -> None:
+    def open(
+        self,
+        session_id: str,
+        token_ids: Sequence[int],
+        params: SamplingParams,
+        wire_top_k: int = 0,
+        tenant: str = NO_TENANT,
+    ) -> None:
         params.validate()
         tokens = check_prompt(token_ids, self.vocab_size)
         self._sessions.pop(session_id)  # a re-open rebuilds the session: its tokens are learnt once, at close
-        self._sessions.put(session_id, SuffixSession(tokens, self.settings))
+        self._sessions.put(session_id, SuffixSession(tokens, self.settings, tenant))
 
     def finish(self, session_id: str, committed_length: int, start: int, tail: Sequence[int]) -> None:
         """The session's final committed tokens (the close learns them); a session out of step keeps what it had."""
@@ -193,7 +217,7 @@ class SuffixDrafter:
         t0 = time.perf_counter()
         session = self._sessions.get(request.session_id)
         session.sync(request.committed_length, request.start, request.tail)
-        candidate, source = best_candidate(session, self.index, self.settings, num_tokens)
+        candidate, source = best_candidate(session, self.learned, self.settings, num_tokens)
         found = list(candidate.token_ids)
         if not found and self.settings.fallback == "ngram":
             found = lookup_continuation(session.tokens, num_tokens, 3, 1, cap_at_match=True)
@@ -207,4 +231,4 @@ class SuffixDrafter:
         return propose_each(self.propose, requests)
 
     def _learn(self, session: SuffixSession) -> None:
-        self.index.add(session.document(self.settings.prompt_tail))
+        self.learned.learn(session.tenant, session.document(self.settings.prompt_tail))

@@ -45,7 +45,7 @@ MAX_ANCHOR = 3
 # (CPython 3.11: 60.0 per key at worst, measured for n up to 300,000).
 _DICT_BASE = sys.getsizeof({}) + 224
 _DICT_PER_KEY = 64
-LOW_WATER = 0.9  # a full global index evicts down to this fraction of its budget
+LOW_WATER = 0.9  # a full learned index evicts down to this fraction of its budget
 _SMALL_NODE = 48  # occurrences below which a walk steps in plain Python
 
 
@@ -417,7 +417,7 @@ class SuffixIndex:
 
 
 class SharedSuffixIndex:
-    """The global index: finished sessions' tokens for every session, thread-safe, within max_bytes.
+    """A learned index: one tenant's finished sessions' tokens (tenant_index), thread-safe, within max_bytes.
 
     Each add evicts the oldest documents until the index's bytes (SuffixIndex.nbytes)
     fit the budget again; a document larger than the budget is not kept.

@@ -60,6 +60,7 @@ class GenerateSpec:
     speculation: str = "auto"  # one of SPECULATION_MODES
     draft_length: int = 4  # fixed K, or the largest K automatic mode may pick
     pipeline: str = "off"  # a name in specd.core.rounds.pipeline.PIPELINES
+    tenant: str = ""  # the caller's tenant key: the draft's learned state it may use ("": none)
 
 
 @dataclass(frozen=True)
@@ -167,7 +168,7 @@ class RequestRun:
         self._pipeline = make_pipeline(spec.pipeline, pipeline_settings) if speculating else Off()
         self._adaptive = loop.estimates.controller(spec.draft_length) if spec.speculation == "auto" else None
         self._target = TargetSession(loop.target, session_id, spec.params, loop.settings.target_timeout_s)
-        self._draft = DraftSession(loop.draft, session_id, spec.params) if loop.draft is not None else None
+        self._draft = DraftSession(loop.draft, session_id, spec.params, spec.tenant) if loop.draft is not None else None
         self._ready: tuple[Proposal, PipelineHit] | None = None  # a pre-draft for the committed prefix
         self._draft_refused = False  # the draft refused this request alone: target-only rounds for it
 

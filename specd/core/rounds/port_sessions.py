@@ -34,10 +34,11 @@ class DraftSession:
     may or may not have applied it), and the next call re-opens the session.
     """
 
-    def __init__(self, port: DraftPort, session_id: str, params: SamplingParams) -> None:
+    def __init__(self, port: DraftPort, session_id: str, params: SamplingParams, tenant: str = "") -> None:
         self.port = port
         self.session_id = session_id
         self.params = params
+        self.tenant = tenant  # sent with every open: the draft's learned state is the tenant's
         self.opened = False
         self.touched = False  # something was sent: close the session at the end
         self._base = 0
@@ -114,7 +115,7 @@ class DraftSession:
                 for _ in range(2):  # a second try after re-opening a session the draft lost
                     try:
                         if not self.opened:
-                            request = steps.OpenRequest(self.session_id, prefix, self.params)
+                            request = steps.OpenRequest(self.session_id, prefix, self.params, self.tenant)
                             await self.port.open(request, timeout=timeout, carrier=carrier)
                             self.opened, self._base, self._ext = True, len(committed), list(extension)
                         result, held = await send(self.agreement(prefix), prefix)

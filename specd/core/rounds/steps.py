@@ -35,6 +35,7 @@ class OpenRequest:
     session_id: str
     token_ids: Sequence[int]
     params: SamplingParams
+    tenant: str = ""  # whose learned draft state the session may use (a draft's open only; "": none)
 
 
 @dataclass(frozen=True)

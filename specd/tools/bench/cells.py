@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import secrets
 import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -77,7 +78,13 @@ def run_cells(
     The first plan.warm_requests requests of each mode run first and stay out of its record
     (they are in its per_request rows, the warm-up curve). before_mode: called before each
     service mode's cell (a learning drafter gets a fresh draft service there).
+
+    Each service cell is its own tenant (a cache salt unique to the run and the cell): a drafter
+    that learns across requests learns from the cell's own requests, as one caller's would, and
+    never answers one mode from another's outputs, also against a running cluster (--address)
+    that the bench cannot restart.
     """
+    run_salt = secrets.token_hex(8)
     for temperature in plan.temperatures:
         for concurrency in plan.concurrency:
             cell_modes = [
@@ -132,6 +139,7 @@ def run_cells(
                                 timeout=args.timeout,
                                 bar=bar,
                                 metadata=metadata,
+                                cache_salt=f"specd-bench-{run_salt}-T{temperature:g}-c{concurrency}-{m.name}",
                             )
                             if overhead is not None:
                                 overheads[m.name] = add(overheads[m.name], difference(overhead(), before))

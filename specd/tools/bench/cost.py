@@ -46,7 +46,7 @@ def measure_ngram_ms(
     prompt_ids: list[int], *, samples: int, num_tokens: int = 4, warmup: int = 3, kind: str = "ngram"
 ) -> float:
     """Median ms per proposed token of a model-free drafter (n-gram or suffix) over the prompt, as the draft
-    service runs it (the suffix drafter's global index empty: its own index is what a first request reads)."""
+    service runs it (the suffix drafter's learned index empty: its own index is what a first request reads)."""
     vocab = max(prompt_ids) + 1
     drafter = SuffixDrafter(vocab) if kind == "suffix" else NgramDrafter(vocab)
     times: list[float] = []

@@ -1,6 +1,6 @@
 """Drafters that learn across requests (suffix, suffix+MODEL): each mode from a fresh draft, the warm-up curve.
 
-A suffix drafter's global index remembers every finished request, so two
+A suffix drafter's learned index remembers every finished request of a tenant, so two
 modes run over the same prompts one after the other would let the second
 answer from the first's outputs (at T = 0 they are the same text). The bench
 therefore restarts the draft service before each speculative mode (a fresh,

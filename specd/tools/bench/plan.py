@@ -20,7 +20,7 @@ HYBRID_PREFIX = "suffix+"
 
 
 def learns_across_requests(draft: str) -> bool:
-    """Whether a --draft value keeps state across requests (the suffix drafter's global index)."""
+    """Whether a --draft value keeps state across requests (the suffix drafter's learned indexes)."""
     return draft == "suffix" or (draft.startswith(HYBRID_PREFIX) and len(draft) > len(HYBRID_PREFIX))
 
 

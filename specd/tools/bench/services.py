@@ -67,8 +67,16 @@ def run_service_cell(
     timeout: float,
     bar: Any,
     metadata: Callable[[], Sequence[tuple[str, str]]] = lambda: (),
+    cache_salt: str = "",
 ) -> tuple[list[RequestResult], float]:
-    options = dict(max_new_tokens=max_new_tokens, temperature=temperature, ignore_eos=ignore_eos, **mode.request)
+    """cache_salt: the cell's tenant (a learning draft learns from the cell's own requests only)."""
+    options = dict(
+        max_new_tokens=max_new_tokens,
+        temperature=temperature,
+        ignore_eos=ignore_eos,
+        cache_salt=cache_salt,
+        **mode.request,
+    )
     local = threading.local()
     clients: list[Any] = []
     lock = threading.Lock()

@@ -215,14 +215,14 @@ def test_bad_settings_are_refused() -> None:
 def test_drafter_learns_finished_sessions_and_their_prompt_tails() -> None:
     drafter = SuffixDrafter(100, SuffixSettings(fallback="none"))
     prompt, answer = [1, 2, 3, 4], [10, 11, 12, 13, 14, 15]
-    drafter.open("a", prompt, GREEDY)
+    drafter.open("a", prompt, GREEDY, tenant="t")
     assert drafter.propose(ProposeRequest("a", 4, 4, [], 4)).token_ids == []  # nothing seen yet
     drafter.propose(
         ProposeRequest("a", 10, 4, answer, 4)
     )  # the service learns the committed answer from propose messages
     drafter.close("a")
-    assert drafter.index.documents == 1
-    drafter.open("b", [9, 9, 3, 4], GREEDY)  # another request ending like a's prompt
+    assert drafter.learned.documents == 1
+    drafter.open("b", [9, 9, 3, 4], GREEDY, tenant="t")  # another request ending like a's prompt
     assert drafter.propose(ProposeRequest("b", 4, 4, [], 4)).token_ids == [10, 11]  # a 2-token match proposes at most 2
     # both accepted, then the target's 12: the 5-token match (3 4 10 11 12) proposes up to the stored end
     assert drafter.propose(ProposeRequest("b", 7, 6, [12], 8)).token_ids == [13, 14, 15]
@@ -231,11 +231,11 @@ def test_drafter_learns_finished_sessions_and_their_prompt_tails() -> None:
 
 def test_finish_teaches_the_tokens_no_propose_carried() -> None:
     drafter = SuffixDrafter(100, SuffixSettings(fallback="none"))
-    drafter.open("a", [1, 2, 3], GREEDY)
+    drafter.open("a", [1, 2, 3], GREEDY, tenant="t")
     drafter.propose(ProposeRequest("a", 4, 3, [10], 2))  # the last propose saw 1 2 3 10 ...
     drafter.finish("a", 9, 4, [11, 12, 13, 14, 15])  # ... the close says the answer went on
     drafter.close("a")
-    drafter.open("b", [7, 2, 3], GREEDY)
+    drafter.open("b", [7, 2, 3], GREEDY, tenant="t")
     assert drafter.propose(ProposeRequest("b", 5, 3, [10, 11], 8)).token_ids == [
         12,
         13,
@@ -245,12 +245,12 @@ def test_finish_teaches_the_tokens_no_propose_carried() -> None:
     drafter.finish("missing", 3, 0, [1, 2, 3])  # unknown session: nothing to learn, no error
     drafter.finish("b", 3, 99, [])  # out of step: keeps what it holds
     drafter.close("b")
-    assert drafter.index.documents == 2
+    assert drafter.learned.documents == 2
 
 
 def test_drafter_follows_rollbacks_and_accepted_drafts() -> None:
     drafter = SuffixDrafter(100, SuffixSettings(fallback="none"))
-    drafter.open("s", [5, 6, 7, 5, 6, 7, 5, 6], GREEDY)
+    drafter.open("s", [5, 6, 7, 5, 6, 7, 5, 6], GREEDY, tenant="t")
     first = drafter.propose(ProposeRequest("s", 8, 8, [], 4))
     assert first.token_ids == [7, 5, 6]  # the match (length 5) is followed by what is known: up to the end
     # two accepted, then the target's own token: start counts the drafts the draft already holds
@@ -261,7 +261,7 @@ def test_drafter_follows_rollbacks_and_accepted_drafts() -> None:
         ProposeRequest("s", 12, 10, [9, 9], 2)
     )  # a prefix that changed inside the drafts: cut back, re-indexed
     drafter.close("s")
-    assert drafter.index.documents == 1
+    assert drafter.learned.documents == 1
 
 
 def test_fallback_proposes_the_ngram_lookup_when_the_indexes_have_nothing() -> None:
@@ -282,10 +282,10 @@ def test_fallback_proposes_the_ngram_lookup_when_the_indexes_have_nothing() -> N
 
 def test_idle_sessions_are_learnt_when_they_expire() -> None:
     drafter = SuffixDrafter(100, idle_timeout_s=1e-9)
-    drafter.open("old", [1, 2], GREEDY)
+    drafter.open("old", [1, 2], GREEDY, tenant="t")
     drafter.propose(ProposeRequest("old", 5, 2, [3, 4, 5], 1))
-    drafter.open("new", [1, 2], GREEDY)  # admitting a session expires the idle one
-    assert drafter.active_sessions() == 1 and drafter.index.documents == 1
+    drafter.open("new", [1, 2], GREEDY, tenant="t")  # admitting a session expires the idle one
+    assert drafter.active_sessions() == 1 and drafter.learned.documents == 1
 
 
 def test_common_prefix_length() -> None:

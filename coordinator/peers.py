@@ -223,6 +223,13 @@ class GrpcTarget(Peer[target_pb2.TargetRequest, target_pb2.TargetResponse]):
 
     def __init__(self, channel: grpc.aio.Channel) -> None:
         super().__init__("target", channel, target_pb2_grpc.TargetStub, target_pb2.TargetRequest)
+        # From its last GetModelInfo (a replica takes sessions only once checked): verdict tokens must be in it.
+        self.vocab_size: int | None = None
+
+    async def model_info(self, timeout: float) -> common_pb2.ModelInfo:
+        info = await super().model_info(timeout)
+        self.vocab_size = info.vocab_size
+        return info
 
     async def open(self, request: steps.OpenRequest, *, timeout: float, carrier: Carrier) -> None:
         try:
@@ -233,7 +240,8 @@ class GrpcTarget(Peer[target_pb2.TargetRequest, target_pb2.TargetResponse]):
     async def verify(self, request: steps.VerifyRequest, *, timeout: float, carrier: Carrier) -> steps.VerifyOutcome:
         try:
             answer = await self.call(wire.verify_request(request, carrier), timeout)
-            return wire.verdict_from_proto(answer.response, answer.round_trip_ms, answer.wake_ms)
+            response = answer.response
+            return wire.verdict_from_proto(response, answer.round_trip_ms, answer.wake_ms, vocab_size=self.vocab_size)
         except InvalidArgument as exc:
             # Everything else in a verify is the coordinator's own (checked) state, so a refused
             # round that carried a relayed q is the draft's: the loop verifies again without it.

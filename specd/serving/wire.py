@@ -5,10 +5,11 @@ Servicers and the coordinator call these; the core never imports *_pb2.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping, Sequence
 from typing import TypeVar
 
-from specd.core.errors import InvalidArgument
+from specd.core.errors import InvalidArgument, Unavailable
 from specd.core.phases import PhaseLog
 from specd.core.rounds import steps
 from specd.core.rounds.generation import FinishReason
@@ -89,6 +90,17 @@ def token_ids_from_wire(ids: Sequence[int], limit: int, what: str) -> list[int]:
     return list(ids)
 
 
+def reported_ms(ms: float) -> float:
+    """A peer's reported compute time: a non-finite or negative one reads as not reported (0.0).
+
+    Clamped, not refused, like batch_size's max(1, ...): the figure is accounting only (the
+    output never depends on it), and 0 is what the estimates already skip as "no sample" (a
+    pipelined draft's hidden time), so one peer's inf or NaN cannot reach the service-wide
+    cost estimates (core/rounds/adaptive.py) that every request's draft length reads.
+    """
+    return ms if 0.0 <= ms < math.inf else 0.0  # NaN fails both comparisons
+
+
 def transit(timing: session_pb2.ServiceTiming, compute_ms: float, round_trip_ms: float, wake_ms: float) -> Transit:
     """A call's hops: the caller's round trip split by the service's own ServiceTiming."""
     return Transit.of_round_trip(
@@ -115,7 +127,7 @@ def proposal_from_proto(
         tokens = _relayed_tokens(msg.token_ids, msg.q, vocab_size, max_draft_tokens, max_q_width)
         return Proposal(
             tokens,
-            compute_ms=msg.compute_ms,
+            compute_ms=reported_ms(msg.compute_ms),
             phases=PhaseLog(batch_size=max(1, msg.batch_size)),
             transit=transit,
             wire_q=tuple(msg.q) if len(msg.q) else None,
@@ -125,7 +137,7 @@ def proposal_from_proto(
         proposal.token_ids,
         proposal.q_ids,
         proposal.q_probs,
-        msg.compute_ms,
+        reported_ms(msg.compute_ms),
         phases=PhaseLog(batch_size=max(1, msg.batch_size)),
         transit=transit,
     )
@@ -312,7 +324,7 @@ def branches_from_proto(msg: draft_pb2.DraftBranchSet, vocab_size: int, *, relay
         if not 0 <= b.token_id < vocab_size:
             raise InvalidArgument(f"branch token id {b.token_id} is outside the vocabulary [0, {vocab_size})")
         out.append(steps.Branch(b.accepted, b.token_id, proposal_from_proto(b.proposal, vocab_size, relay=relay)))
-    return steps.Branches(tuple(out), msg.compute_ms, PhaseLog(batch_size=max(1, msg.batch_size)))
+    return steps.Branches(tuple(out), reported_ms(msg.compute_ms), PhaseLog(batch_size=max(1, msg.batch_size)))
 
 
 def verify_request(request: steps.VerifyRequest, carrier: Mapping[str, str]) -> target_pb2.TargetRequest:
@@ -333,25 +345,38 @@ def proposal_from_answer(
 ) -> Proposal:
     """A DraftResponse's validated proposal (relay: see proposal_from_proto), with the call's hops."""
     msg = resp.proposal
-    hops = transit(resp.timing, msg.compute_ms, round_trip_ms, wake_ms)
+    hops = transit(resp.timing, reported_ms(msg.compute_ms), round_trip_ms, wake_ms)
     return proposal_from_proto(msg, vocab_size, transit=hops, relay=relay)
 
 
 def verdict_from_proto(
-    resp: target_pb2.TargetResponse, round_trip_ms: float | None = None, wake_ms: float = 0.0
+    resp: target_pb2.TargetResponse,
+    round_trip_ms: float | None = None,
+    wake_ms: float = 0.0,
+    *,
+    vocab_size: int | None = None,
 ) -> steps.VerifyOutcome:
-    """The verdict; with the caller's round trip (ms), also the call's hops."""
+    """The verdict; with the caller's round trip (ms), also the call's hops.
+
+    With vocab_size (the target's), a recovered or bonus token outside the vocabulary is a target
+    out of step: Unavailable, as port_sessions._check treats a verdict that cannot belong to the
+    round (retried; never InvalidArgument, which the caller reads as a refused proposal). Its
+    compute time is reported_ms's.
+    """
     v = resp.verdict
     deferred = v.kind == target_pb2.TOKEN_KIND_DEFERRED
+    if vocab_size is not None and not deferred and not 0 <= v.token_id < vocab_size:
+        raise Unavailable(f"the target sent token id {v.token_id}, outside the vocabulary [0, {vocab_size})")
+    compute_ms = reported_ms(v.compute_ms)
     return steps.VerifyOutcome(
         accepted=v.accepted,
         token_id=-1 if deferred else v.token_id,
         is_bonus=v.kind == target_pb2.TOKEN_KIND_BONUS,
         deferred=deferred,
         committed_length=resp.committed_length,
-        compute_ms=v.compute_ms,
+        compute_ms=compute_ms,
         phases=PhaseLog(batch_size=max(1, v.batch_size), batch_tokens=v.batch_tokens),
-        transit=None if round_trip_ms is None else transit(resp.timing, v.compute_ms, round_trip_ms, wake_ms),
+        transit=None if round_trip_ms is None else transit(resp.timing, compute_ms, round_trip_ms, wake_ms),
     )
 
 

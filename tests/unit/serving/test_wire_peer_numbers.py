@@ -1,0 +1,98 @@
+"""The numbers a draft or target reports: a compute time that is inf, NaN or negative reads as not
+reported, so it never reaches the service-wide estimates; a verdict's token must be in the vocabulary."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from specd.core.errors import Unavailable
+from specd.core.rounds.adaptive import Estimate, LinearCost, ServiceEstimates
+from specd.core.sampling.proposal import Proposal
+from specd.serving import wire
+from specd.v1 import draft_pb2, target_pb2
+
+V = 1000
+BAD_MS = [math.inf, -math.inf, math.nan, -1.0]
+
+
+def _draft_answer(compute_ms: float) -> draft_pb2.DraftResponse:
+    resp = draft_pb2.DraftResponse()
+    resp.proposal.CopyFrom(wire.proposal_to_proto(Proposal([1, 2, 3])))
+    resp.proposal.compute_ms = compute_ms
+    return resp
+
+
+def _verdict(compute_ms: float = 4.0, token_id: int = 7, kind: int = target_pb2.TOKEN_KIND_RECOVERED):
+    resp = target_pb2.TargetResponse(committed_length=12)
+    v = resp.verdict
+    v.accepted, v.token_id, v.kind, v.compute_ms, v.batch_size, v.batch_tokens = 1, token_id, kind, compute_ms, 1, 4
+    return resp
+
+
+def _estimates_after(draft_ms: float, verify_ms: float) -> ServiceEstimates:
+    """Service-wide estimates after one round of 3 drafts (1 accepted) with these compute times, as the loop feeds them."""
+    est = ServiceEstimates()
+    ctl = est.controller(4)
+    est.observe_target(4, 1, verify_ms, 5)
+    est.observe(ctl, 3, 1, draft_ms, verify_ms, draft_wall_ms=draft_ms + 1.0)
+    return est
+
+
+def _costs(est: ServiceEstimates) -> tuple[Estimate, Estimate, LinearCost]:
+    """The cost estimates every session's draft length reads (acceptance moves with any verdict)."""
+    return est.cost_ratio, est.overhead, est.target_cost
+
+
+@pytest.mark.parametrize("relay", [True, False])
+@pytest.mark.parametrize("bad", BAD_MS)
+def test_a_proposals_bad_compute_time_reads_as_not_reported(bad: float, relay: bool) -> None:
+    proposal = wire.proposal_from_answer(_draft_answer(bad), V, round_trip_ms=5.0, wake_ms=0.1, relay=relay)
+    assert proposal.compute_ms == 0.0 and proposal.token_ids == [1, 2, 3]
+    assert proposal.transit is not None and all(math.isfinite(ms) for _, ms in proposal.transit.hops())
+    good = wire.proposal_from_answer(_draft_answer(2.5), V, round_trip_ms=5.0, wake_ms=0.1, relay=relay)
+    assert good.compute_ms == 2.5  # a real figure passes as it came
+
+
+@pytest.mark.parametrize("bad", BAD_MS)
+def test_branches_bad_compute_times_read_as_not_reported(bad: float) -> None:
+    msg = draft_pb2.DraftBranchSet(compute_ms=bad, batch_size=1)
+    b = msg.branches.add(accepted=1, token_id=5)
+    b.proposal.CopyFrom(wire.proposal_to_proto(Proposal([6, 7])))
+    b.proposal.compute_ms = bad
+    branches = wire.branches_from_proto(msg, V, relay=True)
+    assert branches.compute_ms == 0.0 and branches.branches[0].proposal.compute_ms == 0.0
+
+
+@pytest.mark.parametrize("bad", BAD_MS)
+def test_a_verdicts_bad_compute_time_reads_as_not_reported(bad: float) -> None:
+    outcome = wire.verdict_from_proto(_verdict(bad), round_trip_ms=6.0, wake_ms=0.1, vocab_size=V)
+    assert outcome.compute_ms == 0.0 and (outcome.accepted, outcome.token_id) == (1, 7)
+    assert outcome.transit is not None and all(math.isfinite(ms) for _, ms in outcome.transit.hops())
+
+
+@pytest.mark.parametrize("bad", BAD_MS)
+def test_bad_compute_times_leave_the_shared_estimates_as_they_were(bad: float) -> None:
+    """What the loop learns from a round whose draft and target both lied equals what it learns from no timing at all."""
+    proposal = wire.proposal_from_answer(_draft_answer(bad), V, round_trip_ms=5.0, wake_ms=0.1, relay=True)
+    outcome = wire.verdict_from_proto(_verdict(bad), round_trip_ms=6.0, vocab_size=V)
+    est = _estimates_after(proposal.compute_ms, outcome.compute_ms)
+    assert _costs(est) == _costs(_estimates_after(0.0, 0.0)) == _costs(ServiceEstimates())
+    if bad == math.inf:  # the raw figure would have moved them: the guard is what keeps them
+        raw = _costs(_estimates_after(bad, 4.0))
+        assert raw != _costs(ServiceEstimates())
+
+
+@pytest.mark.parametrize("token_id", [V, V + 1, 2**32 - 1])
+def test_a_verdict_token_outside_the_vocabulary_is_a_target_out_of_step(token_id: int) -> None:
+    with pytest.raises(Unavailable, match="outside the vocabulary"):
+        wire.verdict_from_proto(_verdict(token_id=token_id), 6.0, vocab_size=V)
+    with pytest.raises(Unavailable):
+        wire.verdict_from_proto(_verdict(token_id=token_id, kind=target_pb2.TOKEN_KIND_BONUS), 6.0, vocab_size=V)
+
+
+def test_a_verdict_token_inside_the_vocabulary_and_a_deferred_one_pass() -> None:
+    assert wire.verdict_from_proto(_verdict(token_id=V - 1), vocab_size=V).token_id == V - 1
+    deferred = _verdict(token_id=V + 5, kind=target_pb2.TOKEN_KIND_DEFERRED)  # no token this round: not looked at
+    assert wire.verdict_from_proto(deferred, vocab_size=V).token_id == -1

@@ -12,6 +12,7 @@ sees tells which tokens are safe.
 from __future__ import annotations
 
 import math
+import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -33,6 +34,7 @@ from tests.cluster import Cluster
 
 MAX_NEW = 12
 K = 3
+SHORT_DEADLINE_S = 0.05
 ORDINARY = [
     ("hello world", 0.0, 1),
     ("def f(x):\n    return", 0.7, 2),
@@ -124,6 +126,18 @@ def _ordinary(client: CoordinatorClient, prompt: str, temperature: float, seed: 
     )
 
 
+def _short_deadline_caller(client: CoordinatorClient, i: int, done: threading.Event) -> list[grpc.StatusCode]:
+    """Requests that cannot finish in SHORT_DEADLINE_S, one after another until `done`: their status codes."""
+    codes = []
+    while not done.is_set() or not codes:
+        try:
+            client.generate(f"little time {i} " * 8, max_new_tokens=64, ignore_eos=True, speculation="fixed")
+            codes.append(grpc.StatusCode.OK)
+        except grpc.RpcError as exc:
+            codes.append(exc.code())
+    return codes
+
+
 def _timed(call: Callable[[], object]) -> tuple[object, float]:
     """(result or the RpcError raised, seconds)."""
     t0 = time.monotonic()
@@ -161,7 +175,8 @@ def _hostile_verify(address: str, k: int, width: int) -> session_pb2.SessionErro
 def test_hostile_requests_fail_alone_beside_eight_ordinary_ones(cluster: Cluster, plan: dict) -> None:
     want, greedy, poison = plan["want"], plan["greedy"], plan["poison"]
 
-    with cluster.client(timeout=120) as client, ThreadPoolExecutor(16) as pool:
+    short = CoordinatorClient(cluster.address, timeout=SHORT_DEADLINE_S)
+    with cluster.client(timeout=120) as client, short, ThreadPoolExecutor(32) as pool:
         hostile_calls: dict[str, Callable[[], object]] = {
             "tiny temperature": lambda: client.generate(
                 "tiny", max_new_tokens=MAX_NEW, temperature=1e-45, seed=9, ignore_eos=True, speculation="fixed"
@@ -177,10 +192,17 @@ def test_hostile_requests_fail_alone_beside_eight_ordinary_ones(cluster: Cluster
             "verify width=100000": lambda: _hostile_verify(cluster.target.address, 1, 100_000),
             "verify width=1000000": lambda: _hostile_verify(cluster.target.address, 1, 1_000_000),
         }
+        # 16 callers that send 50 ms-deadline requests, one after the other, for as long as the
+        # ordinary requests run: their own deadlines cut their draft calls short, which must
+        # pause nobody else's drafting (it did: the draft counted as failed for everyone)
+        ordinary_done = threading.Event()
+        short_codes = [pool.submit(_short_deadline_caller, short, i, ordinary_done) for i in range(16)]
         ordinary = [pool.submit(_ordinary, client, p, t, s) for p, t, s in ORDINARY]
         hostile = {name: pool.submit(_timed, call) for name, call in hostile_calls.items()}
         got = [f.result(timeout=300) for f in ordinary]
+        ordinary_done.set()
         outcomes = {name: f.result(timeout=300) for name, f in hostile.items()}
+        codes = [code for f in short_codes for code in f.result(timeout=60)]
 
     print("seconds per hostile call:", {name: round(seconds, 3) for name, (_, seconds) in outcomes.items()})
     for reply, expect in zip(got, want):
@@ -196,6 +218,7 @@ def test_hostile_requests_fail_alone_beside_eight_ordinary_ones(cluster: Cluster
     assert "logged" in err.details() and "finite" not in err.details()  # a generic message, details in the log
     # 7 MB of q is over the target's message limit (sized to its context and q caps): gRPC
     # refuses that stream unread. Within the limit, the size check answers in-band.
+    assert len(codes) >= 16 and set(codes) == {grpc.StatusCode.DEADLINE_EXCEEDED}, codes
     huge, _ = outcomes.pop("verify width=1000000")
     assert huge.code == session_pb2.SessionError.CODE_RESOURCE_EXHAUSTED, huge
     for name, (error, _) in outcomes.items():

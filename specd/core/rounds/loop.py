@@ -28,7 +28,7 @@ from collections.abc import AsyncGenerator, Awaitable, Callable, Coroutine, Sequ
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
-from specd.core.errors import REQUEST_ERRORS, ProposalRefused, SpecdError
+from specd.core.errors import REQUEST_ERRORS, DeadlineExceeded, ProposalRefused, ResourceExhausted, SpecdError
 from specd.core.rounds.adaptive import ServiceEstimates
 from specd.core.rounds.generation import FinishReason, Generation, StopRule
 from specd.core.rounds.pipeline import Off, PipelineRound, PipelineSettings, PreDraft, make_pipeline
@@ -40,6 +40,9 @@ from specd.core.sampling.proposal import Proposal
 from specd.core.sampling.sampler import SamplingParams
 
 log = logging.getLogger(__name__)
+
+# Draft errors that are about one request: its own error, or no room for it (a full draft sheds it).
+_REFUSALS: tuple[type[SpecdError], ...] = (*REQUEST_ERRORS, ResourceExhausted)
 T = TypeVar("T")
 
 SPECULATION_MODES = ("auto", "fixed", "off")
@@ -337,22 +340,35 @@ class RequestRun:
         return result, None if len(result) else TargetOnly.DRAFT_EMPTY
 
     async def _draft_call(self, call: Callable[[DraftSession, float], Awaitable[T]]) -> T | TargetOnly:
-        """call(draft session, timeout), or why the draft gave nothing: its failure pauses speculation."""
+        """call(draft session, timeout), or why the draft gave nothing: its failure pauses speculation.
+
+        What says nothing about the draft's health stays this request's: its own deadline
+        cutting the call short (a timeout under --draft-timeout-s), or the draft refusing
+        or having no room for this request alone. Only the rest pauses every request.
+        """
         if self._draft is None:
             return TargetOnly.NO_DRAFT
         if self._draft_refused:
             return TargetOnly.DRAFT_REFUSED
-        timeout = min(self._loop.settings.draft_timeout_s, max(0.0, self._deadline - time.monotonic()))
+        left = max(0.0, self._deadline - time.monotonic())
+        by_deadline = left < self._loop.settings.draft_timeout_s  # the request's deadline, not the draft's limit
         try:
-            return await call(self._draft, timeout)
-        except REQUEST_ERRORS as exc:  # this request's own problem: it alone goes target-only, nobody pauses
+            return await call(self._draft, min(self._loop.settings.draft_timeout_s, left))
+        except DeadlineExceeded as exc:
+            if not by_deadline:  # slower than --draft-timeout-s: the draft's problem
+                self._loop.draft_failed(exc)
+                self._observer.round_event("draft failed; target-only round", exc)
+                return TargetOnly.DRAFT_FAILED
+            self._observer.round_event("the request's deadline cut the draft short; target-only round", exc)
+            return TargetOnly.DRAFT_DEADLINE
+        except _REFUSALS as exc:  # this request's own: it alone goes target-only
             self._draft_refused = True
             log.warning(
                 "draft refused session %s (%s: %s); target-only for it", self.session_id, type(exc).__name__, exc
             )
             self._observer.round_event("draft refused the request; target-only", exc)
             return TargetOnly.DRAFT_REFUSED
-        except SpecdError as exc:  # slow, gone, lying or full: speculation pauses for every request
+        except SpecdError as exc:  # slow, gone or lying: speculation pauses for every request
             self._loop.draft_failed(exc)
             self._observer.round_event("draft failed; target-only round", exc)
             return TargetOnly.DRAFT_FAILED

@@ -179,7 +179,10 @@ class TargetSession:
             now = time.monotonic()
             budget_end = deadline if failing_since is None else min(deadline, failing_since + self.timeout_s)
             if now >= budget_end:
-                raise Unavailable(f"the target could not verify before the deadline{f' ({last})' if last else ''}")
+                why = f" ({last})" if last else ""
+                if budget_end >= deadline:  # the request's own time ran out
+                    raise DeadlineExceeded(f"the request's deadline passed before the target verified{why}")
+                raise Unavailable(f"the target could not verify within its retry budget{why}")
             timeout = min(budget_end - now, self.timeout_s)
             self.touched = True
             try:
@@ -203,6 +206,9 @@ class TargetSession:
                 failure: BaseException = Unavailable(f"the target lost the session twice in a row ({exc})")
             except (Unavailable, DeadlineExceeded) as exc:
                 self.opened = False
+                capped = isinstance(exc, DeadlineExceeded) and deadline - now < self.timeout_s
+                if capped or time.monotonic() >= deadline:  # the request's time is up: it ends, no retry logged
+                    raise DeadlineExceeded(f"the request's deadline passed before the target verified ({exc})") from exc
                 failure = exc
             lost = 0
             failing_since = failing_since if failing_since is not None else now

@@ -36,7 +36,8 @@ class TargetOnly(enum.Enum):
     NO_DRAFT = "no_draft"  # no draft is configured
     DRAFT_UNAVAILABLE = "draft_unavailable"  # the draft is down, incompatible, or paused after a failure
     DRAFT_FAILED = "draft_failed"  # this round's propose failed (slow, gone, lying, full)
-    DRAFT_REFUSED = "draft_refused"  # the draft refused this request alone (its own InvalidArgument / Internal)
+    DRAFT_REFUSED = "draft_refused"  # the draft refused this request alone (its own error, or full for it)
+    DRAFT_DEADLINE = "draft_deadline"  # the request's own deadline ran out before the draft answered
     DRAFT_EMPTY = "draft_empty"  # the draft had nothing to propose (e.g. no n-gram match)
 
     @property
@@ -46,7 +47,13 @@ class TargetOnly(enum.Enum):
 
 
 _FALLBACKS = frozenset(
-    {TargetOnly.NO_DRAFT, TargetOnly.DRAFT_UNAVAILABLE, TargetOnly.DRAFT_FAILED, TargetOnly.DRAFT_EMPTY}
+    {
+        TargetOnly.NO_DRAFT,
+        TargetOnly.DRAFT_UNAVAILABLE,
+        TargetOnly.DRAFT_FAILED,
+        TargetOnly.DRAFT_EMPTY,
+        TargetOnly.DRAFT_DEADLINE,
+    }
 )
 
 

@@ -16,7 +16,7 @@ from collections.abc import Sequence
 
 import pytest
 
-from specd.core.errors import InvalidArgument, SessionOutOfSync, Unavailable
+from specd.core.errors import DeadlineExceeded, InvalidArgument, ResourceExhausted, SessionOutOfSync, Unavailable
 from specd.core.rounds.generation import FinishReason
 from specd.core.rounds.loop import GenerateSpec, LoopSettings, RequestRun, RoundLoop
 from specd.core.rounds.pipeline import PIPELINES, PipelineRound, PreDraft, make_pipeline
@@ -328,6 +328,45 @@ def test_a_draft_refusing_one_request_leaves_the_others_speculating() -> None:
     assert asyncio.run(loop.draft_usable()) is True  # nobody else paused
 
 
+def test_a_full_draft_sheds_the_request_not_the_service() -> None:
+    draft, watch = FakeDraft(Script(fail=fail(2, ResourceExhausted("no room for a session"))), lie=set()), Watch()
+    r, records, loop = run(spec(20), FakeTarget(), draft, settings=LoopSettings(draft_retry_s=60.0), watch=watch)
+    assert r.generation.generated == expected(20)
+    assert {rec.target_only for rec in records[1:-1]} == {TargetOnly.DRAFT_REFUSED}
+    assert asyncio.run(loop.draft_usable()) is True
+
+
+def test_a_requests_own_deadline_never_pauses_speculation_for_others() -> None:
+    """A short-deadline request whose draft call runs out of its time: it alone loses, the draft stays up."""
+
+    async def main() -> tuple[BaseException | None, bool, list[RoundRecord], list[int]]:
+        draft, target = FakeDraft(Script(hang={2})), FakeTarget()
+        loop = RoundLoop(target, draft, LoopSettings(draft_timeout_s=5.0, draft_retry_s=60.0))
+        short = loop.run(spec(20), max_context=MAX_CONTEXT, session_id="short", deadline=time.monotonic() + 0.2)
+        error: BaseException | None = None
+        try:
+            _ = [rec async for rec in short.rounds()]
+        except DeadlineExceeded as exc:
+            error = exc
+        usable = await loop.draft_usable()
+        other = loop.run(spec(20), max_context=MAX_CONTEXT, session_id="other")
+        records = [rec async for rec in other.rounds()]
+        await loop.drain()
+        return error, usable, records, other.generation.generated
+
+    error, usable, records, generated = asyncio.run(main())
+    assert isinstance(error, DeadlineExceeded)  # the short one ends by its own deadline, not retried
+    assert usable  # nobody else paused
+    assert generated == expected(20) and all(rec.draft_tokens for rec in records[:-1])
+
+
+def test_a_draft_slower_than_its_timeout_still_pauses_speculation() -> None:
+    draft = FakeDraft(Script(hang={2}))
+    settings = LoopSettings(draft_timeout_s=0.05, draft_retry_s=60.0)
+    _, records, loop = run(spec(20), FakeTarget(), draft, settings=settings, deadline=time.monotonic() + 30)
+    assert records[1].target_only == TargetOnly.DRAFT_FAILED and asyncio.run(loop.draft_usable()) is False
+
+
 def test_why_a_round_ran_target_only() -> None:
     down = FakeDraft()
     down.up = False
@@ -368,7 +407,7 @@ def test_the_target_is_retried_within_its_budget() -> None:
 
 def test_a_target_that_stays_down_fails_the_request_after_its_budget() -> None:
     target, watch = FakeTarget(Script(fail={n: Unavailable("down") for n in range(3, 10_000)})), Watch()
-    with pytest.raises(Unavailable, match="could not verify before the deadline"):
+    with pytest.raises(Unavailable, match="could not verify within its retry budget"):
         run(spec(30), target, FakeDraft(), settings=LoopSettings(target_timeout_s=0.3), watch=watch)
     assert len(watch.records) == 2 and isinstance(watch.failed[0], Unavailable)
 
@@ -376,7 +415,7 @@ def test_a_target_that_stays_down_fails_the_request_after_its_budget() -> None:
 def test_the_deadline_bounds_a_hanging_target() -> None:
     target = FakeTarget(Script(hang={2, 3, 4, 5, 6, 7, 8}))
     start = time.monotonic()
-    with pytest.raises(Unavailable, match="deadline"):
+    with pytest.raises(DeadlineExceeded, match="the request's deadline passed"):
         run(spec(30), target, FakeDraft(), deadline=start + 0.3)
     assert target.calls >= 2
 

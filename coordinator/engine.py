@@ -8,12 +8,15 @@ into a round span and metrics (`_RoundWatch`).
 
 from __future__ import annotations
 
+import asyncio
 import time
 import uuid
 from collections import deque
 from collections.abc import AsyncGenerator, Callable
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import aclosing
 from dataclasses import dataclass
+from typing import TypeVar
 
 from transformers import PreTrainedTokenizerBase
 
@@ -32,6 +35,8 @@ from specd.serving.metrics import CoordinatorMetrics
 from specd.v1 import common_pb2
 
 __all__ = ["Chunk", "GenerateSpec", "RequestStats", "RoundEngine"]
+
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -112,6 +117,10 @@ class RoundEngine:
         self._active = 0
         self.round_records: deque[RoundRecord] = deque(maxlen=100_000)  # the latest rounds, for measurement
         self._active_tokens = 0  # prompt + max_new_tokens of the requests being served (--max-active-tokens)
+        # Tokenizing a prompt at the context limit takes ~100 ms (the demo's 8,192 tokens): off the
+        # event loop, in a bounded pool, so one caller's prompt never stalls everyone's streams.
+        self._prompt_pool = ThreadPoolExecutor(config.tokenizer_threads, thread_name_prefix="specd-tokenize")
+        self._preparing = 0  # admitted requests waiting for (or in) the pool
         self.tracing: tr.Tracing = tr.TRACING_OFF  # the service sets these before it serves
         self.metrics: CoordinatorMetrics | None = None
 
@@ -138,10 +147,15 @@ class RoundEngine:
             await self.draft.replicas.wait_polled(min(10.0, max(0.1, deadline - time.monotonic())))
 
     async def stop(self) -> None:
+        self.stop_prompt_pool()
         await self.loop.drain(timeout=2.0)
         await self.target.replicas.close()
         if self.draft is not None:
             await self.draft.replicas.close()
+
+    def stop_prompt_pool(self) -> None:
+        """Stop tokenizing: queued prompts are dropped, one being tokenized finishes in its thread."""
+        self._prompt_pool.shutdown(wait=False, cancel_futures=True)
 
     def replica_attributes(self, session_id: str) -> dict[str, str]:
         """Span attributes naming the replicas that hold the session now."""
@@ -177,9 +191,19 @@ class RoundEngine:
 
     # ---- one request -----------------------------------------------------------
 
+    async def off_loop(self, work: Callable[[], T]) -> T:
+        """work() in the prompt pool (tokenizing, templating); the request counts for admission meanwhile."""
+        self._preparing += 1
+        try:
+            return await asyncio.get_running_loop().run_in_executor(self._prompt_pool, work)
+        finally:
+            self._preparing -= 1
+
     def admit(self, tokens: int = 0) -> None:
-        """Room for one more request of `tokens` (prompt + max_new_tokens), or ResourceExhausted."""
-        if self._active >= self.config.max_concurrent_requests:
+        """Room for one more request of `tokens` (prompt + max_new_tokens), or ResourceExhausted.
+
+        Requests still being tokenized count too: the pool's queue is bounded by admission."""
+        if self._active + self._preparing >= self.config.max_concurrent_requests:
             raise ResourceExhausted(
                 f"the coordinator is serving its limit of {self.config.max_concurrent_requests} requests; retry later"
             )

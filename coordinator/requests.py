@@ -137,14 +137,31 @@ def spec_from_request(
     admit: Callable[[], None] | None = None,
     identity: str = "",
 ) -> GenerateSpec:
-    """The validated request. admit: the admission check, run after the size caps and before
-    the per-item work (tokenization, scans), so that an overloaded coordinator refuses cheaply.
-    identity: the caller's, as the transport proved it (specd.serving.tenancy)."""
+    """The validated request, in one go (the coordinator runs its steps apart: the tokenizing off
+    its event loop). admit: the admission check, run after the size caps and before the per-item
+    work (tokenization, scans), so that an overloaded coordinator refuses cheaply. identity: the
+    caller's, as the transport proved it (specd.serving.tenancy)."""
     check_sizes(req, config, max_context)
-    tenant = tenant_key(identity, req.cache_salt)
     if admit is not None:
         admit()
     ids = prompt_ids(req, tokenizer, config, vocab_size)
+    return spec_from_prompt(
+        req, ids, config, vocab_size=vocab_size, max_context=max_context, eos_token_ids=eos_token_ids, identity=identity
+    )
+
+
+def spec_from_prompt(
+    req: coordinator_pb2.GenerateRequest,
+    ids: list[int],
+    config: CoordinatorConfig,
+    *,
+    vocab_size: int,
+    max_context: int,
+    eos_token_ids: frozenset[int],
+    identity: str = "",
+) -> GenerateSpec:
+    """The validated request, its prompt already tokenized (prompt_ids, after check_sizes)."""
+    tenant = tenant_key(identity, req.cache_salt)
     if len(ids) >= max_context:
         raise InvalidArgument(
             f"the prompt has {len(ids)} tokens; the model's context is {max_context}, so shorten the prompt"

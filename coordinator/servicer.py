@@ -9,7 +9,7 @@ from contextlib import aclosing
 import grpc
 
 from coordinator.engine import Chunk, RoundEngine
-from coordinator.requests import spec_from_request
+from coordinator.requests import check_sizes, prompt_ids, spec_from_prompt
 from specd.serving import trace_spans
 from specd.serving import tracing as tr
 from specd.serving.grpc_errors import status_code
@@ -22,31 +22,34 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
     def __init__(self, engine: RoundEngine) -> None:
         self.engine = engine
 
-    def _chunks(
+    async def _chunks(
         self,
         request: coordinator_pb2.GenerateRequest,
         context: grpc.aio.ServicerContext,
         span: tr.Span = tr.INVALID_SPAN,
     ) -> AsyncGenerator[Chunk, None]:
         arrival = time.monotonic()
+        remaining = context.time_remaining()  # at arrival: the deadline counts the tokenizing too
         engine = self.engine
-        spec = spec_from_request(
+        config = engine.config
+        check_sizes(request, config, engine.max_context)
+        engine.admit()  # after the size caps, before tokenizing
+        ids = await engine.off_loop(lambda: prompt_ids(request, engine.tokenizer, config, engine.vocab_size))
+        spec = spec_from_prompt(
             request,
-            engine.tokenizer,
-            engine.config,
+            ids,
+            config,
             vocab_size=engine.vocab_size,
             max_context=engine.max_context,
             eos_token_ids=engine.eos_token_ids,
-            admit=engine.admit,  # after the size caps, before tokenizing
-            identity=caller_identity(context, token_checked=bool(engine.config.api_token_file)),
+            identity=caller_identity(context, token_checked=bool(config.api_token_file)),
         )
-        remaining = context.time_remaining()
-        budget = (
-            engine.config.request_timeout_s if remaining is None else min(remaining, engine.config.request_timeout_s)
-        )
+        budget = config.request_timeout_s if remaining is None else min(remaining, config.request_timeout_s)
         if span.is_recording():
             span.set_attributes(trace_spans.request_attributes(spec))
-        return engine.generate(spec, deadline=arrival + budget, arrival=arrival, span=span)
+        async with aclosing(engine.generate(spec, deadline=arrival + budget, arrival=arrival, span=span)) as chunks:
+            async for chunk in chunks:
+                yield chunk
 
     async def _observed(
         self, method: str, request: coordinator_pb2.GenerateRequest, context: grpc.aio.ServicerContext

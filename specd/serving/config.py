@@ -308,6 +308,11 @@ class CoordinatorConfig(ServiceBase):
     max_prompt_chars: int = _opt(
         0, "longest prompt text (or chat content) accepted; 0: 32 characters per token of the model's context"
     )
+    tokenizer_threads: int = _opt(
+        1,
+        "threads that tokenize prompts and render chat templates, off the event loop "
+        "(requests waiting for one count against --max-concurrent-requests)",
+    )
     draft_timeout_s: float = _opt(5.0, "a draft answer later than this falls back to target-only")
     target_timeout_s: float = _opt(30.0, "a target answer later than this fails the round")
     request_timeout_s: float = _opt(300.0, "deadline for requests that carry none")
@@ -341,7 +346,13 @@ class CoordinatorConfig(ServiceBase):
             raise InvalidArgument(f"--branch-budget must be in 1..{MAX_BRANCH_BUDGET}")
         if not 1 <= self.default_max_new_tokens <= self.max_new_tokens_limit:
             raise InvalidArgument("need 1 <= --default-max-new-tokens <= --max-new-tokens-limit")
-        for name in ("max_concurrent_requests", "max_stop_strings", "max_stop_token_ids", "max_chat_messages"):
+        for name in (
+            "max_concurrent_requests",
+            "max_stop_strings",
+            "max_stop_token_ids",
+            "max_chat_messages",
+            "tokenizer_threads",
+        ):
             if getattr(self, name) < 1:
                 raise InvalidArgument(f"--{name.replace('_', '-')} must be >= 1")
         if self.api_token_grace_s < 0:

@@ -1,0 +1,68 @@
+"""Prompts are tokenized off the coordinator's event loop, in a bounded pool that admission counts."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from pathlib import Path
+
+import pytest
+
+from coordinator.engine import RoundEngine
+from coordinator.requests import prompt_ids
+from specd.core.errors import ResourceExhausted
+from specd.serving.config import CoordinatorConfig
+from specd.v1 import coordinator_pb2
+from tests.references import loaded
+
+
+def _engine(**config: int) -> RoundEngine:
+    # No replicas: off_loop and admission need neither (the engine is never started).
+    return RoundEngine(CoordinatorConfig(**config), None, None, None)  # type: ignore[arg-type]
+
+
+def test_tokenizing_runs_on_a_pool_thread_and_counts_for_admission() -> None:
+    engine = _engine(max_concurrent_requests=2, tokenizer_threads=1)
+
+    async def main() -> tuple[int, int, int]:
+        started, release = threading.Event(), threading.Event()
+
+        def slow() -> int:
+            started.set()
+            release.wait(10)
+            return threading.get_ident()
+
+        first = asyncio.ensure_future(engine.off_loop(slow))
+        while not started.is_set():
+            await asyncio.sleep(0.001)
+        ticks = 0
+        for _ in range(5):  # the event loop keeps running while the pool tokenizes
+            await asyncio.sleep(0.001)
+            ticks += 1
+        engine.admit()  # one request preparing of two: room for another
+        second = asyncio.ensure_future(engine.off_loop(threading.get_ident))  # queued behind the first
+        await asyncio.sleep(0)
+        with pytest.raises(ResourceExhausted, match="its limit of 2 requests"):
+            engine.admit()  # both slots held by requests still being tokenized
+        release.set()
+        one, two = await first, await second
+        engine.admit()  # done: room again
+        return one, two, ticks
+
+    loop_thread = threading.get_ident()
+    one, two, ticks = asyncio.run(main())
+    assert one != loop_thread and two == one and ticks == 5  # one pool thread, not the loop's
+    engine.stop_prompt_pool()
+
+
+def test_the_pool_gives_what_tokenizing_inline_gives(tiny_pair: tuple[Path, Path]) -> None:
+    tiny_tokenizer = loaded(str(tiny_pair[0])).tokenizer
+    engine = _engine()
+    config = CoordinatorConfig()
+    req = coordinator_pb2.GenerateRequest(text="hello there, " * 40)
+
+    async def main() -> list[int]:
+        return await engine.off_loop(lambda: prompt_ids(req, tiny_tokenizer, config, 259))
+
+    assert asyncio.run(main()) == prompt_ids(req, tiny_tokenizer, config, 259)
+    engine.stop_prompt_pool()

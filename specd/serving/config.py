@@ -24,6 +24,8 @@ from specd.core.rounds.pipeline import PIPELINES
 from specd.core.rounds.steps import DEFAULT_BRANCH_BUDGET, MAX_BRANCH_BUDGET
 from specd.core.sampling.sparse_q import MAX_BITS, QSettings
 
+MAX_CONNECTION_TIMER_S = 2_147_483  # gRPC's connection timers are int milliseconds
+
 
 def default_cache_dir() -> Path:
     """Where converted and assembled models live (SPECD_CACHE_DIR or ~/.cache/specd)."""
@@ -68,6 +70,23 @@ class ServiceBase:
         "(uvloop where it is installed)",
         choices=["auto", "uvloop", "asyncio"],
     )
+    max_connection_idle_s: float = _opt(
+        300.0, "a client connection with no call open this long is closed (GOAWAY; the client reconnects); 0: never"
+    )
+    max_connection_age_s: float = _opt(
+        -1.0,
+        "a client connection is told to go away (GOAWAY) after this long, so clients spread over replicas again; "
+        "-1: 1800 on the coordinator, off on draft and target (their one client holds its round streams for its "
+        "life: an age would cut them); 0: never",
+    )
+    max_connection_age_grace_s: float = _opt(
+        310.0,
+        "after --max-connection-age-s, calls still open get this long to finish before the connection is closed "
+        "(keep it above the coordinator's --request-timeout-s)",
+    )
+    handshake_timeout_s: float = _opt(
+        10.0, "a new connection that has not finished its TLS and HTTP/2 handshake within this is closed"
+    )
 
     def validate(self) -> None:
         if not 0 <= self.port <= 65535:
@@ -86,6 +105,18 @@ class ServiceBase:
             value = getattr(self, f.name)
             if isinstance(value, float) and not math.isfinite(value):
                 raise InvalidArgument(f"--{f.name.replace('_', '-')} must be a finite number (got {value})")
+        # gRPC takes these as int milliseconds: at most 2**31 - 1 ms (24.8 days).
+        for name in ("max_connection_idle_s", "max_connection_age_s", "max_connection_age_grace_s"):
+            value = getattr(self, name)
+            if not (0 <= value <= MAX_CONNECTION_TIMER_S or (name == "max_connection_age_s" and value == -1)):
+                auto = " or -1 (the service's default)" if name == "max_connection_age_s" else ""
+                raise InvalidArgument(
+                    f"--{name.replace('_', '-')} must be in 0..{MAX_CONNECTION_TIMER_S} seconds{auto} (got {value})"
+                )
+        if not 0 < self.handshake_timeout_s <= MAX_CONNECTION_TIMER_S:
+            raise InvalidArgument(
+                f"--handshake-timeout-s must be in (0, {MAX_CONNECTION_TIMER_S}] seconds (got {self.handshake_timeout_s})"
+            )
         if not 0.0 <= self.trace_sample_ratio <= 1.0:
             raise InvalidArgument(f"--trace-sample-ratio must be in [0, 1] (got {self.trace_sample_ratio})")
         if bool(self.tls_cert) != bool(self.tls_key):

@@ -16,7 +16,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from specd.core.errors import InvalidArgument
-from specd.serving.config import ServiceBase
+from specd.serving.config import ModelServiceBase, ServiceBase
 from specd.serving.grpc_errors import ErrorMappingInterceptor
 from specd.serving.reloading import ReloadingServerCredentials
 from specd.serving.security import ClientNameInterceptor
@@ -67,6 +67,36 @@ def server_options(max_message_bytes: int, max_streams_per_connection: int) -> l
 
 
 SERVER_OPTIONS = server_options(MAX_MESSAGE_BYTES, 128)
+PUBLIC_MAX_CONNECTION_AGE_S = 1800.0  # --max-connection-age-s -1 on the coordinator
+
+
+def connection_options(config: ServiceBase) -> list[tuple[str, int]]:
+    """Server channel arguments for a connection's life: idle and age limits, the handshake cap.
+
+    An idle connection (no call open) is closed with GOAWAY after
+    --max-connection-idle-s; every connection is sent GOAWAY after
+    --max-connection-age-s, and its open calls get --max-connection-age-grace-s
+    to finish. A client that connects and never completes the TLS and HTTP/2
+    handshake (no SETTINGS frame) is dropped after --handshake-timeout-s
+    (gRPC's default: 120 s). The age defaults to off on draft and target: their
+    one client, the coordinator, holds a round stream per replica for its whole
+    life, and an age would cut it (failing the rounds in flight) every period.
+    """
+    age_s = config.max_connection_age_s
+    if age_s == -1:
+        age_s = 0.0 if isinstance(config, ModelServiceBase) else PUBLIC_MAX_CONNECTION_AGE_S
+    options = [("grpc.server_handshake_timeout_ms", _ms(config.handshake_timeout_s))]
+    if config.max_connection_idle_s > 0:  # 0: never (gRPC's default)
+        options.append(("grpc.max_connection_idle_ms", _ms(config.max_connection_idle_s)))
+    if age_s > 0:
+        options.append(("grpc.max_connection_age_ms", _ms(age_s)))
+        options.append(("grpc.max_connection_age_grace_ms", _ms(config.max_connection_age_grace_s)))
+    return options
+
+
+def _ms(seconds: float) -> int:
+    """Seconds as gRPC's int milliseconds, at least 1 (validate bounds them above)."""
+    return max(1, round(seconds * 1000))
 
 
 def message_limit_for_context(max_context: int) -> int:
@@ -141,14 +171,15 @@ def build_server(
     """A grpc.aio server with the services, health and reflection; bound, not started.
 
     Limits: messages up to max_message_bytes, at most config.max_concurrent_rpcs calls
-    at once (more get RESOURCE_EXHAUSTED at once) and config.max_streams_per_connection
-    streams on one connection.
+    at once (more get RESOURCE_EXHAUSTED at once), config.max_streams_per_connection
+    streams on one connection, and each connection's idle, age and handshake
+    limits (connection_options).
     """
     if config.client_names:  # mutual TLS by name: only these client certificates get in
         interceptors = [ClientNameInterceptor(config.client_names), *interceptors]
     server = grpc.aio.server(
         interceptors=[ErrorMappingInterceptor(), *interceptors],
-        options=server_options(max_message_bytes, config.max_streams_per_connection),
+        options=[*server_options(max_message_bytes, config.max_streams_per_connection), *connection_options(config)],
         maximum_concurrent_rpcs=config.max_concurrent_rpcs,
     )
     register(server)

@@ -157,6 +157,7 @@ class ModelDrafter(PooledModel[_ModelDraftSession]):
             self._prepare_any,
             lambda part, batch: self._draft_group(part, batch, requests, drafted, branched),
             what="drafting",
+            growth=self._growth,
         )
         out: list[DraftResult | Exception] = []
         for i, error in enumerate(run.errors):
@@ -169,6 +170,16 @@ class ModelDrafter(PooledModel[_ModelDraftSession]):
             else:
                 out.append(drafted[(i,)].proposal(run.logs[i]))
         return out
+
+    @staticmethod
+    def _growth(req: DraftWork, ready: Ready[_ModelDraftSession]) -> int:
+        """Tokens a step may add to the session's sequence: a propose's drafts plus the one the verdict
+        adds at the next sync (all accepted: the bonus); a branch call's sequence does not grow (its
+        branches are separate sequences, admitted by _branch_room)."""
+        return 0 if isinstance(req, BranchRequest) else ready.extra + 1
+
+    def _held_tokens(self, session: _ModelDraftSession) -> int:
+        return len(session.kv) + sum(len(b.kv) for b in session.branches)
 
     def _prepare_any(self, req: DraftWork) -> tuple[_ModelDraftSession, int]:
         return self._prepare_branches(req) if isinstance(req, BranchRequest) else self._prepare(req)
@@ -237,12 +248,12 @@ class ModelDrafter(PooledModel[_ModelDraftSession]):
             pass
 
     def _branch_room(self, wanted: int, tokens: int) -> int:
-        """How many branches of `tokens` tokens each fit the pool's KV budget next to what it holds."""
-        limit = self._pool.budget.max_bytes
+        """How many branches of `tokens` tokens each fit the pool's KV budget next to what it holds and
+        what the step under way was granted (other sessions' drafts, branches made before these)."""
+        limit = self._pool.budget.max_tokens()
         if not limit or wanted <= 0:
             return max(0, wanted)
-        held = sum(len(s.kv) + sum(len(b.kv) for b in s.branches) for s in self._pool.values())
-        free_tokens = limit // max(1, self.runner.kv_bytes_per_token) - held
+        free_tokens = limit - self._pool.held_tokens() - self._pool.reserved_tokens()
         return max(0, min(wanted, free_tokens // max(1, tokens)))
 
     def _draft_group(
@@ -399,6 +410,7 @@ class ModelDrafter(PooledModel[_ModelDraftSession]):
             kv = self.runner.fork(s.kv)  # shares the cache: the crop below only narrows the fork's view
             self.runner.truncate(kv, base + choice.accepted)
             self.runner.append(kv, [choice.token_id])
+            self._pool.reserve(kv, len(kv) + bp.steps)  # the drafts it will grow by, for the next _branch_room
             bp.forks.append(_ModelDraftSession(kv, s.params, s.q))
             drafted[(i, b)] = _Draft()
         s.branches, s.fork_at = list(bp.forks), base

@@ -3,9 +3,10 @@
 SessionTable bounds how many sessions there are (and expires idle ones);
 KVBudget bounds the KV-cache memory they hold and splits a batch into
 forward passes; KVSessionPool puts the two together for sessions that own a
-KV cache and runs the skeleton of a batched step: per-request checks,
-forward groups, a failed group rolled back. PooledModel is the base of the
-engines built on one (ModelDrafter, Verifier).
+KV cache and runs the skeleton of a batched step: per-request checks, the
+step's growth checked against the budget, forward groups, a failed group
+rolled back. PooledModel is the base of the engines built on one
+(ModelDrafter, Verifier).
 """
 
 from __future__ import annotations
@@ -30,15 +31,24 @@ class _Entry(Generic[T]):
 
 
 class KVBudget:
-    """Admission by KV-cache memory: a session is admitted if all held tokens plus its own fit.
+    """KV-cache memory in tokens: a session is admitted if all held tokens plus its own fit, and a
+    step may grow a session only if the tokens it adds fit too (KVSessionPool.run_batch).
 
-    Sessions grow as they generate, so the budget bounds what is admitted, and
-    idle expiry and closes give memory back; size it with headroom.
+    Counted in tokens of the sequences (cached or not yet), which bound the
+    bytes the caches hold: held bytes <= held tokens x bytes per token.
     """
 
     def __init__(self, max_bytes: int, bytes_per_token: Callable[[], int]) -> None:
         self.max_bytes = max_bytes
         self._bytes_per_token = bytes_per_token
+
+    @property
+    def bytes_per_token(self) -> int:
+        return self._bytes_per_token()
+
+    def max_tokens(self) -> int:
+        """Tokens the budget holds (0: no limit)."""
+        return self.max_bytes // max(1, self._bytes_per_token()) if self.max_bytes else 0
 
     def admit(self, held_tokens: int, new_tokens: int) -> None:
         if not self.max_bytes:
@@ -48,8 +58,26 @@ class KVBudget:
         if needed > self.max_bytes:
             raise ResourceExhausted(
                 f"KV-cache budget reached: {held_tokens} tokens held + {new_tokens} new need {needed} bytes, "
-                f"the budget is {self.max_bytes} (--max-kv-bytes); retry later"
+                f"the budget is {self.max_bytes} bytes (--max-kv-bytes); retry later, or raise --max-kv-bytes"
             )
+
+    def refuse_growth(self, held_tokens: int, growth: int) -> ResourceExhausted:
+        """The error of a step that would grow its session by `growth` tokens beside `held_tokens` (held or reserved)."""
+        per_token = self._bytes_per_token()
+        return ResourceExhausted(
+            f"KV-cache budget reached: this step would add {growth} tokens ({growth * per_token} bytes) to the "
+            f"request's session beside {held_tokens} tokens ({held_tokens * per_token} bytes) held by all sessions; "
+            f"the budget is {self.max_bytes} bytes (--max-kv-bytes). Retry the request later, or raise --max-kv-bytes"
+        )
+
+    def refuse_prefix(self, held_tokens: int, committed: int) -> ResourceExhausted:
+        """The error of a session whose committed prefix itself no longer fits (its cache is dropped)."""
+        per_token = self._bytes_per_token()
+        return ResourceExhausted(
+            f"KV-cache budget reached: the {committed} committed tokens of the request's session no longer fit "
+            f"beside {held_tokens} tokens held ({held_tokens * per_token} bytes); the budget is {self.max_bytes} "
+            "bytes (--max-kv-bytes), so the session was dropped. Retry the request later, or raise --max-kv-bytes"
+        )
 
     def forward_groups(
         self, lengths: Sequence[int], max_batch: int, new_tokens: Sequence[int] | None = None
@@ -70,7 +98,7 @@ class KVBudget:
         """
         new = list(new_tokens) if new_tokens is not None else [0] * len(lengths)
         order = sorted(range(len(lengths)), key=lambda i: (new[i], lengths[i]))
-        limit = self.max_bytes // max(1, self._bytes_per_token()) if self.max_bytes else 0
+        limit = self.max_tokens()
         groups: list[list[int]] = []
         for i in order:
             g = groups[-1] if groups else None
@@ -194,9 +222,11 @@ class KVSessionPool(Generic[S]):
     """The sessions of one model (a drafter's or the verifier's), each owning a KV cache of `runner`.
 
     Admission by count (max_sessions) and by KV memory (max_kv_bytes, 0: no
-    limit); a session's cache is released when it is closed, re-opened or
-    expires. Not thread-safe on purpose: an engine touches it from its model
-    thread only.
+    limit), at open and again whenever a step grows sessions (run_batch); a
+    session's cache is released when it is closed, re-opened or expires.
+    `held(session)` is the tokens a session holds (its sequence; a drafter adds
+    its branches). Not thread-safe on purpose: an engine touches it from its
+    model thread only.
     """
 
     def __init__(
@@ -207,23 +237,39 @@ class KVSessionPool(Generic[S]):
         idle_timeout_s: float = 600.0,
         max_kv_bytes: int = 0,
         max_batch: int = 32,
+        held: Callable[[S], int] | None = None,
     ) -> None:
         if max_batch < 1:
             raise InvalidArgument(f"max_batch must be >= 1 (got {max_batch})")
         self.runner = runner
         self.max_batch = max_batch
         self.budget = KVBudget(max_kv_bytes, lambda: runner.kv_bytes_per_token)
+        self._held: Callable[[S], int] = held if held is not None else (lambda s: len(s.kv))
         self._table: SessionTable[S] = SessionTable(
             max_sessions, idle_timeout_s=idle_timeout_s, on_evict=lambda _sid, s: runner.release(s.kv)
         )
+        # During a step: the lengths its admitted sequences may reach (id(kv) -> (kv, tokens)).
+        self._planned: dict[int, tuple[KVSession, int]] = {}
 
     def __len__(self) -> int:
         return len(self._table)
 
+    def held_tokens(self) -> int:
+        """Tokens every session holds now (cached or still to be computed)."""
+        return sum(self._held(s) for _, s in self._table)
+
+    def reserved_tokens(self) -> int:
+        """Tokens the step under way was granted but has not added yet (0 between steps)."""
+        return sum(max(0, n - len(kv)) for kv, n in self._planned.values())
+
+    def reserve(self, kv: KVSession, length: int) -> None:
+        """Count `kv` (a sequence made during a step, e.g. a drafter's branch) at `length` tokens until the step ends."""
+        self._planned[id(kv)] = (kv, length)
+
     def open(self, session_id: str, token_ids: Sequence[int], make: Callable[[KVSession], S]) -> S:
         """A new session over `token_ids` (a re-open replaces the session and its memory); `make` wraps its cache."""
         self.close(session_id)
-        self.budget.admit(sum(len(s.kv) for _, s in self._table), len(token_ids))
+        self.budget.admit(self.held_tokens(), len(token_ids))
         session = make(self.runner.new_session(token_ids))
         self._table.put(session_id, session)
         return session
@@ -251,16 +297,20 @@ class KVSessionPool(Generic[S]):
         run_group: Callable[[list[Ready[S]], BatchRun[S]], dict[int, Exception]],
         *,
         what: str,
+        growth: Callable[[R, Ready[S]], int] | None = None,
     ) -> BatchRun[S]:
         """The skeleton of a batched step over many sessions.
 
         prepare(request), timed as the SYNC phase: the request's own checks
         and sync; returns its session and the positions the step will add.
         A request that fails them gets its exception and leaves the others
-        alone. The requests that pass run in forward groups (KVBudget's
-        split); run_group(group, run) runs one and returns {index: error}
-        for requests that failed alone. A failed request, or every request
-        of a group whose run raised, is rolled back to its committed prefix.
+        alone. growth(request, ready): the tokens the step may still add to
+        the session's sequence after prepare (default: ready.extra); with a
+        KV budget, the requests whose growth does not fit are shed alone
+        (_admit_growth). The rest run in forward groups (KVBudget's split);
+        run_group(group, run) runs one and returns {index: error} for
+        requests that failed alone. A failed request, or every request of a
+        group whose run raised, is rolled back to its committed prefix.
         """
         run: BatchRun[S] = BatchRun([None] * len(requests), [PhaseLog() for _ in requests])
         seen: set[str] = set()
@@ -274,24 +324,79 @@ class KVSessionPool(Generic[S]):
                 run.ready.append(Ready(i, session, extra))
             except Exception as exc:  # noqa: BLE001 - this request's error, reported in its slot
                 run.errors[i] = exc
-        ready = run.ready
-        groups = self.budget.forward_groups(
-            [len(r.session.kv) + r.extra for r in ready],  # lengths at the end of the step bound its padded copy
-            self.max_batch,
-            [len(r.session.kv) - r.session.kv.cached for r in ready],
-        )
-        for group in groups:
-            part = [ready[g] for g in group]
-            try:
-                failed = run_group(part, run)
-            except Exception as exc:  # noqa: BLE001 - the shared forward failed: every request in it fails
-                failed = {r.index: exc for r in part}
-            for r in part:
-                if r.index in failed:
-                    self.runner.truncate(r.session.kv, requests[r.index].committed_length)
-                    run.errors[r.index] = failed[r.index]
-                run.logs[r.index].batch_size = len(part)
+        try:
+            self._admit_growth(requests, run, growth or (lambda _req, r: r.extra))
+            ready = run.ready
+            groups = self.budget.forward_groups(
+                [len(r.session.kv) + r.extra for r in ready],  # lengths at the end of the step bound its padded copy
+                self.max_batch,
+                [len(r.session.kv) - r.session.kv.cached for r in ready],
+            )
+            for group in groups:
+                part = [ready[g] for g in group]
+                try:
+                    failed = run_group(part, run)
+                except Exception as exc:  # noqa: BLE001 - the shared forward failed: every request in it fails
+                    failed = {r.index: exc for r in part}
+                for r in part:
+                    if r.index in failed:
+                        self._planned.pop(id(r.session.kv), None)
+                        self.runner.truncate(r.session.kv, requests[r.index].committed_length)
+                        run.errors[r.index] = failed[r.index]
+                    run.logs[r.index].batch_size = len(part)
+        finally:
+            self._planned.clear()
         return run
+
+    def _admit_growth(self, requests: Sequence[R], run: BatchRun[S], growth: Callable[[R, Ready[S]], int]) -> None:
+        """Keep the step's sessions within the KV budget; shed (ResourceExhausted) the ones that do not fit.
+
+        Sessions not in the step count at what they hold; a stepping one at its
+        committed prefix, which it keeps whatever happens (a shed step is rolled
+        back to it). Then each stepping session asks for its growth: the
+        tokens past its committed prefix the step may leave it holding
+        (the drafts it verifies or drafts, plus the one token the verdict or
+        the next sync adds).
+
+        Who is shed when several grow at once: the youngest sessions (opened
+        last), as vLLM preempts the request that arrived last. Growth is
+        granted oldest first while it fits; a session whose growth does not
+        fit next to the grants before it is shed alone and keeps its
+        committed prefix. An older session has more of its work held, and a
+        young one retried (later, or on another replica) loses least; a
+        session that is not stepping is never shed to make room. Only if the
+        committed prefixes themselves overflow (a sync brought tokens no step
+        was granted, e.g. after target-only rounds) are the youngest stepping
+        sessions dropped whole until they fit.
+        """
+        if not self.budget.max_bytes or not run.ready:
+            return
+        limit = self.budget.max_tokens()
+        stepping = {id(r.session) for r in run.ready}
+        age = {id(s): n for n, (_, s) in enumerate(self._table)}  # the table keeps open order
+        order = sorted(run.ready, key=lambda r: age[id(r.session)])  # oldest first
+        committed = {r.index: requests[r.index].committed_length for r in order}
+        total = sum(self._held(s) for _, s in self._table if id(s) not in stepping) + sum(committed.values())
+        shed: set[int] = set()
+        for r in reversed(order):  # the youngest first, while the prefixes overflow
+            if total <= limit:
+                break
+            total -= committed[r.index]
+            run.errors[r.index] = self.budget.refuse_prefix(total, committed[r.index])
+            self.close(requests[r.index].session_id)
+            shed.add(r.index)
+        for r in order:
+            if r.index in shed:
+                continue
+            grow = len(r.session.kv) + growth(requests[r.index], r) - committed[r.index]
+            if total + grow <= limit:
+                total += grow
+                self._planned[id(r.session.kv)] = (r.session.kv, committed[r.index] + grow)
+                continue
+            run.errors[r.index] = self.budget.refuse_growth(total, grow)
+            self.runner.truncate(r.session.kv, committed[r.index])
+            shed.add(r.index)
+        run.ready = [r for r in run.ready if r.index not in shed]
 
 
 class PoolLimits(TypedDict, total=False):
@@ -309,7 +414,11 @@ class PooledModel(Generic[S]):
     def __init__(self, runner: CausalLMRunner, **limits: Unpack[PoolLimits]) -> None:
         self.runner = runner
         self.vocab_size = runner.vocab_size
-        self._pool: KVSessionPool[S] = KVSessionPool(runner, **limits)
+        self._pool: KVSessionPool[S] = KVSessionPool(runner, held=self._held_tokens, **limits)
+
+    def _held_tokens(self, session: S) -> int:
+        """Tokens a session holds in KV memory: its sequence (a drafter adds its branches)."""
+        return len(session.kv)
 
     def close(self, session_id: str) -> None:
         self._pool.close(session_id)

@@ -69,11 +69,12 @@ class Verifier(PooledModel[_TargetSession]):
         """Verify many sessions' proposals in one target forward pass; per-request outcome or error.
 
         A request that fails its own checks (unknown session, out of sync, bad
-        drafts), or whose row cannot be sampled (non-finite numbers, a proposal
-        that breaks the sampler's rules), gets its exception and leaves the
-        others alone; only a failing forward pass fails every request that
-        reached it. Greedy and seeded outcomes do not depend on the batch:
-        coins hash (seed, position).
+        drafts), whose drafts and verdict do not fit the KV budget
+        (ResourceExhausted: the pool sheds the youngest such session), or whose
+        row cannot be sampled (non-finite numbers, a proposal that breaks the
+        sampler's rules), gets its exception and leaves the others alone; only
+        a failing forward pass fails every request that reached it. Greedy and
+        seeded outcomes do not depend on the batch: coins hash (seed, position).
         """
         outcomes: dict[int, VerifyOutcome] = {}
         run = self._pool.run_batch(
@@ -81,6 +82,7 @@ class Verifier(PooledModel[_TargetSession]):
             self._prepare,
             lambda part, batch: self._verify_ready(requests, part, batch.logs, outcomes),
             what="verification",
+            growth=lambda _req, _ready: 1,  # past the drafts: the verdict's recovered or bonus token
         )
         results: list[VerifyOutcome | Exception] = []
         for i, (error, log) in enumerate(zip(run.errors, run.logs)):

@@ -5,6 +5,9 @@ The services' endpoints are scraped end to end in test_tracing.py (one cluster s
 
 from __future__ import annotations
 
+import socket
+import threading
+import time
 import urllib.request
 from types import SimpleNamespace
 
@@ -134,6 +137,32 @@ def test_each_service_has_its_own_registry_and_endpoint() -> None:
         assert "specd:request_failure_total" in names and not any(n.startswith("specd_") for n in names)
     finally:
         server.shutdown()
+
+
+def test_clients_that_send_nothing_hold_no_thread_and_are_closed_when_idle() -> None:
+    """50 connections that never send a request: a scrape still answers at once, the threads stay
+    the server's few (not one per connection), and each idle connection is closed after the timeout."""
+    m = CoordinatorMetrics()
+    threads_before = threading.active_count()
+    server, port = serve_metrics(m.registry, "127.0.0.1", 0, idle_timeout_s=1)
+    silent = [socket.create_connection(("127.0.0.1", port), timeout=5) for _ in range(50)]
+    try:
+        started = time.monotonic()
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as response:
+            assert response.status == 200 and b"specd:" in response.read()
+        assert time.monotonic() - started < 1.0
+        assert threading.active_count() - threads_before <= 4  # workers and the I/O thread, not 50 more
+        closed_by = time.monotonic() + 4.0  # timeout 1 s + the once-a-second sweep + room
+        for sock in silent:
+            sock.settimeout(max(0.01, closed_by - time.monotonic()))
+            assert sock.recv(1) == b""  # the server closed it
+        # And it still serves after closing them.
+        assert b"specd:" in urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read()
+    finally:
+        for sock in silent:
+            sock.close()
+        server.shutdown()
+    assert threading.active_count() <= threads_before  # shutdown stopped every thread it started
 
 
 def test_genai_server_metrics_follow_the_conventions() -> None:

@@ -31,9 +31,10 @@ from __future__ import annotations
 
 import logging
 import os
+import random
 import threading
 import uuid
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import urlparse
@@ -46,9 +47,18 @@ from opentelemetry.propagators.textmap import TextMapPropagator
 from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import BatchSpanProcessor
-from opentelemetry.sdk.trace.sampling import ParentBased, TraceIdRatioBased
-from opentelemetry.trace import INVALID_SPAN, NoOpTracer, Span, SpanKind, Tracer
+from opentelemetry.sdk.trace.sampling import (
+    ALWAYS_OFF,
+    Decision,
+    ParentBased,
+    Sampler,
+    SamplingResult,
+    TraceIdRatioBased,
+)
+from opentelemetry.trace import INVALID_SPAN, Link, NoOpTracer, Span, SpanKind, Tracer
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
+from opentelemetry.trace.span import TraceState
+from opentelemetry.util.types import Attributes
 
 import specd
 from specd.core.errors import InvalidArgument
@@ -102,6 +112,7 @@ class TracingSettings:
     protocol: str = "grpc"  # grpc | http/protobuf
     sample_ratio: float = 1.0
     from_flag: bool = True  # endpoint came from --otlp-endpoint (else from OTEL_* variables)
+    public_edge: bool = False  # the coordinator: its remote parents are callers, not trusted services
 
     @property
     def enabled(self) -> bool:
@@ -119,8 +130,59 @@ def resolve_settings(service: str, config: Any, env: Mapping[str, str] | None = 
     else:
         endpoint, from_flag = _endpoint_from_env(env), False
     return TracingSettings(
-        SERVICE_NAMES.get(service, service), endpoint, protocol, config.trace_sample_ratio, from_flag
+        SERVICE_NAMES.get(service, service),
+        endpoint,
+        protocol,
+        config.trace_sample_ratio,
+        from_flag,
+        public_edge=service == "coordinator",
     )
+
+
+class CallerRatio(Sampler):
+    """Samples `ratio` of the spans whatever their trace ID: for a caller's sampled parent.
+
+    TraceIdRatioBased decides by the trace ID's low 64 bits, which a caller
+    chooses in its traceparent (all zeros would pass any ratio above 0);
+    this draws its own number. A sampled span still joins the caller's trace.
+    """
+
+    def __init__(self, ratio: float) -> None:
+        self._ratio = ratio
+        self._random = random.Random()  # seeded from os.urandom; the caller never sees a draw
+
+    def should_sample(
+        self,
+        parent_context: Context | None,
+        trace_id: int,
+        name: str,
+        kind: SpanKind | None = None,
+        attributes: Attributes = None,
+        links: Sequence[Link] | None = None,
+        trace_state: TraceState | None = None,
+    ) -> SamplingResult:
+        parent = trace.get_current_span(parent_context).get_span_context()
+        if self._random.random() < self._ratio:
+            return SamplingResult(Decision.RECORD_AND_SAMPLE, attributes, parent.trace_state)
+        return SamplingResult(Decision.DROP, None, parent.trace_state)
+
+    def get_description(self) -> str:
+        return f"CallerRatio{{{self._ratio}}}"
+
+
+def sampler(ratio: float, *, public_edge: bool) -> Sampler:
+    """Which spans a service records: `ratio` of new traces, then every span under a sampled one.
+
+    At the public edge (the coordinator's Generate span) a caller's traceparent
+    is joined but its sampled flag forces nothing: the request is sampled at
+    `ratio` like any other (so no caller can make every request traced), and
+    never when the caller says not sampled. Draft and target follow their
+    parent: the coordinator, which decided already.
+    """
+    root = TraceIdRatioBased(ratio)  # specd makes the trace ID of a new trace: random
+    if public_edge:
+        return ParentBased(root, remote_parent_sampled=CallerRatio(ratio), remote_parent_not_sampled=ALWAYS_OFF)
+    return ParentBased(root)
 
 
 @dataclass(frozen=True)
@@ -271,7 +333,7 @@ def _build(settings: TracingSettings) -> Tracing:
         }
     )
     provider = TracerProvider(
-        sampler=ParentBased(TraceIdRatioBased(settings.sample_ratio)),
+        sampler=sampler(settings.sample_ratio, public_edge=settings.public_edge),
         resource=resource,
         shutdown_on_exit=False,  # Tracing.shutdown bounds the flush; an atexit flush could hang on a dead collector
     )

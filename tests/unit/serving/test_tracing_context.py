@@ -10,7 +10,6 @@ import pytest
 from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
-from opentelemetry.sdk.trace.sampling import ParentBased, TraceIdRatioBased
 from opentelemetry.trace import INVALID_SPAN, SpanKind
 
 from specd.serving import trace_names, trace_spans
@@ -62,15 +61,16 @@ def test_settings_follow_flags_then_standard_variables() -> None:
         t.shutdown(timeout_s=2.0)
 
 
-def _in_memory(ratio: float = 1.0) -> tuple[tr.Tracing, InMemorySpanExporter]:
+def _in_memory(ratio: float = 1.0, *, public_edge: bool = False) -> tuple[tr.Tracing, InMemorySpanExporter]:
+    """A service's Tracing exporting to memory; public_edge: sampled as the coordinator is."""
     exporter = InMemorySpanExporter()
-    provider = TracerProvider(sampler=ParentBased(TraceIdRatioBased(ratio)), shutdown_on_exit=False)
+    provider = TracerProvider(sampler=tr.sampler(ratio, public_edge=public_edge), shutdown_on_exit=False)
     provider.add_span_processor(SimpleSpanProcessor(exporter))
     return tr.Tracing(provider.get_tracer("test"), provider), exporter
 
 
 def test_round_context_rides_in_messages() -> None:
-    coordinator, exported = _in_memory()
+    coordinator, exported = _in_memory(public_edge=True)
     draft, draft_exported = _in_memory()
     client_trace, client_span = secrets.token_hex(16), secrets.token_hex(8)
     generate = coordinator.start_generate("Generate", [("traceparent", f"00-{client_trace}-{client_span}-01")])
@@ -102,8 +102,47 @@ def test_round_context_rides_in_messages() -> None:
     assert all(c.context.trace_id == gen.context.trace_id and c.kind == SpanKind.SERVER for c in children)
 
 
+def test_a_callers_sampled_flag_does_not_force_tracing_past_the_ratio() -> None:
+    """At the coordinator a client's traceparent is joined, but whether to record is the ratio's call."""
+
+    def traceparent(trace_id: str, flags: str = "01") -> list[tuple[str, str]]:
+        return [("traceparent", f"00-{trace_id}-{secrets.token_hex(8)}-{flags}")]
+
+    off, off_exported = _in_memory(ratio=0.0, public_edge=True)
+    span = off.start_generate("Generate", traceparent(secrets.token_hex(16)))
+    assert not span.is_recording() and off.start_round(span, 0, 3) is INVALID_SPAN
+    span.end()
+    assert off_exported.get_finished_spans() == ()
+
+    on, on_exported = _in_memory(ratio=1.0, public_edge=True)
+    client_trace = secrets.token_hex(16)
+    span = on.start_generate("Generate", traceparent(client_trace))
+    assert span.is_recording()
+    span.end()
+    (got,) = on_exported.get_finished_spans()
+    assert f"{got.context.trace_id:032x}" == client_trace  # joins the caller's trace
+    unsampled = on.start_generate("Generate", traceparent(secrets.token_hex(16), flags="00"))
+    assert not unsampled.is_recording()  # a caller may opt out of tracing, never in
+
+    # The trace ID is the caller's to choose: one whose low 64 bits are 0 passes any trace-ID ratio test.
+    tenth, _ = _in_memory(ratio=0.1, public_edge=True)
+    spans = [tenth.start_generate("Generate", traceparent(secrets.token_hex(8) + "0" * 16)) for _ in range(400)]
+    recorded = sum(s.is_recording() for s in spans)
+    for s in spans:
+        s.end()
+    assert 10 <= recorded <= 80, recorded  # about 40 of 400 (binomial: 0.1 of 400, sd 6)
+
+    # Draft and target follow their parent, the coordinator, whatever their own ratio.
+    draft, _ = _in_memory(ratio=0.0)
+    child = draft.start_remote_child(trace_names.SPAN_DRAFT_PROPOSE, dict(traceparent(secrets.token_hex(16))), {})
+    assert child is not None and child.is_recording()
+    # setup_tracing samples the coordinator at the edge, draft and target by their parent.
+    assert tr.resolve_settings("coordinator", CoordinatorConfig(), {}).public_edge
+    assert not tr.resolve_settings("draft", DraftConfig(), {}).public_edge
+
+
 def test_unsampled_requests_send_no_context() -> None:
-    coordinator, exported = _in_memory(ratio=0.0)
+    coordinator, exported = _in_memory(ratio=0.0, public_edge=True)
     generate = coordinator.start_generate("Generate", ())
     assert not generate.is_recording()
     round_span = coordinator.start_round(generate, 0, 3)

@@ -77,6 +77,23 @@ class MicroBatcher(Generic[Req, Resp]):
             future.set_exception(exc)
         return future
 
+    def withdraw(self, match: Callable[[Req], bool], answer: Callable[[Req], Resp]) -> int:
+        """Take the queued requests that `match` out of the queue, unrun, each answered with answer(request).
+
+        For work no one waits for any more (its session closed): it never reaches the model
+        thread. A request already in a running batch is not queued and runs to its end.
+        """
+        with self._lock:
+            taken = [(r, f) for r, f in self._queue if match(r)]
+            if taken:
+                kept = [(r, f) for r, f in self._queue if not match(r)]
+                self._queue.clear()
+                self._queue.extend(kept)
+        for r, f in taken:
+            if f.set_running_or_notify_cancel():
+                f.set_result(answer(r))
+        return len(taken)
+
     @property
     def queued(self) -> int:
         """Requests waiting for the model thread (a replica's queue, for load reports)."""

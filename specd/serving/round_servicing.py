@@ -20,12 +20,13 @@ from __future__ import annotations
 import abc
 import asyncio
 import logging
+import threading
 import time
 from collections.abc import AsyncIterator, Callable, Sequence, Sized
-from concurrent.futures import Executor
+from concurrent.futures import Executor, Future
 from typing import Any, Generic, Protocol, TypeVar
 
-from specd.core.errors import InvalidArgument
+from specd.core.errors import InvalidArgument, SessionNotFound
 from specd.core.phases import PhaseLog
 from specd.serving import trace_names, trace_spans
 from specd.serving import tracing as tr
@@ -96,6 +97,10 @@ class BatchedRoundServicer(abc.ABC, Generic[Req, Resp, Work, Result]):
         self.draining = asyncio.Event()  # set on shutdown: each stream ends once its sessions are closed
         self.tracing = tracing or tr.TRACING_OFF
         self.metrics = metrics
+        # Sessions whose close has arrived but not run yet: their messages still ahead of the close
+        # (in a batch the model thread already took) are answered unrun too. Scoped IDs, never reused.
+        self._closing: set[str] = set()
+        self._closing_lock = threading.Lock()
         self.batcher: MicroBatcher[Stamped[Req], Resp] = MicroBatcher(
             self.handle_stamped, executor, max_batch=max_batch, max_wait_s=batch_wait_s, expected=engine.active_sessions
         )
@@ -172,6 +177,8 @@ class BatchedRoundServicer(abc.ABC, Generic[Req, Resp, Work, Result]):
                 self.open_session(req)
                 resp.ack.SetInParent()
             elif op == "close":
+                with self._closing_lock:
+                    self._closing.discard(req.session_id)
                 self.close_session(req)
                 resp.ack.SetInParent()
             else:
@@ -211,9 +218,13 @@ class BatchedRoundServicer(abc.ABC, Generic[Req, Resp, Work, Result]):
 
         for i, req in enumerate(requests):
             sid = req.session_id
+            op = req.WhichOneof("op")
+            if op != "close" and self._is_closing(sid):  # abandoned while queued: no one waits for it
+                handled[i] = (self._withdrawn(req), None)
+                continue
             if sid in sessions:  # this session's earlier step must run first
                 flush()
-            if self._is_step(req.WhichOneof("op")):
+            if self._is_step(op):
                 group.append(i)
                 sessions.add(sid)
             else:
@@ -288,12 +299,43 @@ class BatchedRoundServicer(abc.ABC, Generic[Req, Resp, Work, Result]):
         scope = StreamScope()
         async for response in serve_round_stream(
             request_iterator,
-            self.batcher.submit,
+            self._submit,
             scope=scope,
             make_request=self._empty_request,
             drain=self.draining,
         ):
             yield response
+
+    def _submit(self, stamped: Stamped[Req]) -> Future[Resp]:
+        """Queue a stream message for the model thread; a close first withdraws its session's queued messages.
+
+        The coordinator closes a session when its request is over (finished, cancelled or
+        expired): an open or step of it still queued has no one waiting, so it never runs and
+        is answered at once (in stream order, as every message is). The session's scoped ID
+        names it within this stream only.
+        """
+        req = stamped.request
+        if req.WhichOneof("op") == "close":
+            sid = req.session_id
+            with self._closing_lock:
+                self._closing.add(sid)
+            withdrawn = self.batcher.withdraw(
+                lambda s: s.request.session_id == sid and s.request.WhichOneof("op") != "close",
+                lambda s: self._withdrawn(s.request),
+            )
+            if withdrawn:
+                log.debug("session %s closed: %d queued messages withdrawn unrun", client_session_id(sid), withdrawn)
+        return self.batcher.submit(stamped)
+
+    def _is_closing(self, sid: str) -> bool:
+        with self._closing_lock:
+            return sid in self._closing
+
+    def _withdrawn(self, req: Req) -> Resp:
+        resp = self._error(req, SessionNotFound("the session closed before this message ran; it was not run"))
+        if self.metrics is not None:
+            self.metrics.observe_message(req.WhichOneof("op") or "none", "withdrawn")
+        return resp
 
     def drain(self) -> None:
         """Shutting down: every round stream ends as soon as it has no open session and nothing unanswered."""

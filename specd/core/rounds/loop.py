@@ -122,17 +122,18 @@ class RoundLoop:
 
         The draft's close carries the final committed tokens (a learning drafter indexes the answer)."""
 
+        async def close_one(session: TargetSession | DraftSession) -> None:
+            try:
+                if isinstance(session, DraftSession):
+                    await session.close(self.settings.close_timeout_s, committed)
+                else:
+                    await session.close(self.settings.close_timeout_s)
+            except Exception as exc:  # noqa: BLE001 - the peer's idle expiry frees it anyway
+                log.debug("closing session %s failed: %s", session.session_id, exc)
+
         async def close() -> None:
-            for session in (target, draft):
-                if session is None:
-                    continue
-                try:
-                    if isinstance(session, DraftSession):
-                        await session.close(self.settings.close_timeout_s, committed)
-                    else:
-                        await session.close(self.settings.close_timeout_s)
-                except Exception as exc:  # noqa: BLE001 - the peer's idle expiry frees it anyway
-                    log.debug("closing session %s failed: %s", session.session_id, exc)
+            # Both at once: each close also withdraws its session's queued work at that peer.
+            await asyncio.gather(*(close_one(s) for s in (target, draft) if s is not None))
 
         task = asyncio.get_running_loop().create_task(close())
         self._background.add(task)

@@ -22,6 +22,7 @@ from specd.core.sampling.proposal import Proposal
 from specd.core.sampling.sampler import SamplingParams
 from specd.core.target.verifier import Verifier
 from specd.serving.batching import MicroBatcher
+from specd.serving.streams import Stamped
 from specd.v1 import common_pb2, session_pb2, target_pb2
 from target_service.servicer import TargetServicer
 
@@ -160,6 +161,66 @@ def test_micro_batcher_fails_every_request_of_a_failed_batch() -> None:
         with pytest.raises(RuntimeError, match="fell over"):
             f.result(5)
         assert batcher.submit(2).exception(5) is not None  # and it keeps taking requests
+
+
+def test_micro_batcher_withdraws_queued_requests_unrun() -> None:
+    seen: list[int] = []
+    gate = threading.Event()
+
+    def handle(batch: list[int]) -> list[int]:
+        gate.wait(5)
+        seen.extend(batch)
+        return [x * 10 for x in batch]
+
+    with ThreadPoolExecutor(max_workers=1) as pool:
+        batcher: MicroBatcher[int, int] = MicroBatcher(handle, pool, max_batch=8)
+        running = batcher.submit(0)
+        time.sleep(0.05)  # 0 is in a batch now: not withdrawable
+        queued = [batcher.submit(i) for i in range(1, 6)]
+        assert batcher.withdraw(lambda x: x % 2 == 0 or x == 0, lambda x: -x) == 2  # 2 and 4
+        assert queued[1].result(0) == -2 and queued[3].result(0) == -4  # answered at once, unrun
+        gate.set()
+        assert running.result(5) == 0 and [queued[i].result(5) for i in (0, 2, 4)] == [10, 30, 50]
+    assert seen == [0, 1, 3, 5]
+
+
+def test_a_close_withdraws_its_sessions_queued_messages(tiny) -> None:
+    """The coordinator closes an abandoned request's sessions: their queued open and verify never run."""
+    t, _ = tiny
+    verifier = Verifier(CausalLMRunner(t.model))
+    prompt = t.tokenizer("abandoned " * 20).input_ids
+    gate = threading.Event()
+    with ThreadPoolExecutor(max_workers=1) as pool:
+        servicer = TargetServicer(verifier, pool, common_pb2.ModelInfo())
+        pool.submit(gate.wait, 5)  # the model thread is busy: what follows queues
+
+        def message(sid: str, op: str) -> Stamped[target_pb2.TargetRequest]:
+            req = target_pb2.TargetRequest(session_id=sid, committed_length=len(prompt))
+            if op == "open":
+                req.open.token_ids.extend(prompt)
+                req.open.sampling.seed = 1
+            elif op == "verify":
+                req.verify.start = len(prompt)
+            else:
+                req.close.SetInParent()
+            return Stamped(req, time.perf_counter_ns())
+
+        sent = [message(*m) for m in (("a", "open"), ("b", "open"), ("a", "verify"), ("a", "close"))]
+        futures = [servicer._submit(s) for s in sent]
+        # a's open and verify: answered before the model thread is free, and not run
+        for f in (futures[0], futures[2]):
+            resp = f.result(0)
+            assert (
+                resp.error.code == session_pb2.SessionError.CODE_SESSION_NOT_FOUND and "not run" in resp.error.message
+            )
+        # a batch the model thread took before the close came: its messages of a are skipped there
+        taken = servicer.handle_batch([message("a", "open").request, message("b", "verify").request])
+        assert taken[0].error.code == session_pb2.SessionError.CODE_SESSION_NOT_FOUND
+        assert taken[1].WhichOneof("result") == "error"  # b is not open yet: its own error, it ran
+        gate.set()
+        assert futures[1].result(10).WhichOneof("result") == "ack"
+        assert futures[3].result(10).WhichOneof("result") == "ack"  # closing a session never opened is fine
+    assert verifier.active_sessions() == 1  # only b ever opened
 
 
 def test_verify_batch_is_one_forward(tiny, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -31,7 +31,6 @@ ATTR_REQUEST_TEMPERATURE = "gen_ai.request.temperature"
 ATTR_REQUEST_TOP_P = "gen_ai.request.top_p"
 ATTR_REQUEST_TOP_K = "gen_ai.request.top_k"
 ATTR_REQUEST_SEED = "gen_ai.request.seed"
-ATTR_REQUEST_STOP_SEQUENCES = "gen_ai.request.stop_sequences"
 ATTR_RESPONSE_ID = "gen_ai.response.id"  # specd: the request's session ID (specd.session_id)
 ATTR_RESPONSE_MODEL = "gen_ai.response.model"
 ATTR_RESPONSE_FINISH_REASONS = "gen_ai.response.finish_reasons"

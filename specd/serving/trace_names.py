@@ -55,11 +55,11 @@ ATTR_TEMPERATURE = genai.ATTR_REQUEST_TEMPERATURE
 ATTR_TOP_K = genai.ATTR_REQUEST_TOP_K
 ATTR_TOP_P = genai.ATTR_REQUEST_TOP_P
 ATTR_SEED = genai.ATTR_REQUEST_SEED
-ATTR_STOP_SEQUENCES = genai.ATTR_REQUEST_STOP_SEQUENCES  # the stop strings themselves (only when given)
 ATTR_MIN_P = "specd.request.min_p"
 ATTR_SPECULATION = "specd.request.speculation"  # auto | fixed | off
 ATTR_REQUEST_DRAFT_LENGTH = "specd.request.draft_length"  # K the request runs with
-ATTR_STOP_STRINGS = "specd.request.stop_strings"  # how many
+# How many stop strings; the strings (gen_ai.request.stop_sequences) are never recorded: secrets, user text.
+ATTR_STOP_STRINGS = "specd.request.stop_strings"
 # Generate span: the response (GenAI) and the final stats (the response's GenerateStats)
 ATTR_RESPONSE_ID = genai.ATTR_RESPONSE_ID  # = specd.session_id
 ATTR_RESPONSE_MODEL = genai.ATTR_RESPONSE_MODEL

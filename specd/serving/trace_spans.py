@@ -73,10 +73,9 @@ def request_attributes(spec: Any) -> dict[str, Any]:
         trace_names.ATTR_SEED: int(p.seed),
         trace_names.ATTR_SPECULATION: spec.speculation,
         trace_names.ATTR_REQUEST_DRAFT_LENGTH: 0 if spec.speculation == "off" else int(spec.draft_length),
+        # How many stop strings, never the strings: they may be secrets or the user's text.
         trace_names.ATTR_STOP_STRINGS: len(spec.stop_strings),
     }
-    if spec.stop_strings:
-        attributes[trace_names.ATTR_STOP_SEQUENCES] = list(spec.stop_strings)
     return attributes
 
 

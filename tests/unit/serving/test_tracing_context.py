@@ -12,6 +12,8 @@ from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from opentelemetry.trace import INVALID_SPAN, SpanKind
 
+from specd.core.rounds.loop import GenerateSpec
+from specd.core.sampling.sampler import SamplingParams
 from specd.serving import trace_names, trace_spans
 from specd.serving import tracing as tr
 from specd.serving.config import CoordinatorConfig, DraftConfig
@@ -139,6 +141,23 @@ def test_a_callers_sampled_flag_does_not_force_tracing_past_the_ratio() -> None:
     # setup_tracing samples the coordinator at the edge, draft and target by their parent.
     assert tr.resolve_settings("coordinator", CoordinatorConfig(), {}).public_edge
     assert not tr.resolve_settings("draft", DraftConfig(), {}).public_edge
+
+
+def test_spans_record_how_many_stop_strings_never_the_strings() -> None:
+    """A stop string may be a secret or the user's text: the Generate span keeps its count only."""
+    secret = "sk-" + secrets.token_hex(8)
+    coordinator, exported = _in_memory(public_edge=True)
+    spec = GenerateSpec([1, 2, 3], SamplingParams(seed=7), max_new_tokens=4, stop_strings=(secret, "\n\n"))
+    generate = coordinator.start_generate("Generate", ())
+    generate.set_attributes(trace_spans.request_attributes(spec))
+    coordinator.start_round(generate, 0, 3).end()
+    generate.end()
+    spans = exported.get_finished_spans()
+    assert len(spans) == 2
+    (gen,) = [s for s in spans if s.name == trace_names.SPAN_GENERATE]
+    assert gen.attributes[trace_names.ATTR_STOP_STRINGS] == 2
+    assert "gen_ai.request.stop_sequences" not in gen.attributes
+    assert not [v for s in spans for v in s.attributes.values() if secret in str(v)]
 
 
 def test_unsampled_requests_send_no_context() -> None:

@@ -144,9 +144,12 @@ class ModelDrafter(PooledModel[_ModelDraftSession]):
         pending positions and the one after them, read in one go, choose the
         branches) and one row per branch at every later step. Per-request
         checks, and a row that cannot be sampled (non-finite numbers), fail
-        only that request; a failing forward fails the sessions in it. A failed
-        session is rolled back to its committed prefix and forgets its
-        branches. The tokens do not depend on the batch: greedy is an argmax,
+        only that request; so does a step that does not fit the KV budget
+        (ResourceExhausted, the youngest session first) and one that runs out
+        of memory even alone (the pool splits a group that runs out of memory
+        and drafts each half again); any other failing forward fails the
+        sessions in it. A failed session is rolled back to its committed
+        prefix and forgets its branches. The tokens do not depend on the batch: greedy is an argmax,
         sampling uses the (seed, position) coins, so a branch drafts what a
         propose for its prefix would.
         """
@@ -404,6 +407,7 @@ class ModelDrafter(PooledModel[_ModelDraftSession]):
             ranking = top_ranking(processed[0], columns, width)
         if self.token_map is not None:  # the reduced head's columns -> target ids
             ranking = Ranking(self.token_map[ranking.ids], ranking.probs, ranking.own)
+        self._drop_branches(s)  # a retried group's earlier try may have forked already
         budget = self._branch_room(req.budget, len(s.kv.tokens) + 1 + bp.steps)
         bp.choices = select_branches(ranking, pending, acceptance, budget)
         for b, choice in enumerate(bp.choices):

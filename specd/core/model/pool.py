@@ -16,6 +16,8 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Generic, Protocol, TypedDict, TypeVar, Unpack
 
+import torch
+
 from specd.core import phases as ph
 from specd.core.errors import InvalidArgument, ResourceExhausted, SessionNotFound
 from specd.core.model.runner import CausalLMRunner, KVSession
@@ -28,6 +30,25 @@ T = TypeVar("T")
 class _Entry(Generic[T]):
     value: T
     last_used: float = field(default_factory=time.monotonic)
+
+
+def is_out_of_memory(exc: BaseException) -> bool:
+    """An allocation failed: torch.OutOfMemoryError (CUDA and other accelerators), MemoryError, or the
+    RuntimeError torch's CPU allocator raises ("DefaultCPUAllocator: can't allocate memory")."""
+    if isinstance(exc, (torch.OutOfMemoryError, MemoryError)):
+        return True
+    text = str(exc).lower()
+    return isinstance(exc, RuntimeError) and ("can't allocate memory" in text or "out of memory" in text)
+
+
+def out_of_memory_error(exc: BaseException) -> ResourceExhausted:
+    """What a request whose step ran out of memory even alone hears (the allocator's first line, shortened)."""
+    detail = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:200]
+    return ResourceExhausted(
+        f"out of memory for this request: its step did not fit in the memory left beside the other sessions, "
+        f"even alone ({detail}); retry it later or with a shorter prompt, or give the service more memory "
+        "or a smaller --max-kv-bytes"
+    )
 
 
 class KVBudget:
@@ -207,6 +228,7 @@ class Ready(Generic[S]):
     index: int  # its place in the batch
     session: S
     extra: int = 0  # positions the step will still add to the cache (a drafter's tokens to draft)
+    length: int = 0  # the session's tokens after its checks: where a retried group starts again
 
 
 @dataclass
@@ -310,7 +332,9 @@ class KVSessionPool(Generic[S]):
         (_admit_growth). The rest run in forward groups (KVBudget's split);
         run_group(group, run) runs one and returns {index: error} for
         requests that failed alone. A failed request, or every request of a
-        group whose run raised, is rolled back to its committed prefix.
+        group whose run raised, is rolled back to its committed prefix; a
+        group that ran out of memory is split and run again first
+        (_run_group), so only a session that cannot run alone fails.
         """
         run: BatchRun[S] = BatchRun([None] * len(requests), [PhaseLog() for _ in requests])
         seen: set[str] = set()
@@ -321,7 +345,7 @@ class KVSessionPool(Generic[S]):
                 seen.add(req.session_id)
                 with run.logs[i].phase(ph.SYNC):
                     session, extra = prepare(req)
-                run.ready.append(Ready(i, session, extra))
+                run.ready.append(Ready(i, session, extra, len(session.kv)))
             except Exception as exc:  # noqa: BLE001 - this request's error, reported in its slot
                 run.errors[i] = exc
         try:
@@ -333,20 +357,45 @@ class KVSessionPool(Generic[S]):
                 [len(r.session.kv) - r.session.kv.cached for r in ready],
             )
             for group in groups:
-                part = [ready[g] for g in group]
-                try:
-                    failed = run_group(part, run)
-                except Exception as exc:  # noqa: BLE001 - the shared forward failed: every request in it fails
-                    failed = {r.index: exc for r in part}
-                for r in part:
-                    if r.index in failed:
-                        self._planned.pop(id(r.session.kv), None)
-                        self.runner.truncate(r.session.kv, requests[r.index].committed_length)
-                        run.errors[r.index] = failed[r.index]
-                    run.logs[r.index].batch_size = len(part)
+                self._run_group([ready[g] for g in group], requests, run_group, run)
         finally:
             self._planned.clear()
         return run
+
+    def _run_group(
+        self,
+        part: list[Ready[S]],
+        requests: Sequence[R],
+        run_group: Callable[[list[Ready[S]], BatchRun[S]], dict[int, Exception]],
+        run: BatchRun[S],
+    ) -> None:
+        """Run one forward group and roll back the requests that failed.
+
+        Out of memory in a group of several: the group is rolled back to where
+        its checks left it and each half runs on its own (recursively), so
+        only a session that cannot run even alone fails, with
+        ResourceExhausted. Any other error of the shared run fails every
+        request in it, as before.
+        """
+        try:
+            failed = run_group(part, run)
+        except Exception as exc:  # noqa: BLE001 - the shared forward failed: every request in it fails
+            if is_out_of_memory(exc):
+                if len(part) > 1:
+                    for r in part:  # back to the state after prepare (a drafter may have drafted some tokens)
+                        self.runner.truncate(r.session.kv, r.length)
+                    half = len(part) // 2
+                    self._run_group(part[:half], requests, run_group, run)
+                    self._run_group(part[half:], requests, run_group, run)
+                    return
+                exc = out_of_memory_error(exc)
+            failed = {r.index: exc for r in part}
+        for r in part:
+            if r.index in failed:
+                self._planned.pop(id(r.session.kv), None)
+                self.runner.truncate(r.session.kv, requests[r.index].committed_length)
+                run.errors[r.index] = failed[r.index]
+            run.logs[r.index].batch_size = len(part)
 
     def _admit_growth(self, requests: Sequence[R], run: BatchRun[S], growth: Callable[[R, Ready[S]], int]) -> None:
         """Keep the step's sessions within the KV budget; shed (ResourceExhausted) the ones that do not fit.

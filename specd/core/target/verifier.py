@@ -73,7 +73,9 @@ class Verifier(PooledModel[_TargetSession]):
         (ResourceExhausted: the pool sheds the youngest such session), or whose
         row cannot be sampled (non-finite numbers, a proposal that breaks the
         sampler's rules), gets its exception and leaves the others alone; only
-        a failing forward pass fails every request that reached it. Greedy and
+        a failing forward pass fails every request that reached it (out of
+        memory: the batch is split and retried, and only a session that does
+        not fit alone fails, with ResourceExhausted). Greedy and
         seeded outcomes do not depend on the batch: coins hash (seed, position).
         """
         outcomes: dict[int, VerifyOutcome] = {}

@@ -100,6 +100,7 @@ class FakeTarget:
         self.calls = 0
         self.opens = 0
         self.closed: list[str] = []
+        self.close_delay_s = 0.0  # how long a close takes to be answered
         self.carriers: list[Carrier] = []
         self.violations: list[tuple[list[int], list[int]]] = []  # (committed prefix, proposal) drafted elsewhere
 
@@ -139,6 +140,7 @@ class FakeTarget:
         )
 
     async def close(self, request: steps.CloseRequest, *, timeout: float) -> None:
+        await asyncio.sleep(self.close_delay_s)  # a peer still busy with the session's last batch
         self.closed.append(request.session_id)
         self.sessions.pop(request.session_id, None)
 

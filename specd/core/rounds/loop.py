@@ -139,6 +139,11 @@ class RoundLoop:
         self._background.add(task)
         task.add_done_callback(self._background.discard)
 
+    @property
+    def closing(self) -> int:
+        """Finished requests whose sessions' closes a peer has not answered yet (their work may still run there)."""
+        return len(self._background)
+
     async def drain(self, timeout: float | None = None) -> None:
         """Wait for background session closes."""
         if self._background:

@@ -11,8 +11,11 @@ import pytest
 from coordinator.engine import RoundEngine
 from coordinator.requests import prompt_ids
 from specd.core.errors import ResourceExhausted
+from specd.core.rounds.loop import GenerateSpec
+from specd.core.sampling.sampler import SamplingParams
 from specd.serving.config import CoordinatorConfig
 from specd.v1 import coordinator_pb2
+from tests.loop_fakes import FakeTarget
 from tests.references import loaded
 
 
@@ -52,6 +55,28 @@ def test_tokenizing_runs_on_a_pool_thread_and_counts_for_admission() -> None:
     loop_thread = threading.get_ident()
     one, two, ticks = asyncio.run(main())
     assert one != loop_thread and two == one and ticks == 5  # one pool thread, not the loop's
+    engine.stop_prompt_pool()
+
+
+def test_a_finished_request_keeps_its_slot_until_its_peers_answered_the_close() -> None:
+    target = FakeTarget()
+    target.close_delay_s = 0.3  # the target is still busy with the request's last batch
+    engine = RoundEngine(CoordinatorConfig(max_concurrent_requests=1), None, target, None)  # type: ignore[arg-type]
+    spec = GenerateSpec(prompt_ids=[5, 17, 3], params=SamplingParams(temperature=0.0, seed=1), max_new_tokens=4)
+
+    async def main() -> tuple[bool, bool]:
+        run = engine.loop.run(spec, max_context=64, session_id="s")
+        _ = [rec async for rec in run.rounds()]
+        try:
+            engine.admit()
+            refused_while_closing = False
+        except ResourceExhausted:
+            refused_while_closing = True
+        await engine.loop.drain()
+        engine.admit()  # the close was answered: the slot is free
+        return refused_while_closing, engine.loop.closing == 0
+
+    assert asyncio.run(main()) == (True, True)
     engine.stop_prompt_pool()
 
 

@@ -17,6 +17,7 @@ from specd.core.draft.suffix import SuffixDrafter
 from specd.core.draft.tenant_index import TenantIndexes
 from specd.core.model import catalog
 from specd.core.model.catalog import MODEL_FREE_DRAFTS, SUFFIX
+from specd.core.model.kv_memory import default_kv_budget
 from specd.core.model.runner import CausalLMRunner
 from specd.serving.config import DraftConfig
 from specd.serving.cpu_threads import attach_thread_governor
@@ -95,7 +96,12 @@ def _model_drafter(runner: CausalLMRunner, config: DraftConfig, token_map: torch
         q=config.q_settings,
         idle_timeout_s=config.idle_timeout_s,
         token_map=token_map,
-        max_kv_bytes=config.max_kv_bytes,
+        max_kv_bytes=default_kv_budget(  # measured now, right after loading
+            runner,
+            config.max_kv_bytes,
+            config.kv_memory_fraction,
+            logit_rows=config.max_batch * (config.max_draft_tokens + 1),
+        ),
         max_batch=config.max_batch,
     )
 

@@ -13,6 +13,7 @@ import torch
 
 from specd.core.errors import InvalidArgument
 from specd.core.model import catalog
+from specd.core.model.kv_memory import default_kv_budget
 from specd.core.model.runner import CausalLMRunner
 from specd.core.target.verifier import Verifier
 from specd.serving.config import TargetConfig
@@ -70,7 +71,12 @@ def _verifier(runner: CausalLMRunner, config: TargetConfig) -> Verifier:
         runner,
         max_sessions=config.max_sessions,
         idle_timeout_s=config.idle_timeout_s,
-        max_kv_bytes=config.max_kv_bytes,
+        max_kv_bytes=default_kv_budget(  # measured now, right after loading
+            runner,
+            config.max_kv_bytes,
+            config.kv_memory_fraction,
+            logit_rows=config.max_batch * (config.max_draft_tokens + 1),
+        ),
         max_batch=config.max_batch,
         max_draft_tokens=config.max_draft_tokens,
         max_q_width=config.max_q_width,

@@ -150,7 +150,16 @@ class ModelServiceBase(ServiceBase):
     )
     max_sessions: int = _opt(256, "sessions held at once; more get RESOURCE_EXHAUSTED")
     idle_timeout_s: float = _opt(600.0, "sessions unused this long are dropped")
-    max_kv_bytes: int = _opt(0, "KV-cache bytes all sessions may hold (0: no limit)")
+    max_kv_bytes: int = _opt(
+        0,
+        "KV-cache bytes all sessions may hold; 0: on CUDA derived from --kv-memory-fraction, elsewhere no limit",
+    )
+    kv_memory_fraction: float = _opt(
+        0.9,
+        "on CUDA with --max-kv-bytes 0: the share of the device memory free after the model loaded that this "
+        "service may use (as vLLM's gpu_memory_utilization); the KV budget is that less a forward's activations, "
+        "halved (a batched pass briefly copies the caches); unused elsewhere",
+    )
     max_batch: int = _opt(32, "sessions whose steps share one forward pass (1: no batching)")
     batch_wait_ms: float = _opt(3.0, "a batch smaller than the sessions held waits up to this long for their steps")
 
@@ -166,6 +175,8 @@ class ModelServiceBase(ServiceBase):
             raise InvalidArgument("--idle-timeout-s must be > 0")
         if self.max_kv_bytes < 0:
             raise InvalidArgument("--max-kv-bytes must be >= 0")
+        if not 0.0 < self.kv_memory_fraction <= 1.0:
+            raise InvalidArgument(f"--kv-memory-fraction must be in (0, 1] (got {self.kv_memory_fraction})")
         if self.batch_wait_ms < 0:
             raise InvalidArgument(f"--batch-wait-ms must be >= 0 (got {self.batch_wait_ms})")
         if self.max_batch < 1:

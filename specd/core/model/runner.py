@@ -423,6 +423,11 @@ class CausalLMRunner:
         return [chunk.float() for chunk in flat.split([k for _, k in pairs])]
 
     @property
+    def device(self) -> torch.device:
+        """Where the model's weights and the sessions' caches live."""
+        return self.model.device
+
+    @property
     def kv_bytes_per_token(self) -> int:
         """KV-cache bytes one cached token costs (keys + values of every layer, this process's heads)."""
         if self._kv_bytes_per_token is None:

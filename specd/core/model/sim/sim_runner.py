@@ -26,6 +26,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+import torch
 from torch import Tensor
 
 from specd.core.errors import InvalidArgument
@@ -141,6 +142,11 @@ class SimRunner(CausalLMRunner):
         return list(logits.split([k for _, k in pairs]))
 
     # ---- memory ------------------------------------------------------------
+
+    @property
+    def device(self) -> torch.device:
+        """The host: an emulated model holds no device memory (its p is computed on the CPU)."""
+        return torch.device("cpu")
 
     @property
     def kv_bytes_per_token(self) -> int:

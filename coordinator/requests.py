@@ -55,6 +55,13 @@ def public_message_limit(config: CoordinatorConfig, max_context: int) -> int:
     return (1 << 20) + 4 * prompt_chars_limit(config, max_context) + 8 * max_context
 
 
+def public_body_limit(config: CoordinatorConfig, max_context: int) -> int:
+    """The HTTP API's request body limit: public_message_limit's, with 6 bytes per prompt character
+    instead of 4 (JSON may escape every character as \\uXXXX) and 8 per token ID (digits and a
+    comma). A larger body is refused with 413 before it is read."""
+    return (1 << 20) + 6 * prompt_chars_limit(config, max_context) + 8 * max_context
+
+
 def check_sizes(req: coordinator_pb2.GenerateRequest, config: CoordinatorConfig, max_context: int) -> None:
     """Every size cap of a request, from lengths alone: cheap enough to run before admission."""
     chars = prompt_chars_limit(config, max_context)

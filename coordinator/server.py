@@ -1,12 +1,15 @@
-"""Assembles the coordinator: peers + engine + servicer + shared gRPC plumbing."""
+"""Assembles the coordinator: peers + engine + servicer + shared gRPC plumbing (+ the OpenAI HTTP API)."""
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import grpc
 from transformers import AutoTokenizer
 
 from coordinator.discovery import Replica, parse_peer_address
 from coordinator.engine import RoundEngine
+from coordinator.http_server import OpenAIServer
 from coordinator.peers import GrpcDraft, GrpcTarget, open_channel
 from coordinator.replica_ports import ReplicatedDraft, ReplicatedTarget
 from coordinator.replicas import ReplicaSet, SameModel
@@ -17,7 +20,7 @@ from specd.serving.config import CoordinatorConfig
 from specd.serving.metrics import CoordinatorMetrics
 from specd.serving.reloading import ReloadingChannel, TokenFile
 from specd.serving.replica_metrics import ReplicaCollector
-from specd.serving.security import BearerTokenInterceptor, channel_credentials, read_token
+from specd.serving.security import BearerTokenCheck, BearerTokenInterceptor, channel_credentials, read_token
 from specd.serving.server import ServiceHandle, build_server
 from specd.serving.tracing import TRACING_OFF, Tracing
 from specd.v1 import coordinator_pb2, coordinator_pb2_grpc, draft_pb2, target_pb2
@@ -34,6 +37,18 @@ def load_tokenizer(config: CoordinatorConfig):
     )
 
 
+@dataclass
+class Coordinator:
+    """The assembled service: its gRPC server, its engine and, with --http-port, the HTTP API.
+
+    `handle` stops both ports together: the HTTP port stops taking connections when the
+    gRPC drain begins, and its requests in flight finish before the engine stops."""
+
+    handle: ServiceHandle
+    engine: RoundEngine
+    openai: OpenAIServer | None = None
+
+
 async def create_server(
     config: CoordinatorConfig,
     *,
@@ -42,6 +57,18 @@ async def create_server(
     metrics: CoordinatorMetrics | None = None,
 ) -> tuple[ServiceHandle, RoundEngine]:
     """The coordinator, connected to its peers, bound (port 0 picks one) but not started."""
+    service = await create_service(config, connect_timeout_s=connect_timeout_s, tracing=tracing, metrics=metrics)
+    return service.handle, service.engine
+
+
+async def create_service(
+    config: CoordinatorConfig,
+    *,
+    connect_timeout_s: float = 120.0,
+    tracing: Tracing | None = None,
+    metrics: CoordinatorMetrics | None = None,
+) -> Coordinator:
+    """create_server's, with the HTTP API (built, not started: `openai.start()` binds and serves it)."""
 
     def channel(replica: Replica) -> grpc.aio.Channel | ReloadingChannel:
         # A replica found by DNS is dialled by address but checked under the name it was found by.
@@ -107,9 +134,10 @@ async def create_server(
     await engine.start(timeout_s=connect_timeout_s)
     servicer = CoordinatorServicer(engine)
     interceptors = []
+    tokens = None
     if config.api_token_file:  # re-read when the file changes; the previous token stays valid for a grace period
-        tokens = TokenFile(config.api_token_file, read_token, grace_s=config.api_token_grace_s)
-        interceptors.append(BearerTokenInterceptor(tokens))
+        tokens = BearerTokenCheck(TokenFile(config.api_token_file, read_token, grace_s=config.api_token_grace_s))
+        interceptors.append(BearerTokenInterceptor(tokens))  # one check for both ports
     server, port, health = build_server(
         config,
         lambda s: coordinator_pb2_grpc.add_CoordinatorServicer_to_server(servicer, s),
@@ -118,7 +146,19 @@ async def create_server(
         max_message_bytes=public_message_limit(config, engine.max_context),
     )
 
+    openai = OpenAIServer(engine, config, tokens) if config.http_port >= 0 else None
+
     async def close() -> None:
+        if openai is not None:
+            await openai.stop()  # its requests in flight finish (within --grace-s) on the engine
         await engine.stop()  # closes every replica's stream and channel
 
-    return ServiceHandle(server, port, health, [SERVICE_NAME], on_stop=close), engine
+    handle = ServiceHandle(
+        server,
+        port,
+        health,
+        [SERVICE_NAME],
+        on_stop=close,
+        on_drain=openai.begin_shutdown if openai is not None else None,
+    )
+    return Coordinator(handle, engine, openai)

@@ -371,6 +371,20 @@ class CoordinatorConfig(ServiceBase):
     peer_tls_cert: str = _opt("", "client certificate (PEM) for mutual TLS to draft and target")
     peer_tls_key: str = _opt("", "client private key (PEM) for mutual TLS to draft and target")
     peer_tls_server_name: str = _opt("", "name to verify in peer certificates (default: the address host)")
+    http_port: int = _opt(
+        -1,
+        "OpenAI-compatible HTTP API port (/v1/completions, /v1/chat/completions, /v1/models, /health) on --host, "
+        "with the same TLS and API token as the gRPC port (-1 off, 0 picks a free one and prints it)",
+    )
+    served_model_name: str = _opt(
+        "",
+        "the model's name on the OpenAI API (comma-separated: aliases; requests may name any of them); "
+        "empty: the target's own name",
+    )
+
+    @property
+    def served_model_names(self) -> list[str]:
+        return [n.strip() for n in self.served_model_name.split(",") if n.strip()]
 
     @property
     def cache_path(self) -> Path:
@@ -427,6 +441,13 @@ class CoordinatorConfig(ServiceBase):
             path = getattr(self, name)
             if path and not Path(path).is_file():
                 raise InvalidArgument(f"--{name.replace('_', '-')} {path!r} is not a readable file")
+        if not -1 <= self.http_port <= 65535:
+            raise InvalidArgument(f"--http-port must be -1 (off) or in 0..65535 (got {self.http_port})")
+        if self.http_port >= 0 and self.client_names:
+            raise InvalidArgument(
+                "--http-port with --tls-client-names: the HTTP port cannot check client certificate names; "
+                "drop --tls-client-names (any certificate from --tls-client-ca), or use the API token"
+            )
 
 
 def _loopback(host: str) -> bool:

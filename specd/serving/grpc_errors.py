@@ -1,4 +1,4 @@
-"""The one mapper from domain exceptions to gRPC status codes.
+"""The one mapper from domain exceptions to gRPC status codes (and, from those, HTTP statuses).
 
 Unary handlers get it through `ErrorMappingInterceptor`; stream handlers that
 report per-session errors in-band use `session_error`. Internal errors are
@@ -8,6 +8,10 @@ Whether to retry follows from the code: UNAVAILABLE / DEADLINE_EXCEEDED (and
 in-band UNAVAILABLE) may be retried; INVALID_ARGUMENT and INTERNAL belong to
 one request (errors.REQUEST_ERRORS) and are never retried, and never mark the
 peer that reported them unhealthy.
+
+The coordinator's OpenAI-compatible HTTP port maps the same way: the gRPC
+code `status_for` gives, then `HTTP_STATUS` (`http_status_for`), so both
+ports tell a caller the same thing with the same message.
 """
 
 from __future__ import annotations
@@ -81,6 +85,33 @@ def status_for(exc: BaseException) -> tuple[grpc.StatusCode, str]:
             return _STATUS[kind], str(exc)
     log.exception("internal error", exc_info=exc)
     return grpc.StatusCode.INTERNAL, INTERNAL_MESSAGE
+
+
+# The HTTP status a gRPC code stands for (what OpenAI's clients expect: 429 retries later, 503 and 504
+# are the server's or the deadline's, 4xx are the request's). 499: the client went away (nginx's code).
+HTTP_STATUS: dict[grpc.StatusCode, int] = {
+    grpc.StatusCode.INVALID_ARGUMENT: 400,
+    grpc.StatusCode.FAILED_PRECONDITION: 400,
+    grpc.StatusCode.OUT_OF_RANGE: 400,
+    grpc.StatusCode.UNAUTHENTICATED: 401,
+    grpc.StatusCode.PERMISSION_DENIED: 403,
+    grpc.StatusCode.NOT_FOUND: 404,
+    grpc.StatusCode.ABORTED: 409,
+    grpc.StatusCode.ALREADY_EXISTS: 409,
+    grpc.StatusCode.RESOURCE_EXHAUSTED: 429,
+    grpc.StatusCode.CANCELLED: 499,
+    grpc.StatusCode.UNIMPLEMENTED: 501,
+    grpc.StatusCode.UNAVAILABLE: 503,
+    grpc.StatusCode.DEADLINE_EXCEEDED: 504,
+}
+
+
+def http_status_for(exc: BaseException) -> tuple[int, grpc.StatusCode, str]:
+    """HTTP status, the gRPC code it comes from, and the client-safe message (logged as status_for logs)."""
+    if isinstance(exc, (asyncio.CancelledError, GeneratorExit)):
+        return HTTP_STATUS[grpc.StatusCode.CANCELLED], grpc.StatusCode.CANCELLED, "the request was cancelled"
+    code, message = status_for(exc)
+    return HTTP_STATUS.get(code, 500), code, message
 
 
 def session_error(exc: BaseException) -> session_pb2.SessionError:

@@ -50,12 +50,17 @@ class TokenSource(Protocol):
     def valid(self, *, recheck: bool = False) -> Sequence[str]: ...
 
 
-class BearerTokenInterceptor(grpc.aio.ServerInterceptor):
-    """Refuses calls without `authorization: Bearer <token>` (constant-time compare).
+TOKEN_REFUSED = "missing or wrong API token: send 'authorization: Bearer <token>'"
 
-    token: the token, or a TokenSource giving the tokens valid now (reloading.TokenFile: the
-    current one and, for a grace period after a rotation, the previous one). A token that
-    matches none is compared once more after the source rechecked its file.
+
+class BearerTokenCheck:
+    """Whether an `authorization` header value is `Bearer <token>` (constant-time compare).
+
+    One check for every port that takes the API token (the gRPC interceptor below, the
+    coordinator's HTTP API). token: the token, or a TokenSource giving the tokens valid now
+    (reloading.TokenFile: the current one and, for a grace period after a rotation, the
+    previous one). A value that matches none is compared once more after the source
+    rechecked its file.
     """
 
     def __init__(self, token: str | TokenSource) -> None:
@@ -69,6 +74,16 @@ class BearerTokenInterceptor(grpc.aio.ServerInterceptor):
             ok |= hmac.compare_digest(sent, f"Bearer {token}".encode())
         return ok
 
+    def allows(self, sent: bytes) -> bool:
+        return self._matches(sent, recheck=False) or (self._source is not None and self._matches(sent, recheck=True))
+
+
+class BearerTokenInterceptor(grpc.aio.ServerInterceptor):
+    """Refuses calls without `authorization: Bearer <token>` (BearerTokenCheck)."""
+
+    def __init__(self, token: str | TokenSource | BearerTokenCheck) -> None:
+        self.check = token if isinstance(token, BearerTokenCheck) else BearerTokenCheck(token)
+
     async def intercept_service(
         self,
         continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
@@ -80,9 +95,9 @@ class BearerTokenInterceptor(grpc.aio.ServerInterceptor):
         for key, value in details.invocation_metadata or ():
             if key == "authorization":
                 sent = value.encode() if isinstance(value, str) else value
-        if self._matches(sent, recheck=False) or (self._source is not None and self._matches(sent, recheck=True)):
+        if self.check.allows(sent):
             return await continuation(details)
-        return _refusal(await continuation(details), "missing or wrong API token: send 'authorization: Bearer <token>'")
+        return _refusal(await continuation(details), TOKEN_REFUSED)
 
 
 def _refusal(handler: grpc.RpcMethodHandler | None, message: str) -> grpc.RpcMethodHandler:

@@ -18,7 +18,8 @@ import torch
 from google.protobuf.json_format import MessageToDict
 
 from coordinator.client import CoordinatorClient, Prompt
-from coordinator.server import create_server as create_coordinator
+from coordinator.http_server import OpenAIServer
+from coordinator.server import create_service as create_coordinator
 from draft_service.server import create_server as create_draft
 from specd.core.errors import InvalidArgument, SpecdError
 from specd.core.model import catalog
@@ -58,6 +59,7 @@ def _serve(args: argparse.Namespace) -> int:
         tracing = setup_tracing(service, config)  # a no-op unless an OTLP endpoint is configured
         metrics_on = config.metrics_port >= 0
         metrics: CoordinatorMetrics | DraftMetrics | TargetMetrics | None
+        openai: OpenAIServer | None = None
         if isinstance(config, cfg.DraftConfig):
             metrics = draft_metrics = DraftMetrics() if metrics_on else None
             handle = create_draft(config, tracing=tracing, metrics=draft_metrics)
@@ -67,17 +69,23 @@ def _serve(args: argparse.Namespace) -> int:
         else:
             assert isinstance(config, cfg.CoordinatorConfig)
             metrics = coordinator_metrics = CoordinatorMetrics() if metrics_on else None
-            handle, _ = await create_coordinator(config, tracing=tracing, metrics=coordinator_metrics)
+            coordinator = await create_coordinator(config, tracing=tracing, metrics=coordinator_metrics)
+            handle, openai = coordinator.handle, coordinator.openai
         metrics_server = None
         if metrics is not None:
             metrics_server, metrics_port = serve_metrics(metrics.registry, config.host, config.metrics_port)
             print(f"specd-{service} metrics on {config.host}:{metrics_port}", flush=True)
         await handle.server.start()
         try:
+            if openai is not None:  # before the banner: `specd up` and the tests read this line first
+                http_port = await openai.start()
+                print(f"specd-{service} openai on {config.host}:{http_port} ({openai.scheme})", flush=True)
             await serve_until_signal(
                 handle, config.grace_s, f"specd-{service} listening on {config.host}:{handle.port}"
             )
         finally:
+            if openai is not None:
+                await openai.stop()  # already stopped by a graceful shutdown; at once otherwise
             if metrics_server is not None:
                 metrics_server.shutdown()
             tracing.shutdown(timeout_s=3.0)  # bounded: a dead collector must not hold up exit
@@ -129,6 +137,7 @@ def _up(args: argparse.Namespace) -> int:
         restart=not args.no_restart,
         target_replicas=_replicas(args.target_replicas, "--target-replicas"),
         draft_replicas=_replicas(args.draft_replicas, "--draft-replicas"),
+        http_port=args.http_port,
     )
 
 
@@ -263,6 +272,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     up.add_argument("--host", default="127.0.0.1", help="coordinator address (default: 127.0.0.1)")
     up.add_argument("--port", type=int, default=50051, help="coordinator port (default: 50051)")
+    up.add_argument(
+        "--http-port",
+        type=int,
+        default=8000,
+        help="the coordinator's OpenAI-compatible HTTP API port on --host (default: 8000; 0 a free one, -1 off)",
+    )
     up.add_argument("--cache-dir", default="", help="model cache (default: SPECD_CACHE_DIR or ~/.cache/specd)")
     up.add_argument("--draft-length", type=int, default=4, help="draft tokens per round (default: 4)")
     up.add_argument(

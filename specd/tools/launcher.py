@@ -129,8 +129,12 @@ def run_up(
     ready_timeout_s: float = 600.0,
     target_replicas: int = 1,
     draft_replicas: int = 1,
+    http_port: int = -1,
 ) -> int:
-    """Start the targets, drafts and coordinator; supervise them until SIGINT/SIGTERM; stop them all."""
+    """Start the targets, drafts and coordinator; supervise them until SIGINT/SIGTERM; stop them all.
+
+    http_port: the coordinator's OpenAI HTTP API port (-1 off, 0 a free one), printed as
+    `openai listening on HOST:PORT` after the coordinator's line."""
     cluster = LocalCluster(
         target,
         None if draft == "none" else draft,
@@ -138,7 +142,7 @@ def run_up(
         target_threads=target_threads,
         draft_threads=draft_threads,
         coordinator_threads=1,
-        coordinator_args=["--draft-length", str(draft_length), *extra_coordinator],
+        coordinator_args=["--draft-length", str(draft_length), "--http-port", str(http_port), *extra_coordinator],
         target_args=target_args,
         host=host,
         port=port,
@@ -171,6 +175,9 @@ def run_up(
         for service in cluster.services:
             _say(f"{service.name} ready on {service.address} (pid {service.pid})")
         print(f"coordinator listening on {cluster.address}", flush=True)
+        assert cluster.coordinator is not None
+        if cluster.coordinator.http_address is not None:
+            print(f"openai listening on {cluster.coordinator.http_address}", flush=True)
         supervised = Supervisor(cluster, restart=restart).run(stop)
         if supervised:
             _say("stopping")

@@ -41,6 +41,7 @@ MAX_LINES = 10_000  # log lines kept per service (older ones are dropped)
 TAIL_LINES = 15  # log lines shown when a service fails
 
 _BANNER = re.compile(r"^(specd-\w+) listening on (\S+):(\d+)\s*$")
+_OPENAI_LINE = re.compile(r"^specd-\w+ openai on (\S+):(\d+)\b")  # the coordinator's HTTP API (--http-port)
 
 
 class ServiceFailed(RuntimeError):
@@ -68,6 +69,7 @@ class ServiceProcess:
         self.ready_timeout_s = READY_TIMEOUT_S
         self.proc: subprocess.Popen[str] | None = None
         self.address: str | None = None
+        self.http_address: str | None = None  # the OpenAI HTTP API's HOST:PORT, when it serves one
         self.lines: list[str] = []
         self.started_at = 0.0
         self._lock = threading.Lock()
@@ -78,6 +80,7 @@ class ServiceProcess:
     def start(self, env: dict[str, str] | None = None) -> None:
         """Start the process (non-blocking); wait_ready() waits for its banner."""
         self.address = None
+        self.http_address = None
         self._ready = threading.Event()
         self.started_at = time.monotonic()
         self.proc = subprocess.Popen(
@@ -97,6 +100,8 @@ class ServiceProcess:
         # proc and ready are this start's: a relay still draining a previous process cannot touch the next.
         assert proc.stdout is not None
         for line in proc.stdout:
+            if proc is self.proc and (http := _OPENAI_LINE.match(line)):  # printed before the banner
+                self.http_address = f"{http.group(1)}:{http.group(2)}"
             match = _BANNER.match(line)
             if match and proc is self.proc and self.address is None:
                 self.address = f"{match.group(2)}:{match.group(3)}"
@@ -166,6 +171,9 @@ class ServiceProcess:
         port = self.address.rsplit(":", 1)[1] if self.address else None
         if port is not None and "--port" in self.args:
             self.args = _with_port(self.args, port)
+        http_port = self.http_address.rsplit(":", 1)[1] if self.http_address else None
+        if http_port is not None and "--http-port" in self.args:  # the same HTTP port too
+            self.args = _with_port(self.args, http_port, flag="--http-port")
         self.start(env)
 
     def stop(self, grace_s: float) -> None:
@@ -231,9 +239,9 @@ def wait_all_ready(services: Sequence[ServiceProcess], timeout: float) -> None:
         pending[0]._ready.wait(0.1)
 
 
-def _with_port(args: list[str], port: str) -> list[str]:
+def _with_port(args: list[str], port: str, flag: str = "--port") -> list[str]:
     out = list(args)
-    out[out.index("--port") + 1] = port
+    out[len(out) - 1 - out[::-1].index(flag) + 1] = port  # the last one: later flags win
     return out
 
 

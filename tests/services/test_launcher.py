@@ -20,6 +20,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import grpc
+import openai
 import pytest
 
 from coordinator.client import CoordinatorClient
@@ -115,7 +116,7 @@ def started(tiny_pair: tuple[Path, Path], tmp_path: Path) -> Iterator[tuple[Up, 
     port = free_port()
     up = Up(
         "--target", str(target), "--draft", str(draft), "--port", str(port), "--cache-dir", str(tmp_path),
-        "--target-threads", "1", "--draft-threads", "1",
+        "--target-threads", "1", "--draft-threads", "1", "--http-port", "0",
     )  # fmt: skip
     pids: dict[str, int] = {}
     try:
@@ -140,6 +141,16 @@ def test_up_keeps_serving_while_its_draft_and_target_are_restarted(started) -> N
     up, port, pids = started
     reference = greedy(port, speculation="off")
     assert greedy(port, speculation="fixed", draft_length=4) == reference
+
+    # The OpenAI API is up too, on the line `specd up` promises, with the same tokens.
+    http = up.wait_for(r"^openai listening on (127\.0\.0\.1:\d+)$").group(1)
+    assert up.text().index("coordinator listening on") < up.text().index("openai listening on")
+    with openai.OpenAI(base_url=f"http://{http}/v1", api_key="unused", max_retries=0, timeout=60) as client:
+        reply = client.completions.create(
+            model=client.models.list().data[0].id, prompt=PROMPT, max_tokens=24, temperature=0,
+            extra_body={"ignore_eos": True, "return_token_ids": True, "draft_length": 4},
+        )  # fmt: skip
+    assert reply.choices[0].model_extra["token_ids"] == reference
 
     # The draft dies: the very next request is served (target-only, exact), and the draft comes back.
     mark = len(up.lines)
@@ -183,7 +194,7 @@ def test_no_restart_stops_everything_on_the_first_exit(tiny_pair: tuple[Path, Pa
     target, draft = tiny_pair
     up = Up(
         "--target", str(target), "--draft", str(draft), "--port", str(free_port()), "--cache-dir", str(tmp_path),
-        "--target-threads", "1", "--no-restart",
+        "--target-threads", "1", "--no-restart", "--http-port", "0",
     )  # fmt: skip
     try:
         up.wait_for(r"coordinator listening on")
@@ -217,6 +228,7 @@ def test_up_starts_replicas_behind_one_coordinator(tiny_pair: tuple[Path, Path],
     up = Up(
         "--target", str(target), "--draft", str(draft), "--port", str(port), "--cache-dir", str(tmp_path),
         "--target-threads", "1", "--draft-threads", "1", "--target-replicas", "2", "--draft-replicas", "2",
+        "--http-port", "-1",
     )  # fmt: skip
     try:
         up.wait_for(rf"^coordinator listening on 127\.0\.0\.1:{port}$")

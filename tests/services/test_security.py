@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+import subprocess
 from pathlib import Path
 
 import grpc
@@ -43,6 +45,7 @@ def secure_cluster(tiny_pair: tuple[Path, Path], pki: Pki, tmp_path_factory: pyt
         str(pki.client_key),
         "--api-token-file",
         str(token_file),
+        *("--http-port", "0"),  # the OpenAI HTTP API: HTTPS with the same certificate and token
     ]
     with Cluster(
         target,
@@ -145,3 +148,26 @@ def test_a_client_certificate_from_the_same_ca_with_another_name_is_refused(secu
     # The coordinator's own certificate still gets through to both (a request speculates).
     with CoordinatorClient(secure_cluster.address, tls_ca=str(pki.ca), token=TOKEN, timeout=60) as client:
         assert _generate(client).stats.draft_tokens > 0
+
+
+def _curl(url: str, *args: str) -> subprocess.CompletedProcess[str]:
+    body = json.dumps({"prompt": "hello", "max_tokens": 4, "temperature": 0, "ignore_eos": True})
+    return subprocess.run(
+        ["curl", "-sS", "-w", "\n%{http_code}", url, "-H", "Content-Type: application/json", "-d", body, *args],
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+
+
+def test_the_http_api_is_https_with_the_same_certificate_and_token(secure_cluster: Cluster, pki: Pki) -> None:
+    assert secure_cluster.coordinator is not None and secure_cluster.coordinator.http_address
+    url = f"https://{secure_cluster.coordinator.http_address}/v1/completions"
+    ok = _curl(url, "--cacert", str(pki.ca), "-H", f"Authorization: Bearer {TOKEN}")
+    text, _, status = ok.stdout.rpartition("\n")
+    assert (ok.returncode, status) == (0, "200"), ok.stderr
+    assert json.loads(text)["usage"]["completion_tokens"] == 4
+    refused = _curl(url, "--cacert", str(pki.ca), "-H", "Authorization: Bearer wrong-token")
+    assert refused.stdout.rpartition("\n")[2] == "401"
+    assert json.loads(refused.stdout.rpartition("\n")[0])["error"]["code"] == "invalid_api_key"
+    assert _curl(url, "--cacert", str(pki.other_ca), "-H", f"Authorization: Bearer {TOKEN}").returncode == 60
+    plain = _curl(url.replace("https://", "http://"), "-H", f"Authorization: Bearer {TOKEN}")
+    assert plain.stdout.rpartition("\n")[2] != "200"  # plaintext to the TLS port: no answer

@@ -269,7 +269,9 @@ def test_metrics_are_not_on_the_public_service(objects: dict[str, list[dict[str,
     """The public coordinator Service carries only the API; every metrics port is on a ClusterIP Service."""
     objs = objects[name]
     public = one(objs, "Service", "specd-coordinator")["spec"]
-    assert [p["name"] for p in public["ports"]] == ["grpc"]
+    http = yaml.safe_load((CHART / VALUES[name]).read_text() if VALUES[name] else "{}") or {}
+    api = ["grpc", "http"] if http.get("coordinator", {}).get("http", {}).get("enabled") else ["grpc"]
+    assert [p["name"] for p in public["ports"]] == api
     if name == "minimal":  # metrics.enabled false: no metrics Service at all
         assert not find(objs, "Service", "specd-coordinator-metrics")
     else:

@@ -147,6 +147,8 @@ def container_problems(objs: list[dict[str, Any]], monkeypatch: pytest.MonkeyPat
             problems.append(
                 f"{workload}: listens on {args.host}:{args.port} (metrics {args.metrics_port}), ports {ports}"
             )
+        if getattr(args, "http_port", -1) != ports.get("http", -1):  # the coordinator's OpenAI HTTP API
+            problems.append(f"{workload}: serves HTTP on {getattr(args, 'http_port', -1)}, ports {ports}")
     expected = {"coordinator", "target"} | ({"draft"} if find(objs, "Deployment", "specd-draft") else set())
     if services != expected:
         problems.append(f"services run: {sorted(services)}")
@@ -269,6 +271,33 @@ def test_tls_and_token_are_on_by_default_and_probes_fit(objects: dict[str, list[
                 assert all(any(a.startswith(f"--peer-tls-{k}=") for a in args) == tls for k in ("ca", "cert", "key"))
             else:
                 assert any(a.startswith("--tls-client-ca=") for a in args) == tls  # mutual TLS
+
+
+@pytest.mark.parametrize("tls", [True, False])
+def test_the_http_api_renders_with_its_port_service_and_policy(
+    tools: Path, tls: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """coordinator.http.enabled: --http-port, a container port and a Service port named http (https
+    with TLS), the API's NetworkPolicy rule; the gRPC probes stay (they see the same engine)."""
+    sets = ["--set", "coordinator.http.enabled=true", "--set", "coordinator.http.port=8123"]
+    if not tls:
+        sets += ["--set", "tls.enabled=false", "--set", "apiToken.enabled=false"]
+    objs = load_all(helm(*template_args(None), *sets).stdout)
+    container = one(objs, "Deployment", "specd-coordinator")["spec"]["template"]["spec"]["containers"][0]
+    assert "--http-port=8123" in container["args"]
+    assert container_problems(objs, monkeypatch) == []  # the real CLI takes it, on the port the container names
+    assert {"name": "http", "containerPort": 8123, "protocol": "TCP"} in container["ports"]
+    assert ("tcpSocket" if tls else "grpc") in container["readinessProbe"]
+    (port,) = [p for p in one(objs, "Service", "specd-coordinator")["spec"]["ports"] if p["name"] == "http"]
+    assert (port["port"], port["targetPort"], port["appProtocol"]) == (8123, "http", "https" if tls else "http")
+    policy = one(objs, "NetworkPolicy", "specd-coordinator")["spec"]
+    assert {"port": "http", "protocol": "TCP"} in policy["ingress"][0]["ports"]
+    assert any(a.startswith("--api-token-file=") for a in container["args"]) == tls  # the same token
+    # Off by default: nothing of it renders.
+    default = load_all(helm(*template_args(None)).stdout)
+    container = one(default, "Deployment", "specd-coordinator")["spec"]["template"]["spec"]["containers"][0]
+    assert not any(a.startswith("--http-port") for a in container["args"])
+    assert "http" not in [p["name"] for p in one(default, "Service", "specd-coordinator")["spec"]["ports"]]
 
 
 def test_gpu_placement(objects: dict[str, list[dict[str, Any]]]) -> None:

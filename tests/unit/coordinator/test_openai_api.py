@@ -9,9 +9,11 @@ import pytest
 
 from coordinator import openai_api as oa
 from coordinator.engine import Chunk
+from coordinator.requests import prompt_chars_limit, public_body_limit, public_message_limit
 from specd.core import errors
 from specd.core.rounds.generation import FinishReason
 from specd.core.rounds.record import RequestStats, RoundStats
+from specd.serving.config import CoordinatorConfig
 from specd.serving.grpc_errors import http_status_for
 from specd.v1 import common_pb2
 
@@ -247,3 +249,28 @@ def test_error_body_is_openais_shape() -> None:
 def test_models_list() -> None:
     body = oa.models_list(MODELS, created=1, max_context=512)
     assert [m["id"] for m in body["data"]] == MODELS and body["data"][0]["max_model_len"] == 512
+
+
+# ---- settings ---------------------------------------------------------------------------------
+
+
+def test_http_port_settings(tmp_path) -> None:
+    CoordinatorConfig(http_port=-1).validate()
+    CoordinatorConfig(http_port=0).validate()
+    with pytest.raises(errors.InvalidArgument, match="--http-port"):
+        CoordinatorConfig(http_port=70000).validate()
+    assert CoordinatorConfig(served_model_name="a, b").served_model_names == ["a", "b"]
+    # Client certificate names cannot be checked on the HTTP port: refused together, not ignored.
+    for name in ("cert", "key", "ca"):
+        (tmp_path / name).write_text("x")
+    mtls = {"tls_cert": str(tmp_path / "cert"), "tls_key": str(tmp_path / "key"), "tls_client_ca": str(tmp_path / "ca")}
+    CoordinatorConfig(http_port=0, **mtls).validate()
+    with pytest.raises(errors.InvalidArgument, match="--tls-client-names"):
+        CoordinatorConfig(http_port=0, tls_client_names="coordinator", **mtls).validate()
+
+
+def test_the_body_limit_is_the_grpc_message_limit_with_json_escapes() -> None:
+    config = CoordinatorConfig()
+    chars = prompt_chars_limit(config, 512)
+    assert public_body_limit(config, 512) - public_message_limit(config, 512) == 2 * chars
+    assert public_body_limit(config, 512) >= 6 * chars  # a prompt at the character limit, every character escaped

@@ -14,7 +14,7 @@ HTTP needs:
   closes its sessions at the draft and the target). Non-streaming: the call
   runs in a task raced against the connection's http.disconnect; streaming:
   the first chunk the same way (so errors before it get their real status),
-  then Starlette's StreamingResponse, which cancels the stream on disconnect;
+  then the event stream, raced against the disconnect the same way;
 - errors: OpenAI's JSON shape, the status from the one mapper
   (grpc_errors.http_status_for); internals logged, never sent;
 - TLS: the coordinator's --tls-cert/--tls-key (re-read when they change),
@@ -85,33 +85,47 @@ def _sse(obj: Any) -> bytes:
 
 
 class _EventStream(StreamingResponse):
-    """Server-sent events whose generator is closed however the response ends.
+    """Server-sent events, cancelled once when the client goes, and their generator closed at the end.
 
-    Starlette cancels the send when the client goes; the generator may then be suspended
-    at a yield, holding the request open until garbage collection. Closing it here ends
-    the request (a cancellation: the engine frees its sessions) at once."""
+    Starlette's StreamingResponse watches for the disconnect in an anyio task group, whose
+    cancellation is delivered again at every await until the scope exits: the request's own
+    clean-up (closing its sessions at the peers) would be cut short. Here the send runs in a
+    task that is cancelled once, as a gRPC cancellation is, and the generator is closed however
+    the response ended (it may be suspended at a yield, holding the request open)."""
 
     def __init__(self, events: AsyncGenerator[bytes, None]) -> None:
         super().__init__(events, media_type="text/event-stream", headers=_SSE_HEADERS)
         self._events = events
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        sending = asyncio.ensure_future(self.stream_response(send))
+        gone = asyncio.ensure_future(_wait_disconnect(receive))
         try:
-            await super().__call__(scope, receive, send)
+            await asyncio.wait((sending, gone), return_when=asyncio.FIRST_COMPLETED)
         finally:
-            await self._events.aclose()
+            gone.cancel()
+            if not sending.done():
+                sending.cancel()
+            try:
+                await sending
+            except asyncio.CancelledError:
+                pass
+            except OSError:  # the connection broke mid-send
+                pass
+            finally:
+                await self._events.aclose()
 
 
-async def _wait_disconnect(request: Request) -> None:
+async def _wait_disconnect(receive: Receive) -> None:
     """Returns when the client has gone (after the body was read, receive() gives only that)."""
-    while (await request.receive())["type"] != "http.disconnect":
+    while (await receive())["type"] != "http.disconnect":
         pass
 
 
 async def _unless_disconnected(request: Request, work: Awaitable[T]) -> T:
     """work's result; if the client goes first, work is cancelled and _Disconnected raised."""
     task = asyncio.ensure_future(work)
-    gone = asyncio.ensure_future(_wait_disconnect(request))
+    gone = asyncio.ensure_future(_wait_disconnect(request.receive))
     try:
         await asyncio.wait((task, gone), return_when=asyncio.FIRST_COMPLETED)
     except asyncio.CancelledError:

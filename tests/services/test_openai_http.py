@@ -290,6 +290,24 @@ def test_full_admission_is_429_and_a_disconnect_cancels_the_request(
         time.sleep(0.2)  # admitted and generating; then the connection closes, unanswered
     _wait_cancelled(cluster, before + 3)
 
+    # Both slots are free again once the peers answered the closes: two requests run at once.
+    deadline, cancelled = time.monotonic() + 30, before + 3
+    while True:
+        streams = []
+        try:
+            for _ in range(2):
+                streams.append(client.completions.create(model=model, prompt=PROMPT, stream=True, **long))
+                next(iter(streams[-1]))
+            break
+        except openai.RateLimitError:
+            assert time.monotonic() < deadline, "the cancelled requests' slots were not freed"
+            time.sleep(0.05)
+        finally:
+            for stream in streams:
+                stream.close()
+            cancelled += len(streams)
+            _wait_cancelled(cluster, cancelled)
+
 
 def _wait_cancelled(cluster: Cluster, count: float) -> None:
     deadline = time.monotonic() + 30

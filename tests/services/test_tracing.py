@@ -6,10 +6,12 @@ keep the suite quick). Set-up and context in-process: tests/unit/serving/test_tr
 
 from __future__ import annotations
 
+import json
 import secrets
 import signal
 import socket
 import time
+import urllib.request
 from collections import defaultdict
 from dataclasses import dataclass
 from pathlib import Path
@@ -29,7 +31,8 @@ from tests.cluster import READY_TIMEOUT_S, Cluster, QuietService, metrics_addres
 def cluster_with(target: Path, cache: Path, *, endpoint: str | None) -> Cluster:
     """target, a draft of the same model (so tokens get accepted: bonus and recovered both occur), coordinator."""
     flags = ["--metrics-port", "0"] + (["--otlp-endpoint", endpoint] if endpoint else [])
-    c = Cluster(target, target, cache_dir=cache, coordinator_args=flags, target_args=flags, draft_args=flags)
+    coordinator = [*flags, "--http-port", "0"]  # the OpenAI HTTP API's requests are traced alike
+    c = Cluster(target, target, cache_dir=cache, coordinator_args=coordinator, target_args=flags, draft_args=flags)
     for name in [k for k in c.env if k.startswith("OTEL_")]:
         del c.env[name]
     c.env["OTEL_BSP_SCHEDULE_DELAY"] = "50"  # export within 50 ms, so tests need not wait
@@ -116,6 +119,32 @@ CALLS = [
     dict(max_new_tokens=10, temperature=0, speculation="off"),
     dict(max_new_tokens=16, temperature=0.7, top_k=20, speculation="fixed", draft_length=5, traceparent=False),
 ]
+
+
+def test_an_http_request_is_the_same_trace_under_the_callers_span(traced: Cluster, receiver: OtlpReceiver) -> None:
+    """POST /v1/completions with a traceparent header: one Generate span, a child of the caller's,
+    naming the route, with a round span per round, as a gRPC Generate gets."""
+    assert traced.coordinator is not None and traced.coordinator.http_address
+    trace_id, parent = secrets.token_hex(16), secrets.token_hex(8)
+    body = {"prompt": [5, 17, 42, 9, 33, 8], "max_tokens": 12, "temperature": 0, "ignore_eos": True, "draft_length": 3}
+    request = urllib.request.Request(
+        f"http://{traced.coordinator.http_address}/v1/completions",
+        data=json.dumps(body).encode(),
+        headers={"Content-Type": "application/json", "traceparent": f"00-{trace_id}-{parent}-01"},
+    )
+    reply = json.loads(urllib.request.urlopen(request, timeout=60).read())
+    rounds = reply["specd"]["rounds"]
+
+    def done(spans: list[ReceivedSpan]) -> bool:
+        trace = [s for s in spans if s.trace_id == trace_id]
+        return sum(s.name == trace_names.SPAN_ROUND for s in trace) == rounds and any(is_generate(s) for s in trace)
+
+    trace = [s for s in receiver.wait_for(done) if s.trace_id == trace_id]
+    (gen,) = [s for s in trace if is_generate(s)]
+    assert gen.parent_span_id == parent and gen.status_code != 2
+    assert gen.attributes["http.route"] == "/v1/completions" and gen.attributes["http.request.method"] == "POST"
+    assert all(s.parent_span_id == gen.span_id for s in trace if s.name == trace_names.SPAN_ROUND)
+    assert trace_names.SERVICE_TARGET in {s.service for s in trace}
 
 
 def test_each_generate_is_one_trace_with_a_span_per_round(traced: Cluster, receiver: OtlpReceiver) -> None:

@@ -202,11 +202,13 @@ class RoundEngine:
     def admit(self, tokens: int = 0) -> None:
         """Room for one more request of `tokens` (prompt + max_new_tokens), or ResourceExhausted.
 
-        Requests still being tokenized count too, and finished (or cancelled) ones until their
-        peers answered the close: the work a peer may still run for them (one batch at most: a
-        close withdraws what is queued) keeps its slot, so a flood of abandoned requests cannot
-        queue more than admission allows."""
-        if self._active + self._preparing + self.loop.closing >= self.config.max_concurrent_requests:
+        Requests still being tokenized count too, and cancelled or expired ones until their peers
+        answered the close: the work a peer may still run for them (one batch at most: a close
+        withdraws what is queued) keeps its slot, so a flood of abandoned requests cannot queue
+        more than admission allows. A request that finished frees its slot at once (a client's
+        next request may follow its answer straight away)."""
+        busy = self._active + self._preparing + self.loop.abandoned_closing
+        if busy >= self.config.max_concurrent_requests:
             raise ResourceExhausted(
                 f"the coordinator is serving its limit of {self.config.max_concurrent_requests} requests; retry later"
             )

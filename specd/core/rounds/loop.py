@@ -90,6 +90,7 @@ class RoundLoop:
         self.estimates = ServiceEstimates()
         self._draft_down_until = 0.0
         self._background: set[asyncio.Task[None]] = set()
+        self._abandoned: set[asyncio.Task[None]] = set()  # the closes of requests that ended unfinished
 
     def run(
         self,
@@ -116,11 +117,18 @@ class RoundLoop:
         )
 
     def close_later(
-        self, target: TargetSession | None, draft: DraftSession | None, committed: Sequence[int] = ()
+        self,
+        target: TargetSession | None,
+        draft: DraftSession | None,
+        committed: Sequence[int] = (),
+        *,
+        abandoned: bool = False,
     ) -> None:
         """Free a finished request's sessions without holding it up (or being cancelled with it).
 
-        The draft's close carries the final committed tokens (a learning drafter indexes the answer)."""
+        The draft's close carries the final committed tokens (a learning drafter indexes the answer).
+        abandoned: the request ended unfinished (cancelled, expired, failed), so a peer may still
+        hold queued work for it until the close arrives; `abandoned_closing` counts these."""
 
         async def close_one(session: TargetSession | DraftSession) -> None:
             try:
@@ -138,11 +146,14 @@ class RoundLoop:
         task = asyncio.get_running_loop().create_task(close())
         self._background.add(task)
         task.add_done_callback(self._background.discard)
+        if abandoned:
+            self._abandoned.add(task)
+            task.add_done_callback(self._abandoned.discard)
 
     @property
-    def closing(self) -> int:
-        """Finished requests whose sessions' closes a peer has not answered yet (their work may still run there)."""
-        return len(self._background)
+    def abandoned_closing(self) -> int:
+        """Unfinished requests whose closes a peer has not answered yet: work may still run there for them."""
+        return len(self._abandoned)
 
     async def drain(self, timeout: float | None = None) -> None:
         """Wait for background session closes."""
@@ -196,7 +207,9 @@ class RequestRun:
                     raise
                 yield record
         finally:
-            self._loop.close_later(self._target, self._draft, list(self.generation.committed))
+            self._loop.close_later(
+                self._target, self._draft, list(self.generation.committed), abandoned=not self.generation.done
+            )
 
     # ---- one round ------------------------------------------------------------------
 

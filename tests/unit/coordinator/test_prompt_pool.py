@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+from contextlib import aclosing
 from pathlib import Path
 
 import pytest
@@ -58,25 +59,32 @@ def test_tokenizing_runs_on_a_pool_thread_and_counts_for_admission() -> None:
     engine.stop_prompt_pool()
 
 
-def test_a_finished_request_keeps_its_slot_until_its_peers_answered_the_close() -> None:
+def test_an_abandoned_request_keeps_its_slot_until_its_peers_answered_the_close() -> None:
     target = FakeTarget()
     target.close_delay_s = 0.3  # the target is still busy with the request's last batch
     engine = RoundEngine(CoordinatorConfig(max_concurrent_requests=1), None, target, None)  # type: ignore[arg-type]
     spec = GenerateSpec(prompt_ids=[5, 17, 3], params=SamplingParams(temperature=0.0, seed=1), max_new_tokens=4)
 
-    async def main() -> tuple[bool, bool]:
-        run = engine.loop.run(spec, max_context=64, session_id="s")
-        _ = [rec async for rec in run.rounds()]
+    def admitted() -> bool:
         try:
             engine.admit()
-            refused_while_closing = False
+            return True
         except ResourceExhausted:
-            refused_while_closing = True
-        await engine.loop.drain()
-        engine.admit()  # the close was answered: the slot is free
-        return refused_while_closing, engine.loop.closing == 0
+            return False
 
-    assert asyncio.run(main()) == (True, True)
+    async def main() -> tuple[bool, bool, bool]:
+        finished = engine.loop.run(spec, max_context=64, session_id="done")
+        _ = [rec async for rec in finished.rounds()]
+        after_finish = admitted()  # a finished request frees its slot at once: the next may follow
+        abandoned = engine.loop.run(spec, max_context=64, session_id="gone")
+        async with aclosing(abandoned.rounds()) as rounds:
+            async for _rec in rounds:
+                break  # the client went away after the first round
+        while_closing = admitted()
+        await engine.loop.drain()
+        return after_finish, while_closing, admitted()
+
+    assert asyncio.run(main()) == (True, False, True)
     engine.stop_prompt_pool()
 
 

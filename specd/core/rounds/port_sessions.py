@@ -206,7 +206,10 @@ class TargetSession:
                 failure: BaseException = Unavailable(f"the target lost the session twice in a row ({exc})")
             except (Unavailable, DeadlineExceeded) as exc:
                 self.opened = False
-                capped = isinstance(exc, DeadlineExceeded) and deadline - now < self.timeout_s
+                # the call's timeout was the time to the request's deadline (not the retry budget's)
+                capped = (
+                    isinstance(exc, DeadlineExceeded) and budget_end >= deadline and deadline - now < self.timeout_s
+                )
                 if capped or time.monotonic() >= deadline:  # the request's time is up: it ends, no retry logged
                     raise DeadlineExceeded(f"the request's deadline passed before the target verified ({exc})") from exc
                 failure = exc

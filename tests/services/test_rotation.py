@@ -15,6 +15,7 @@ import socket
 import ssl
 import threading
 import time
+from datetime import datetime
 from pathlib import Path
 
 import grpc
@@ -42,6 +43,14 @@ def _mount(folder: Path, files: dict[str, Path], generation: int) -> None:
         link = folder / name
         if not link.is_symlink():
             link.symlink_to(Path("..data") / name)
+
+
+def _reloaded_at(lines: list[str]) -> float:
+    """When the coordinator logged the API token's reload (epoch seconds, from its log line)."""
+    for line in reversed(lines):
+        if "API token reloaded" in line:
+            return datetime.strptime(line[:23], "%Y-%m-%d %H:%M:%S,%f").timestamp()
+    raise AssertionError("the coordinator never logged the API token's reload:\n" + "".join(lines[-20:]))
 
 
 def _fingerprint(pem_or_der: bytes) -> str:
@@ -160,8 +169,11 @@ def test_certificates_and_token_rotate_under_load_without_a_lost_request(
                 served = _served_certificate(address, pki.ca, client)
                 time.sleep(0.25)
             assert served == new_server, address
-        # The previous token expires after its grace period; the new one works.
+        # The previous token expires after its grace period, which starts when the coordinator
+        # saw the new file (its log line's time: a look at the files comes at most once a second,
+        # and only on a call, so it can be later than the rotation itself); the new one works.
         time.sleep(max(0.0, rotated_at + GRACE_S + 1.5 - time.monotonic()))
+        time.sleep(max(0.0, _reloaded_at(c.coordinator.lines) + GRACE_S + 1.0 - time.time()))
         with CoordinatorClient(c.address, tls_ca=str(pki.ca), token=OLD_TOKEN, timeout=30) as client:
             with pytest.raises(grpc.RpcError) as err:
                 client.generate("x", max_new_tokens=1)

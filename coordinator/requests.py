@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import math
 import secrets
-from collections.abc import Callable
 
 from transformers import PreTrainedTokenizerBase
 
@@ -131,30 +130,6 @@ def sampling_params(req: coordinator_pb2.GenerateRequest) -> SamplingParams:
     if seed >= 2**63:
         raise InvalidArgument("sampling.seed must be < 2**63")
     return params_from_proto(s, seed=seed).validate()
-
-
-def spec_from_request(
-    req: coordinator_pb2.GenerateRequest,
-    tokenizer: PreTrainedTokenizerBase,
-    config: CoordinatorConfig,
-    *,
-    vocab_size: int,
-    max_context: int,
-    eos_token_ids: frozenset[int],
-    admit: Callable[[], None] | None = None,
-    identity: str = "",
-) -> GenerateSpec:
-    """The validated request, in one go (the coordinator runs its steps apart: the tokenizing off
-    its event loop). admit: the admission check, run after the size caps and before the per-item
-    work (tokenization, scans), so that an overloaded coordinator refuses cheaply. identity: the
-    caller's, as the transport proved it (specd.serving.tenancy)."""
-    check_sizes(req, config, max_context)
-    if admit is not None:
-        admit()
-    ids = prompt_ids(req, tokenizer, config, vocab_size)
-    return spec_from_prompt(
-        req, ids, config, vocab_size=vocab_size, max_context=max_context, eos_token_ids=eos_token_ids, identity=identity
-    )
 
 
 def spec_from_prompt(

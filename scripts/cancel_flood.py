@@ -116,6 +116,7 @@ def main() -> int:
     )  # from this probe on, every probe within 20% of quiet
     report = {
         "model": args.model,
+        "emulated": args.model.startswith("sim:"),  # forward passes take a profile's time
         "flood": args.flood,
         "prompt_tokens": n,
         "flood_codes": {k: codes.count(k) for k in sorted(set(codes))},

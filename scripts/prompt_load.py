@@ -115,6 +115,7 @@ def main() -> int:
             print(f"repeat {r + 1}/{args.repeats} done", file=sys.stderr)
     report = {
         "target": args.target,
+        "emulated": args.target.startswith("sim:"),  # the model's steps take a profile's time
         "prompt_chars": chars,
         "flood": args.flood,
         "flood_outcomes": {k: outcomes.count(k) for k in sorted(set(outcomes))},

@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 
 from specd.core.draft.protocol import Drafter, propose_one
 from specd.core.draft.suffix import SuffixSession, SuffixSettings, best_candidate
-from specd.core.draft.tenant_index import NO_TENANT, TenantIndexes
+from specd.core.draft.tenant_index import NO_TENANT
 from specd.core.errors import InvalidArgument, SessionOutOfSync
 from specd.core.model.pool import SessionTable
 from specd.core.rounds.adaptive import Estimate, ProbeBudget, best_draft_length
@@ -101,7 +101,6 @@ class HybridDrafter:
         model: Drafter,
         settings: SuffixSettings | None = None,
         *,
-        learned: TenantIndexes | None = None,
         threshold: float = 1.0,
         adaptive_k: bool = True,
         max_sessions: int = 256,
@@ -115,7 +114,7 @@ class HybridDrafter:
         self.vocab_size = model.vocab_size
         self.threshold = threshold
         self.adaptive_k = adaptive_k  # False: the model drafts the K asked for (deterministic choices)
-        self.learned = learned if learned is not None else self.settings.new_learned()
+        self.learned = self.settings.new_learned()
         self.stats = SourceStats()
         self._probes = ProbeBudget()
         self._sessions: SessionTable[_HybridSession] = SessionTable(

@@ -168,14 +168,13 @@ class SuffixDrafter:
         vocab_size: int,
         settings: SuffixSettings | None = None,
         *,
-        learned: TenantIndexes | None = None,
         max_sessions: int = 256,
         idle_timeout_s: float = 600.0,
     ) -> None:
         self.settings = settings or SuffixSettings()
         self.settings.validate()
         self.vocab_size = vocab_size
-        self.learned = learned if learned is not None else self.settings.new_learned()
+        self.learned = self.settings.new_learned()
         self.proposals_by_source: dict[str, int] = {"request": 0, "global": 0, "ngram": 0, "none": 0}
         self._sessions: SessionTable[SuffixSession] = SessionTable(
             max_sessions, idle_timeout_s=idle_timeout_s, on_evict=lambda _sid, s: self._learn(s)

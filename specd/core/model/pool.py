@@ -63,10 +63,6 @@ class KVBudget:
         self.max_bytes = max_bytes
         self._bytes_per_token = bytes_per_token
 
-    @property
-    def bytes_per_token(self) -> int:
-        return self._bytes_per_token()
-
     def max_tokens(self) -> int:
         """Tokens the budget holds (0: no limit)."""
         return self.max_bytes // max(1, self._bytes_per_token()) if self.max_bytes else 0

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from coordinator.requests import spec_from_request
+from coordinator.requests import spec_from_prompt
 from specd.core.errors import InvalidArgument
 from specd.serving.config import CoordinatorConfig
 from specd.v1 import common_pb2, coordinator_pb2
@@ -19,13 +19,8 @@ def test_draft_length_is_fixed_k_or_autos_largest_k(mode: int, asked: int, expec
     r = coordinator_pb2.GenerateRequest(max_new_tokens=2)
     r.token_ids.ids.extend([1, 2, 3])
     r.speculation.mode, r.speculation.draft_length = mode, asked
-    spec = spec_from_request(
-        r,
-        None,
-        CoordinatorConfig(),
-        vocab_size=VOCAB,
-        max_context=100,  # type: ignore[arg-type]
-        eos_token_ids=frozenset(),
+    spec = spec_from_prompt(
+        r, [1, 2, 3], CoordinatorConfig(), vocab_size=VOCAB, max_context=100, eos_token_ids=frozenset()
     )
     assert spec.draft_length == expected  # 0: the server's --draft-length (4)
 
@@ -33,9 +28,9 @@ def test_draft_length_is_fixed_k_or_autos_largest_k(mode: int, asked: int, expec
 def _spec(salt: str, identity: str):
     r = coordinator_pb2.GenerateRequest(max_new_tokens=2, cache_salt=salt)
     r.token_ids.ids.extend([1, 2, 3])
-    return spec_from_request(
+    return spec_from_prompt(
         r,
-        None,  # type: ignore[arg-type]
+        [1, 2, 3],
         CoordinatorConfig(),
         vocab_size=VOCAB,
         max_context=100,

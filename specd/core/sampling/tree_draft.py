@@ -1,0 +1,146 @@
+"""The drafter's side of tree speculation: drawing a node's children the way the verifier's rule needs.
+
+specd.core.sampling.tree_rejection is exact when every child was drawn from
+exactly the q it records, given everything drawn before it, with coins
+independent of the target's (its docstring has the proof). The helpers here
+draw k children of one node **sequentially without replacement** (Yang et
+al. 2024; Jeon et al. 2024): child i from the sparse q with the tokens of
+children 0..i-1 removed and renormalised, and each child records that
+remainder as its q. With ``replacement=True`` every child is drawn from the
+full q (SpecInfer's i.i.d. children), also exact, but repeats a token now
+and then, which the verifier then rejects for sure.
+
+Coins: the draw of a child uses Role.DRAFT at coin slot s of its token
+position (specd.core.sampling.tree.coin_positions), s unique among the draws
+at that position in the round; `TreeBuilder` counts slots per depth, so the
+first draw at every depth uses slot 0, the chain drafter's coin
+(specd.core.sampling.sampler.draft_token): a one-child-per-node tree is the
+chain, token for token.
+
+The numbers are the wire's: removing a token zeroes its wire value, the rest
+stay as sent, and q = wire / wire.sum() in float64 on both sides
+(:func:`specd.core.sampling.sampler.sample_sparse`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from torch import Tensor
+
+from specd.core.errors import InvalidArgument
+from specd.core.sampling.proposal import DEFAULT_MAX_Q_WIDTH, QRow
+from specd.core.sampling.sampler import Role, coins, sample_sparse
+from specd.core.sampling.tree import DEFAULT_MAX_TREE_DEPTH, DEFAULT_MAX_TREE_NODES, DraftTree, coin_positions
+
+__all__ = ["TreeBuilder", "draw_children"]
+
+
+def draw_children(
+    ids: Tensor,
+    wire: Tensor,
+    k: int,
+    seeds: Tensor,
+    positions: Tensor,
+    first_slot: Tensor | int = 0,
+    *,
+    replacement: bool = False,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """Draw k children of one node in each of B rows.
+
+    ids, wire:  [B, W] the node's sparse q (int64 ids, float32 wire values or integer weights)
+    seeds:      [B] int64; positions: [B] int64 the children's token position
+    first_slot: coin slot of child 0 (child i uses first_slot + i)
+    returns:    (tokens [B, k] int64, q [B, k, W] float32: the wire each child was drawn from,
+                 drawn [B, k] bool: False once a row's q has no token left (its later slots are not children))
+    """
+    if not (isinstance(k, int) and k >= 0):
+        raise InvalidArgument(f"k must be an int >= 0, got {k!r}")
+    assert ids.shape == wire.shape and ids.dim() == 2, f"ids and wire must be [B, W], got {tuple(ids.shape)}"
+    assert seeds.shape == positions.shape == ids.shape[:1]
+    B, W = ids.shape
+    w = wire.to(torch.float32).clone()  # [B, W] the remainder
+    tokens = torch.zeros(B, k, dtype=torch.int64, device=ids.device)
+    qs = torch.zeros(B, k, W, dtype=torch.float32, device=ids.device)
+    drawn = torch.zeros(B, k, dtype=torch.bool, device=ids.device)
+    left = torch.ones(B, dtype=torch.bool, device=ids.device)
+    for i in range(k):
+        left = left & (w.sum(-1) > 0)
+        if not bool(left.any()):
+            break
+        u = coins(seeds, coin_positions(positions, torch.as_tensor(first_slot) + i)[:, None], Role.DRAFT)[:, 0]
+        src = torch.where(left[:, None], w, 1.0)  # rows with nothing left draw a placeholder, not kept
+        tok = sample_sparse(ids, src, u.to(ids.device))
+        tokens[:, i], qs[:, i], drawn[:, i] = tok, torch.where(left[:, None], w, 0.0), left
+        if not replacement:
+            w = w * (ids != tok[:, None])  # every slot of that token (ids may repeat)
+    return tokens, qs, drawn
+
+
+class TreeBuilder:
+    """Grow one draft tree node by node (a drafter's expansion loop), with the right coins and q rows.
+
+    `draw` samples children of a node from its q without replacement; `add` puts
+    a node the drafter chose without sampling (n-gram, suffix: q one-hot at it,
+    exact as any candidate independent of the target's coins). `build` validates.
+    """
+
+    def __init__(self, seed: int, start_position: int) -> None:
+        self.seed = seed
+        self.start_position = start_position  # the committed length: position of a depth-1 node
+        self.token_ids: list[int] = []
+        self.parents: list[int] = []
+        self._q: list[QRow | None] = []  # per node: (ids, wire) it was drawn from; None: one-hot
+        self._depths: list[int] = []
+        self._slots: dict[int, int] = {}  # depth -> coin slots used there
+
+    def __len__(self) -> int:
+        return len(self.token_ids)
+
+    def depth_of(self, node: int) -> int:
+        """Depth of node (0 for -1, the committed prefix)."""
+        return 0 if node < 0 else self._depths[node]
+
+    def add(self, parent: int, token: int, q: QRow | None = None) -> int:
+        """Append one node under `parent` (-1: the prefix); returns its index."""
+        if not -1 <= parent < len(self):
+            raise InvalidArgument(f"parent {parent} is not -1 or an existing node")
+        self.token_ids.append(int(token))
+        self.parents.append(parent)
+        self._q.append(q)
+        self._depths.append(self.depth_of(parent) + 1)
+        return len(self) - 1
+
+    def draw(self, parent: int, ids: Tensor, wire: Tensor, k: int, *, replacement: bool = False) -> list[int]:
+        """Draw up to k children of `parent` from its q (ids [W], wire [W]); returns their indices."""
+        depth = self.depth_of(parent) + 1
+        slot = self._slots.get(depth, 0)
+        seeds = torch.tensor([self.seed], dtype=torch.int64)
+        pos = torch.tensor([self.start_position + depth - 1], dtype=torch.int64)
+        tokens, qs, drawn = draw_children(ids[None], wire[None], k, seeds, pos, slot, replacement=replacement)
+        n = int(drawn[0].sum())
+        self._slots[depth] = slot + n
+        return [self.add(parent, int(tokens[0, i]), (ids.cpu(), qs[0, i].cpu())) for i in range(n)]
+
+    def build(
+        self,
+        vocab_size: int,
+        *,
+        max_nodes: int = DEFAULT_MAX_TREE_NODES,
+        max_depth: int = DEFAULT_MAX_TREE_DEPTH,
+        max_q_width: int = DEFAULT_MAX_Q_WIDTH,
+    ) -> DraftTree:
+        """The tree, validated as one from the wire would be (q one-hot where none was recorded)."""
+        q: Sequence[QRow] = []
+        if any(row is not None for row in self._q):
+            q = [row if row is not None else ([t], [1.0]) for row, t in zip(self._q, self.token_ids)]
+        return DraftTree.from_wire(
+            self.token_ids,
+            self.parents,
+            q,
+            vocab_size,
+            max_nodes=max_nodes,
+            max_depth=max_depth,
+            max_q_width=max_q_width,
+        )

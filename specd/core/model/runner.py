@@ -37,7 +37,10 @@ from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
 from specd.core.errors import InvalidArgument
+from specd.core.model import tree_forward
 from specd.core.model.cpu_linear import install_small_row_linears
+from specd.core.model.tree_forward import TreeLogits
+from specd.core.sampling.tree import DraftTree
 
 if TYPE_CHECKING:  # annotations only: importing it loads transformers' modeling code (seconds per process)
     from transformers import PreTrainedModel
@@ -421,6 +424,22 @@ class CausalLMRunner:
         for (s, _), n in zip(pairs, lens):
             s.cached = n
         return [chunk.float() for chunk in flat.split([k for _, k in pairs])]
+
+    # ---- trees (specd.core.model.tree_forward) ---------------------------
+
+    def tree_logits_batch(self, sessions: Sequence[KVSession], trees: Sequence[DraftTree]) -> list[TreeLogits]:
+        """Each session's draft tree verified after its tokens, all in ONE forward (a 4D tree mask).
+
+        A result's logits [N+1, V]: row 0 after the session's last token, row 1 + i after node i
+        (node i at position len(tokens) + depth_i - 1). Each cache then holds exactly its tokens;
+        the nodes' keys/values wait in the result for `keep_tree_path`.
+        """
+        args = (self._cache_kw, self._row_mask, self.max_context, self.vocab_size)
+        return tree_forward.forward_trees(self.model, *args, sessions, trees)
+
+    def keep_tree_path(self, s: KVSession, result: TreeLogits, path: Sequence[int]) -> None:
+        """Append the accepted path's tokens to s, with their KV from the tree pass (prefix + path)."""
+        tree_forward.keep_path(s, result, path)
 
     @property
     def device(self) -> torch.device:

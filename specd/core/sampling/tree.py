@@ -211,12 +211,20 @@ class DraftTree:
 
     def ancestor_mask(self, device: torch.device | str | None = None) -> Tensor:
         """[N, N] bool: [i, j] iff node j is node i or one of its ancestors (what node i attends to)."""
+        mask = self._ancestors
+        return mask.to(device) if device is not None else mask
+
+    @cached_property
+    def _ancestors(self) -> Tensor:
+        # Level by level (one op per depth, not per node): a node's row is its parent's plus itself.
         n = len(self)
         mask = torch.eye(n, dtype=torch.bool)
-        for i, p in enumerate(self.parents):
-            if p >= 0:
-                mask[i] |= mask[p]  # parents precede children: row p is complete
-        return mask.to(device) if device is not None else mask
+        depths = torch.tensor(self.depths, dtype=torch.int64)
+        parents = torch.tensor(self.parents, dtype=torch.int64)
+        for d in range(2, self.depth + 1):
+            level = (depths == d).nonzero().flatten()
+            mask[level] |= mask[parents[level]]
+        return mask
 
 
 @dataclass(frozen=True, eq=False)

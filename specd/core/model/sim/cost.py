@@ -1,8 +1,8 @@
 """How long an emulated forward pass takes: a small, batch-aware cost model.
 
 One forward pass over a batch of B sequences, sequence b running n_b new
-positions (1 for a decode step, K + 1 for a verify, the prompt for a
-prefill) after c_b cached ones, takes
+positions (1 for a decode step, K + 1 for a verify, N + 1 for the verify of
+a draft tree of N nodes, the prompt for a prefill) after c_b cached ones, takes
 
     t = fixed_ms
       + per_seq_ms      * B
@@ -16,6 +16,11 @@ first `free_tokens` positions of a pass into the weight read (that is why
 verifying K + 1 tokens costs about one decode step), and every position
 past that costs `per_token_ms` (the prefill rate). A CPU is compute-bound
 from the first token: free_tokens = 0 and the fixed part is small.
+
+A tree costs its node count: its N nodes are N new positions in one pass,
+whatever its shape (the tree mask hides positions from each other but the
+kernels still run every row), so a tree of N nodes costs what a chain of
+K = N drafts costs, and pays when its accepted depth beats the chain's.
 """
 
 from __future__ import annotations
@@ -58,6 +63,13 @@ class CostModel:
             + self.per_kv_token_ms * sum(lengths)
             + self.per_token_ms * compute
         )
+
+    def verify_ms(self, nodes: Sequence[int], lengths: Sequence[int]) -> float:
+        """One verify pass: sequence b checks nodes[b] draft tokens (a chain's K or a tree's node count)
+        after lengths[b] committed tokens, its last one uncached (as the target runs it)."""
+        if len(nodes) != len(lengths):
+            raise InvalidArgument("need one length per sequence")
+        return self.forward_ms([n + 1 for n in nodes], [c + n for c, n in zip(lengths, nodes)])
 
     def scaled(self, factor: float) -> CostModel:
         """Every time term times `factor` (free_tokens unchanged)."""

@@ -33,6 +33,8 @@ from specd.core.errors import InvalidArgument
 from specd.core.model.runner import CausalLMRunner, KVSession
 from specd.core.model.sim.cost import CostModel
 from specd.core.model.sim.lm import SimLM
+from specd.core.model.tree_forward import TreeLogits, check_trees
+from specd.core.sampling.tree import DraftTree
 
 __all__ = ["SimRunner", "SimStats"]
 
@@ -105,19 +107,53 @@ class SimRunner(CausalLMRunner):
         # Positions [start_b, n_b) run, as in CausalLMRunner: the uncached ones, or
         # at least the num_last rows returned (recomputed after a rollback).
         news, lengths, contexts = [], [], []
-        width = self.lm.shape.context_tokens  # p reads only the last this-many tokens of a context
         for s, k in pairs:
             n = len(s.tokens)
             start = min(s.cached, n - k)
             news.append(n - start)
             lengths.append(n)
             for i in range(k):  # row i predicts token n - k + i + 1: its context ends there
-                end = n - k + i + 1
-                contexts.append(s.tokens[max(0, end - width) : end])
-        modelled_ms = self.cost.forward_ms(news, lengths)
-        logits = self.lm.logits(contexts)  # [sum k, V]
+                contexts.append(self._context(s.tokens, n - k + i + 1))
+        logits = self._timed(started, news, lengths, contexts)
         for s, _ in pairs:
             s.cached = len(s.tokens)
+        return list(logits.split([k for _, k in pairs]))
+
+    def tree_logits_batch(self, sessions: Sequence[KVSession], trees: Sequence[DraftTree]) -> list[TreeLogits]:
+        """CausalLMRunner.tree_logits_batch as ONE emulated pass: a tree costs its node count.
+
+        Session b runs its uncached committed tokens and its N_b nodes (new positions
+        m_b + N_b), and each node attends over the prefix and its ancestors; the cost
+        model charges the pass as it would a chain of the same number of positions
+        (sum_b (c_b + n_b) stays the KV read: per node, prefix plus its path at most).
+        Row 0 follows the last token; row 1 + i sees the prefix and node i's path.
+        """
+        started = self._clock()
+        check_trees(sessions, trees, self.vocab_size, self.max_context)
+        news, lengths, contexts = [], [], []
+        for s, t in zip(sessions, trees):
+            n = len(s.tokens)
+            news.append(n - min(s.cached, n - 1) + len(t))
+            lengths.append(n + len(t))
+            contexts.append(self._context(s.tokens, n))
+            for i in range(len(t)):  # node i's context: the prefix, then its path
+                contexts.append(self._context(s.tokens, n, [t.token_ids[j] for j in t.path_to(i)]))
+        logits = self._timed(started, news, lengths, contexts) if sessions else torch.zeros(0, self.vocab_size)
+        for s in sessions:
+            s.cached = len(s.tokens)
+        chunks = logits.split([len(t) + 1 for t in trees])
+        return [TreeLogits(c, t, len(s.tokens), None) for c, t, s in zip(chunks, trees, sessions)]
+
+    def _context(self, tokens: list[int], end: int, extra: Sequence[int] = ()) -> list[int]:
+        """The last tokens of tokens[:end] + extra that p reads (SimShape.context_tokens), copying only those."""
+        width = self.lm.shape.context_tokens
+        head = tokens[max(0, end - max(0, width - len(extra))) : end]
+        return (head + list(extra))[-width:] if width else []
+
+    def _timed(self, started: float, news: list[int], lengths: list[int], contexts: list[list[int]]) -> Tensor:
+        """SimLM's logits for `contexts` -> [R, V], returned `started` + the pass's modelled time."""
+        modelled_ms = self.cost.forward_ms(news, lengths)
+        logits = self.lm.logits(contexts)  # [R, V]
         deadline = started + modelled_ms / 1e3
         # Wake up early by the recent oversleep: on a loaded host a sleeping thread
         # is woken milliseconds late (run-queue wait); the pass should end on time.
@@ -139,7 +175,7 @@ class SimRunner(CausalLMRunner):
             if wall_ms > modelled_ms + _LATE_SLACK_MS:
                 st.late += 1
                 st.late_ms += wall_ms - modelled_ms
-        return list(logits.split([k for _, k in pairs]))
+        return logits
 
     # ---- memory ------------------------------------------------------------
 

@@ -26,6 +26,7 @@ _PIPELINES = {
     "bonus-match": common_pb2.SpeculationParams.PIPELINE_BONUS_MATCH,
     "post-verify": common_pb2.SpeculationParams.PIPELINE_POST_VERIFY,
     "spec-cache": common_pb2.SpeculationParams.PIPELINE_SPEC_CACHE,
+    "auto": common_pb2.SpeculationParams.PIPELINE_AUTO,
     False: common_pb2.SpeculationParams.PIPELINE_OFF,
     "off": common_pb2.SpeculationParams.PIPELINE_OFF,
     None: common_pb2.SpeculationParams.PIPELINE_UNSPECIFIED,
@@ -83,7 +84,7 @@ def build_request(
     req.speculation.draft_length = draft_length
     if pipeline not in _PIPELINES:
         raise ValueError(
-            "pipeline must be True / 'bonus-match', 'post-verify', 'spec-cache', False / 'off' or None "
+            "pipeline must be True / 'bonus-match', 'post-verify', 'spec-cache', 'auto', False / 'off' or None "
             f"(got {pipeline!r})"
         )
     req.speculation.pipeline = _PIPELINES[pipeline]

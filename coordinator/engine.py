@@ -185,10 +185,6 @@ class RoundEngine:
         assert self.target_info is not None, "engine not started"
         return frozenset(self.target_info.eos_token_ids)
 
-    def batch_share(self) -> float:
-        """sigma: what one more draft token per session costs the batched target, in target-only steps."""
-        return self.loop.estimates.batch_share()
-
     # ---- one request -----------------------------------------------------------
 
     async def off_loop(self, work: Callable[[], T]) -> T:

@@ -15,7 +15,7 @@ claim, not a proven identity, so it cannot scope what the draft learns).
 Extra body fields, by vLLM's names where vLLM has one: top_k, min_p,
 ignore_eos, stop_token_ids, cache_salt, return_token_ids (repetition_penalty
 1 and min_tokens 0 only); specd's own: speculation (auto|fixed|off),
-draft_length, pipeline (off|bonus-match|post-verify|spec-cache).
+draft_length, pipeline (off|bonus-match|post-verify|spec-cache|auto).
 
 Speculation numbers come back in `usage` (draft_tokens, accepted_tokens,
 acceptance_rate, acceptance_length, and OpenAI's
@@ -61,6 +61,7 @@ _PIPELINES = {
     "bonus-match": common_pb2.SpeculationParams.PIPELINE_BONUS_MATCH,
     "post-verify": common_pb2.SpeculationParams.PIPELINE_POST_VERIFY,
     "spec-cache": common_pb2.SpeculationParams.PIPELINE_SPEC_CACHE,
+    "auto": common_pb2.SpeculationParams.PIPELINE_AUTO,
 }
 # OpenAI's chat roles; "developer" is its newer name for "system".
 _ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}

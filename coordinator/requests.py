@@ -15,6 +15,7 @@ import secrets
 from transformers import PreTrainedTokenizerBase
 
 from specd.core.errors import InvalidArgument
+from specd.core.rounds.auto import PIPELINE_AUTO
 from specd.core.rounds.loop import GenerateSpec
 from specd.core.sampling.sampler import SamplingParams
 from specd.serving.config import CoordinatorConfig
@@ -35,6 +36,7 @@ _PIPELINES = {
     common_pb2.SpeculationParams.PIPELINE_BONUS_MATCH: "bonus-match",
     common_pb2.SpeculationParams.PIPELINE_POST_VERIFY: "post-verify",
     common_pb2.SpeculationParams.PIPELINE_SPEC_CACHE: "spec-cache",
+    common_pb2.SpeculationParams.PIPELINE_AUTO: PIPELINE_AUTO,
 }
 
 
@@ -174,6 +176,8 @@ def spec_from_prompt(
     if req.speculation.pipeline not in _PIPELINES:
         raise InvalidArgument(f"unknown speculation pipeline {req.speculation.pipeline}")
     pipeline = _PIPELINES[req.speculation.pipeline] or config.pipeline
+    if pipeline == PIPELINE_AUTO and mode == "fixed" and not _PIPELINES[req.speculation.pipeline]:
+        pipeline = "off"  # the default's auto is auto speculation's; a fixed K asks for it by name
     draft_length = config.draft_length
     if mode in ("fixed", "auto") and req.speculation.draft_length:  # auto: the largest K it may pick
         draft_length = req.speculation.draft_length

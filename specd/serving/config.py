@@ -20,6 +20,7 @@ from typing import Any, TypeVar, get_type_hints
 from specd.core.draft.suffix import SuffixSettings
 from specd.core.errors import InvalidArgument
 from specd.core.model.catalog import DEMO, NONE
+from specd.core.rounds.auto import PIPELINE_AUTO
 from specd.core.rounds.pipeline import PIPELINES
 from specd.core.rounds.steps import DEFAULT_BRANCH_BUDGET, MAX_BRANCH_BUDGET
 from specd.core.sampling.sparse_q import MAX_BITS, QSettings
@@ -327,9 +328,10 @@ class CoordinatorConfig(ServiceBase):
     max_draft_length: int = _opt(16, "largest draft length a request may ask for")
     speculation: str = _opt("auto", "default speculation mode", choices=["auto", "fixed", "off"])
     pipeline: str = _opt(
-        "off",
-        "default pipelining: draft the next round during verification",
-        choices=sorted(PIPELINES),
+        PIPELINE_AUTO,
+        "default pipelining: draft the next round during verification; 'auto' chooses per round, with K, "
+        "for automatic speculation (a fixed-K request without a pipeline of its own runs 'off')",
+        choices=sorted([*PIPELINES, PIPELINE_AUTO]),
     )
     branch_budget: int = _opt(
         DEFAULT_BRANCH_BUDGET,

@@ -94,9 +94,10 @@ def reported_ms(ms: float) -> float:
     """A peer's reported compute time: a non-finite or negative one reads as not reported (0.0).
 
     Clamped, not refused, like batch_size's max(1, ...): the figure is accounting only (the
-    output never depends on it), and 0 is what the estimates already skip as "no sample" (a
-    pipelined draft's hidden time), so one peer's inf or NaN cannot reach the service-wide
-    cost estimates (core/rounds/adaptive.py) that every request's draft length reads.
+    output never depends on it), and 0 is what the records already read as "no sample" (a
+    pipelined draft's hidden time), so one peer's inf or NaN cannot reach the round records,
+    the metrics or the hybrid drafter's cost estimate. (Auto's choices read the loop's own
+    clocks, core/rounds/auto.py.)
     """
     return ms if 0.0 <= ms < math.inf else 0.0  # NaN fails both comparisons
 

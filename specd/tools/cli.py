@@ -334,7 +334,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--no-speculation", action="store_true", help="target-only decoding")
     gen.add_argument(
         "--pipeline",
-        choices=["off", "bonus-match", "post-verify", "spec-cache"],
+        choices=["off", "bonus-match", "post-verify", "spec-cache", "auto"],
         default=None,
         help="draft the next round while this one is verified (default: server's choice)",
     )

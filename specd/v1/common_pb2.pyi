@@ -53,11 +53,13 @@ class SpeculationParams(_message.Message):
         PIPELINE_BONUS_MATCH: _ClassVar[SpeculationParams.Pipeline]
         PIPELINE_POST_VERIFY: _ClassVar[SpeculationParams.Pipeline]
         PIPELINE_SPEC_CACHE: _ClassVar[SpeculationParams.Pipeline]
+        PIPELINE_AUTO: _ClassVar[SpeculationParams.Pipeline]
     PIPELINE_UNSPECIFIED: SpeculationParams.Pipeline
     PIPELINE_OFF: SpeculationParams.Pipeline
     PIPELINE_BONUS_MATCH: SpeculationParams.Pipeline
     PIPELINE_POST_VERIFY: SpeculationParams.Pipeline
     PIPELINE_SPEC_CACHE: SpeculationParams.Pipeline
+    PIPELINE_AUTO: SpeculationParams.Pipeline
     MODE_FIELD_NUMBER: _ClassVar[int]
     DRAFT_LENGTH_FIELD_NUMBER: _ClassVar[int]
     PIPELINE_FIELD_NUMBER: _ClassVar[int]

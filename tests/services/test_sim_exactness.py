@@ -143,14 +143,16 @@ def prompts():
     return [[rng.randrange(256) for _ in range(rng.randint(3, 12))] for _ in range(REQUESTS)]
 
 
-def run(cluster: Cluster, prompts: list[list[int]], strategy: str, **sampling) -> tuple[list[list[int]], list]:
+def run(
+    cluster: Cluster, prompts: list[list[int]], strategy: str, speculation: str = "fixed", **sampling
+) -> tuple[list[list[int]], list]:
     def one(i: int):
         with cluster.client() as client:
             return client.generate(
                 prompts[i],
                 max_new_tokens=NEW_TOKENS,
                 seed=1000 + i,
-                speculation="fixed",
+                speculation=speculation,
                 draft_length=4,
                 pipeline=strategy,
                 **sampling,
@@ -196,21 +198,36 @@ def test_emitted_tokens_follow_the_emulators_p(cluster, prompts, strategy, setti
     check_speculation(served, served_st, strategy)
     for i, (got, s) in enumerate(zip(served, served_st)):
         assert got == outputs[i], f"request {i}: the services emitted other tokens than the in-process loop ({s})"
+    check_p(prompts, outputs, setting, strategy)  # power: the same test rejects these tokens at 1.3x T
+
+
+def check_p(prompts: list[list[int]], outputs: list[list[int]], setting: dict, what: str) -> None:
+    """Chi-square of the emitted tokens' ranks against the emulator's p, and its power at 1.3 T."""
     profile = parse_sim_spec(SPEC)
     contexts, tokens = rows_and_tokens(prompts, outputs)
     logits = SimLM(profile.shape).logits(contexts).numpy()
     top_k, top_p = setting.get("top_k", 0), setting.get("top_p", 1.0)
     pvalue = chi2_of_ranks(processed(logits, setting["temperature"], top_k, top_p), tokens)
-    assert pvalue > PASS_P, f"{strategy} {setting}: chi-square p = {pvalue:.2e} over {len(tokens)} tokens"
-    # Power: the same test rejects these tokens against a p at 1.3x the temperature.
+    assert pvalue > PASS_P, f"{what} {setting}: chi-square p = {pvalue:.2e} over {len(tokens)} tokens"
     wrong = chi2_of_ranks(processed(logits, 1.3 * setting["temperature"], top_k, top_p), tokens)
     assert wrong < FAIL_P, f"the test cannot tell T from 1.3 T (p = {wrong:.2e})"
 
 
-@pytest.mark.parametrize("strategy", STRATEGIES)
+@pytest.mark.parametrize("setting", SETTINGS[:2], ids=lambda s: ",".join(f"{k}={v}" for k, v in s.items()))
+def test_auto_through_the_services_follows_p(cluster, prompts, setting):
+    """Speculation and pipeline auto: K and the strategy change from round to round with the measured
+    costs, so the tokens are not the in-process run's, token for token; their distribution is p's."""
+    outputs, st = run(cluster, prompts, "auto", speculation="auto", **setting)
+    assert all(len(o) == NEW_TOKENS for o in outputs)
+    assert sum(s.accepted_tokens for s in st) > 0.3 * sum(s.draft_tokens for s in st) > 0  # speculation ran
+    check_p(prompts, outputs, setting, "auto")
+
+
+@pytest.mark.parametrize("strategy", [*STRATEGIES, "auto"])
 def test_greedy_is_the_argmax_chain_of_p(cluster, prompts, strategy):
     some = prompts[:16]
-    outputs, st = run(cluster, some, strategy, temperature=0.0)
+    speculation = "auto" if strategy == "auto" else "fixed"
+    outputs, st = run(cluster, some, strategy, speculation=speculation, temperature=0.0)
     assert sum(s.accepted_tokens for s in st) > 0
     if strategy == "spec-cache":
         outcomes = {o for s in st for o in s.pipeline_hits_by_outcome}

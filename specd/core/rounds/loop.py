@@ -29,9 +29,17 @@ from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from specd.core.errors import REQUEST_ERRORS, DeadlineExceeded, ProposalRefused, ResourceExhausted, SpecdError
-from specd.core.rounds.adaptive import ServiceEstimates
+from specd.core.rounds.auto import PIPELINE_AUTO, TARGET_ONLY, Arm, ArmCycles, AutoChooser, AutoPolicy
 from specd.core.rounds.generation import FinishReason, Generation, StopRule
-from specd.core.rounds.pipeline import Off, PipelineRound, PipelineSettings, PreDraft, make_pipeline
+from specd.core.rounds.pipeline import (
+    AUTO_PIPELINES,
+    Off,
+    PipelineRound,
+    PipelineSettings,
+    PipelineStrategy,
+    PreDraft,
+    make_pipeline,
+)
 from specd.core.rounds.port_sessions import DraftSession, TargetSession
 from specd.core.rounds.ports import Carrier, DraftPort, NoObserver, RoundObserver, TargetPort
 from specd.core.rounds.record import PipelineHit, RoundRecord, RoundStats, TargetOnly, TokenKind
@@ -62,7 +70,7 @@ class GenerateSpec:
     stop_token_ids: frozenset[int] = frozenset()
     speculation: str = "auto"  # one of SPECULATION_MODES
     draft_length: int = 4  # fixed K, or the largest K automatic mode may pick
-    pipeline: str = "off"  # a name in specd.core.rounds.pipeline.PIPELINES
+    pipeline: str = "off"  # a name in specd.core.rounds.pipeline.PIPELINES, or "auto": chosen per round
     tenant: str = ""  # the caller's tenant key: the draft's learned state it may use ("": none)
 
 
@@ -78,16 +86,17 @@ class LoopSettings:
 class RoundLoop:
     """Runs requests' rounds over two ports; one per service, shared by its requests.
 
-    Shared: the service-wide adaptive estimates (acceptance, cost, target
-    load) and the draft's health (a failure pauses speculation for every
-    request for draft_retry_s).
+    Shared: auto's service-wide measurements (cycles per arm, call costs,
+    acceptance; specd.core.rounds.auto) and the draft's health (a failure
+    pauses speculation for every request for draft_retry_s).
     """
 
     def __init__(self, target: TargetPort, draft: DraftPort | None, settings: LoopSettings | None = None) -> None:
         self.target = target
         self.draft = draft
         self.settings = settings or LoopSettings()
-        self.estimates = ServiceEstimates()
+        self.auto = AutoPolicy()
+        self.running = 0  # requests whose rounds are running (auto's workload class)
         self._draft_down_until = 0.0
         self._background: set[asyncio.Task[None]] = set()
         self._abandoned: set[asyncio.Task[None]] = set()  # the closes of requests that ended unfinished
@@ -184,9 +193,21 @@ class RequestRun:
         self._stop = stop
         self._observer = observer
         speculating = spec.speculation != "off"
-        pipeline_settings = PipelineSettings(branch_budget=loop.settings.branch_budget)
-        self._pipeline = make_pipeline(spec.pipeline, pipeline_settings) if speculating else Off()
-        self._adaptive = loop.estimates.controller(spec.draft_length) if spec.speculation == "auto" else None
+        self._pipeline_settings = PipelineSettings(branch_budget=loop.settings.branch_budget)
+        self._strategies: dict[str, PipelineStrategy] = {}  # by name: each holds this request's pre-draft state
+        auto_pipeline = spec.pipeline == PIPELINE_AUTO
+        self._chooser: AutoChooser | None = None
+        if speculating and (spec.speculation == "auto" or auto_pipeline):
+            fixed = spec.speculation == "fixed"
+            self._chooser = loop.auto.chooser(
+                spec.draft_length,
+                AUTO_PIPELINES if auto_pipeline else (spec.pipeline,),
+                target_only=not fixed,
+                k_min=spec.draft_length if fixed else 1,
+            )
+        self._pipeline = self._strategy(spec.pipeline if speculating and not auto_pipeline else Off.name)
+        self._last_send: tuple[Arm, float, ArmCycles] | None = None  # the previous auto round's arm and verify time
+        self._verified_at = 0.0  # perf_counter() when the last verify call answered
         self._target = TargetSession(loop.target, session_id, spec.params, loop.settings.target_timeout_s)
         self._draft = DraftSession(loop.draft, session_id, spec.params, spec.tenant) if loop.draft is not None else None
         self._ready: tuple[Proposal, PipelineHit] | None = None  # a pre-draft for the committed prefix
@@ -198,6 +219,7 @@ class RequestRun:
 
     async def rounds(self) -> AsyncGenerator[RoundRecord, None]:
         """Run rounds until the request stops, yielding each round's record as it commits."""
+        self._loop.running += 1
         try:
             while not self.generation.done:
                 try:
@@ -207,6 +229,7 @@ class RequestRun:
                     raise
                 yield record
         finally:
+            self._loop.running -= 1
             self._loop.close_later(
                 self._target, self._draft, list(self.generation.committed), abandoned=not self.generation.done
             )
@@ -218,7 +241,8 @@ class RequestRun:
         t0 = time.perf_counter()
         index, committed = self.stats.rounds, gen.committed
         carrier = self._observer.round_started(index, len(committed))
-        wanted, why = self._wanted()
+        arm, cls = self._choose()
+        wanted, why = self._wanted(arm)
         budget = gen.draft_budget(wanted)
         if why is None and budget == 0:
             why = TargetOnly.BUDGET
@@ -252,6 +276,9 @@ class RequestRun:
             return [PreDraft(b.extension(pending), b.proposal) for b in result.branches]
 
         rnd = PipelineRound(committed, proposal, budget, wanted, draft_after, draft_branches)
+        if arm is not None and cls is not None:
+            self._cycle(arm, cls, budget, why, draft_wall_ms)
+        t_verify = time.perf_counter()
         verify = self._verify(committed, proposal, self._pipeline.defers_bonus(rnd), carrier)
         pre_drafts: list[PreDraft] = []
         if isinstance(self._pipeline, Off):  # nothing runs beside the verify: await it here (no task, no loop turn)
@@ -267,7 +294,8 @@ class RequestRun:
             if pre.extension == extension and len(pre.proposal) > 0:
                 self._ready = (pre.proposal, PipelineHit(self._pipeline.name, outcome.accepted, kind, launched))
                 break
-        self._learn(proposal, outcome, draft_wall_ms)
+        if arm is not None and cls is not None and not refused:
+            self._learn(arm, cls, proposal, hit, outcome, (self._verified_at - t_verify) * 1e3, draft_wall_ms)
         new = gen.commit(proposal.token_ids, outcome.accepted, token)
         if self._stop is not None:
             keep = self._stop(new)
@@ -289,6 +317,7 @@ class RequestRun:
             target_only=None if len(proposal) else why,
             pipeline_hit=hit,
             pipeline_launched=launched,
+            pipeline=self._pipeline.name,
             draft_transit=proposal.transit,
             verify_transit=outcome.transit,
         )
@@ -302,14 +331,16 @@ class RequestRun:
         """The verdict on `proposal`, and whether the target refused it (a relayed q it found malformed):
         then the verdict is a target-only round's, and speculation pauses like on any draft failure."""
         try:
-            return await self._target.verify(
+            outcome = await self._target.verify(
                 committed,
                 proposal,
                 defer_bonus=defer_bonus,
                 deadline=self._deadline,
                 carrier=carrier,
                 on_retry=self._target_retry,
-            ), False
+            )
+            self._verified_at = time.perf_counter()
+            return outcome, False
         except ProposalRefused as exc:
             self._loop.draft_failed(exc)
             self._observer.round_event("target refused the draft's proposal; target-only round", exc)
@@ -338,14 +369,49 @@ class RequestRun:
         assert result is not None  # else the await raised
         return result, launched, pre_drafts
 
-    def _wanted(self) -> tuple[int, TargetOnly | None]:
+    def _strategy(self, name: str) -> PipelineStrategy:
+        """This request's strategy of that name (made on first use; it keeps its pre-draft state)."""
+        strategy = self._strategies.get(name)
+        if strategy is None:
+            strategy = self._strategies[name] = make_pipeline(name, self._pipeline_settings)
+        return strategy
+
+    def _choose(self) -> tuple[Arm | None, ArmCycles | None]:
+        """Auto's arm for this round and the workload class it is measured in (None, None: not auto)."""
+        if self._chooser is None:
+            return None, None
+        cls = self._loop.auto.workload(self.spec.params.temperature <= 0, self._loop.running)
+        arm = self._chooser.choose(cls)
+        self._pipeline = self._strategy(arm.pipeline)
+        return arm, cls
+
+    def _wanted(self, arm: Arm | None) -> tuple[int, TargetOnly | None]:
         """K this round would like (before the budget), or 0 and why not."""
         if self.spec.speculation == "off":
             return 0, TargetOnly.SPECULATION_OFF
-        if self._adaptive is not None:
-            k = self._adaptive.next_k(self._loop.estimates.batch_share())
-            return (k, None) if k > 0 else (0, TargetOnly.ADAPTIVE)
+        if arm is not None:
+            return (arm.k, None) if arm.k > 0 else (0, TargetOnly.ADAPTIVE)
         return self.spec.draft_length, None
+
+    def _cycle(self, arm: Arm, cls: ArmCycles, budget: int, why: TargetOnly | None, draft_wall_ms: float) -> None:
+        """At a verify going out: the previous auto round's cycle (its verify out to this one), to its arm.
+
+        It includes this round's wait for its draft, which the previous round's pipeline
+        may have saved; a fresh draft of another K is rescaled to the previous arm's K,
+        and a round whose K the request's end or the draft's health cut is not measured."""
+        now = time.perf_counter()
+        last, self._last_send = self._last_send, None
+        normal = why is None or why is TargetOnly.ADAPTIVE
+        if last is not None and normal:
+            prev, sent, prev_cls = last
+            cycle_ms = (now - sent) * 1e3
+            if draft_wall_ms > 0 and prev.k != budget:  # a fresh draft of another K than prev's
+                cycle_ms += draft_wall_ms * ((prev.k / budget if budget else 0.0) - 1.0)
+            if prev_cls is cls and (prev.k == 0 or budget > 0):
+                assert self._chooser is not None
+                self._chooser.observe_cycle(cls, prev, cycle_ms)
+        if normal and budget == arm.k:
+            self._last_send = (arm, now, cls)
 
     async def _propose(
         self, committed: Sequence[int], extension: Sequence[int], k: int, carrier: Carrier
@@ -396,14 +462,26 @@ class RequestRun:
         log.warning("target round failed (%s: %s); retrying", type(exc).__name__, exc)
         self._observer.round_event("target failed; retrying", exc)
 
-    def _learn(self, proposal: Proposal, outcome: VerifyOutcome, draft_wall_ms: float) -> None:
-        estimates = self._loop.estimates
-        phases = outcome.phases
-        estimates.observe_target(phases.batch_tokens, phases.batch_size, outcome.compute_ms, self.spec.draft_length + 1)
-        if self._adaptive is not None:
-            estimates.observe(
-                self._adaptive, len(proposal), outcome.accepted, proposal.compute_ms, outcome.compute_ms, draft_wall_ms
-            )
+    def _learn(
+        self,
+        arm: Arm,
+        cls: ArmCycles,
+        proposal: Proposal,
+        hit: PipelineHit | None,
+        outcome: VerifyOutcome,
+        verify_ms: float,
+        draft_wall_ms: float,
+    ) -> None:
+        """Feed auto a round's verdict and call times (its own walls, not what the peers report).
+
+        A fresh draft that came back short counts its missing positions as rejected:
+        what the arm yields is what the drafter gives when asked for K."""
+        assert self._chooser is not None
+        drafted = len(proposal) if hit is not None or arm == TARGET_ONLY else arm.k
+        if drafted > 0:
+            self._chooser.observe_verdict(cls, drafted, outcome.accepted)
+        fresh_k = len(proposal) if draft_wall_ms > 0 else 0
+        AutoChooser.observe_calls(cls, len(proposal) + 1, verify_ms, fresh_k, draft_wall_ms)
 
 
 def _kind(outcome: VerifyOutcome) -> TokenKind:

@@ -245,6 +245,10 @@ PIPELINES: dict[str, Callable[[PipelineSettings], PipelineStrategy]] = {
 }
 
 
+# What `--pipeline auto` chooses among per round (specd.core.rounds.auto); the first is where it starts.
+AUTO_PIPELINES = (Off.name, SpecCache.name, PostVerify.name, BonusMatch.name)
+
+
 def make_pipeline(name: str, settings: PipelineSettings | None = None) -> PipelineStrategy:
     """A fresh strategy (it holds one request's pre-draft state)."""
     try:

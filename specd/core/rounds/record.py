@@ -90,6 +90,7 @@ class RoundRecord:
     target_only: TargetOnly | None = None  # why no draft tokens were verified; None when some were
     pipeline_hit: PipelineHit | None = None  # the proposal came from the previous round's pre-draft
     pipeline_launched: int = 0  # pre-drafts this round launched for the next (spec-cache: the branch budget)
+    pipeline: str = "off"  # the pipeline strategy this round ran (auto picks it per round)
     draft_transit: Transit | None = None  # hops of this round's propose call (None: none made, or in-process)
     verify_transit: Transit | None = None  # hops of its verify call
 

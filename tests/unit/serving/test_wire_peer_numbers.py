@@ -1,5 +1,6 @@
 """The numbers a draft or target reports: a compute time that is inf, NaN or negative reads as not
-reported, so it never reaches the service-wide estimates; a verdict's token must be in the vocabulary."""
+reported, so it never reaches the records and the bench's cost figures (auto reads the loop's own
+clocks, not these); a verdict's token must be in the vocabulary."""
 
 from __future__ import annotations
 
@@ -8,7 +9,6 @@ import math
 import pytest
 
 from specd.core.errors import Unavailable
-from specd.core.rounds.adaptive import Estimate, LinearCost, ServiceEstimates
 from specd.core.sampling.proposal import Proposal
 from specd.serving import wire
 from specd.v1 import draft_pb2, target_pb2
@@ -29,20 +29,6 @@ def _verdict(compute_ms: float = 4.0, token_id: int = 7, kind: int = target_pb2.
     v = resp.verdict
     v.accepted, v.token_id, v.kind, v.compute_ms, v.batch_size, v.batch_tokens = 1, token_id, kind, compute_ms, 1, 4
     return resp
-
-
-def _estimates_after(draft_ms: float, verify_ms: float) -> ServiceEstimates:
-    """Service-wide estimates after one round of 3 drafts (1 accepted) with these compute times, as the loop feeds them."""
-    est = ServiceEstimates()
-    ctl = est.controller(4)
-    est.observe_target(4, 1, verify_ms, 5)
-    est.observe(ctl, 3, 1, draft_ms, verify_ms, draft_wall_ms=draft_ms + 1.0)
-    return est
-
-
-def _costs(est: ServiceEstimates) -> tuple[Estimate, Estimate, LinearCost]:
-    """The cost estimates every session's draft length reads (acceptance moves with any verdict)."""
-    return est.cost_ratio, est.overhead, est.target_cost
 
 
 @pytest.mark.parametrize("relay", [True, False])
@@ -70,18 +56,6 @@ def test_a_verdicts_bad_compute_time_reads_as_not_reported(bad: float) -> None:
     outcome = wire.verdict_from_proto(_verdict(bad), round_trip_ms=6.0, wake_ms=0.1, vocab_size=V)
     assert outcome.compute_ms == 0.0 and (outcome.accepted, outcome.token_id) == (1, 7)
     assert outcome.transit is not None and all(math.isfinite(ms) for _, ms in outcome.transit.hops())
-
-
-@pytest.mark.parametrize("bad", BAD_MS)
-def test_bad_compute_times_leave_the_shared_estimates_as_they_were(bad: float) -> None:
-    """What the loop learns from a round whose draft and target both lied equals what it learns from no timing at all."""
-    proposal = wire.proposal_from_answer(_draft_answer(bad), V, round_trip_ms=5.0, wake_ms=0.1, relay=True)
-    outcome = wire.verdict_from_proto(_verdict(bad), round_trip_ms=6.0, vocab_size=V)
-    est = _estimates_after(proposal.compute_ms, outcome.compute_ms)
-    assert _costs(est) == _costs(_estimates_after(0.0, 0.0)) == _costs(ServiceEstimates())
-    if bad == math.inf:  # the raw figure would have moved them: the guard is what keeps them
-        raw = _costs(_estimates_after(bad, 4.0))
-        assert raw != _costs(ServiceEstimates())
 
 
 @pytest.mark.parametrize("token_id", [V, V + 1, 2**32 - 1])

@@ -98,6 +98,23 @@ def test_every_strategy_gives_the_target_only_output(pipeline: str, speculation:
         assert missed, "the script should make some pre-drafts miss"
 
 
+@pytest.mark.parametrize("speculation", ["fixed", "auto"])
+def test_the_auto_pipeline_tries_the_strategies_and_stays_exact(speculation: str) -> None:
+    """pipeline "auto" switches strategy (and, with auto speculation, K) between rounds of one request."""
+    target, draft = FakeTarget(), FakeDraft()
+    r, records, loop = run(spec(400, pipeline="auto", speculation=speculation, draft_length=4), target, draft)
+    assert r.generation.generated == expected(400) and r.finish_reason == FinishReason.LENGTH
+    assert target.violations == []  # a strategy switch never verifies a pre-draft made for another prefix
+    check_records(r, records)
+    ran = {rec.pipeline for rec in records}
+    assert len(ran) >= 2 and ran <= set(PIPELINES), ran  # the strategy changed within the request
+    assert r.stats.pipeline_hits > 0
+    lengths = {rec.draft_length for rec in records[:-2]}
+    assert lengths == {4} if speculation == "fixed" else len(lengths) > 1
+    cls = loop.auto.workload(greedy=True, running=1)
+    assert cls.verify_ms.mean() is not None and cls.residual_ms  # the loop fed auto its cycles and calls
+
+
 def hits_after(records: list[RoundRecord]) -> list[tuple[RoundRecord, RoundRecord]]:
     return [(rec, nxt) for rec, nxt in itertools.pairwise(records) if rec.pipeline_launched]
 

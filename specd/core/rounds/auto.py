@@ -1,0 +1,341 @@
+"""Auto: each round's draft length and pipeline, chosen from what rounds really cost.
+
+An *arm* is a way to run a round: a pipeline strategy (specd.core.rounds.pipeline)
+and a draft length K; K = 0 is a target-only round. Per round the controller
+picks the arm with the best expected rate
+
+    rate(arm) = E[tokens | K] / cycle(arm)
+
+where the tokens are modelled and the cycle is measured:
+
+- **E[tokens | K]** = 1 + sum_{i=1..K} prod_{j<i} a_j, with a_j the
+  acceptance at draft position j given the ones before it were accepted:
+  this request's verdicts, shrunk towards the service's (`AcceptanceModel`).
+  Post-verify loses the bonus on an all-accepted round (it becomes the next
+  round's first draft position): minus P(all K accepted) (1 - a_K).
+- **cycle(arm)**: the wall time from one round's verify going out to the
+  next round's, as the loop sees it: the verify with its hops and the
+  target's batch, the pipeline's settle, the next round's wait for its draft
+  (none on a pipeline hit) and the loop's own work. Host costs, wire, queues
+  and batching are in it as they are, not as a model thinks they are. It is
+  measured per arm and per workload class (greedy or sampled; the number of
+  requests running, in powers of two), shrunk towards a model of it:
+
+      model(p, K) = v(K + 1) + (1 - h_p(K)) d(K) + o
+
+  v(n): a verify call's wall for n tokens, d(K): a fresh K-token draft
+  call's wall, both fitted online (`LinearCost`); o: what measured cycles
+  exceed their model by; h_p: the pipeline's hit chance from the
+  acceptance model (off 0, post-verify P(all K), bonus-match P(all K) a_K,
+  spec-cache the mean of P(all K) and 1). The model only places arms not
+  measured yet; an arm's own rounds take over (`prior_weight` against up to
+  `horizon` measured cycles).
+
+**Exploration, and what it can cost.** One round in `explore_every` (counted
+over the whole service) runs a neighbour of the best arm instead, the one
+measured longest ago: K - 1, K + 1, the other pipelines at K, and
+target-only (or K = 1 from target-only). That keeps every arm the best could
+move to measured under today's load, and bounds the loss to
+(1 / explore_every) x (1 - the worst neighbour's rate / the best's): at 24
+and a neighbour at 0.7x, 1.25%. After a bad stretch the acceptance of the
+request's own exploration rounds brings speculation back: a request whose
+text became predictable speculates again within a few exploration rounds
+(tests/unit/core/rounds/test_auto.py bounds it).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from specd.core.rounds.adaptive import Estimate, LinearCost
+
+OFF, BONUS_MATCH, POST_VERIFY, SPEC_CACHE = "off", "bonus-match", "post-verify", "spec-cache"
+PIPELINE_AUTO = "auto"  # a request's or the coordinator's pipeline setting: chosen per round by this module
+
+
+@dataclass(frozen=True, order=True)
+class Arm:
+    """A way to run a round: a pipeline strategy's name and the draft length (0: target-only)."""
+
+    pipeline: str
+    k: int
+
+
+TARGET_ONLY = Arm(OFF, 0)
+
+
+@dataclass
+class AcceptanceModel:
+    """Acceptance per draft position with forgetting: a_i = P(position i accepted | the ones before were).
+
+    Counts decay by `forget` per verdict (about 1 / (1 - forget) verdicts of
+    memory), so it follows a workload that changes. A position's rate is
+    shrunk towards the pooled rate over all positions (few verdicts reach the
+    deep ones), and that towards a prior.
+    """
+
+    forget: float = 0.995
+    position_weight: float = 16.0  # the pooled rate counts as this many verdicts at each position
+    reached: list[float] = field(default_factory=list)
+    accepted: list[float] = field(default_factory=list)
+
+    def observe(self, drafted: int, accepted: int) -> None:
+        """One verdict: `accepted` of `drafted` draft tokens (accepted before the first rejection)."""
+        if drafted <= 0:
+            return
+        f = self.forget
+        if f < 1.0:
+            self.reached = [f * n for n in self.reached]
+            self.accepted = [f * n for n in self.accepted]
+        if drafted > len(self.reached):
+            grow = drafted - len(self.reached)
+            self.reached.extend([0.0] * grow)
+            self.accepted.extend([0.0] * grow)
+        for i in range(min(drafted, accepted + 1)):
+            self.reached[i] += 1.0
+            self.accepted[i] += float(i < accepted)
+
+    def pooled(self, prior: float, prior_weight: float) -> float:
+        """The rate over every position, shrunk towards prior by prior_weight trials."""
+        return (sum(self.accepted) + prior * prior_weight) / (sum(self.reached) + prior_weight)
+
+    def rates(self, k: int, prior: float, prior_weight: float) -> list[float]:
+        """a_0 .. a_{k-1}: each position shrunk towards the pooled rate, which is shrunk towards prior."""
+        pooled = self.pooled(prior, prior_weight)
+        w = self.position_weight
+        out = []
+        for i in range(k):
+            n = self.reached[i] if i < len(self.reached) else 0.0
+            hits = self.accepted[i] if i < len(self.accepted) else 0.0
+            out.append((hits + pooled * w) / (n + w))
+        return out
+
+
+def expected_tokens(rates: Sequence[float], k: int) -> float:
+    """E[tokens a round commits] with k draft tokens: 1 + sum_{i=1..k} prod_{j<i} a_j."""
+    total, reach = 1.0, 1.0
+    for a in rates[:k]:
+        reach *= a
+        total += reach
+    return total
+
+
+def all_accepted(rates: Sequence[float], k: int) -> float:
+    """P(all k draft tokens accepted)."""
+    p = 1.0
+    for a in rates[:k]:
+        p *= a
+    return p
+
+
+# Per pipeline: (P(hit | every draft accepted), P(hit | a rejection)) before any is measured. Post-verify
+# hits exactly when all were accepted; bonus-match also needs its guess of the bonus; the speculation
+# cache covers the all-accepted verdict with its bonus guesses and the likeliest rejections too.
+HIT_PRIORS = {OFF: (0.0, 0.0), POST_VERIFY: (1.0, 0.0), BONUS_MATCH: (0.5, 0.0), SPEC_CACHE: (1.0, 0.5)}
+_STRUCTURAL = {POST_VERIFY: (False, True), BONUS_MATCH: (True, True)}  # parts fixed by how the strategy works
+
+
+def hit_chance(pipeline: str, rates: Sequence[float], k: int, given: tuple[float, float] | None = None) -> float:
+    """The chance that this round's pre-draft is the next round's draft:
+    P(all k accepted) h_all + (1 - P(all k accepted)) h_rejected, with (h_all, h_rejected) = given or the prior."""
+    if k <= 0 or pipeline == OFF:
+        return 0.0
+    h_all, h_rejected = given if given is not None else HIT_PRIORS.get(pipeline, (0.0, 0.0))
+    p_all = all_accepted(rates, k)
+    return p_all * h_all + (1.0 - p_all) * h_rejected
+
+
+def arm_tokens(arm: Arm, rates: Sequence[float]) -> float:
+    """E[tokens | arm] (see the module docstring)."""
+    tokens = expected_tokens(rates, arm.k)
+    if arm.pipeline == POST_VERIFY and arm.k > 0:
+        tokens -= all_accepted(rates, arm.k) * (1.0 - rates[arm.k - 1])
+    return tokens
+
+
+def _family(arm: Arm) -> str:
+    """What an arm's residual and hit rate are pooled over: its pipeline, or target-only."""
+    return "target-only" if arm.k == 0 else arm.pipeline
+
+
+@dataclass
+class ArmCycles:
+    """What one workload class measured: call costs, per-pipeline corrections, acceptance."""
+
+    verify_ms: LinearCost = field(default_factory=LinearCost)  # verify call wall against its tokens
+    draft_ms: LinearCost = field(default_factory=LinearCost)  # fresh draft call wall against K
+    residual_ms: dict[str, Estimate] = field(default_factory=dict)  # per family: measured cycle - model
+    hits: dict[tuple[str, bool], Estimate] = field(default_factory=dict)  # (pipeline, all accepted) -> P(hit)
+    last_seen: dict[Arm, int] = field(default_factory=dict)  # the class's round count at the arm's last cycle
+    acceptance: AcceptanceModel = field(default_factory=AcceptanceModel)  # every request's verdicts
+    rounds: int = 0
+    longest: int = 0  # the most draft tokens a verify of this class carried: K grows from there one at a time
+
+
+def _predict(cost: LinearCost, x: float) -> float | None:
+    """cost's fitted time at x; before the slope is known, the mean time seen (slope 0); None before any."""
+    fitted = cost.fit()
+    if fitted is not None:
+        return fitted[0] + fitted[1] * x
+    return cost.mean()
+
+
+@dataclass(frozen=True)
+class AutoSettings:
+    explore_every: int = 24  # one round in this many (service-wide) runs a neighbour of the best arm
+    horizon: float = 32.0  # rounds a family's correction averages over
+    correction_prior: float = 4.0  # a family's correction is shrunk towards 0 (the model) by this many rounds
+    service_prior_weight: float = 2.0  # the 0.5 starting guess counts as this many verdicts service-wide
+    request_prior_weight: float = 4.0  # the service's acceptance counts as this many of a request's verdicts
+    start_k: int = 2  # before anything is measured
+
+
+class AutoPolicy:
+    """The service-wide state every request's `AutoChooser` reads and feeds (one per round loop)."""
+
+    def __init__(self, settings: AutoSettings | None = None) -> None:
+        self.settings = settings or AutoSettings()
+        self._classes: dict[tuple[bool, int], ArmCycles] = {}
+        self._rounds = 0
+
+    def workload(self, greedy: bool, running: int) -> ArmCycles:
+        """The measurements of a workload class: greedy or sampled, and log2 of the requests running."""
+        key = (greedy, max(0, int(running)).bit_length())
+        cls = self._classes.get(key)
+        if cls is None:
+            cls = self._classes[key] = ArmCycles()
+        return cls
+
+    def explore_now(self) -> bool:
+        """Count a round; True once every explore_every rounds."""
+        self._rounds += 1
+        return self._rounds % self.settings.explore_every == 0
+
+    def chooser(self, k_max: int, pipelines: Sequence[str], *, target_only: bool, k_min: int = 1) -> AutoChooser:
+        """A request's chooser: K in k_min..k_max (and 0 if target_only) over these pipelines."""
+        return AutoChooser(self, k_max, tuple(pipelines), target_only, k_min)
+
+
+class AutoChooser:
+    """One request's arm choice: its own acceptance, the service's measured costs."""
+
+    def __init__(
+        self, policy: AutoPolicy, k_max: int, pipelines: tuple[str, ...], target_only: bool, k_min: int = 1
+    ) -> None:
+        self.policy = policy
+        self.k_max = max(1, k_max)
+        self.k_min = min(max(1, k_min), self.k_max)
+        self.pipelines = pipelines
+        self.target_only = target_only
+        self.acceptance = AcceptanceModel(forget=0.97)  # this request's last ~30 verdicts: its text as it is now
+        self._arms = [Arm(p, k) for p in pipelines for k in range(self.k_min, self.k_max + 1)]
+        if target_only:
+            self._arms.append(TARGET_ONLY)
+
+    def rates(self, cls: ArmCycles) -> list[float]:
+        """This request's acceptance per position, shrunk towards the service's."""
+        s = self.policy.settings
+        service = cls.acceptance.pooled(0.5, s.service_prior_weight)
+        return self.acceptance.rates(self.k_max, service, s.request_prior_weight)
+
+    def choose(self, cls: ArmCycles) -> Arm:
+        """The arm for the next round (the best, or a neighbour of it on an exploration round)."""
+        rates = self.rates(cls)
+        best = self.best(cls, rates)
+        if self.policy.explore_now():
+            neighbours = self.neighbours(best)
+            if neighbours:
+                return min(neighbours, key=lambda a: (cls.last_seen.get(a, -1), a))
+        return best
+
+    def best(self, cls: ArmCycles, rates: Sequence[float]) -> Arm:
+        """The arm with the best expected rate, among K up to one more than any measured yet
+        (the cost fits do not extrapolate: a longer K is measured before it is trusted)."""
+        start = min(self.k_max, max(self.k_min, self.policy.settings.start_k))
+        if cls.verify_ms.mean() is None:  # nothing measured yet in this class
+            return Arm(self.pipelines[0], start)
+        reach = max(start, cls.longest + 1, self.k_min)
+        arms = [a for a in self._arms if a.k <= reach]
+        return max(arms, key=lambda a: (self.expected_rate(cls, a, rates), -a.k))
+
+    def expected_rate(self, cls: ArmCycles, arm: Arm, rates: Sequence[float]) -> float:
+        """Tokens per ms the arm is expected to give."""
+        return arm_tokens(arm, rates) / max(self.cycle(cls, arm, rates), 1e-6)
+
+    def hit(self, cls: ArmCycles, arm: Arm, rates: Sequence[float]) -> float:
+        """The arm's chance of a pipeline hit: the model's, corrected by what its pipeline measured."""
+        if arm.k == 0 or arm.pipeline == OFF:
+            return 0.0
+        prior = HIT_PRIORS.get(arm.pipeline, (0.0, 0.0))
+        given = tuple(
+            self._shrunk(cls.hits.get((arm.pipeline, all_in)), prior[i]) for i, all_in in enumerate((True, False))
+        )
+        return hit_chance(arm.pipeline, rates, arm.k, (given[0], given[1]))
+
+    def _shrunk(self, measured: Estimate | None, prior: float) -> float:
+        """A measured rate shrunk towards its prior by correction_prior rounds."""
+        if measured is None:
+            return prior
+        w = self.policy.settings.correction_prior
+        return (measured.value * measured.weight + prior * w) / (measured.weight + w)
+
+    def _correction(self, measured: Estimate | None) -> float:
+        """A measured correction shrunk towards none: one unlucky round does not condemn a pipeline."""
+        if measured is None:
+            return 0.0
+        return measured.value * measured.weight / (measured.weight + self.policy.settings.correction_prior)
+
+    def model_cycle(self, cls: ArmCycles, arm: Arm, rates: Sequence[float]) -> float:
+        """v(K + 1) + (1 - h) d(K), in ms: the cycle before its family's measured correction."""
+        verify = _predict(cls.verify_ms, arm.k + 1) or 0.0
+        draft = 0.0
+        if arm.k > 0:
+            draft = _predict(cls.draft_ms, arm.k) or 0.2 * verify * arm.k  # unmeasured: a cheap-ish draft
+        return verify + (1.0 - self.hit(cls, arm, rates)) * draft
+
+    def cycle(self, cls: ArmCycles, arm: Arm, rates: Sequence[float]) -> float:
+        """The expected cycle in ms: the model plus what its family's rounds measured beyond it."""
+        residual = cls.residual_ms.get(_family(arm))
+        return max(0.0, self.model_cycle(cls, arm, rates) + self._correction(residual))
+
+    def neighbours(self, arm: Arm) -> list[Arm]:
+        """The arms the best could move to next: K +- 1, the other pipelines at K, target-only."""
+        if arm.k == 0:
+            return [Arm(p, self.k_min) for p in self.pipelines]
+        out = [Arm(arm.pipeline, k) for k in (arm.k - 1, arm.k + 1) if self.k_min <= k <= self.k_max]
+        out += [Arm(p, arm.k) for p in self.pipelines if p != arm.pipeline]
+        if self.target_only:
+            out.append(TARGET_ONLY)
+        return out
+
+    # ---- what rounds report -----------------------------------------------------
+
+    def observe_verdict(self, cls: ArmCycles, drafted: int, accepted: int) -> None:
+        self.acceptance.observe(drafted, accepted)
+        cls.acceptance.observe(drafted, accepted)
+
+    def observe_cycle(self, cls: ArmCycles, arm: Arm, cycle_ms: float, hit: bool = False, all_in: bool = False) -> None:
+        """A round of `arm` took cycle_ms (its verify out to the next verify out); hit: the next
+        round drafted nothing itself, it used this round's pre-draft; all_in: every draft was accepted."""
+        if not cycle_ms > 0:
+            return
+        rates = self.rates(cls)
+        horizon = self.policy.settings.horizon
+        cls.rounds += 1
+        cls.last_seen[arm] = cls.rounds
+        structural = _STRUCTURAL.get(arm.pipeline, (True, True))
+        if arm.k > 0 and arm.pipeline != OFF and structural[0 if all_in else 1]:
+            measured = cls.hits.setdefault((arm.pipeline, all_in), Estimate(0.0))
+            measured.update(float(hit), horizon=horizon)
+        family = _family(arm)
+        residual = cls.residual_ms.setdefault(family, Estimate(0.0))
+        residual.update(cycle_ms - self.model_cycle(cls, arm, rates), horizon=horizon)
+
+    @staticmethod
+    def observe_calls(cls: ArmCycles, tokens: int, verify_ms: float, k: int, draft_ms: float) -> None:
+        """The round's verify call (tokens verified, wall) and fresh draft call (K, wall; 0: none made)."""
+        cls.verify_ms.observe(tokens, verify_ms)
+        cls.longest = max(cls.longest, tokens - 1)
+        if k > 0 and draft_ms > 0:
+            cls.draft_ms.observe(k, draft_ms)

@@ -1,0 +1,216 @@
+"""Auto's arm choice (pure): the draft length and the pipeline from measured cycles and acceptance.
+
+The environment below is a model of a service: a round of arm (pipeline, K)
+commits accepted + 1 tokens (post-verify: K on an all-accepted round) and
+takes v(K + 1) + d(K) ms, less the draft time on a pipeline hit. The tests
+feed the chooser exactly what the loop feeds it and check what it reaches
+against the best arm the environment has.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass, field
+
+import pytest
+
+from specd.core.rounds.auto import (
+    BONUS_MATCH,
+    OFF,
+    POST_VERIFY,
+    SPEC_CACHE,
+    TARGET_ONLY,
+    AcceptanceModel,
+    Arm,
+    AutoChooser,
+    AutoPolicy,
+    AutoSettings,
+    all_accepted,
+    arm_tokens,
+    expected_tokens,
+    hit_chance,
+)
+from specd.core.rounds.pipeline import AUTO_PIPELINES
+
+pytestmark = pytest.mark.unit
+
+
+@dataclass
+class Service:
+    """A service's true behaviour: acceptance, call costs, and what each pipeline hides."""
+
+    a: float  # per-token acceptance
+    verify_ms: float = 20.0  # a target step
+    verify_per_token_ms: float = 0.1  # one more verified token
+    draft_ms: float = 1.0  # the draft call's fixed cost (hop)
+    draft_per_token_ms: float = 2.0  # one draft step
+    cache_hit_all: float = 0.9  # the chance a spec-cache branch is the verdict: all accepted (bonus guesses)
+    cache_hit_rejected: float = 0.6  # ... and with a rejection (recovered guesses)
+    extra_ms: dict[str, float] = field(default_factory=dict)  # a pipeline's own cost per round (T > 0's branch call)
+    rng: random.Random = field(default_factory=lambda: random.Random(0))
+
+    def verify(self, k: int) -> float:
+        return self.verify_ms + self.verify_per_token_ms * (k + 1)
+
+    def draft(self, k: int) -> float:
+        return 0.0 if k == 0 else self.draft_ms + self.draft_per_token_ms * k
+
+    def round(self, arm: Arm) -> tuple[int, int, float, bool]:
+        """(accepted, tokens, cycle ms, hit) of one round of `arm`."""
+        accepted = 0
+        while accepted < arm.k and self.rng.random() < self.a:
+            accepted += 1
+        all_in = accepted == arm.k and arm.k > 0
+        tokens = accepted + (0 if arm.pipeline == POST_VERIFY and all_in else 1)
+        if arm.pipeline == POST_VERIFY:
+            hit = all_in
+        elif arm.pipeline == BONUS_MATCH:
+            hit = all_in and self.rng.random() < self.a
+        elif arm.pipeline == SPEC_CACHE:
+            hit = arm.k > 0 and self.rng.random() < (self.cache_hit_all if all_in else self.cache_hit_rejected)
+        else:
+            hit = False
+        cycle = self.verify(arm.k) + (0.0 if hit else self.draft(arm.k)) + self.extra_ms.get(arm.pipeline, 0.0)
+        return accepted, tokens, cycle * self.rng.uniform(0.97, 1.03), hit
+
+    def means(self, arm: Arm, rounds: int = 1500) -> tuple[float, float]:
+        """(E[tokens], E[cycle ms]) of the arm, from its own seeded rounds."""
+        saved, self.rng = self.rng, random.Random(99)
+        tokens = cycles = 0.0
+        for _ in range(rounds):
+            _, t, c, _ = self.round(arm)
+            tokens, cycles = tokens + t, cycles + c
+        self.rng = saved
+        return tokens / rounds, cycles / rounds
+
+
+def drive(chooser: AutoChooser, service: Service, rounds: int) -> tuple[float, list[Arm]]:
+    """Run rounds as the loop does: choose, run, report verdict, call walls and cycle; (rate reached, arms)."""
+    cls = chooser.policy.workload(greedy=True, running=1)
+    tokens = cycles = 0.0
+    arms = []
+    for _ in range(rounds):
+        arm = chooser.choose(cls)
+        arms.append(arm)
+        accepted, t, cycle, hit = service.round(arm)
+        if arm.k:
+            chooser.observe_verdict(cls, arm.k, accepted)
+        AutoChooser.observe_calls(cls, arm.k + 1, service.verify(arm.k), 0 if hit else arm.k, service.draft(arm.k))
+        chooser.observe_cycle(cls, arm, cycle, hit, all_in=arm.k > 0 and accepted == arm.k)
+        tokens, cycles = tokens + t, cycles + cycle
+    return tokens / cycles, arms
+
+
+def rate_of(service: Service, arms: list[Arm]) -> float:
+    """The rate these rounds' arms give in expectation (the coin noise of the rounds themselves taken out)."""
+    means = {a: service.means(a) for a in set(arms)}
+    return sum(means[a][0] for a in arms) / sum(means[a][1] for a in arms)
+
+
+def best_rate(service: Service, chooser: AutoChooser) -> tuple[Arm, float]:
+    arms = [Arm(p, k) for p in chooser.pipelines for k in range(1, chooser.k_max + 1)] + [TARGET_ONLY]
+    rates = {a: rate_of(service, [a]) for a in arms}
+    best = max(rates, key=lambda a: rates[a])
+    return best, rates[best]
+
+
+def new_chooser(k_max: int = 8, pipelines: tuple[str, ...] = AUTO_PIPELINES) -> AutoChooser:
+    return AutoPolicy().chooser(k_max, pipelines, target_only=True)
+
+
+def test_the_token_and_hit_models() -> None:
+    rates = [0.8, 0.5, 0.5]
+    assert expected_tokens(rates, 0) == 1.0
+    assert expected_tokens(rates, 3) == pytest.approx(1 + 0.8 + 0.4 + 0.2)
+    assert all_accepted(rates, 3) == pytest.approx(0.2)
+    assert hit_chance(OFF, rates, 3) == 0.0 and hit_chance(POST_VERIFY, rates, 0) == 0.0
+    assert hit_chance(POST_VERIFY, rates, 3) == pytest.approx(0.2)
+    assert hit_chance(BONUS_MATCH, rates, 3) == pytest.approx(0.1)
+    assert hit_chance(SPEC_CACHE, rates, 3) == pytest.approx(0.6)
+    # post-verify's deferred bonus is the next round's first draft position: it loses (1 - a_K) of a token
+    assert arm_tokens(Arm(POST_VERIFY, 3), rates) == pytest.approx(2.4 - 0.2 * 0.5)
+    assert arm_tokens(TARGET_ONLY, rates) == 1.0
+
+
+def test_acceptance_per_position_forgets_and_shrinks_towards_its_prior() -> None:
+    m = AcceptanceModel(forget=0.5, position_weight=4.0)
+    assert m.rates(2, 0.3, 2.0) == pytest.approx([0.3, 0.3])  # nothing seen: the prior
+    m.observe(2, 0)  # position 0 rejected, position 1 not reached
+    # pooled: 0 of 1 trial, shrunk to 0.5 by 1 -> 0.25; position 0 (0 of 1) and 1 (unseen) shrunk to it by 4
+    assert m.rates(2, 0.5, 1.0) == pytest.approx([1.0 / 5.0, 0.25])
+    for _ in range(20):
+        m.observe(2, 2)
+    assert m.rates(2, 0.0, 1.0)[0] > 0.6  # the old rejection is forgotten
+
+
+@pytest.mark.parametrize(
+    "service",
+    [
+        Service(a=0.0),  # a useless draft: target-only
+        Service(a=0.6),
+        Service(a=0.8),
+        Service(a=0.95, draft_per_token_ms=0.5),
+        Service(a=0.8, cache_hit_rejected=0.8, draft_per_token_ms=4.0),  # the cache hides a costly draft
+        Service(a=0.8, extra_ms={SPEC_CACHE: 15.0, BONUS_MATCH: 6.0}),  # T > 0: branch calls cost
+        Service(a=0.7, verify_per_token_ms=4.0),  # a CPU-like target: every verified token costs
+    ],
+    ids=["useless", "a0.6", "a0.8", "a0.95-cheap", "cache-hides", "cache-costs", "cpu-verify"],
+)
+def test_it_reaches_the_best_arm_with_exploration_included(service: Service) -> None:
+    chooser = new_chooser()
+    best, rate = best_rate(service, chooser)
+    _, arms = drive(chooser, service, 1200)  # from a service that has measured nothing yet
+    reached = rate_of(service, arms)
+    assert reached >= 0.95 * rate, f"auto {reached:.4f} against {best} {rate:.4f}"
+    if service.a == 0.0:  # where the draft is useless, at least 0.98 of target-only
+        assert reached >= 0.98 * rate_of(service, [TARGET_ONLY])
+        assert arms[-500:].count(TARGET_ONLY) >= 0.9 * 500
+
+
+def test_the_draft_length_moves_with_acceptance_and_cost() -> None:
+    def settled_k(service: Service) -> float:
+        _, arms = drive(new_chooser(pipelines=(OFF,)), service, 800)
+        tail = arms[-300:]
+        return sum(a.k for a in tail) / len(tail)
+
+    assert settled_k(Service(a=0.95, draft_per_token_ms=0.5)) > settled_k(Service(a=0.7, draft_per_token_ms=0.5))
+    assert settled_k(Service(a=0.9, draft_per_token_ms=0.2)) > settled_k(Service(a=0.9, draft_per_token_ms=4.0))
+    assert settled_k(Service(a=0.9, verify_per_token_ms=0.0)) > settled_k(Service(a=0.9, verify_per_token_ms=5.0))
+
+
+def test_the_pipeline_follows_what_it_hides_and_what_it_costs() -> None:
+    def settled(service: Service) -> str:
+        _, arms = drive(new_chooser(), service, 800)
+        tail = [a.pipeline for a in arms[-300:]]
+        return max(set(tail), key=tail.count)
+
+    assert settled(Service(a=0.8, cache_hit_rejected=0.8, draft_per_token_ms=4.0)) == SPEC_CACHE
+    assert settled(Service(a=0.8, extra_ms={SPEC_CACHE: 30.0, BONUS_MATCH: 30.0, POST_VERIFY: 30.0})) == OFF
+
+
+def test_it_speculates_again_soon_after_a_bad_stretch() -> None:
+    settings = AutoSettings()
+    chooser = AutoPolicy(settings).chooser(6, AUTO_PIPELINES, target_only=True)
+    service = Service(a=0.0)
+    _, arms = drive(chooser, service, 400)
+    assert arms[-100:].count(TARGET_ONLY) >= 90  # switched off
+    service.a = 0.9  # the text became predictable
+    _, arms = drive(chooser, service, 16 * settings.explore_every)
+    first = next(i for i, a in enumerate(arms) if a.k > 0 and all(b.k > 0 for b in arms[i : i + 20]))
+    assert first <= 10 * settings.explore_every, f"speculating steadily only from round {first}"
+
+
+def test_exploration_costs_at_most_its_share() -> None:
+    """The bound the module docstring states: one round in explore_every runs a neighbour."""
+    chooser = new_chooser(pipelines=(OFF,))
+    service = Service(a=0.0)
+    _, arms = drive(chooser, service, 1200)
+    explored = sum(a != TARGET_ONLY for a in arms[200:])
+    assert explored <= 1000 / chooser.policy.settings.explore_every + 2
+
+
+def test_a_fixed_k_request_chooses_the_pipeline_only() -> None:
+    chooser = AutoPolicy().chooser(3, AUTO_PIPELINES, target_only=False, k_min=3)
+    _, arms = drive(chooser, Service(a=0.8), 300)
+    assert {a.k for a in arms} == {3}
+    assert len({a.pipeline for a in arms}) > 1  # the pipelines were tried

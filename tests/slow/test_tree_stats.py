@@ -44,7 +44,7 @@ PARENTS = [-1] * K1 + [j for j in range(K1) for _ in range(K2)]  # [N] level ord
 N = len(PARENTS)
 
 _g = torch.Generator().manual_seed(2024)
-T_TABLE = torch.randn((V + 1) ** MAXLEN, V, generator=_g) * 1.5  # [states, V] target "model"
+T_TABLE = torch.randn((V + 1) ** MAXLEN, V, generator=_g) * 1.0  # [states, V] target "model"
 D_TABLE = T_TABLE + torch.randn((V + 1) ** MAXLEN, V, generator=_g) * 1.0  # a noisy draft
 _POW = (V + 1) ** torch.arange(MAXLEN, dtype=I64)  # [MAXLEN]
 
@@ -179,7 +179,7 @@ def _code(out: torch.Tensor) -> torch.Tensor:
 
 SETTINGS = {
     "T=1": SamplingParams(temperature=1.0),
-    "T=0.8, top-k 4, top-p 0.9": SamplingParams(temperature=0.8, top_k=4, top_p=0.9),
+    "T=0.8, top-k 4, top-p 0.95": SamplingParams(temperature=0.8, top_k=4, top_p=0.95),
 }
 DRAFTERS = {"without replacement": without_replacement, "i.i.d.": iid, "deterministic, one-hot q": deterministic_top}
 

@@ -195,4 +195,5 @@ def spec_from_prompt(
         draft_length=draft_length,
         tenant=tenant,
         pipeline=pipeline,
+        seeded=req.sampling.HasField("seed"),
     )

@@ -157,8 +157,10 @@ class FakeDraft:
         *,
         lie: set[int] | None = None,
         short: set[int] | None = None,
+        confidence: Sequence[float] = (),
     ) -> None:
         self.script = script or Script()
+        self.confidence = tuple(confidence)  # per draft position (repeating): what proposals say of themselves
         self.step = step
         self.lie = lie or set()
         self.short = short or set()  # call n proposes one token fewer than asked
@@ -187,7 +189,8 @@ class FakeDraft:
         self.prefixes.append(prefix)
         drafts = chain(prefix, self._length(n, request.num_tokens), self.step)
         self.sessions[request.session_id] = prefix + drafts
-        return Proposal(drafts, compute_ms=self.script.compute_ms * max(1, len(drafts)))
+        conf = tuple(self.confidence[i % len(self.confidence)] for i in range(len(drafts))) if self.confidence else ()
+        return Proposal(drafts, compute_ms=self.script.compute_ms * max(1, len(drafts)), confidence=conf)
 
     async def propose_branches(
         self, request: steps.BranchRequest, *, timeout: float, carrier: Carrier

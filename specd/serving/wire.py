@@ -80,6 +80,7 @@ def proposal_to_proto(proposal: Proposal) -> draft_pb2.DraftProposal:
         q=sparse_to_proto(proposal),
         compute_ms=proposal.compute_ms,
         batch_size=proposal.phases.batch_size,
+        confidence=proposal.confidence,
     )
 
 
@@ -132,6 +133,7 @@ def proposal_from_proto(
             phases=PhaseLog(batch_size=max(1, msg.batch_size)),
             transit=transit,
             wire_q=tuple(msg.q) if len(msg.q) else None,
+            confidence=reported_confidence(msg.confidence, len(tokens)),
         )
     proposal = _checked_proposal(msg.token_ids, msg.q, vocab_size, max_draft_tokens, max_q_width)
     return Proposal(
@@ -141,7 +143,18 @@ def proposal_from_proto(
         reported_ms(msg.compute_ms),
         phases=PhaseLog(batch_size=max(1, msg.batch_size)),
         transit=transit,
+        confidence=reported_confidence(msg.confidence, len(proposal.token_ids)),
     )
+
+
+def reported_confidence(values: Sequence[float], k: int) -> tuple[float, ...]:
+    """A draft's per-token confidence: one per token in [0, 1] (NaN reads as 0), or none at all.
+
+    Like a compute time it steers efficiency only (where auto cuts a proposal), never the
+    output, so a wrong one is clamped or dropped rather than refused."""
+    if len(values) != k:
+        return ()
+    return tuple(min(1.0, v) if v > 0.0 else 0.0 for v in values)  # NaN fails v > 0
 
 
 def _relayed_tokens(

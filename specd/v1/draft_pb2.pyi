@@ -102,16 +102,18 @@ class DraftResponse(_message.Message):
     def __init__(self, request_id: _Optional[int] = ..., session_id: _Optional[str] = ..., committed_length: _Optional[int] = ..., proposal: _Optional[_Union[DraftProposal, _Mapping]] = ..., ack: _Optional[_Union[_session_pb2.SessionAck, _Mapping]] = ..., error: _Optional[_Union[_session_pb2.SessionError, _Mapping]] = ..., branches: _Optional[_Union[DraftBranchSet, _Mapping]] = ..., timing: _Optional[_Union[_session_pb2.ServiceTiming, _Mapping]] = ...) -> None: ...
 
 class DraftProposal(_message.Message):
-    __slots__ = ("token_ids", "q", "compute_ms", "batch_size")
+    __slots__ = ("token_ids", "q", "compute_ms", "batch_size", "confidence")
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     Q_FIELD_NUMBER: _ClassVar[int]
     COMPUTE_MS_FIELD_NUMBER: _ClassVar[int]
     BATCH_SIZE_FIELD_NUMBER: _ClassVar[int]
+    CONFIDENCE_FIELD_NUMBER: _ClassVar[int]
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     q: _containers.RepeatedCompositeFieldContainer[_common_pb2.SparseDistribution]
     compute_ms: float
     batch_size: int
-    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., q: _Optional[_Iterable[_Union[_common_pb2.SparseDistribution, _Mapping]]] = ..., compute_ms: _Optional[float] = ..., batch_size: _Optional[int] = ...) -> None: ...
+    confidence: _containers.RepeatedScalarFieldContainer[float]
+    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., q: _Optional[_Iterable[_Union[_common_pb2.SparseDistribution, _Mapping]]] = ..., compute_ms: _Optional[float] = ..., batch_size: _Optional[int] = ..., confidence: _Optional[_Iterable[float]] = ...) -> None: ...
 
 class DraftBranch(_message.Message):
     __slots__ = ("accepted", "token_id", "proposal")

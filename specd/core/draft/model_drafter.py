@@ -335,12 +335,16 @@ class ModelDrafter(PooledModel[_ModelDraftSession]):
         tokens: dict[int, int] = {}  # row -> token
         greedy = [a for a, (_, s) in enumerate(active) if s.params.is_greedy]
         if greedy:  # the argmax, off the logits (specd.core.sampling.greedy); q one-hot: nothing to send
-            best, bad = greedy_tokens(logits[greedy])
-            for a, token, unusable in zip(greedy, best.tolist(), bad.tolist()):
+            greedy_logits = logits[greedy].float()  # [G, V or N]
+            best, bad = greedy_tokens(greedy_logits)
+            # its confidence: the softmax's top probability (what the argmax would be sampled with at T = 1)
+            top = torch.exp(greedy_logits.max(-1).values - torch.logsumexp(greedy_logits, -1)).tolist()
+            for a, token, unusable, conf in zip(greedy, best.tolist(), bad.tolist(), top):
                 if unusable:
                     failed[active[a][0][0]] = Internal(UNUSABLE_LOGITS)
                 else:
                     tokens[a] = self._target_id(token)
+                    drafted[active[a][0]].confidence.append(conf if conf == conf else 0.0)  # NaN: none
         rest = [a for a in range(len(active)) if not active[a][1].params.is_greedy]
         sampled: dict[QSettings, list[int]] = {}  # rows by q settings: each group shares one build
         probs = logits  # [A, V or N]: the processed p of the sampled rows (greedy rows: unused)
@@ -444,10 +448,12 @@ class ModelDrafter(PooledModel[_ModelDraftSession]):
         if self.token_map is not None:  # same numbers, target ids: q(token_map[j]) = weight j, 0 off the map
             tok, ids = self.token_map[tok], torch.where(weights > 0, self.token_map[ids], 0)
         widths = (weights > 0).sum(-1).tolist()  # each row's own width (a prefix of its slots)
+        own = (weights * (ids == tok[:, None])).sum(-1) / weights.sum(-1)  # [G] q(token): its confidence
         for g, a in enumerate(group):  # nothing below can fail: a retry never records a row twice
             d = drafted[active[a][0]]
             d.q_ids.append(ids[g, : widths[g]])
             d.q_probs.append(weights[g, : widths[g]])
+            d.confidence.append(float(own[g]))
             tokens[a] = int(tok[g])
 
     def _column(self, token: int) -> int:
@@ -472,11 +478,13 @@ class _Draft:
     q_ids: list[Tensor] = field(default_factory=list)  # per position [W_i] int64
     q_probs: list[Tensor] = field(default_factory=list)  # per position [W_i] float32 integer weights
     q_ms: float = 0.0  # time spent building q and sampling from it
+    confidence: list[float] = field(default_factory=list)  # per position: the draft's P(its token)
 
     def proposal(self, log: PhaseLog) -> Proposal:
         compute_ms = (log.phases[-1].end_ns - log.phases[0].start_ns) / 1e6 if log.phases else 0.0
+        confidence = tuple(self.confidence) if len(self.confidence) == len(self.tokens) else ()
         if not self.q_ids:
-            return Proposal(self.tokens, compute_ms=compute_ms, phases=log)
+            return Proposal(self.tokens, compute_ms=compute_ms, phases=log, confidence=confidence)
         # Positions have their own widths: pad to the widest with weight-0 slots.
         width = max(int(r.shape[0]) for r in self.q_ids)
         ids = torch.zeros(len(self.q_ids), width, dtype=torch.int64)  # [K, W]
@@ -484,4 +492,4 @@ class _Draft:
         for k, (r_ids, r_w) in enumerate(zip(self.q_ids, self.q_probs)):
             ids[k, : r_ids.shape[0]] = r_ids
             weights[k, : r_w.shape[0]] = r_w
-        return Proposal(self.tokens, ids, weights, compute_ms, phases=log, q_ms=self.q_ms)
+        return Proposal(self.tokens, ids, weights, compute_ms, phases=log, q_ms=self.q_ms, confidence=confidence)

@@ -218,12 +218,16 @@ class SuffixDrafter:
         session.sync(request.committed_length, request.start, request.tail)
         candidate, source = best_candidate(session, self.learned, self.settings, num_tokens)
         found = list(candidate.token_ids)
+        # per token: its continuation frequency given the ones before (probs are running products)
+        confidence = tuple(p / q if q > 0 else 0.0 for p, q in zip(candidate.probs, [1.0, *candidate.probs]))
         if not found and self.settings.fallback == "ngram":
             found = lookup_continuation(session.tokens, num_tokens, 3, 1, cap_at_match=True)
             source = "ngram" if found else "none"
         self.proposals_by_source[source] += 1
         session.propose(found)
-        return Proposal(found, compute_ms=(time.perf_counter() - t0) * 1e3)
+        if len(confidence) != len(found):  # the n-gram fallback estimates nothing
+            confidence = ()
+        return Proposal(found, compute_ms=(time.perf_counter() - t0) * 1e3, confidence=confidence)
 
     def propose_batch(self, requests: Sequence[ProposeRequest]) -> list[Proposal | Exception]:
         """No model to share: each request on its own (a lookup takes well under a millisecond)."""

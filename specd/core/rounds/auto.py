@@ -154,6 +154,52 @@ def arm_tokens(arm: Arm, rates: Sequence[float]) -> float:
     return tokens
 
 
+@dataclass
+class ConfidenceCalibration:
+    """P(accepted | the drafter's own confidence, given the tokens before it were), binned, from verdicts.
+
+    A drafter's confidence (Proposal.confidence: a model's probability of its
+    token, a suffix match's continuation frequency) is a score, not a
+    probability of acceptance: this maps it to one. Bins on [0, 1], counts
+    forgotten by `forget` per verdict; a bin with few verdicts leans on the
+    prior (the pooled acceptance).
+    """
+
+    bins: int = 10
+    forget: float = 0.998
+    prior_weight: float = 4.0
+    reached: list[float] = field(default_factory=list)
+    accepted: list[float] = field(default_factory=list)
+
+    def _bin(self, confidence: float) -> int:
+        return min(self.bins - 1, max(0, int(confidence * self.bins)))
+
+    def observe(self, confidence: Sequence[float], accepted: int) -> None:
+        """A verdict on tokens with these confidences: the first `accepted` accepted, the next rejected."""
+        if not confidence:
+            return
+        if not self.reached:
+            self.reached, self.accepted = [0.0] * self.bins, [0.0] * self.bins
+        f = self.forget
+        self.reached = [f * n for n in self.reached]
+        self.accepted = [f * n for n in self.accepted]
+        for i, c in enumerate(confidence[: accepted + 1]):
+            b = self._bin(c)
+            self.reached[b] += 1.0
+            self.accepted[b] += float(i < accepted)
+
+    def calibrated(self, confidence: Sequence[float], prior: float) -> list[float]:
+        """Per token: the acceptance its confidence's bin measured, shrunk towards prior."""
+        if not self.reached:
+            return [prior] * len(confidence)
+        w = self.prior_weight
+        out = []
+        for c in confidence:
+            b = self._bin(c)
+            out.append((self.accepted[b] + prior * w) / (self.reached[b] + w))
+        return out
+
+
 def _family(arm: Arm) -> str:
     """What an arm's residual and hit rate are pooled over: its pipeline, or target-only."""
     return "target-only" if arm.k == 0 else arm.pipeline
@@ -169,6 +215,7 @@ class ArmCycles:
     hits: dict[tuple[str, bool], Estimate] = field(default_factory=dict)  # (pipeline, all accepted) -> P(hit)
     last_seen: dict[Arm, int] = field(default_factory=dict)  # the class's round count at the arm's last cycle
     acceptance: AcceptanceModel = field(default_factory=AcceptanceModel)  # every request's verdicts
+    calibration: ConfidenceCalibration = field(default_factory=ConfidenceCalibration)  # the drafter's confidence
     rounds: int = 0
     longest: int = 0  # the most draft tokens a verify of this class carried: K grows from there one at a time
 
@@ -189,6 +236,7 @@ class AutoSettings:
     service_prior_weight: float = 2.0  # the 0.5 starting guess counts as this many verdicts service-wide
     request_prior_weight: float = 4.0  # the service's acceptance counts as this many of a request's verdicts
     start_k: int = 2  # before anything is measured
+    cut_margin: float = 0.01  # a proposal is verified one token longer only for a predicted gain above this
 
 
 class AutoPolicy:
@@ -309,11 +357,43 @@ class AutoChooser:
             out.append(TARGET_ONLY)
         return out
 
+    def cut(self, cls: ArmCycles, arm: Arm, confidence: Sequence[float]) -> int:
+        """How many of a proposal's tokens to verify: the n >= 1 with the best expected rate.
+
+        The draft is paid for; what one more verified token still costs is its
+        share of the verify (v(n + 2) - v(n + 1)), and what it is worth is
+        P(it and those before it accepted), from the calibrated confidences. For a
+        pipeline that needs every token accepted, a shorter proposal also hits more.
+        Exact: which tokens are verified depends on the draft alone (as when it
+        drafts fewer), never on the target's coins."""
+        n = len(confidence)
+        if n <= 1 or arm.k == 0:
+            return n
+        s = self.policy.settings
+        rates = self.calibrated(cls, confidence)
+        draft = _predict(cls.draft_ms, arm.k) or 0.0
+        residual = self._correction(cls.residual_ms.get(_family(arm)))
+        best_n, best_rate = n, -1.0
+        for i in range(1, n + 1):
+            hit = self.hit(cls, Arm(arm.pipeline, i), rates)
+            cycle = (_predict(cls.verify_ms, i + 1) or 0.0) + (1.0 - hit) * draft + residual
+            rate = arm_tokens(Arm(arm.pipeline, i), rates) / max(cycle, 1e-6)
+            if rate > best_rate * (1.0 + s.cut_margin):  # a longer proposal must pay clearly
+                best_n, best_rate = i, rate
+        return best_n
+
+    def calibrated(self, cls: ArmCycles, confidence: Sequence[float]) -> list[float]:
+        """The tokens' acceptance from their confidences (the service's pooled acceptance as the prior)."""
+        prior = self.acceptance.pooled(cls.acceptance.pooled(0.5, 2.0), self.policy.settings.request_prior_weight)
+        return cls.calibration.calibrated(confidence, prior)
+
     # ---- what rounds report -----------------------------------------------------
 
-    def observe_verdict(self, cls: ArmCycles, drafted: int, accepted: int) -> None:
+    def observe_verdict(self, cls: ArmCycles, drafted: int, accepted: int, confidence: Sequence[float] = ()) -> None:
+        """A verdict: `accepted` of the `drafted` tokens asked for; confidence: of the tokens verified."""
         self.acceptance.observe(drafted, accepted)
         cls.acceptance.observe(drafted, accepted)
+        cls.calibration.observe(confidence, accepted)
 
     def observe_cycle(self, cls: ArmCycles, arm: Arm, cycle_ms: float, hit: bool = False, all_in: bool = False) -> None:
         """A round of `arm` took cycle_ms (its verify out to the next verify out); hit: the next
@@ -333,9 +413,9 @@ class AutoChooser:
         residual.update(cycle_ms - self.model_cycle(cls, arm, rates), horizon=horizon)
 
     @staticmethod
-    def observe_calls(cls: ArmCycles, tokens: int, verify_ms: float, k: int, draft_ms: float) -> None:
-        """The round's verify call (tokens verified, wall) and fresh draft call (K, wall; 0: none made)."""
+    def observe_calls(cls: ArmCycles, arm: Arm, tokens: int, verify_ms: float, drafted: int, draft_ms: float) -> None:
+        """The round's verify call (tokens verified, wall) and fresh draft call (tokens drafted, wall; 0: none)."""
         cls.verify_ms.observe(tokens, verify_ms)
-        cls.longest = max(cls.longest, tokens - 1)
-        if k > 0 and draft_ms > 0:
-            cls.draft_ms.observe(k, draft_ms)
+        cls.longest = max(cls.longest, arm.k)
+        if drafted > 0 and draft_ms > 0:
+            cls.draft_ms.observe(drafted, draft_ms)

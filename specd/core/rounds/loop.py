@@ -72,6 +72,11 @@ class GenerateSpec:
     draft_length: int = 4  # fixed K, or the largest K automatic mode may pick
     pipeline: str = "off"  # a name in specd.core.rounds.pipeline.PIPELINES, or "auto": chosen per round
     tenant: str = ""  # the caller's tenant key: the draft's learned state it may use ("": none)
+    # The caller chose the seed, so the output must reproduce. Which positions a round drafts and
+    # which it samples as the bonus depends on K, and auto's K follows wall-clock costs and other
+    # requests: auto keeps K at draft_length for such a request and never cuts (its pipeline may
+    # still change per round; that does not change the output).
+    seeded: bool = False
 
 
 @dataclass(frozen=True)
@@ -197,8 +202,9 @@ class RequestRun:
         self._strategies: dict[str, PipelineStrategy] = {}  # by name: each holds this request's pre-draft state
         auto_pipeline = spec.pipeline == PIPELINE_AUTO
         self._chooser: AutoChooser | None = None
+        self._cuts = speculating and spec.speculation == "auto" and not spec.seeded
         if speculating and (spec.speculation == "auto" or auto_pipeline):
-            fixed = spec.speculation == "fixed"
+            fixed = spec.speculation == "fixed" or spec.seeded
             self._chooser = loop.auto.chooser(
                 spec.draft_length,
                 AUTO_PIPELINES if auto_pipeline else (spec.pipeline,),
@@ -261,6 +267,10 @@ class RequestRun:
                 proposal, why = await self._propose(committed, (), budget, carrier)
                 draft_wall_ms = (time.perf_counter() - t_draft) * 1e3
 
+        drafted = len(proposal)  # before auto cuts it: what the draft call drafted
+        if self._cuts and arm is not None and cls is not None and self._chooser is not None and proposal.confidence:
+            proposal = proposal.cut(self._chooser.cut(cls, arm, proposal.confidence))
+
         async def draft_after(extension: Sequence[int], k: int) -> Proposal:
             return (await self._propose(committed, extension, k, carrier))[0]
 
@@ -295,7 +305,8 @@ class RequestRun:
                 self._ready = (pre.proposal, PipelineHit(self._pipeline.name, outcome.accepted, kind, launched))
                 break
         if arm is not None and cls is not None and not refused:
-            self._learn(arm, cls, proposal, hit, outcome, (self._verified_at - t_verify) * 1e3, draft_wall_ms)
+            verify_ms = (self._verified_at - t_verify) * 1e3
+            self._learn(arm, cls, proposal, drafted, hit, outcome, verify_ms, draft_wall_ms)
         new = gen.commit(proposal.token_ids, outcome.accepted, token)
         if self._stop is not None:
             keep = self._stop(new)
@@ -467,6 +478,7 @@ class RequestRun:
         arm: Arm,
         cls: ArmCycles,
         proposal: Proposal,
+        drafted: int,
         hit: PipelineHit | None,
         outcome: VerifyOutcome,
         verify_ms: float,
@@ -474,14 +486,15 @@ class RequestRun:
     ) -> None:
         """Feed auto a round's verdict and call times (its own walls, not what the peers report).
 
-        A fresh draft that came back short counts its missing positions as rejected:
-        what the arm yields is what the drafter gives when asked for K."""
+        A fresh draft that came back short, or that auto cut, counts its missing positions
+        as rejected: what the arm yields is what the round gives when K is asked for."""
         assert self._chooser is not None
-        drafted = len(proposal) if hit is not None or arm == TARGET_ONLY else arm.k
-        if drafted > 0:
-            self._chooser.observe_verdict(cls, drafted, outcome.accepted)
-        fresh_k = len(proposal) if draft_wall_ms > 0 else 0
-        AutoChooser.observe_calls(cls, len(proposal) + 1, verify_ms, fresh_k, draft_wall_ms)
+        asked = len(proposal) if hit is not None or arm == TARGET_ONLY else arm.k
+        if asked > 0:
+            self._chooser.observe_verdict(cls, asked, outcome.accepted, proposal.confidence)
+        AutoChooser.observe_calls(
+            cls, arm, len(proposal) + 1, verify_ms, drafted if draft_wall_ms > 0 else 0, draft_wall_ms
+        )
 
 
 def _kind(outcome: VerifyOutcome) -> TokenKind:

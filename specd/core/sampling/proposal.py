@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import numpy as np
@@ -46,6 +46,8 @@ class Proposal:
     q_ms: float = field(default=0.0, compare=False)  # draft time building q and sampling from it (part of compute_ms)
     transit: Transit | None = field(default=None, compare=False, repr=False)  # the call's hops (a transport's port)
     wire_q: tuple[Any, ...] | None = field(default=None, compare=False, repr=False)  # [K] q rows as received, relayed
+    # [K] or (): the drafter's own P(token i accepted | the ones before were), raw; auto calibrates and cuts by it
+    confidence: tuple[float, ...] = field(default=(), compare=False)
 
     def __len__(self) -> int:
         return len(self.token_ids)
@@ -55,7 +57,24 @@ class Proposal:
         q_ids = None if self.q_ids is None else self.q_ids[start:stop]
         q_probs = None if self.q_probs is None else self.q_probs[start:stop]
         wire_q = None if self.wire_q is None else self.wire_q[start:stop]
-        return Proposal(self.token_ids[start:stop], q_ids, q_probs, compute_ms, wire_q=wire_q)
+        confidence = self.confidence[start:stop]
+        return Proposal(self.token_ids[start:stop], q_ids, q_probs, compute_ms, wire_q=wire_q, confidence=confidence)
+
+    def cut(self, n: int) -> Proposal:
+        """The first n draft tokens, with everything the call measured (the rest is never verified)."""
+        if n >= len(self):
+            return self
+        q_ids = None if self.q_ids is None else self.q_ids[:n]
+        q_probs = None if self.q_probs is None else self.q_probs[:n]
+        wire_q = None if self.wire_q is None else self.wire_q[:n]
+        return replace(
+            self,
+            token_ids=self.token_ids[:n],
+            q_ids=q_ids,
+            q_probs=q_probs,
+            wire_q=wire_q,
+            confidence=self.confidence[:n],
+        )
 
     @staticmethod
     def from_wire(

@@ -58,6 +58,26 @@ def test_tiny_greedy_parity(tiny, k: int) -> None:
         assert got.stats.accepted_tokens == got.stats.draft_tokens
 
 
+def test_a_model_draft_says_how_sure_each_token_is(tiny) -> None:
+    """Greedy: the draft softmax's top probability; sampled: q(token), the mass the token was drawn with."""
+    loaded, _, drafter, _ = tiny
+    prompt = loaded.tokenizer("def f(x):").input_ids
+    drafter.open("greedy", prompt, GREEDY)
+    greedy = drafter.propose(ProposeRequest("greedy", len(prompt), len(prompt), [], 4))
+    drafter.close("greedy")
+    with torch.no_grad():
+        first = torch.softmax(drafter.runner.model(torch.tensor([prompt])).logits[0, -1].float(), -1)
+    assert len(greedy.confidence) == 4 and all(0.0 < c <= 1.0 for c in greedy.confidence)
+    assert greedy.confidence[0] == pytest.approx(float(first.max()), rel=1e-4)
+    drafter.open("sampled", prompt, SamplingParams(temperature=0.8, seed=3))
+    sampled = drafter.propose(ProposeRequest("sampled", len(prompt), len(prompt), [], 4))
+    drafter.close("sampled")
+    assert sampled.q_ids is not None and sampled.q_probs is not None and len(sampled.confidence) == 4
+    for i, token in enumerate(sampled.token_ids):
+        row = sampled.q_probs[i] / sampled.q_probs[i].sum()
+        assert sampled.confidence[i] == pytest.approx(float(row[sampled.q_ids[i] == token].sum()), rel=1e-5)
+
+
 def test_same_seed_same_output_and_stats_add_up(tiny) -> None:
     loaded, verifier, drafter, _ = tiny
     prompt = loaded.tokenizer("sampling").input_ids

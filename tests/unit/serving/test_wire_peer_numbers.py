@@ -1,6 +1,7 @@
 """The numbers a draft or target reports: a compute time that is inf, NaN or negative reads as not
 reported, so it never reaches the records and the bench's cost figures (auto reads the loop's own
-clocks, not these); a verdict's token must be in the vocabulary."""
+clocks, not these); a per-token confidence outside [0, 1] is clamped, one of the wrong length
+dropped (it steers where auto cuts, never the output); a verdict's token must be in the vocabulary."""
 
 from __future__ import annotations
 
@@ -39,6 +40,18 @@ def test_a_proposals_bad_compute_time_reads_as_not_reported(bad: float, relay: b
     assert proposal.transit is not None and all(math.isfinite(ms) for _, ms in proposal.transit.hops())
     good = wire.proposal_from_answer(_draft_answer(2.5), V, round_trip_ms=5.0, wake_ms=0.1, relay=relay)
     assert good.compute_ms == 2.5  # a real figure passes as it came
+
+
+@pytest.mark.parametrize("relay", [True, False])
+def test_a_proposals_confidence_crosses_the_wire_clamped_or_not_at_all(relay: bool) -> None:
+    def sent(confidence: tuple[float, ...]) -> tuple[float, ...]:
+        resp = draft_pb2.DraftResponse()
+        resp.proposal.CopyFrom(wire.proposal_to_proto(Proposal([1, 2, 3], confidence=confidence)))
+        return wire.proposal_from_answer(resp, V, round_trip_ms=1.0, wake_ms=0.0, relay=relay).confidence
+
+    assert sent((0.75, 0.5, 0.25)) == (0.75, 0.5, 0.25)  # float32 holds these exactly
+    assert sent((1.5, -0.2, math.nan)) == (1.0, 0.0, 0.0)
+    assert sent((0.9, 0.5)) == () and sent(()) == ()  # not one per token: as if none was sent
 
 
 @pytest.mark.parametrize("bad", BAD_MS)

@@ -280,6 +280,24 @@ def test_fallback_proposes_the_ngram_lookup_when_the_indexes_have_nothing() -> N
     assert without.propose(ProposeRequest("s", len(prompt), len(prompt), [], 4)).token_ids == []
 
 
+def test_a_proposal_says_how_sure_each_token_is() -> None:
+    """Each token's confidence is its continuation frequency given the tokens before it (auto cuts by it)."""
+    drafter = SuffixDrafter(100, SuffixSettings(fallback="none"))
+    drafter.open("sure", [5, 6, 7, 5, 6, 7, 5, 6], GREEDY)
+    sure = drafter.propose(ProposeRequest("sure", 8, 8, [], 4))
+    assert sure.token_ids == [7, 5, 6] and sure.confidence == (1.0, 1.0, 1.0)  # one way on, every time
+    prompt = [1, 2, 3, 4, 1, 2, 3, 4, 1, 2, 3, 5, 1, 2, 3, 4, 1, 2]
+    drafter.open("fork", prompt, GREEDY)
+    fork = drafter.propose(ProposeRequest("fork", len(prompt), len(prompt), [], 6))
+    assert len(fork.confidence) == len(fork.token_ids) == 6
+    assert all(0.0 < c <= 1.0 for c in fork.confidence) and min(fork.confidence) < 1.0  # 3 went on two ways
+    ngram = SuffixDrafter(10, SuffixSettings(min_token_prob=0.3))
+    spread = [1, 2, 3, 1, 2, 4, 1, 2, 5, 1, 2, 6, 1, 2]
+    ngram.open("s", spread, GREEDY)
+    fallback = ngram.propose(ProposeRequest("s", len(spread), len(spread), [], 4))
+    assert fallback.token_ids and fallback.confidence == ()  # the n-gram fallback estimates nothing
+
+
 def test_idle_sessions_are_learnt_when_they_expire() -> None:
     drafter = SuffixDrafter(100, idle_timeout_s=1e-9)
     drafter.open("old", [1, 2], GREEDY, tenant="t")

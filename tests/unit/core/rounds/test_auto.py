@@ -22,9 +22,11 @@ from specd.core.rounds.auto import (
     TARGET_ONLY,
     AcceptanceModel,
     Arm,
+    ArmCycles,
     AutoChooser,
     AutoPolicy,
     AutoSettings,
+    ConfidenceCalibration,
     all_accepted,
     arm_tokens,
     expected_tokens,
@@ -95,7 +97,7 @@ def drive(chooser: AutoChooser, service: Service, rounds: int) -> tuple[float, l
         accepted, t, cycle, hit = service.round(arm)
         if arm.k:
             chooser.observe_verdict(cls, arm.k, accepted)
-        AutoChooser.observe_calls(cls, arm.k + 1, service.verify(arm.k), 0 if hit else arm.k, service.draft(arm.k))
+        AutoChooser.observe_calls(cls, arm, arm.k + 1, service.verify(arm.k), 0 if hit else arm.k, service.draft(arm.k))
         chooser.observe_cycle(cls, arm, cycle, hit, all_in=arm.k > 0 and accepted == arm.k)
         tokens, cycles = tokens + t, cycles + cycle
     return tokens / cycles, arms
@@ -214,3 +216,43 @@ def test_a_fixed_k_request_chooses_the_pipeline_only() -> None:
     _, arms = drive(chooser, Service(a=0.8), 300)
     assert {a.k for a in arms} == {3}
     assert len({a.pipeline for a in arms}) > 1  # the pipelines were tried
+
+
+def test_confidence_is_calibrated_against_the_verdicts() -> None:
+    cal = ConfidenceCalibration(forget=1.0)
+    assert cal.calibrated([0.3, 0.9], 0.5) == [0.5, 0.5]  # nothing seen: the prior
+    rng = random.Random(3)
+    for _ in range(2000):  # a drafter whose confidence c means acceptance c / 2
+        conf = [rng.random() for _ in range(4)]
+        accepted = 0
+        while accepted < 4 and rng.random() < conf[accepted] / 2:
+            accepted += 1
+        cal.observe(conf, accepted)
+    low, high = cal.calibrated([0.15, 0.95], 0.5)
+    assert low == pytest.approx(0.075, abs=0.04) and high == pytest.approx(0.475, abs=0.06)
+
+
+def _measured(k_max: int, verify_per_token_ms: float) -> tuple[AutoChooser, ArmCycles]:
+    """A chooser whose class has measured calls and a calibration where confidence c means acceptance c."""
+    chooser = AutoPolicy().chooser(k_max, (OFF,), target_only=True)
+    cls = chooser.policy.workload(greedy=True, running=1)
+    rng = random.Random(4)
+    for _ in range(400):
+        k = rng.randint(1, k_max)
+        conf = [rng.random() for _ in range(k)]
+        accepted = 0
+        while accepted < k and rng.random() < conf[accepted]:
+            accepted += 1
+        chooser.observe_verdict(cls, k, accepted, conf)
+        AutoChooser.observe_calls(cls, Arm(OFF, k), k + 1, 20.0 + verify_per_token_ms * (k + 1), k, 1.0 + 0.5 * k)
+    return chooser, cls
+
+
+def test_the_cut_drops_the_unlikely_tail_where_verifying_costs() -> None:
+    confident_then_not = [0.95, 0.95, 0.9, 0.15, 0.1, 0.1]
+    cheap, cheap_cls = _measured(6, 0.0)  # a GPU-like verify: one more token costs nothing
+    assert cheap.cut(cheap_cls, Arm(OFF, 6), confident_then_not) >= 4  # past the confident part, nearly free
+    costly, costly_cls = _measured(6, 8.0)  # a CPU-like verify: each token costs 8 ms of a 28 ms step
+    assert costly.cut(costly_cls, Arm(OFF, 6), confident_then_not) == 3
+    assert costly.cut(costly_cls, Arm(OFF, 6), [0.95] * 6) > 3  # sure all the way: keep more
+    assert costly.cut(costly_cls, Arm(OFF, 6), []) == 0  # no confidence: nothing to cut by

@@ -68,7 +68,19 @@ class MetricsServer:
             return
         self._stopped = True
         # The socket map belongs to the I/O thread: close it there; the loop ends once it is empty.
-        self._server.trigger.pull_trigger(lambda: wasyncore.close_all(self._sockets))
+        closed = threading.Event()
+
+        def close_all() -> None:
+            wasyncore.close_all(self._sockets)
+            closed.set()
+
+        try:
+            self._server.trigger.pull_trigger(close_all)
+        except OSError:
+            # waitress queues the callback before it writes the wake-up byte: an I/O thread a worker
+            # had just woken can run it in between, closing the trigger under that write (EBADF).
+            if not closed.wait(timeout_s):
+                raise
         self._thread.join(timeout_s)
         self._server.task_dispatcher.shutdown(timeout=timeout_s)
 

@@ -12,7 +12,7 @@ import urllib.request
 from types import SimpleNamespace
 
 import pytest
-from prometheus_client import REGISTRY, generate_latest
+from prometheus_client import REGISTRY, CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 from specd.core.rounds.record import RoundRecord, TargetOnly, TokenKind
@@ -223,3 +223,21 @@ def test_kv_bytes_are_read_at_scrape_time_even_while_sessions_change() -> None:
     t = TargetMetrics()
     t.watch_sessions(lambda: 0)  # no KV reader (a drafter without a model): the gauge stays at 0
     assert samples(t.registry)[("specd:kv_cache_bytes", ())] == 0
+
+
+def test_shutdown_survives_the_io_thread_running_its_close_before_the_wake_up_byte() -> None:
+    """waitress queues shutdown's close, then writes the byte that wakes its I/O thread; a worker's
+    earlier byte can wake that thread in between, so the close runs first and the write finds the
+    trigger closed (EBADF). The test makes that ordering certain instead of rare."""
+    server, _ = serve_metrics(CollectorRegistry(), "127.0.0.1", 0)
+    trigger = server._server.trigger
+    pull = trigger._physical_pull
+
+    def late_pull() -> None:
+        pull()  # a worker's wake-up: the I/O thread runs the queued close and its loop ends
+        server._thread.join(5)
+        pull()  # shutdown's own byte, to a closed pipe
+
+    trigger._physical_pull = late_pull
+    server.shutdown()
+    assert not server._thread.is_alive()

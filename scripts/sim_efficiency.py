@@ -3,18 +3,22 @@
 
 For every profile and draft agreement (the knob that sets acceptance, from a
 useless draft at 0 to a near-perfect one) it runs one bench with target-only,
-fixed-K for several K and auto, side by side, and reports per cell:
+fixed-K for several K, the pipelined modes (pipelined-K, postverify-K and
+speccache-K for --pipelined-lengths) and auto, side by side, at each
+temperature, and reports per cell:
 
 - each fixed K's speed-up and its efficiency at the measured verify cost
   (speed-up / S(K) with the measured K+1-token verify in S(K)'s denominator);
-- the best fixed K and auto's speed-up against it (auto / best fixed);
-- auto against target-only where the draft is useless.
+- the best fixed mode (any K, any pipeline) and auto's speed-up against it
+  (auto / best fixed);
+- auto against target-only (where the draft is useless it should be ~1).
 
 Every figure is emulated (the services, batching and sampler are real; the
 forward passes take the profile's modelled time).
 
     PYTHONPATH=$PWD .venv/bin/python scripts/sim_efficiency.py \\
-        --profiles h100-tp2-70b,h100-8b --agreements 0,0.5,0.7,0.85,0.95 \\
+        --profiles h100-tp2-70b,h100-8b --agreements 0,0.6,0.8,0.95 --temperatures 0,0.7 \\
+        --draft-lengths 1,2,3,4,6 --pipelined-lengths 2,4 \\
         --json docs/results/emulated/efficiency.json --markdown docs/results/emulated/efficiency.md
 """
 
@@ -33,7 +37,8 @@ from measure_args import floats, ints, names
 
 
 def bench(profile: str, agreement: float, args: argparse.Namespace, out: Path) -> list[dict[str, Any]]:
-    modes = ["target-only", *(f"fixed-{k}" for k in args.draft_lengths), "auto"]
+    pipelined = [f"{m}-{k}" for m in ("pipelined", "postverify", "speccache") for k in args.pipelined_lengths]
+    modes = ["target-only", *(f"fixed-{k}" for k in args.draft_lengths), *pipelined, "auto"]
     cmd = [
         sys.executable,
         "-m",
@@ -44,11 +49,11 @@ def bench(profile: str, agreement: float, args: argparse.Namespace, out: Path) -
         "--modes",
         ",".join(modes),
         "--draft-lengths",
-        ",".join(str(k) for k in args.draft_lengths),
+        ",".join(str(k) for k in sorted({*args.draft_lengths, *args.pipelined_lengths})),
         "--concurrency",
         str(args.concurrency),
         "--temperatures",
-        args.temperature,
+        args.temperatures,
         "--prompts",
         str(args.prompts),
         "--max-new-tokens",
@@ -64,14 +69,15 @@ def bench(profile: str, agreement: float, args: argparse.Namespace, out: Path) -
     return json.loads(out.read_text())["records"]
 
 
-def summarise(profile: str, agreement: float, records: list[dict[str, Any]]) -> dict[str, Any]:
-    by_mode = {r["mode"]: r for r in records}
-    fixed = {m: r for m, r in by_mode.items() if m.startswith("fixed-")}
+def summarise(profile: str, agreement: float, temperature: float, records: list[dict[str, Any]]) -> dict[str, Any]:
+    by_mode = {r["mode"]: r for r in records if r["temperature"] == temperature}
+    fixed = {m: r for m, r in by_mode.items() if m not in ("target-only", "auto")}  # every fixed K and pipeline
     best_mode = max(fixed, key=lambda m: fixed[m]["speedup"])
     auto = by_mode["auto"]
     return {
         "profile": profile,
         "agreement": agreement,
+        "temperature": temperature,
         "acceptance_rate": {m: r.get("acceptance_rate") for m, r in fixed.items()},
         "alpha": by_mode[best_mode].get("alpha"),
         "speedup": {m: r["speedup"] for m, r in by_mode.items()},
@@ -87,32 +93,36 @@ def summarise(profile: str, agreement: float, records: list[dict[str, Any]]) -> 
 
 def markdown(rows: list[dict[str, Any]], args: argparse.Namespace, seconds: float) -> str:
     ks = [f"fixed-{k}" for k in args.draft_lengths]
+    pipelined = [f"{m}-{k}" for m in ("pipelined", "postverify", "speccache") for k in args.pipelined_lengths]
     out = [
-        "# Efficiency and adaptive K on emulated accelerators (issue #16, item 5)",
+        "# Efficiency and auto on emulated accelerators (issues #16 and #30)",
         "",
         "**Emulated**: the services, batching, sessions and sampler are real; the models' logits and "
         "forward-pass times come from each profile (docs/performance.md). Every figure below is emulated.",
         "",
-        f"`{' '.join(sys.argv)}` ({seconds:.0f} s). T = {args.temperature}, {args.concurrency} client(s), "
+        f"`{' '.join(sys.argv)}` ({seconds:.0f} s). T = {args.temperatures}, {args.concurrency} client(s), "
         f"{args.prompts} prompts x {args.max_new_tokens} tokens per mode, interleave {args.interleave}.",
         "",
         "Speed-up against target-only in the same run; efficiency = speed-up / S(K) with the measured "
         "verify cost (docs/bench.md).",
         "",
-        "| profile | agreement | a | "
+        "| profile | agreement | T | a | "
         + " | ".join(f"{k} speed-up (eff.)" for k in ks)
+        + " | "
+        + " | ".join(pipelined)
         + " | best fixed | auto | auto / best fixed | auto mean K |",
-        "|---|---|---|" + "---|" * len(ks) + "---|---|---|---|",
+        "|---|---|---|---|" + "---|" * (len(ks) + len(pipelined)) + "---|---|---|---|",
     ]
     for r in rows:
         cells = []
         for k in ks:
             eff = r["efficiency_measured_verify"].get(k)
             cells.append(f"{r['speedup'][k]:.2f}x ({eff:.2f})" if eff is not None else f"{r['speedup'][k]:.2f}x")
+        cells += [f"{r['speedup'][m]:.2f}x" for m in pipelined]
         alpha = f"{r['alpha']:.2f}" if r["alpha"] is not None else "–"
         mean_k = f"{r['auto_mean_draft_length']:.1f}" if r["auto_mean_draft_length"] is not None else "–"
         out.append(
-            f"| {r['profile']} | {r['agreement']} | {alpha} | "
+            f"| {r['profile']} | {r['agreement']} | {r['temperature']:g} | {alpha} | "
             + " | ".join(cells)
             + f" | `{r['best_fixed']}` {r['best_fixed_speedup']:.2f}x | {r['auto_speedup']:.2f}x | "
             f"{r['auto_over_best_fixed']:.3f} | {mean_k} |"
@@ -125,7 +135,8 @@ def main() -> None:
     ap.add_argument("--profiles", default="h100-tp2-70b,h100-8b")
     ap.add_argument("--agreements", default="0,0.5,0.7,0.85,0.95")
     ap.add_argument("--draft-lengths", default="1,2,3,4,6,8")
-    ap.add_argument("--temperature", default="0")
+    ap.add_argument("--pipelined-lengths", default="2,4", help="K of the pipelined, postverify and speccache modes")
+    ap.add_argument("--temperatures", default="0", help="comma-separated; one bench runs them all")
     ap.add_argument("--concurrency", type=int, default=1)
     ap.add_argument("--prompts", type=int, default=8)
     ap.add_argument("--max-new-tokens", type=int, default=64)
@@ -134,29 +145,32 @@ def main() -> None:
     ap.add_argument("--markdown", default="")
     args = ap.parse_args()
     args.draft_lengths = ints(args.draft_lengths)
+    args.pipelined_lengths = ints(args.pipelined_lengths) if args.pipelined_lengths else []
     started = time.monotonic()
     rows = []
     with tempfile.TemporaryDirectory(prefix="specd-efficiency-") as tmp:
         for profile in names(args.profiles):
             for agreement in floats(args.agreements):
                 records = bench(profile, agreement, args, Path(tmp) / f"{profile}-{agreement}.json")
-                rows.append(summarise(profile, agreement, records))
-                print(
-                    json.dumps(
-                        {
-                            k: rows[-1][k]
-                            for k in (
-                                "profile",
-                                "agreement",
-                                "best_fixed",
-                                "best_fixed_speedup",
-                                "auto_speedup",
-                                "auto_over_best_fixed",
-                            )
-                        }
-                    ),
-                    flush=True,
-                )
+                for temperature in floats(args.temperatures):
+                    rows.append(summarise(profile, agreement, temperature, records))
+                    print(
+                        json.dumps(
+                            {
+                                k: rows[-1][k]
+                                for k in (
+                                    "profile",
+                                    "agreement",
+                                    "temperature",
+                                    "best_fixed",
+                                    "best_fixed_speedup",
+                                    "auto_speedup",
+                                    "auto_over_best_fixed",
+                                )
+                            }
+                        ),
+                        flush=True,
+                    )
     text = markdown(rows, args, time.monotonic() - started)
     print(text)
     if args.json:

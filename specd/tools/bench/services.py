@@ -77,6 +77,9 @@ def run_service_cell(
         cache_salt=cache_salt,
         **mode.request,
     )
+    # A caller's seed pins auto's K (the output must reproduce; docs/performance.md), so auto modes
+    # run unseeded, as a caller who sets none: what auto reaches there is what auto is.
+    seeded = mode.request.get("speculation") != "auto"
     local = threading.local()
     clients: list[Any] = []
     lock = threading.Lock()
@@ -87,7 +90,8 @@ def run_service_cell(
             with lock:
                 clients.append(local.client)
         p, ids = items[i]
-        r = run_service_request(local.client, p.id, ids, dict(options, seed=seed + i), metadata())
+        request = dict(options, seed=seed + i) if seeded else options
+        r = run_service_request(local.client, p.id, ids, request, metadata())
         bar.update(1)
         return r
 

@@ -12,6 +12,8 @@ from specd.core.rounds.steps import ProposeRequest, check_num_tokens, check_prom
 from specd.core.sampling.proposal import Proposal
 from specd.core.sampling.sampler import SamplingParams
 
+AGREE_MAX = 32  # how far back a match's agreement is counted (for its confidence)
+
 
 @dataclass
 class _NgramSession:
@@ -63,13 +65,14 @@ class NgramDrafter:
         t0 = time.perf_counter()
         s = self._sessions.get(request.session_id)
         s.tokens = sync_prefix(s.tokens, request.committed_length, request.start, request.tail)
-        found = lookup_continuation(
+        found, agree = lookup_match(
             s.tokens, num_tokens, self.max_ngram, self.min_ngram, cap_at_match=self.cap_at_match
         )
         # The drafts join the sequence, as a model drafter's do: the caller's next `start`
         # counts the accepted ones as already known here.
         s.tokens.extend(found)
-        return Proposal(found, compute_ms=(time.perf_counter() - t0) * 1e3)
+        confidence = match_confidence(agree, len(found))
+        return Proposal(found, compute_ms=(time.perf_counter() - t0) * 1e3, confidence=confidence)
 
     def propose_batch(self, requests: Sequence[ProposeRequest]) -> list[Proposal | Exception]:
         """No model to share: each request on its own (a lookup takes microseconds)."""
@@ -93,20 +96,33 @@ def lookup_continuation(
     the target's verify dearer; min(L, 12) beats every fixed K on the edit
     prompts (docs/results/code-choices.md).
     """
+    return lookup_match(tokens, k, max_ngram, min_ngram, cap_at_match=cap_at_match)[0]
+
+
+def lookup_match(
+    tokens: Sequence[int], k: int, max_ngram: int, min_ngram: int, *, cap_at_match: bool = False
+) -> tuple[list[int], int]:
+    """lookup_continuation's tokens and the match's agreeing context L (counted up to max(k, AGREE_MAX))."""
     n_tokens = len(tokens)
     for n in range(min(max_ngram, n_tokens - 1), min_ngram - 1, -1):
         suffix = list(tokens[n_tokens - n :])
         for begin in range(n_tokens - n):
             if list(tokens[begin : begin + n]) == suffix:
-                take = k
-                if cap_at_match:
-                    agree = n  # extend backwards: tokens[begin - j] == tokens[n_tokens - n - j]
-                    while (
-                        agree < k
-                        and begin - (agree - n) - 1 >= 0
-                        and (tokens[begin - (agree - n) - 1] == tokens[n_tokens - agree - 1])
-                    ):
-                        agree += 1
-                    take = min(k, agree)
-                return list(tokens[begin + n : begin + n + take])
-    return []
+                agree = n  # extend backwards: tokens[begin - j] == tokens[n_tokens - n - j]
+                while (
+                    agree < max(k, AGREE_MAX)
+                    and begin - (agree - n) - 1 >= 0
+                    and (tokens[begin - (agree - n) - 1] == tokens[n_tokens - agree - 1])
+                ):
+                    agree += 1
+                take = min(k, agree) if cap_at_match else k
+                return list(tokens[begin + n : begin + n + take]), agree
+    return [], 0
+
+
+def match_confidence(agree: int, n: int) -> tuple[float, ...]:
+    """Per token of an n-token continuation: L / (L + 1) for a match agreeing over L tokens.
+
+    A score, not a probability (auto calibrates it from verdicts): a long shared
+    history predicts a long shared future, a one-token coincidence does not."""
+    return (agree / (agree + 1.0),) * n if agree > 0 else ()

@@ -16,7 +16,7 @@ prefix's last max_depth tokens, and the higher score proposes (the session's
 own on a tie). No model and no q: proposals are one-hot, which the sampler
 treats exactly, like the n-gram drafter's. When neither index has a
 continuation that clears min_token_prob, the n-gram lookup over the
-session's own tokens (capped at its match, `lookup_continuation`) proposes
+session's own tokens (capped at its match, `lookup_match`) proposes
 instead, if `fallback` is "ngram"; its proposals are exact for the same reason.
 
 The service learns a session's committed tokens from the messages it gets:
@@ -33,7 +33,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
-from specd.core.draft.ngram import lookup_continuation
+from specd.core.draft.ngram import lookup_match, match_confidence
 from specd.core.draft.protocol import propose_each
 from specd.core.draft.suffix_index import NO_CANDIDATE, Candidate, SuffixIndex
 from specd.core.draft.tenant_index import NO_TENANT, PER_TENANT, SHARING_MODES, TenantIndexes
@@ -221,12 +221,11 @@ class SuffixDrafter:
         # per token: its continuation frequency given the ones before (probs are running products)
         confidence = tuple(p / q if q > 0 else 0.0 for p, q in zip(candidate.probs, [1.0, *candidate.probs]))
         if not found and self.settings.fallback == "ngram":
-            found = lookup_continuation(session.tokens, num_tokens, 3, 1, cap_at_match=True)
+            found, agree = lookup_match(session.tokens, num_tokens, 3, 1, cap_at_match=True)
+            confidence = match_confidence(agree, len(found))  # the lookup's own score: its agreeing context
             source = "ngram" if found else "none"
         self.proposals_by_source[source] += 1
         session.propose(found)
-        if len(confidence) != len(found):  # the n-gram fallback estimates nothing
-            confidence = ()
         return Proposal(found, compute_ms=(time.perf_counter() - t0) * 1e3, confidence=confidence)
 
     def propose_batch(self, requests: Sequence[ProposeRequest]) -> list[Proposal | Exception]:

@@ -195,6 +195,18 @@ def test_batched_requests_share_forward_passes(tiny) -> None:
         )
 
 
+def test_an_ngram_proposal_scores_its_match_by_how_far_back_it_agrees() -> None:
+    drafter = NgramDrafter(100, max_ngram=2)
+    drafter.open("s", [7, 8, 1, 2, 3, 4, 5, 9, 1, 2], GREEDY)
+    short = drafter.propose(ProposeRequest("s", 10, 10, [], 3))  # "1 2" agrees over 2 tokens (9 != 8 before it)
+    assert short.token_ids == [3, 4] and short.confidence == (2 / 3, 2 / 3)
+    drafter.open("t", [7, 8, 1, 2, 3, 4, 5, 7, 8, 1, 2], GREEDY)
+    long = drafter.propose(ProposeRequest("t", 11, 11, [], 3))  # "7 8 1 2" agrees over 4
+    assert long.token_ids == [3, 4, 5] and long.confidence == (0.8, 0.8, 0.8)
+    drafter.open("u", [1, 2, 3], GREEDY)
+    assert drafter.propose(ProposeRequest("u", 3, 3, [], 3)).confidence == ()  # no match, no score
+
+
 def test_lookup_continuation() -> None:
     assert lookup_continuation([1, 2, 3, 9, 1, 2], 2, 3, 1) == [3, 9]
     assert lookup_continuation([5, 1, 2, 7, 1, 2, 8, 1, 2], 3, 2, 1) == [7, 1, 2]  # the earliest match wins

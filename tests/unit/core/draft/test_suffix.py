@@ -295,7 +295,8 @@ def test_a_proposal_says_how_sure_each_token_is() -> None:
     spread = [1, 2, 3, 1, 2, 4, 1, 2, 5, 1, 2, 6, 1, 2]
     ngram.open("s", spread, GREEDY)
     fallback = ngram.propose(ProposeRequest("s", len(spread), len(spread), [], 4))
-    assert fallback.token_ids and fallback.confidence == ()  # the n-gram fallback estimates nothing
+    # the n-gram fallback scores its match: L / (L + 1) for an agreeing context of L tokens (here "1 2")
+    assert fallback.token_ids and fallback.confidence == (2 / 3,) * len(fallback.token_ids)
 
 
 def test_idle_sessions_are_learnt_when_they_expire() -> None:

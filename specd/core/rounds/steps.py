@@ -3,7 +3,8 @@
 One request object per port call: `OpenRequest` and `CloseRequest` (both
 ports), a draft's `ProposeRequest` and `BranchRequest`, a target's
 `VerifyRequest`; the answers `Proposal` (specd.core.sampling.proposal),
-`Branches` and `VerifyOutcome`. The ports (specd.core.rounds.ports), the drafters, the
+`Branches` and `VerifyOutcome`; a tree round's `TreeProposeRequest`,
+`TreeVerifyRequest` and `TreeVerifyOutcome` (docs/trees.md). The ports (specd.core.rounds.ports), the drafters, the
 verifier and the wire translation (specd.serving.wire) all read and write
 these, so a step's fields are spelled out once, here.
 
@@ -22,6 +23,7 @@ from specd.core.errors import InvalidArgument, SessionOutOfSync
 from specd.core.phases import PhaseLog
 from specd.core.sampling.proposal import Proposal
 from specd.core.sampling.sampler import SamplingParams
+from specd.core.sampling.tree import DraftTree
 from specd.core.transit import Transit
 
 DEFAULT_BRANCH_BUDGET = 8  # branches per round: on a GPU draft they cost about one batch row each
@@ -154,6 +156,53 @@ class VerifyOutcome:
     phases: PhaseLog = field(default_factory=PhaseLog, compare=False, repr=False)  # where the time went
     deferred: bool = False  # all drafts accepted, bonus not drawn (VerifyRequest.defer_bonus)
     transit: Transit | None = field(default=None, compare=False, repr=False)  # the call's hops (a transport's port)
+
+
+@dataclass(frozen=True)
+class TreeProposeRequest:
+    """Draft a tree after the committed prefix (synced as a ProposeRequest's): at most `budget` nodes,
+    at most `depth` deep. The sequence stays the committed prefix (the nodes do not join it)."""
+
+    session_id: str
+    committed_length: int
+    start: int
+    tail: Sequence[int]
+    budget: int  # nodes at most
+    depth: int  # levels at most (a chain's K)
+
+
+@dataclass(frozen=True)
+class TreeVerifyRequest:
+    """Verify `tree` after the first committed_length tokens and commit the accepted path and one token."""
+
+    session_id: str
+    committed_length: int
+    tree: DraftTree
+    start: int | None = None  # (start, tail) patch the committed prefix, as in VerifyRequest
+    tail: Sequence[int] = ()
+
+
+@dataclass(frozen=True)
+class TreeVerifyOutcome:
+    """The target's verdict on a tree, already committed there: the path's tokens, then token_id."""
+
+    path: tuple[int, ...]  # accepted node indices, root first
+    tokens: tuple[int, ...]  # their token ids
+    token_id: int  # the recovered or bonus token
+    is_bonus: bool
+    committed_length: int  # after this verdict
+    compute_ms: float = 0.0
+    phases: PhaseLog = field(default_factory=PhaseLog, compare=False, repr=False)
+
+    @property
+    def accepted(self) -> int:
+        return len(self.path)
+
+
+def check_tree_budget(budget: int, depth: int) -> None:
+    """InvalidArgument unless a tree request asks for at least one node and one level."""
+    if budget < 1 or depth < 1:
+        raise InvalidArgument(f"a tree needs budget >= 1 node and depth >= 1 level (got {budget}, {depth})")
 
 
 def check_prompt(token_ids: Sequence[int], vocab_size: int) -> list[int]:

@@ -18,13 +18,16 @@ from specd.core import phases as ph
 from specd.core.errors import Internal, InvalidArgument
 from specd.core.model.pool import PooledModel, PoolLimits, Ready
 from specd.core.model.runner import CausalLMRunner, KVSession
+from specd.core.model.tree_forward import TreeLogits
 from specd.core.phases import PhaseLog
-from specd.core.rounds.steps import VerifyOutcome, VerifyRequest, check_sync
+from specd.core.rounds.steps import TreeVerifyOutcome, TreeVerifyRequest, VerifyOutcome, VerifyRequest, check_sync
 from specd.core.sampling import sampler
 from specd.core.sampling.greedy import greedy_verdict
 from specd.core.sampling.proposal import DEFAULT_MAX_DRAFT_TOKENS, DEFAULT_MAX_Q_WIDTH, Proposal
 from specd.core.sampling.rejection import SparseProposal, rejection_sample
 from specd.core.sampling.sampler import UNUSABLE_LOGITS, SamplingParams
+from specd.core.sampling.tree import TreeBatch
+from specd.core.sampling.tree_rejection import TreeVerdict, tree_greedy_verdict, tree_rejection_sample
 
 
 @dataclass
@@ -214,6 +217,143 @@ class Verifier(PooledModel[_TargetSession]):
                 out.update(Verifier._sample([b], p, ready, requests, ks))
             return out
         return {b: (int(v.num_accepted[r]), int(v.next_token[r]), bool(v.is_bonus[r])) for r, b in enumerate(rows)}
+
+    # ---- tree rounds (docs/trees.md) ------------------------------------
+
+    def verify_tree(self, request: TreeVerifyRequest) -> TreeVerifyOutcome:
+        """verify_tree_batch of one request: its outcome, or its error raised."""
+        result = self.verify_tree_batch([request])[0]
+        if isinstance(result, BaseException):
+            raise result
+        return result
+
+    @torch.inference_mode()
+    def verify_tree_batch(self, requests: Sequence[TreeVerifyRequest]) -> list[TreeVerifyOutcome | Exception]:
+        """Verify many sessions' draft trees (any sizes) in ONE tree forward; per-request outcome or error.
+
+        Errors as in verify_batch: a request's own bad input or unsampleable row fails it alone.
+        Each session commits its accepted path (KV kept from the tree pass) and the one more token.
+        """
+        outcomes: dict[int, TreeVerifyOutcome] = {}
+        run = self._pool.run_batch(
+            requests,
+            self._prepare_tree,
+            lambda part, batch: self._tree_ready(requests, part, batch.logs, outcomes),
+            what="tree verification",
+            growth=lambda req, _ready: req.tree.depth + 1,  # the deepest path and its one more token
+        )
+        results: list[TreeVerifyOutcome | Exception] = []
+        for i, (error, log) in enumerate(zip(run.errors, run.logs)):
+            if error is not None:
+                results.append(error)
+            else:
+                ms = (log.phases[-1].end_ns - log.phases[0].start_ns) / 1e6
+                results.append(dataclasses.replace(outcomes[i], compute_ms=ms, phases=log))
+        return results
+
+    def _prepare_tree(self, req: TreeVerifyRequest) -> tuple[_TargetSession, int]:
+        """Sync the session to the committed prefix and check the tree against this service's limits."""
+        s = self._pool.get(req.session_id)
+        start = len(s.kv.tokens) if req.start is None else req.start
+        check_sync(len(s.kv.tokens), req.committed_length, start, req.tail)
+        tree = req.tree
+        if len(tree) > self.max_draft_tokens:
+            raise InvalidArgument(f"a tree of {len(tree)} nodes; this service verifies at most {self.max_draft_tokens}")
+        if tree.q_ids is not None and int(tree.q_ids.shape[-1]) > self.max_q_width:
+            raise InvalidArgument(f"q rows of {int(tree.q_ids.shape[-1])} entries; the limit is {self.max_q_width}")
+        if req.committed_length + tree.depth + 1 > self.runner.max_context:
+            raise InvalidArgument(
+                f"a tree {tree.depth} deep after {req.committed_length} committed tokens exceeds the context of "
+                f"{self.runner.max_context}; send a shallower tree"
+            )
+        if tree.token_ids and not 0 <= min(tree.token_ids) <= max(tree.token_ids) < self.vocab_size:
+            raise InvalidArgument(f"a tree token id is outside the vocabulary [0, {self.vocab_size})")
+        tree.check_q(self.vocab_size)
+        self.runner.splice(s.kv, start, req.tail)
+        return s, 0
+
+    def _tree_ready(
+        self,
+        requests: Sequence[TreeVerifyRequest],
+        part: list[Ready[_TargetSession]],
+        logs: list[PhaseLog],
+        outcomes: dict[int, TreeVerifyOutcome],
+    ) -> dict[int, Exception]:
+        """One tree forward over the group, the verdicts (greedy rows off the logits), then each commit."""
+        ready = [(r.index, r.session) for r in part]
+        trees = [requests[i].tree for i, _ in ready]
+        t0 = time.time_ns()
+        results = self.runner.tree_logits_batch([s.kv for _, s in ready], trees)  # B x [N_b+1, V]
+        t1 = time.time_ns()
+        verdicts: dict[int, TreeVerdict | Exception] = {}
+        sampled = []
+        for b, (res, (_, s)) in enumerate(zip(results, ready)):
+            if s.params.is_greedy:  # p one-hot: the deepest argmax path (tree_rejection.tree_greedy_verdict)
+                greedy = tree_greedy_verdict(res.logits, res.tree)
+                verdicts[b] = greedy if greedy is not None else Internal(UNUSABLE_LOGITS)
+            else:
+                sampled.append(b)
+        verdicts.update(self._tree_sample(sampled, results, ready, requests))
+        t2 = time.time_ns()
+        failed: dict[int, Exception] = {}
+        for b, (i, s) in enumerate(ready):
+            logs[i].add(ph.FORWARD, t0, t1)
+            logs[i].add(ph.SAMPLING, t1, t2)
+            verdict = verdicts[b]
+            if isinstance(verdict, Exception):
+                failed[i] = verdict  # the session keeps its committed prefix (the pool rolls back)
+                continue
+            with logs[i].phase(ph.ROLLBACK):
+                self.runner.keep_tree_path(s.kv, results[b], verdict.accepted)  # prefix + path, KV from the pass
+                self.runner.append(s.kv, [verdict.next_token])
+            path = verdict.accepted
+            tokens = tuple(trees[b].token_ids[n] for n in path)
+            outcomes[i] = TreeVerifyOutcome(path, tokens, verdict.next_token, verdict.is_bonus, len(s.kv.tokens))
+        return failed
+
+    @staticmethod
+    def _tree_sample(
+        rows: list[int],
+        results: list[TreeLogits],
+        ready: list[tuple[int, _TargetSession]],
+        requests: Sequence[TreeVerifyRequest],
+    ) -> dict[int, TreeVerdict | Exception]:
+        """Recursive rejection sampling over the given rows: {row: verdict or its error}.
+
+        One batched call over the rows padded to the largest tree (repeating a row's last logits:
+        padded nodes are never read); if it refuses, each row again alone, so only the offender fails.
+        """
+        if not rows:
+            return {}
+        n_max = max(len(results[b].tree) for b in rows)
+        logits = torch.stack(
+            [torch.cat([lg, lg[-1:].expand(n_max + 1 - lg.shape[0], -1)]) for lg in (results[b].logits for b in rows)]
+        )  # [B', N_max+1, V]
+        p = sampler.processed_probs(logits, [ready[b][1].params for b in rows])  # [B', N_max+1, V]
+        out: dict[int, TreeVerdict | Exception] = {}
+        for r, err in sampler.unusable_rows(logits, p).items():
+            out[rows[r]] = err
+        keep = [r for r in range(len(rows)) if rows[r] not in out]
+        if not keep:
+            return out
+        try:
+            v = tree_rejection_sample(
+                p[keep],
+                TreeBatch.of([results[rows[r]].tree for r in keep]),
+                seeds=torch.tensor([ready[rows[r]][1].params.seed for r in keep], dtype=torch.int64),
+                start_positions=torch.tensor(
+                    [requests[ready[rows[r]][0]].committed_length for r in keep], dtype=torch.int64
+                ),
+            )
+        except Exception as exc:  # noqa: BLE001 - find the row(s) at fault, one by one
+            if len(keep) == 1:
+                out[rows[keep[0]]] = exc
+                return out
+            for r in keep:
+                out.update(Verifier._tree_sample([rows[r]], results, ready, requests))
+            return out
+        out.update({rows[r]: v.row(j) for j, r in enumerate(keep)})
+        return out
 
 
 def _sparse_batch(proposals: Sequence[Proposal], k_max: int) -> SparseProposal | None:

@@ -8,7 +8,14 @@ from dataclasses import dataclass
 
 from specd.core.draft.protocol import propose_each
 from specd.core.model.pool import SessionTable
-from specd.core.rounds.steps import ProposeRequest, check_num_tokens, check_prompt, sync_prefix
+from specd.core.rounds.steps import (
+    ProposeRequest,
+    TreeProposeRequest,
+    check_num_tokens,
+    check_prompt,
+    check_tree_budget,
+    sync_prefix,
+)
 from specd.core.sampling.proposal import Proposal
 from specd.core.sampling.sampler import SamplingParams
 
@@ -78,6 +85,17 @@ class NgramDrafter:
         """No model to share: each request on its own (a lookup takes microseconds)."""
         return propose_each(self.propose, requests)
 
+    def candidates(self, request: TreeProposeRequest) -> list[list[int]]:
+        """A tree round's candidates: the continuations of several matches, the chain's first.
+
+        The sequence becomes the committed prefix (a tree's nodes do not join it)."""
+        check_tree_budget(request.budget, request.depth)
+        s = self._sessions.get(request.session_id)
+        s.tokens = sync_prefix(s.tokens, request.committed_length, request.start, request.tail)
+        return lookup_matches(
+            s.tokens, request.depth, self.max_ngram, self.min_ngram, request.budget, cap_at_match=self.cap_at_match
+        )
+
 
 def lookup_continuation(
     tokens: Sequence[int], k: int, max_ngram: int, min_ngram: int, *, cap_at_match: bool = False
@@ -118,6 +136,26 @@ def lookup_match(
                 take = min(k, agree) if cap_at_match else k
                 return list(tokens[begin + n : begin + n + take]), agree
     return [], 0
+
+
+def lookup_matches(
+    tokens: Sequence[int], k: int, max_ngram: int, min_ngram: int, limit: int, *, cap_at_match: bool = False
+) -> list[list[int]]:
+    """Up to `limit` distinct continuations of the sequence's last n-gram: lookup_match's first, then the
+    other occurrences of the longest n-gram (earliest first), then those of shorter n-grams."""
+    first, _ = lookup_match(tokens, k, max_ngram, min_ngram, cap_at_match=cap_at_match)
+    out = [first] if first else []
+    n_tokens = len(tokens)
+    for n in range(min(max_ngram, n_tokens - 1), min_ngram - 1, -1):
+        suffix = list(tokens[n_tokens - n :])
+        for begin in range(n_tokens - n):
+            if len(out) >= limit:
+                return out
+            if list(tokens[begin : begin + n]) == suffix:
+                found = list(tokens[begin + n : begin + n + k])
+                if found and found not in out:
+                    out.append(found)
+    return out
 
 
 def match_confidence(agree: int, n: int) -> tuple[float, ...]:

@@ -33,13 +33,20 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
-from specd.core.draft.ngram import lookup_match, match_confidence
+from specd.core.draft.ngram import lookup_match, lookup_matches, match_confidence
 from specd.core.draft.protocol import propose_each
 from specd.core.draft.suffix_index import NO_CANDIDATE, Candidate, SuffixIndex
 from specd.core.draft.tenant_index import NO_TENANT, PER_TENANT, SHARING_MODES, TenantIndexes
 from specd.core.errors import InvalidArgument, SessionOutOfSync
 from specd.core.model.pool import SessionTable
-from specd.core.rounds.steps import ProposeRequest, check_num_tokens, check_prompt, sync_prefix
+from specd.core.rounds.steps import (
+    ProposeRequest,
+    TreeProposeRequest,
+    check_num_tokens,
+    check_prompt,
+    check_tree_budget,
+    sync_prefix,
+)
 from specd.core.sampling.proposal import Proposal
 from specd.core.sampling.sampler import SamplingParams
 
@@ -231,6 +238,24 @@ class SuffixDrafter:
     def propose_batch(self, requests: Sequence[ProposeRequest]) -> list[Proposal | Exception]:
         """No model to share: each request on its own (a lookup takes well under a millisecond)."""
         return propose_each(self.propose, requests)
+
+    def candidates(self, request: TreeProposeRequest) -> list[list[int]]:
+        """A tree round's candidates: the better index's continuation first, the other's, then n-gram matches
+        (if the fallback is on). The sequence becomes the committed prefix (a tree's nodes do not join it)."""
+        check_tree_budget(request.budget, request.depth)
+        session = self._sessions.get(request.session_id)
+        session.sync(request.committed_length, request.start, request.tail)
+        ctx = session.context(self.settings.max_depth)
+        s = self.settings
+        rules = dict(factor=s.max_spec_factor, offset=s.max_spec_offset, min_prob=s.min_token_prob)
+        found = [session.index.speculate(ctx, request.depth, **rules)]
+        index = self.learned.index_for(session.tenant)
+        if index is not None:
+            found.append(index.speculate(ctx, request.depth, **rules))
+        out = [list(c.token_ids) for c in sorted(found, key=lambda c: -c.score) if len(c)]
+        if s.fallback == "ngram":
+            out += [m for m in lookup_matches(session.tokens, request.depth, 3, 1, request.budget) if m not in out]
+        return out[: request.budget]
 
     def _learn(self, session: SuffixSession) -> None:
         self.learned.learn(session.tenant, session.document(self.settings.prompt_tail))

@@ -24,8 +24,9 @@ from typing import Generic, TypeVar
 
 from specd.core.draft.protocol import Drafter, draft_work
 from specd.core.draft.suffix import LearningDrafter
+from specd.core.draft.trees import propose_trees
 from specd.core.errors import InvalidArgument
-from specd.core.rounds.generation import FinishReason
+from specd.core.rounds.generation import FinishReason, Generation, StopRule
 from specd.core.rounds.loop import GenerateSpec, LoopSettings, RequestRun, RoundLoop
 from specd.core.rounds.ports import Carrier
 from specd.core.rounds.record import RoundRecord, RoundStats
@@ -41,6 +42,7 @@ from specd.core.rounds.steps import (
     VerifyOutcome,
     VerifyRequest,
 )
+from specd.core.rounds.tree_rounds import TreeRun, run_tree_rounds
 from specd.core.sampling.proposal import Proposal
 from specd.core.sampling.sampler import SamplingParams
 from specd.core.target.verifier import Verifier
@@ -156,8 +158,12 @@ def speculative_generate(
     pipeline: str = "off",
     branch_budget: int = DEFAULT_BRANCH_BUDGET,
     tenant: str = "",
+    tree_budget: int = 0,
 ) -> GenerationResult:
     """Run one request's rounds in-process; drafter None or draft_length 0 = target-only.
+
+    tree_budget N > 0: tree rounds (docs/trees.md), trees of at most N nodes and draft_length
+    levels; fixed speculation, pipeline off.
 
     speculation: fixed (K = draft_length) or auto (adaptive K up to draft_length);
     pipeline: off | bonus-match | post-verify | spec-cache (specd.core.rounds.pipeline), the
@@ -177,6 +183,7 @@ def speculative_generate(
         pipeline=pipeline,
         branch_budget=branch_budget,
         tenant=tenant,
+        tree_budget=tree_budget,
     )[0]
 
 
@@ -194,6 +201,7 @@ def speculative_generate_batch(
     pipeline: str = "off",
     branch_budget: int = DEFAULT_BRANCH_BUDGET,
     tenant: str = "",
+    tree_budget: int = 0,
 ) -> list[GenerationResult]:
     """Many requests at once, each its own loop; their drafts and verifies batch per event-loop turn.
 
@@ -206,6 +214,16 @@ def speculative_generate_batch(
         raise InvalidArgument("prompts, params and draft_lengths need one entry per request")
     ids = list(session_ids) if session_ids is not None else [f"batch-{i}" for i in range(len(prompts))]
     stops = frozenset(int(t) for t in stop_token_ids)
+    if tree_budget:
+        if speculation != "fixed" or pipeline != "off":
+            raise InvalidArgument("tree rounds run with speculation 'fixed' and pipeline 'off'")
+        for p, k in zip(params, draft_lengths):
+            p.validate()
+            if drafter is not None and k < 1:
+                raise InvalidArgument(f"a tree's depth (draft length) must be >= 1 when speculating (got {k})")
+        return _tree_generate(
+            prompts, verifier, drafter, params, draft_lengths, max_new_tokens, stops, ids, tenant, tree_budget
+        )
     specs = []
     for prompt, p, k in zip(prompts, params, draft_lengths):
         p.validate()
@@ -245,6 +263,54 @@ def speculative_generate_batch(
         return run_sync(run_all)
     except BaseExceptionGroup as group:  # a request failed: raise its error, as a direct call would
         raise group.exceptions[0] from None
+
+
+def _tree_generate(
+    prompts: Sequence[Sequence[int]],
+    verifier: Verifier,
+    drafter: Drafter | None,
+    params: Sequence[SamplingParams],
+    depths: Sequence[int],
+    max_new_tokens: int,
+    stops: frozenset[int],
+    ids: Sequence[str],
+    tenant: str,
+    budget: int,
+) -> list[GenerationResult]:
+    """Tree rounds for the requests in lockstep (specd.core.rounds.tree_rounds); sessions opened and closed here."""
+    rule = StopRule(max_new_tokens, verifier.runner.max_context, stops)
+    runs = [TreeRun(Generation(p, rule), sid, k, len(p)) for p, sid, k in zip(prompts, ids, depths)]
+    opened: list[str] = []
+    t0 = time.perf_counter()
+    try:
+        for run, p in zip(runs, params):
+            verifier.open(run.session_id, run.generation.prompt, p)
+            opened.append(run.session_id)
+            if drafter is not None:
+                drafter.open(run.session_id, run.generation.prompt, p, tenant=tenant)
+        draft = None if drafter is None else (lambda reqs: propose_trees(drafter, reqs))
+        run_tree_rounds(runs, draft, verifier.verify_tree_batch, budget=budget)
+    finally:
+        for run in runs:
+            if run.session_id not in opened:
+                continue
+            verifier.close(run.session_id)
+            if drafter is not None:
+                committed = run.generation.committed
+                if isinstance(drafter, LearningDrafter):  # as LocalDraft.close: the answer is learnt
+                    drafter.finish(run.session_id, len(committed), run.draft_start, committed[run.draft_start :])
+                drafter.close(run.session_id)
+    seconds = time.perf_counter() - t0
+    out = []
+    for run in runs:
+        stats = RoundStats()
+        for record in run.records:
+            stats.add(record)
+        assert run.generation.finish_reason is not None
+        out.append(
+            GenerationResult(run.generation.generated, run.generation.finish_reason, stats, seconds, tuple(run.records))
+        )
+    return out
 
 
 async def _collect(run: RequestRun) -> tuple[RoundRecord, ...]:

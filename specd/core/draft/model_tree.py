@@ -4,7 +4,9 @@ At each depth the draft model reads the logits after every frontier node in
 ONE tree forward over all sessions (CausalLMRunner.tree_logits_batch on the
 tree grown so far: the prefix's uncached tail and the earlier nodes run
 again, which keeps the draft session's cache at the committed prefix).
-Then the frontier's `beam` nodes of highest path probability are expanded:
+Then the frontier's `beam` nodes of highest path probability are expanded,
+adding at most `beam` nodes per level and leaving one node of the budget for
+each level still to come:
 
 - greedy (T = 0): each proposes its `width` likeliest tokens under the
   draft's softmax, and of all these the ones of highest path probability are
@@ -114,6 +116,10 @@ def _prepare(drafter: ModelDrafter, req: TreeProposeRequest) -> _Growing:
 def _expand(drafter: ModelDrafter, g: _Growing, logits: torch.Tensor, width: int, beam: int) -> None:
     """Grow g by one level from its tree pass's logits [N+1, V] (row 1 + i after node i, row 0 after the prefix)."""
     parents = sorted(g.frontier, key=lambda n: -g.score[n])[:beam]  # highest path probability first
+    # New nodes this level: at most `beam`, leaving one per level still to come so the tree reaches its
+    # depth. Counts only, never the children's values: at T > 0 every child drawn is kept.
+    level = g.builder.depth_of(parents[0]) + 1
+    allowance = max(1, min(beam, g.budget - (g.depth - level)))
     rows = logits[[n + 1 for n in parents]].float()  # [P, V]
     new: list[int] = []
     if g.session.params.is_greedy:
@@ -127,7 +133,7 @@ def _expand(drafter: ModelDrafter, g: _Growing, logits: torch.Tensor, width: int
             for v, t in zip(top.values[r].tolist(), top.indices[r].tolist())
         ]
         cands.sort(key=lambda c: -c[0])  # stable: a parent's own order breaks ties
-        for score, p, t in cands[: g.budget]:
+        for score, p, t in cands[:allowance]:
             node = g.builder.add(p, t)
             g.score[node] = score
             new.append(node)
@@ -138,7 +144,7 @@ def _expand(drafter: ModelDrafter, g: _Growing, logits: torch.Tensor, width: int
             raise next(iter(unusable.values()))
         ids, weights = sparse_q.build(probs[:, 0], g.session.q)  # [P, W] the q the chain drafter would send
         for r, p in enumerate(parents):
-            k = min(width, g.budget - len(new))
+            k = min(width, allowance - len(new))
             if k <= 0:
                 break
             total = float(weights[r].sum())

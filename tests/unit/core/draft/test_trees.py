@@ -60,8 +60,8 @@ def test_width_one_is_the_chain_drafters_proposal(tiny, params: SamplingParams) 
 def test_expansion_keeps_the_budget_and_depth_and_siblings_differ(tiny, params: SamplingParams) -> None:
     tok, drafter = tiny
     prompt = tok("hello world").input_ids
-    tree = _tree(drafter, prompt, params, 10, 4, width=3, beam=2)
-    assert len(tree) == 10 and tree.depth <= 4
+    tree = _tree(drafter, prompt, params, 10, 4, width=3, beam=3)
+    assert len(tree) == 10 and tree.depth == 4  # at most beam nodes a level, one kept for each level to come
     for kids in tree.children:
         assert len(kids) <= 3
         assert len({tree.token_ids[c] for c in kids}) == len(kids)  # top-k or drawn without replacement
@@ -72,7 +72,7 @@ def test_expansion_keeps_the_budget_and_depth_and_siblings_differ(tiny, params: 
         assert [tree.token_ids[c] for c in tree.children[0]] == torch.topk(logits, 3).indices.tolist()
     else:
         assert tree.q_ids is not None
-    again = _tree(drafter, prompt, params, 10, 4, width=3, beam=2)  # seeded: the same tree
+    again = _tree(drafter, prompt, params, 10, 4, width=3, beam=3)  # seeded: the same tree
     assert again.token_ids == tree.token_ids and again.parents == tree.parents
 
 

@@ -24,6 +24,7 @@ from draft_service.server import create_server as create_draft
 from specd.core.errors import InvalidArgument, SpecdError
 from specd.core.model import catalog
 from specd.serving import config as cfg
+from specd.serving import flags
 from specd.serving.cpu_budget import cpu_budget, service_threads
 from specd.serving.cpu_threads import describe_threads
 from specd.serving.metrics import CoordinatorMetrics, DraftMetrics, TargetMetrics
@@ -48,7 +49,7 @@ def _serve(args: argparse.Namespace) -> int:
         "target": cfg.TargetConfig,
         "coordinator": cfg.CoordinatorConfig,
     }[service]
-    config = cfg.from_args(kind, args)
+    config = flags.from_args(kind, args)
     logging.basicConfig(
         level=config.log_level, format=f"%(asctime)s specd-{service} %(levelname)s %(name)s: %(message)s"
     )
@@ -317,7 +318,7 @@ def build_parser() -> argparse.ArgumentParser:
         ("coordinator", cfg.CoordinatorConfig),
     ):
         p = serve_sub.add_parser(name, help=f"the {name} service")
-        cfg.add_arguments(p, kind)
+        flags.add_arguments(p, kind)
         p.set_defaults(func=_serve)
 
     gen = sub.add_parser("generate", help="call Generate on a running coordinator")

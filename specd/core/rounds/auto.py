@@ -49,6 +49,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from specd.core.rounds.adaptive import Estimate, LinearCost
+from specd.core.sampling.proposal import Proposal
 
 OFF, BONUS_MATCH, POST_VERIFY, SPEC_CACHE = "off", "bonus-match", "post-verify", "spec-cache"
 PIPELINE_AUTO = "auto"  # a request's or the coordinator's pipeline setting: chosen per round by this module
@@ -411,6 +412,28 @@ class AutoChooser:
         family = _family(arm)
         residual = cls.residual_ms.setdefault(family, Estimate(0.0))
         residual.update(cycle_ms - self.model_cycle(cls, arm, rates), horizon=horizon)
+
+    def observe_round(
+        self,
+        cls: ArmCycles,
+        arm: Arm,
+        proposal: Proposal,
+        drafted: int,
+        pre_drafted: bool,
+        accepted: int,
+        verify_ms: float,
+        draft_wall_ms: float,
+    ) -> None:
+        """A round's verdict and call walls. drafted: the tokens its fresh draft call drafted
+        (before a cut); pre_drafted: its proposal came from the previous round's pipeline.
+
+        A fresh draft that came back short, or that the cut shortened, counts its missing
+        positions as rejected: what the arm yields is what the round gives when K is asked for."""
+        asked = len(proposal) if pre_drafted or arm == TARGET_ONLY else arm.k
+        if asked > 0:
+            self.observe_verdict(cls, asked, accepted, proposal.confidence)
+        fresh = drafted if draft_wall_ms > 0 else 0
+        self.observe_calls(cls, arm, len(proposal) + 1, verify_ms, fresh, draft_wall_ms)
 
     @staticmethod
     def observe_calls(cls: ArmCycles, arm: Arm, tokens: int, verify_ms: float, drafted: int, draft_ms: float) -> None:

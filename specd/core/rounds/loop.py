@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from specd.core.errors import REQUEST_ERRORS, DeadlineExceeded, ProposalRefused, ResourceExhausted, SpecdError
-from specd.core.rounds.auto import PIPELINE_AUTO, TARGET_ONLY, Arm, ArmCycles, AutoChooser, AutoPolicy
+from specd.core.rounds.auto import PIPELINE_AUTO, Arm, ArmCycles, AutoChooser, AutoPolicy
 from specd.core.rounds.generation import FinishReason, Generation, StopRule
 from specd.core.rounds.pipeline import (
     AUTO_PIPELINES,
@@ -72,10 +72,8 @@ class GenerateSpec:
     draft_length: int = 4  # fixed K, or the largest K automatic mode may pick
     pipeline: str = "off"  # a name in specd.core.rounds.pipeline.PIPELINES, or "auto": chosen per round
     tenant: str = ""  # the caller's tenant key: the draft's learned state it may use ("": none)
-    # The caller chose the seed, so the output must reproduce. Which positions a round drafts and
-    # which it samples as the bonus depends on K, and auto's K follows wall-clock costs and other
-    # requests: auto keeps K at draft_length for such a request and never cuts (its pipeline may
-    # still change per round; that does not change the output).
+    # The caller chose the seed: the output must reproduce, and which positions are drafted depends on
+    # K, so auto keeps K at draft_length and never cuts (its pipeline choice changes no token).
     seeded: bool = False
 
 
@@ -304,9 +302,11 @@ class RequestRun:
             if pre.extension == extension and len(pre.proposal) > 0:
                 self._ready = (pre.proposal, PipelineHit(self._pipeline.name, outcome.accepted, kind, launched))
                 break
-        if arm is not None and cls is not None and not refused:
-            verify_ms = (self._verified_at - t_verify) * 1e3
-            self._learn(arm, cls, proposal, drafted, hit, outcome, verify_ms, draft_wall_ms)
+        if arm is not None and cls is not None and self._chooser is not None and not refused:
+            verify_ms = (self._verified_at - t_verify) * 1e3  # auto reads its own walls, not the peers' figures
+            self._chooser.observe_round(
+                cls, arm, proposal, drafted, hit is not None, outcome.accepted, verify_ms, draft_wall_ms
+            )
         new = gen.commit(proposal.token_ids, outcome.accepted, token)
         if self._stop is not None:
             keep = self._stop(new)
@@ -472,29 +472,6 @@ class RequestRun:
     def _target_retry(self, exc: BaseException) -> None:
         log.warning("target round failed (%s: %s); retrying", type(exc).__name__, exc)
         self._observer.round_event("target failed; retrying", exc)
-
-    def _learn(
-        self,
-        arm: Arm,
-        cls: ArmCycles,
-        proposal: Proposal,
-        drafted: int,
-        hit: PipelineHit | None,
-        outcome: VerifyOutcome,
-        verify_ms: float,
-        draft_wall_ms: float,
-    ) -> None:
-        """Feed auto a round's verdict and call times (its own walls, not what the peers report).
-
-        A fresh draft that came back short, or that auto cut, counts its missing positions
-        as rejected: what the arm yields is what the round gives when K is asked for."""
-        assert self._chooser is not None
-        asked = len(proposal) if hit is not None or arm == TARGET_ONLY else arm.k
-        if asked > 0:
-            self._chooser.observe_verdict(cls, asked, outcome.accepted, proposal.confidence)
-        AutoChooser.observe_calls(
-            cls, arm, len(proposal) + 1, verify_ms, drafted if draft_wall_ms > 0 else 0, draft_wall_ms
-        )
 
 
 def _kind(outcome: VerifyOutcome) -> TokenKind:

@@ -19,10 +19,9 @@ import pytest
 from specd.core.errors import DeadlineExceeded, InvalidArgument, ResourceExhausted, SessionOutOfSync, Unavailable
 from specd.core.rounds.generation import FinishReason
 from specd.core.rounds.loop import GenerateSpec, LoopSettings, RequestRun, RoundLoop
-from specd.core.rounds.pipeline import PIPELINES, PipelineRound, PreDraft, make_pipeline
-from specd.core.rounds.ports import Carrier
+from specd.core.rounds.pipeline import PIPELINES, PipelineRound, PreDraft
 from specd.core.rounds.record import RoundRecord, TargetOnly, TokenKind
-from specd.core.rounds.steps import Branches, BranchRequest, VerifyOutcome
+from specd.core.rounds.steps import VerifyOutcome
 from specd.core.sampling.proposal import Proposal
 from specd.core.sampling.sampler import SamplingParams
 from tests.loop_fakes import FakeDraft, FakeTarget, Script, Watch, chain, draft_next, fail, target_next
@@ -96,47 +95,6 @@ def test_every_strategy_gives_the_target_only_output(pipeline: str, speculation:
         assert launched and r.stats.pipeline_hits > 0
         missed = [rec for rec, nxt in itertools.pairwise(records) if rec.pipeline_launched and nxt.pipeline_hit is None]
         assert missed, "the script should make some pre-drafts miss"
-
-
-@pytest.mark.parametrize("speculation", ["fixed", "auto"])
-def test_the_auto_pipeline_tries_the_strategies_and_stays_exact(speculation: str) -> None:
-    """pipeline "auto" switches strategy (and, with auto speculation, K) between rounds of one request."""
-    target, draft = FakeTarget(), FakeDraft()
-    r, records, loop = run(spec(400, pipeline="auto", speculation=speculation, draft_length=4), target, draft)
-    assert r.generation.generated == expected(400) and r.finish_reason == FinishReason.LENGTH
-    assert target.violations == []  # a strategy switch never verifies a pre-draft made for another prefix
-    check_records(r, records)
-    ran = {rec.pipeline for rec in records}
-    assert len(ran) >= 2 and ran <= set(PIPELINES), ran  # the strategy changed within the request
-    assert r.stats.pipeline_hits > 0
-    lengths = {rec.draft_length for rec in records[:-2]}
-    assert lengths == {4} if speculation == "fixed" else len(lengths) > 1
-    cls = loop.auto.workload(greedy=True, running=1)
-    assert cls.verify_ms.mean() is not None and cls.residual_ms  # the loop fed auto its cycles and calls
-
-
-def test_auto_cuts_proposals_by_their_confidence_and_stays_exact() -> None:
-    """Proposals that say how sure they are: auto learns what that means and verifies a prefix of each."""
-    target, draft = FakeTarget(), FakeDraft(confidence=(0.99, 0.9, 0.2, 0.1))
-    r, records, loop = run(spec(300, speculation="auto", pipeline="off", draft_length=4), target, draft)
-    assert r.generation.generated == expected(300) and target.violations == []
-    check_records(r, records)
-    assert all(rec.draft_tokens <= rec.draft_length for rec in records)
-    cls = loop.auto.workload(greedy=True, running=1)
-    assert sum(cls.calibration.reached) > 0  # the verdicts calibrated the confidences
-
-
-def test_a_caller_seeded_auto_request_keeps_its_draft_length_so_the_output_reproduces() -> None:
-    """Which positions are drafted depends on K; auto's K follows timings, so a chosen seed pins it."""
-    target, draft = FakeTarget(), FakeDraft(confidence=(0.99, 0.9, 0.2, 0.1))
-    s = spec(300, speculation="auto", pipeline="auto", draft_length=4, seeded=True)
-    r, records, _ = run(s, target, draft)
-    assert r.generation.generated == expected(300) and target.violations == []
-    check_records(r, records)
-    done = list(itertools.accumulate(len(rec.committed) for rec in records))
-    early = [rec for rec, n in zip(records, done) if n <= 300 - 8]  # not yet short of room for K
-    assert {rec.draft_length for rec in early} == {4} and all(rec.draft_tokens == 4 for rec in early)  # never cut
-    assert len({rec.pipeline for rec in records}) >= 2  # the pipeline is still auto's
 
 
 def hits_after(records: list[RoundRecord]) -> list[tuple[RoundRecord, RoundRecord]]:
@@ -213,121 +171,6 @@ def test_a_strategy_with_several_outcomes_plugs_in_and_wrong_guesses_are_never_v
     assert set(outcomes) <= {"0:recovered"} | {f"{k}:bonus" for k in range(1, 4)}  # ... and nothing else can
     assert all(rec.pipeline_launched in (0, 3) for rec in records)
     check_records(r, records)
-
-
-# ---- the speculation cache: one branch call per round, hits per outcome -------------------------
-
-
-def spec_cache_run(
-    n: int, branches: int, draft: FakeDraft | None = None, **settings
-) -> tuple[RequestRun, list[RoundRecord], FakeTarget, FakeDraft]:
-    target, draft = FakeTarget(), draft or FakeDraft()
-    loop_settings = LoopSettings(**{"draft_retry_s": 0.0, "branch_budget": branches, **settings})
-    r, records, _ = run(spec(n, pipeline="spec-cache"), target, draft, settings=loop_settings)
-    return r, records, target, draft
-
-
-@pytest.mark.parametrize("branches", [1, 3, 8])
-def test_spec_cache_hits_exactly_the_verdicts_it_drafted_for(branches: int) -> None:
-    r, records, target, draft = spec_cache_run(160, branches)
-    assert r.generation.generated == expected(160) and target.violations == [] and draft.violations == []
-    check_records(r, records)
-    launched = [rec for rec in records if rec.pipeline_launched]
-    assert all(rec.pipeline_launched == branches for rec in launched)
-    assert len(draft.branch_results) == len(launched)  # one branch call per round, all branches in it
-    covered_rounds = 0
-    for rec, result in zip(launched, draft.branch_results):
-        assert len(result) <= branches
-        covered = {(b.accepted, b.token_id) for b in result.branches}
-        nxt = records[rec.index + 1] if rec.index + 1 < len(records) else None
-        if nxt is None or not nxt.draft_length:
-            continue
-        hit = (rec.accepted, rec.token_id) in covered
-        assert (nxt.pipeline_hit is not None) == hit
-        covered_rounds += hit
-        if hit:
-            kind = "bonus" if rec.accepted == rec.draft_tokens else "recovered"
-            assert nxt.pipeline_hit.outcome == f"{rec.accepted}:{kind}" and nxt.draft_ms == 0.0
-            assert nxt.pipeline_hit.strategy == "spec-cache" and nxt.pipeline_hit.launched == branches
-    assert covered_rounds == r.stats.pipeline_hits > 0
-    outcomes = r.stats.pipeline_hits_by_outcome
-    assert set(outcomes) <= {"3:bonus"} | {f"{j}:recovered" for j in range(3)}
-    if branches >= 3:  # room for more than the likeliest verdict: recovered ones hit too
-        assert "3:bonus" in outcomes and any(o.endswith(":recovered") for o in outcomes)
-    # misses happen (a verdict outside the budget), and then the round drafts afresh
-    missed = [nxt for rec, nxt in itertools.pairwise(records) if rec.pipeline_launched and nxt.pipeline_hit is None]
-    assert any(nxt.draft_tokens for nxt in missed)
-
-
-def test_spec_cache_costs_one_draft_call_per_round_after_a_hit() -> None:
-    r, records, _, draft = spec_cache_run(120, 8)
-    assert r.generation.generated == expected(120)
-    proposes = sum(1 for rec in records if rec.draft_tokens and rec.pipeline_hit is None)
-    assert draft.calls == proposes + len(draft.branch_results)
-    assert r.stats.pipeline_hits > len(records) // 2  # most verdicts are among the 8 likeliest here
-
-
-def test_spec_cache_learns_acceptance_per_position() -> None:
-    """The branch call carries this request's measured acceptance per pending position."""
-    seen: list[tuple[float, ...]] = []
-
-    class Recording(FakeDraft):
-        async def propose_branches(self, request: BranchRequest, *, timeout: float, carrier: Carrier) -> Branches:
-            seen.append(tuple(request.acceptance))
-            return await super().propose_branches(request, timeout=timeout, carrier=carrier)
-
-    r, records, _, _ = spec_cache_run(120, 4, draft=Recording())
-    assert r.generation.generated == expected(120)
-    assert seen[0] == pytest.approx((0.7, 0.7, 0.7))  # the prior, before any verdict
-    reached = [sum(1 for rec in records[:-1] if rec.draft_tokens and rec.accepted >= i) for i in range(3)]
-    accepted = [sum(1 for rec in records[:-1] if rec.draft_tokens and rec.accepted > i) for i in range(3)]
-    last = [(a + 1.4) / (n + 2.0) for a, n in zip(accepted, reached)]
-    assert seen[-1] == pytest.approx(tuple(last), abs=0.05)  # the rates the verdicts before it give
-    assert seen[-1] != seen[0]
-
-
-@pytest.mark.parametrize(
-    "script, lie",
-    [
-        (Script(fail=fail(2)), set()),  # call 2 is round 0's branch call: it fails
-        (Script(hang={2}), set()),  # ... it never answers (the draft timeout)
-        (Script(fail=fail(2, SessionOutOfSync("x")) | fail(3, SessionOutOfSync("y"))), set()),  # lost twice
-        (Script(), {2, 5}),  # ... it sends a branch longer than asked
-    ],
-    ids=["fails", "times-out", "loses-the-session", "lies"],
-)
-def test_a_failing_branch_call_leaves_the_round_and_the_output_as_they_were(script: Script, lie: set[int]) -> None:
-    draft, watch = FakeDraft(script, lie=lie), Watch()
-    target = FakeTarget()
-    settings = LoopSettings(draft_retry_s=0.0, draft_timeout_s=0.1)
-    r, records, _ = run(spec(40, pipeline="spec-cache"), target, draft, settings=settings, watch=watch)
-    assert r.generation.generated == expected(40) and target.violations == [] and draft.violations == []
-    assert ("draft failed; target-only round", "Unavailable") in watch.events or (
-        "draft failed; target-only round",
-        "DeadlineExceeded",
-    ) in watch.events
-    assert records[0].draft_tokens and records[1].pipeline_hit is None  # round 0's branches never came
-    assert r.stats.pipeline_hits > 0  # and the cache works again afterwards
-    check_records(r, records)
-
-
-def test_a_drafter_without_branches_at_a_port_only_misses() -> None:
-    """A port answering a branch call with no branches (e.g. no room in the context): plain rounds."""
-
-    class NoBranches(FakeDraft):
-        async def propose_branches(self, request: BranchRequest, *, timeout: float, carrier: Carrier) -> Branches:
-            await super().propose_branches(request, timeout=timeout, carrier=carrier)
-            return Branches(())
-
-    target = FakeTarget()
-    r, records, _ = run(spec(40, pipeline="spec-cache"), target, NoBranches())
-    assert r.generation.generated == expected(40) and target.violations == []
-    assert r.stats.pipeline_hits == 0 and all(rec.draft_tokens for rec in records[:-1])
-
-
-def test_unknown_pipeline_is_invalid() -> None:
-    with pytest.raises(InvalidArgument, match="pipeline"):
-        make_pipeline("nope")
 
 
 # ---- the draft failing: target-only rounds, still exact --------------------------------------

@@ -1,0 +1,54 @@
+"""Auto over scripted ports (tests/loop_fakes.py): the pipeline and K chosen per round, the
+confidence cut and a caller's seed, each giving the greedy fake target's own chain."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+
+from specd.core.rounds.generation import FinishReason
+from specd.core.rounds.pipeline import PIPELINES
+from tests.loop_fakes import FakeDraft, FakeTarget
+from tests.unit.core.rounds.test_loop import check_records, expected, run, spec
+
+
+@pytest.mark.parametrize("speculation", ["fixed", "auto"])
+def test_the_auto_pipeline_tries_the_strategies_and_stays_exact(speculation: str) -> None:
+    """pipeline "auto" switches strategy (and, with auto speculation, K) between rounds of one request."""
+    target, draft = FakeTarget(), FakeDraft()
+    r, records, loop = run(spec(400, pipeline="auto", speculation=speculation, draft_length=4), target, draft)
+    assert r.generation.generated == expected(400) and r.finish_reason == FinishReason.LENGTH
+    assert target.violations == []  # a strategy switch never verifies a pre-draft made for another prefix
+    check_records(r, records)
+    ran = {rec.pipeline for rec in records}
+    assert len(ran) >= 2 and ran <= set(PIPELINES), ran  # the strategy changed within the request
+    assert r.stats.pipeline_hits > 0
+    lengths = {rec.draft_length for rec in records[:-2]}
+    assert lengths == {4} if speculation == "fixed" else len(lengths) > 1
+    cls = loop.auto.workload(greedy=True, running=1)
+    assert cls.verify_ms.mean() is not None and cls.residual_ms  # the loop fed auto its cycles and calls
+
+
+def test_auto_cuts_proposals_by_their_confidence_and_stays_exact() -> None:
+    """Proposals that say how sure they are: auto learns what that means and verifies a prefix of each."""
+    target, draft = FakeTarget(), FakeDraft(confidence=(0.99, 0.9, 0.2, 0.1))
+    r, records, loop = run(spec(300, speculation="auto", pipeline="off", draft_length=4), target, draft)
+    assert r.generation.generated == expected(300) and target.violations == []
+    check_records(r, records)
+    assert all(rec.draft_tokens <= rec.draft_length for rec in records)
+    cls = loop.auto.workload(greedy=True, running=1)
+    assert sum(cls.calibration.reached) > 0  # the verdicts calibrated the confidences
+
+
+def test_a_caller_seeded_auto_request_keeps_its_draft_length_so_the_output_reproduces() -> None:
+    """Which positions are drafted depends on K; auto's K follows timings, so a chosen seed pins it."""
+    target, draft = FakeTarget(), FakeDraft(confidence=(0.99, 0.9, 0.2, 0.1))
+    s = spec(300, speculation="auto", pipeline="auto", draft_length=4, seeded=True)
+    r, records, _ = run(s, target, draft)
+    assert r.generation.generated == expected(300) and target.violations == []
+    check_records(r, records)
+    done = list(itertools.accumulate(len(rec.committed) for rec in records))
+    early = [rec for rec, n in zip(records, done) if n <= 300 - 8]  # not yet short of room for K
+    assert {rec.draft_length for rec in early} == {4} and all(rec.draft_tokens == 4 for rec in early)  # never cut
+    assert len({rec.pipeline for rec in records}) >= 2  # the pipeline is still auto's

@@ -69,43 +69,15 @@ def test_seeded_sampling_equals_in_process_loop(cluster: Cluster, tiny_pair: tup
             ids = prompt_ids(target, PROMPTS[seed])
             params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed + 11)
             ref = reference(target, draft, ids, params, max_new_tokens=20, draft_length=4)
-            got = client.generate(
-                ids,
-                max_new_tokens=20,
-                temperature=temperature,
-                top_k=top_k,
-                top_p=top_p,
-                seed=seed + 11,
-                ignore_eos=True,
-                speculation="fixed",
-                draft_length=4,
-            )
+            sampling = dict(max_new_tokens=20, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed + 11)
+            fixed = dict(speculation="fixed", draft_length=4)
+            got = client.generate(ids, ignore_eos=True, **sampling, **fixed)
             assert list(got.token_ids) == ref.token_ids
             assert got.stats.accepted_tokens == ref.stats.accepted_tokens
-            again = client.generate(
-                ids,
-                max_new_tokens=20,
-                temperature=temperature,
-                top_k=top_k,
-                top_p=top_p,
-                seed=seed + 11,
-                ignore_eos=True,
-                speculation="fixed",
-                draft_length=4,
-            )
-            assert list(again.token_ids) == ref.token_ids
+            assert list(client.generate(ids, ignore_eos=True, **sampling, **fixed).token_ids) == ref.token_ids
             # The default (auto, its pipeline auto): a chosen seed keeps K at the default 4, so the
             # output is fixed-4's whatever auto measured (the pipeline it picks does not change it).
-            default = client.generate(
-                ids,
-                max_new_tokens=20,
-                temperature=temperature,
-                top_k=top_k,
-                top_p=top_p,
-                seed=seed + 11,
-                ignore_eos=True,
-            )
-            assert list(default.token_ids) == ref.token_ids
+            assert list(client.generate(ids, ignore_eos=True, **sampling).token_ids) == ref.token_ids
 
 
 def test_spec_cache_gives_the_tokens_of_no_pipelining(cluster: Cluster, tiny_pair: tuple[Path, Path]) -> None:

@@ -10,13 +10,13 @@ import dataclasses
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Unpack
+from typing import Any, TypeVar, Unpack
 
 import torch
 
 from specd.core import phases as ph
 from specd.core.errors import Internal, InvalidArgument
-from specd.core.model.pool import PooledModel, PoolLimits, Ready
+from specd.core.model.pool import BatchRun, PooledModel, PoolLimits, Ready
 from specd.core.model.runner import CausalLMRunner, KVSession
 from specd.core.model.tree_forward import TreeLogits
 from specd.core.phases import PhaseLog
@@ -89,14 +89,7 @@ class Verifier(PooledModel[_TargetSession]):
             what="verification",
             growth=lambda _req, _ready: 1,  # past the drafts: the verdict's recovered or bonus token
         )
-        results: list[VerifyOutcome | Exception] = []
-        for i, (error, log) in enumerate(zip(run.errors, run.logs)):
-            if error is not None:
-                results.append(error)
-            else:
-                ms = (log.phases[-1].end_ns - log.phases[0].start_ns) / 1e6
-                results.append(dataclasses.replace(outcomes[i], compute_ms=ms, phases=log))
-        return results
+        return _timed(run, outcomes)
 
     def _prepare(self, req: VerifyRequest) -> tuple[_TargetSession, int]:
         """Sync the session to the committed prefix and append the drafts (no forward yet)."""
@@ -242,14 +235,7 @@ class Verifier(PooledModel[_TargetSession]):
             what="tree verification",
             growth=lambda req, _ready: req.tree.depth + 1,  # the deepest path and its one more token
         )
-        results: list[TreeVerifyOutcome | Exception] = []
-        for i, (error, log) in enumerate(zip(run.errors, run.logs)):
-            if error is not None:
-                results.append(error)
-            else:
-                ms = (log.phases[-1].end_ns - log.phases[0].start_ns) / 1e6
-                results.append(dataclasses.replace(outcomes[i], compute_ms=ms, phases=log))
-        return results
+        return _timed(run, outcomes)
 
     def _prepare_tree(self, req: TreeVerifyRequest) -> tuple[_TargetSession, int]:
         """Sync the session to the committed prefix and check the tree against this service's limits."""
@@ -374,3 +360,18 @@ def _sparse_batch(proposals: Sequence[Proposal], k_max: int) -> SparseProposal |
             ids[b, :k, : p.q_ids.shape[1]] = p.q_ids
             probs[b, :k, : p.q_probs.shape[1]] = p.q_probs
     return SparseProposal(ids, probs)
+
+
+Out = TypeVar("Out", VerifyOutcome, TreeVerifyOutcome)
+
+
+def _timed(run: BatchRun[Any], outcomes: dict[int, Out]) -> list[Out | Exception]:
+    """Per request of a pool batch run: its error, or its outcome with the compute time its phases logged."""
+    results: list[Out | Exception] = []
+    for i, (error, log) in enumerate(zip(run.errors, run.logs)):
+        if error is not None:
+            results.append(error)
+        else:
+            ms = (log.phases[-1].end_ns - log.phases[0].start_ns) / 1e6
+            results.append(dataclasses.replace(outcomes[i], compute_ms=ms, phases=log))
+    return results

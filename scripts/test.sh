@@ -5,6 +5,11 @@
 #   scripts/test.sh            what CI runs (.ci/run): set-up, lint, every tier
 #   scripts/test.sh --unit     the fast loop: tests/unit only, no lint; set-up only when
 #                              pyproject.toml or scripts/setup.sh changed since the last one
+#
+# Both run pytest on SPECD_TEST_WORKERS worker processes (pytest-xdist; default 2, 0: one
+# process, no workers), each test file whole on one worker (--dist loadfile), so a module's
+# fixtures (its cluster) are still built once. The tiers' CPU time is mostly imports and
+# services waiting on each other; two workers keep both cores busy.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -15,9 +20,11 @@ set_up() {
   setup_inputs >"$STAMP"
 }
 
+WORKERS=${SPECD_TEST_WORKERS:-2}
+
 run_pytest() {
   set +e
-  .venv/bin/python -m pytest "$@"
+  .venv/bin/python -m pytest -n "$WORKERS" --dist loadfile "$@"
   local status=$?
   set -e
   if [ "$status" -eq 5 ]; then

@@ -49,11 +49,13 @@ def build_request(
     pipeline: bool | str | None = None,
     ignore_eos: bool = False,
     cache_salt: str = "",
+    tree_budget: int = 0,
 ) -> coordinator_pb2.GenerateRequest:
     """A GenerateRequest; prompt is text, token IDs, or chat messages ({'role', 'content'} dicts).
 
     cache_salt: narrows the caller's tenant (what the draft learned from the same tenant's
-    earlier requests drafts for this one; see GenerateRequest.cache_salt)."""
+    earlier requests drafts for this one; see GenerateRequest.cache_salt). tree_budget N > 0: tree
+    speculation, trees of at most N nodes, draft_length deep (speculation "fixed", pipeline off)."""
     req = coordinator_pb2.GenerateRequest(
         max_new_tokens=max_new_tokens,
         stop=list(stop),
@@ -88,6 +90,7 @@ def build_request(
             f"(got {pipeline!r})"
         )
     req.speculation.pipeline = _PIPELINES[pipeline]
+    req.speculation.tree_budget = tree_budget
     return req
 
 

@@ -25,7 +25,8 @@ from specd.core.errors import DeadlineExceeded, FailedPrecondition, InvalidArgum
 from specd.core.rounds import steps
 from specd.core.rounds.ports import Carrier
 from specd.core.sampling.proposal import Proposal
-from specd.serving import wire
+from specd.core.sampling.tree import DraftTree
+from specd.serving import tree_wire, wire
 from specd.serving.grpc_errors import exception_from_session_error
 from specd.serving.server import CHANNEL_OPTIONS
 from specd.v1 import common_pb2, draft_pb2, draft_pb2_grpc, session_pb2, target_pb2, target_pb2_grpc
@@ -249,6 +250,17 @@ class GrpcTarget(Peer[target_pb2.TargetRequest, target_pb2.TargetResponse]):
                 raise ProposalRefused(f"the target refused the draft's proposal: {exc}") from exc
             raise FailedPrecondition(f"the target refused a round: {exc}") from exc
 
+    async def verify_tree(
+        self, request: steps.TreeVerifyRequest, *, timeout: float, carrier: Carrier
+    ) -> steps.TreeVerifyOutcome:
+        # The coordinator validated the draft's tree (tree_wire.draft_tree_from_proto) before sending it,
+        # so a refusal is the deployment's (limits that do not fit), as for a chain without relayed q.
+        try:
+            answer = await self.call(tree_wire.verify_tree_request(request, carrier), timeout)
+        except InvalidArgument as exc:
+            raise FailedPrecondition(f"the target refused a tree round: {exc}") from exc
+        return tree_wire.tree_verdict_from_proto(answer.response, request.tree, self.vocab_size)
+
 
 def compatibility_problem(target: common_pb2.ModelInfo, draft: common_pb2.ModelInfo) -> str | None:
     """Why a draft cannot speculate for this target, or None if it can."""
@@ -288,6 +300,15 @@ class GrpcDraft(Peer[draft_pb2.DraftRequest, draft_pb2.DraftResponse]):
         answer = await self.call(wire.branches_request(request, carrier), timeout)
         # Checks the ids; each branch's q goes on to the target undecoded.
         return wire.branches_from_proto(answer.response.branches, self.target_info.vocab_size, relay=True)
+
+    async def propose_tree(self, request: steps.TreeProposeRequest, *, timeout: float, carrier: Carrier) -> DraftTree:
+        assert self.target_info is not None, "target_info first"
+        answer = await self.call(tree_wire.tree_propose_request(request, carrier), timeout)
+        # Decoded and checked here (ids against the target's vocabulary, the request's budget and depth):
+        # a tree's q is re-encoded for the target (not relayed yet; docs/trees.md).
+        return tree_wire.draft_tree_from_proto(
+            answer.response.tree, self.target_info.vocab_size, budget=request.budget, depth=request.depth
+        )
 
     async def close(self, request: steps.CloseRequest, *, timeout: float) -> None:
         await self.call(wire.draft_close_request(request), timeout)

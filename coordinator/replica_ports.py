@@ -25,6 +25,7 @@ from specd.core.errors import DeadlineExceeded, ResourceExhausted, SessionNotFou
 from specd.core.rounds import steps
 from specd.core.rounds.ports import Carrier
 from specd.core.sampling.proposal import Proposal
+from specd.core.sampling.tree import DraftTree
 
 log = logging.getLogger(__name__)
 
@@ -109,6 +110,13 @@ class ReplicatedTarget(_Replicated[Any]):
             request.session_id, lambda peer: peer.verify(request, timeout=timeout, carrier=carrier)
         )
 
+    async def verify_tree(
+        self, request: steps.TreeVerifyRequest, *, timeout: float, carrier: Carrier
+    ) -> steps.TreeVerifyOutcome:
+        return await self._on_holder(
+            request.session_id, lambda peer: peer.verify_tree(request, timeout=timeout, carrier=carrier)
+        )
+
 
 class ReplicatedDraft(_Replicated[Any]):
     """DraftPort over all draft replicas: available while any may take a session."""
@@ -126,4 +134,9 @@ class ReplicatedDraft(_Replicated[Any]):
     ) -> steps.Branches:
         return await self._on_holder(
             request.session_id, lambda peer: peer.propose_branches(request, timeout=timeout, carrier=carrier)
+        )
+
+    async def propose_tree(self, request: steps.TreeProposeRequest, *, timeout: float, carrier: Carrier) -> DraftTree:
+        return await self._on_holder(
+            request.session_id, lambda peer: peer.propose_tree(request, timeout=timeout, carrier=carrier)
         )

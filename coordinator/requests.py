@@ -185,6 +185,7 @@ def spec_from_prompt(
             raise InvalidArgument(
                 f"speculation.draft_length must be in 1..{config.max_draft_length} (got {draft_length})"
             )
+    tree_budget = _tree_budget(req.speculation, mode, pipeline, config) if mode != "off" else 0
     return GenerateSpec(
         prompt_ids=ids,
         params=sampling_params(req),
@@ -196,4 +197,22 @@ def spec_from_prompt(
         tenant=tenant,
         pipeline=pipeline,
         seeded=req.sampling.HasField("seed"),
+        tree_budget=tree_budget,
     )
+
+
+def _tree_budget(s: common_pb2.SpeculationParams, mode: str, pipeline: str, config: CoordinatorConfig) -> int:
+    """speculation.tree_budget, checked: within --max-tree-budget, with fixed speculation and no pipelining."""
+    if not s.tree_budget:
+        return 0
+    if s.tree_budget > config.max_tree_budget:
+        raise InvalidArgument(
+            f"speculation.tree_budget must be in 0..{config.max_tree_budget} nodes (got {s.tree_budget})"
+        )
+    if mode != "fixed":
+        raise InvalidArgument(
+            "speculation.tree_budget needs speculation mode MODE_FIXED (its draft_length is the depth)"
+        )
+    if pipeline != "off":
+        raise InvalidArgument("speculation.tree_budget needs pipeline PIPELINE_OFF (or unset): trees are not pipelined")
+    return s.tree_budget

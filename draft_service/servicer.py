@@ -2,19 +2,24 @@
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 from concurrent.futures import Executor
+from dataclasses import dataclass
 from typing import Any
 
 from specd.core.draft.protocol import Drafter, draft_work
 from specd.core.draft.suffix import LearningDrafter
+from specd.core.draft.trees import propose_trees
 from specd.core.errors import InvalidArgument
 from specd.core.phases import PhaseLog
-from specd.core.rounds.steps import MAX_BRANCH_BUDGET, Branches, DraftResult, DraftWork
+from specd.core.rounds.steps import MAX_BRANCH_BUDGET, Branches, DraftResult, DraftWork, TreeProposeRequest
+from specd.core.sampling.tree import DraftTree
 from specd.serving import trace_names
 from specd.serving import tracing as tr
 from specd.serving.metrics import DraftMetrics
 from specd.serving.round_servicing import BatchedRoundServicer
+from specd.serving.tree_wire import draft_tree_to_proto, tree_propose_from_proto
 from specd.serving.wire import (
     branch_request_from_proto,
     branches_to_proto,
@@ -26,12 +31,26 @@ from specd.serving.wire import (
 from specd.v1 import common_pb2, draft_pb2, draft_pb2_grpc
 
 
+@dataclass(frozen=True)
+class TimedTree:
+    """A drafted tree with its batch's wall time (the tree calls' shared passes count whole)."""
+
+    tree: DraftTree
+    compute_ms: float
+    batch_size: int
+
+
+Work = DraftWork | TreeProposeRequest
+Result = DraftResult | TimedTree
+
+
 class DraftServicer(
-    BatchedRoundServicer[draft_pb2.DraftRequest, draft_pb2.DraftResponse, DraftWork, DraftResult],
+    BatchedRoundServicer[draft_pb2.DraftRequest, draft_pb2.DraftResponse, Work, Result],
     draft_pb2_grpc.DraftServicer,
 ):
     step_op = "propose"
-    extra_step_ops = frozenset({"branches"})  # a speculation cache's branch calls join the propose batches
+    # A speculation cache's branch calls and tree calls join the propose batches (trees run as one batch).
+    extra_step_ops = frozenset({"branches", "tree"})
     span_prefix = trace_names.SPAN_DRAFT_PHASE_PREFIX
     request_type = draft_pb2.DraftRequest
     response_type = draft_pb2.DraftResponse
@@ -54,7 +73,9 @@ class DraftServicer(
         )
         self.max_draft_tokens = max_draft_tokens
 
-    def step_request(self, req: draft_pb2.DraftRequest) -> DraftWork:
+    def step_request(self, req: draft_pb2.DraftRequest) -> Work:
+        if req.WhichOneof("op") == "tree":  # a tree's nodes are its draft tokens: the same limit
+            return tree_propose_from_proto(req, max_budget=self.max_draft_tokens, max_depth=self.max_draft_tokens)
         if req.WhichOneof("op") == "branches":
             b = req.branches
             if not 1 <= b.num_tokens <= self.max_draft_tokens:
@@ -67,10 +88,29 @@ class DraftServicer(
             raise InvalidArgument(f"num_tokens must be in 1..{self.max_draft_tokens} (got {n})")
         return propose_request_from_proto(req)
 
-    def run_step_batch(self, work: Sequence[DraftWork]) -> list[DraftResult | Exception]:
-        return draft_work(self.engine, work)
+    def run_step_batch(self, work: Sequence[Work]) -> list[Result | Exception]:
+        """Chain work (proposes, branches) as one batch, tree calls as another; results in request order."""
+        out: list[Result | Exception | None] = [None] * len(work)
+        chains = [(i, w) for i, w in enumerate(work) if not isinstance(w, TreeProposeRequest)]
+        trees = [(i, w) for i, w in enumerate(work) if isinstance(w, TreeProposeRequest)]
+        if chains:
+            for (i, _), result in zip(chains, draft_work(self.engine, [w for _, w in chains])):
+                out[i] = result
+        if trees:
+            t0 = time.perf_counter()
+            try:
+                drafted: Sequence[DraftTree | Exception] = propose_trees(self.engine, [w for _, w in trees])
+            except Exception as exc:  # noqa: BLE001 - e.g. a drafter that cannot draft trees: each request's error
+                drafted = [exc] * len(trees)
+            ms = (time.perf_counter() - t0) * 1e3
+            for (i, _), tree in zip(trees, drafted):
+                out[i] = tree if isinstance(tree, Exception) else TimedTree(tree, ms, len(trees))
+        return [r for r in out if r is not None]
 
-    def fill_step(self, resp: draft_pb2.DraftResponse, result: DraftResult) -> PhaseLog:
+    def fill_step(self, resp: draft_pb2.DraftResponse, result: Result) -> PhaseLog:
+        if isinstance(result, TimedTree):
+            resp.tree.CopyFrom(draft_tree_to_proto(result.tree, result.compute_ms, result.batch_size))
+            return PhaseLog(batch_size=result.batch_size)
         if isinstance(result, Branches):
             resp.branches.CopyFrom(branches_to_proto(result))
             return result.phases
@@ -96,7 +136,9 @@ class DraftServicer(
     def observe_step(
         self, req: draft_pb2.DraftRequest, resp: draft_pb2.DraftResponse, batch_size: int
     ) -> dict[str, Any]:
-        if req.WhichOneof("op") == "branches":  # counted as one propose of all the branches' tokens
+        if req.WhichOneof("op") == "tree":  # counted as one propose of the tree's nodes
+            tokens, compute_ms, asked = len(resp.tree.token_ids), resp.tree.compute_ms, req.tree.budget
+        elif req.WhichOneof("op") == "branches":  # counted as one propose of all the branches' tokens
             branches = resp.branches.branches
             tokens, compute_ms = sum(len(b.proposal.token_ids) for b in branches), resp.branches.compute_ms
             asked = req.branches.num_tokens

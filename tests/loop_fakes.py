@@ -24,6 +24,7 @@ from specd.core.rounds import steps
 from specd.core.rounds.ports import Carrier
 from specd.core.rounds.record import RoundRecord
 from specd.core.sampling.proposal import Proposal
+from specd.core.sampling.tree import DraftTree
 
 V = 61  # vocabulary size
 
@@ -57,6 +58,26 @@ def draft_distribution(prefix: Sequence[int], step: Callable[[Sequence[int]], in
     probs[alternative(prefix, d)] += 0.2
     probs[d] += 0.7
     return probs
+
+
+def fake_tree(prefix: Sequence[int], budget: int, depth: int, step: Callable[[Sequence[int]], int]) -> DraftTree:
+    """The fake draft's tree: its chain (node 2j at depth j + 1), each node with its alternative as a sibling
+    (node 2j + 1) while the budget allows; the chain is kept to its depth first. One-hot q."""
+    tokens: list[int] = []
+    parents: list[int] = []
+    seq, parent = list(prefix), -1
+    spare = max(0, budget - depth)  # nodes left for siblings once the chain is whole
+    for _ in range(min(depth, budget)):
+        d = step(seq)
+        tokens.append(d)
+        parents.append(parent)
+        parent = len(tokens) - 1
+        if spare > 0:
+            tokens.append(alternative(seq, d))
+            parents.append(parents[parent])
+            spare -= 1
+        seq.append(d)
+    return DraftTree(tuple(tokens), tuple(parents))
 
 
 def chain(prefix: Sequence[int], n: int, step: Callable[[Sequence[int]], int]) -> list[int]:
@@ -103,6 +124,7 @@ class FakeTarget:
         self.close_delay_s = 0.0  # how long a close takes to be answered
         self.carriers: list[Carrier] = []
         self.violations: list[tuple[list[int], list[int]]] = []  # (committed prefix, proposal) drafted elsewhere
+        self.trees: list[tuple[list[int], DraftTree]] = []  # (committed prefix, tree) of every tree verify
 
     async def open(self, request: steps.OpenRequest, *, timeout: float, carrier: Carrier) -> None:
         self.opens += 1
@@ -137,6 +159,40 @@ class FakeTarget:
             compute_ms=20.0 * self.script.compute_ms,
             phases=PhaseLog(batch_size=1, batch_tokens=len(drafts) + 1),
             deferred=deferred,
+        )
+
+    async def verify_tree(
+        self, request: steps.TreeVerifyRequest, *, timeout: float, carrier: Carrier
+    ) -> steps.TreeVerifyOutcome:
+        """Greedy over the tree: descend to the child that is the target's token, then emit its next token."""
+        self.calls += 1
+        self.carriers.append(carrier)
+        await self.script.before(self.calls, timeout, self.sessions, request.session_id)
+        if request.session_id not in self.sessions:
+            raise SessionNotFound(f"no session {request.session_id}")
+        held, tree = self.sessions[request.session_id], request.tree
+        if len(held) < request.committed_length:
+            raise SessionOutOfSync("behind")
+        prefix = held[: request.committed_length]
+        self.trees.append((prefix, tree))
+        path: list[int] = []
+        while True:
+            want = target_next(prefix + [tree.token_ids[i] for i in path])
+            kids = [c for c in tree.children[(path[-1] + 1) if path else 0] if tree.token_ids[c] == want]
+            if not kids:
+                break
+            path.append(kids[0])
+        tokens = tuple(tree.token_ids[i] for i in path)
+        token = target_next(prefix + list(tokens))
+        self.sessions[request.session_id] = prefix + list(tokens) + [token]
+        return steps.TreeVerifyOutcome(
+            path=tuple(path),
+            tokens=tokens,
+            token_id=token,
+            is_bonus=not tree.children[(path[-1] + 1) if path else 0],
+            committed_length=len(self.sessions[request.session_id]),
+            compute_ms=20.0 * self.script.compute_ms,
+            phases=PhaseLog(batch_size=1, batch_tokens=len(tree) + 1),
         )
 
     async def close(self, request: steps.CloseRequest, *, timeout: float) -> None:
@@ -213,7 +269,17 @@ class FakeDraft:
         self.branch_results.append(result)
         return result
 
-    async def _step(self, request: steps.ProposeRequest | steps.BranchRequest, timeout: float) -> tuple[int, list[int]]:
+    async def propose_tree(self, request: steps.TreeProposeRequest, *, timeout: float, carrier: Carrier) -> DraftTree:
+        """fake_tree after the prefix; the sequence stays the prefix (a tree's nodes do not join it)."""
+        n, prefix = await self._step(request, timeout)
+        self.prefixes.append(prefix)
+        self.sessions[request.session_id] = prefix
+        more = 1 if n in self.lie else 0  # a lie: one node and one level more than asked
+        return fake_tree(prefix, request.budget + more, request.depth + more, self.step)
+
+    async def _step(
+        self, request: steps.ProposeRequest | steps.BranchRequest | steps.TreeProposeRequest, timeout: float
+    ) -> tuple[int, list[int]]:
         """Count the call, play the script, and bring the session to the request's prefix: (call n, prefix)."""
         self.calls += 1
         n = self.calls
@@ -226,7 +292,7 @@ class FakeDraft:
         """Drafts call n sends: num_tokens, one more if it lies, one fewer if it runs short."""
         return max(0, num_tokens + (1 if n in self.lie else 0) - (1 if n in self.short else 0))
 
-    def _sync(self, request: steps.ProposeRequest | steps.BranchRequest) -> list[int]:
+    def _sync(self, request: steps.ProposeRequest | steps.BranchRequest | steps.TreeProposeRequest) -> list[int]:
         """The prefix from (start, tail); a start past what the branches share is a protocol violation."""
         session_id, start = request.session_id, request.start
         if start > self.shared.pop(session_id, math.inf):

@@ -28,6 +28,7 @@ def reference(
     draft_length: int = 0,
     stop_token_ids: frozenset[int] = frozenset(),
     pipeline: str = "off",
+    tree_budget: int = 0,
 ) -> GenerationResult:
     """What the services must produce: the in-process loop (the coordinator's own) with the same settings."""
     verifier = Verifier(CausalLMRunner(loaded(str(target)).model))
@@ -41,4 +42,5 @@ def reference(
         max_new_tokens=max_new_tokens,
         stop_token_ids=stop_token_ids,
         pipeline=pipeline,
+        tree_budget=tree_budget if drafter else 0,
     )

@@ -26,7 +26,7 @@ from specd.core.draft.protocol import Drafter, draft_work
 from specd.core.draft.suffix import LearningDrafter
 from specd.core.draft.trees import propose_trees
 from specd.core.errors import InvalidArgument
-from specd.core.rounds.generation import FinishReason, Generation, StopRule
+from specd.core.rounds.generation import FinishReason
 from specd.core.rounds.loop import GenerateSpec, LoopSettings, RequestRun, RoundLoop
 from specd.core.rounds.ports import Carrier
 from specd.core.rounds.record import RoundRecord, RoundStats
@@ -39,12 +39,15 @@ from specd.core.rounds.steps import (
     DraftWork,
     OpenRequest,
     ProposeRequest,
+    TreeProposeRequest,
+    TreeVerifyOutcome,
+    TreeVerifyRequest,
     VerifyOutcome,
     VerifyRequest,
 )
-from specd.core.rounds.tree_rounds import TreeRun, run_tree_rounds
 from specd.core.sampling.proposal import Proposal
 from specd.core.sampling.sampler import SamplingParams
+from specd.core.sampling.tree import DraftTree
 from specd.core.target.verifier import Verifier
 
 Req = TypeVar("Req")
@@ -91,6 +94,7 @@ class LocalDraft:
         self.drafter = drafter
         # Proposes and branch calls of one turn: one batch, as the draft service runs them.
         self._batch: TurnBatcher[DraftWork, DraftResult] = TurnBatcher(lambda work: draft_work(drafter, work))
+        self._trees: TurnBatcher[TreeProposeRequest, DraftTree] = TurnBatcher(lambda rs: propose_trees(drafter, rs))
 
     async def available(self) -> bool:
         return True
@@ -108,6 +112,9 @@ class LocalDraft:
         assert isinstance(result, Branches)
         return result
 
+    async def propose_tree(self, request: TreeProposeRequest, *, timeout: float, carrier: Carrier) -> DraftTree:
+        return await self._trees.submit(request)
+
     async def close(self, request: CloseRequest, *, timeout: float) -> None:
         committed, start = request.committed, request.start
         if isinstance(self.drafter, LearningDrafter) and committed:  # as the draft service's close
@@ -121,12 +128,16 @@ class LocalTarget:
     def __init__(self, verifier: Verifier) -> None:
         self.verifier = verifier
         self._batch: TurnBatcher[VerifyRequest, VerifyOutcome] = TurnBatcher(verifier.verify_batch)
+        self._trees: TurnBatcher[TreeVerifyRequest, TreeVerifyOutcome] = TurnBatcher(verifier.verify_tree_batch)
 
     async def open(self, request: OpenRequest, *, timeout: float, carrier: Carrier) -> None:
         self.verifier.open(request.session_id, request.token_ids, request.params)
 
     async def verify(self, request: VerifyRequest, *, timeout: float, carrier: Carrier) -> VerifyOutcome:
         return await self._batch.submit(request)
+
+    async def verify_tree(self, request: TreeVerifyRequest, *, timeout: float, carrier: Carrier) -> TreeVerifyOutcome:
+        return await self._trees.submit(request)
 
     async def close(self, request: CloseRequest, *, timeout: float) -> None:
         self.verifier.close(request.session_id)
@@ -214,21 +225,12 @@ def speculative_generate_batch(
         raise InvalidArgument("prompts, params and draft_lengths need one entry per request")
     ids = list(session_ids) if session_ids is not None else [f"batch-{i}" for i in range(len(prompts))]
     stops = frozenset(int(t) for t in stop_token_ids)
-    if tree_budget:
-        if speculation != "fixed" or pipeline != "off":
-            raise InvalidArgument("tree rounds run with speculation 'fixed' and pipeline 'off'")
-        for p, k in zip(params, draft_lengths):
-            p.validate()
-            if drafter is not None and k < 1:
-                raise InvalidArgument(f"a tree's depth (draft length) must be >= 1 when speculating (got {k})")
-        return _tree_generate(
-            prompts, verifier, drafter, params, draft_lengths, max_new_tokens, stops, ids, tenant, tree_budget
-        )
     specs = []
     for prompt, p, k in zip(prompts, params, draft_lengths):
         p.validate()
         if drafter is not None and k < 1:
-            raise InvalidArgument(f"draft length K must be >= 1 when speculating (got {k})")
+            what = "a tree's depth (draft length)" if tree_budget else "draft length K"
+            raise InvalidArgument(f"{what} must be >= 1 when speculating (got {k})")
         specs.append(
             GenerateSpec(
                 prompt_ids=[int(t) for t in prompt],
@@ -239,6 +241,7 @@ def speculative_generate_batch(
                 draft_length=k,
                 pipeline=pipeline,
                 tenant=tenant,
+                tree_budget=tree_budget,
             )
         )
 
@@ -263,54 +266,6 @@ def speculative_generate_batch(
         return run_sync(run_all)
     except BaseExceptionGroup as group:  # a request failed: raise its error, as a direct call would
         raise group.exceptions[0] from None
-
-
-def _tree_generate(
-    prompts: Sequence[Sequence[int]],
-    verifier: Verifier,
-    drafter: Drafter | None,
-    params: Sequence[SamplingParams],
-    depths: Sequence[int],
-    max_new_tokens: int,
-    stops: frozenset[int],
-    ids: Sequence[str],
-    tenant: str,
-    budget: int,
-) -> list[GenerationResult]:
-    """Tree rounds for the requests in lockstep (specd.core.rounds.tree_rounds); sessions opened and closed here."""
-    rule = StopRule(max_new_tokens, verifier.runner.max_context, stops)
-    runs = [TreeRun(Generation(p, rule), sid, k, len(p)) for p, sid, k in zip(prompts, ids, depths)]
-    opened: list[str] = []
-    t0 = time.perf_counter()
-    try:
-        for run, p in zip(runs, params):
-            verifier.open(run.session_id, run.generation.prompt, p)
-            opened.append(run.session_id)
-            if drafter is not None:
-                drafter.open(run.session_id, run.generation.prompt, p, tenant=tenant)
-        draft = None if drafter is None else (lambda reqs: propose_trees(drafter, reqs))
-        run_tree_rounds(runs, draft, verifier.verify_tree_batch, budget=budget)
-    finally:
-        for run in runs:
-            if run.session_id not in opened:
-                continue
-            verifier.close(run.session_id)
-            if drafter is not None:
-                committed = run.generation.committed
-                if isinstance(drafter, LearningDrafter):  # as LocalDraft.close: the answer is learnt
-                    drafter.finish(run.session_id, len(committed), run.draft_start, committed[run.draft_start :])
-                drafter.close(run.session_id)
-    seconds = time.perf_counter() - t0
-    out = []
-    for run in runs:
-        stats = RoundStats()
-        for record in run.records:
-            stats.add(record)
-        assert run.generation.finish_reason is not None
-        out.append(
-            GenerationResult(run.generation.generated, run.generation.finish_reason, stats, seconds, tuple(run.records))
-        )
-    return out
 
 
 async def _collect(run: RequestRun) -> tuple[RoundRecord, ...]:

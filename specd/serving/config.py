@@ -324,6 +324,9 @@ class CoordinatorConfig(ServiceBase):
     cache_dir: str = _opt("", "model cache folder (for the demo tokenizer)")
     draft_length: int = _opt(4, "draft tokens per round when speculation is fixed or automatic")
     max_draft_length: int = _opt(16, "largest draft length a request may ask for")
+    max_tree_budget: int = _opt(
+        32, "largest tree node budget a request may ask for (the draft's and target's --max-draft-tokens must fit)"
+    )
     speculation: str = _opt("auto", "default speculation mode", choices=["auto", "fixed", "off"])
     pipeline: str = _opt(
         PIPELINE_AUTO,
@@ -398,6 +401,8 @@ class CoordinatorConfig(ServiceBase):
         super().validate()
         if self.draft_length < 1 or self.max_draft_length < self.draft_length:
             raise InvalidArgument("need 1 <= --draft-length <= --max-draft-length")
+        if self.max_tree_budget < 1:
+            raise InvalidArgument("--max-tree-budget must be >= 1")
         if not 1 <= self.branch_budget <= MAX_BRANCH_BUDGET:
             raise InvalidArgument(f"--branch-budget must be in 1..{MAX_BRANCH_BUDGET}")
         if not 1 <= self.default_max_new_tokens <= self.max_new_tokens_limit:

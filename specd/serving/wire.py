@@ -188,11 +188,11 @@ def _checked_proposal(
     max_q_width: int,
 ) -> Proposal:
     check_sizes(len(token_ids), len(q), max_draft_tokens)  # before any row is decoded
-    rows = _q_rows(q, vocab_size, max_q_width)
+    rows = q_rows(q, vocab_size, max_q_width)
     return Proposal.from_wire(token_ids, rows, vocab_size, max_draft_tokens=max_draft_tokens, max_q_width=max_q_width)
 
 
-def _q_rows(q: Sequence[common_pb2.SparseDistribution], vocab_size: int, max_q_width: int) -> list[QRow]:
+def q_rows(q: Sequence[common_pb2.SparseDistribution], vocab_size: int, max_q_width: int) -> list[QRow]:
     """(ids, probs) of the q rows in either form; plain rows are views (no copy). A row in both
     forms or wider than the limits is refused before it is decoded."""
     rows: list[QRow] = []

@@ -24,29 +24,29 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x15specd/v1/common.proto\x12\x08specd.v1\"\x92\x01\n\x0eSamplingParams\x12\x18\n\x0btemperature\x18\x01 \x01(\x02H\x00\x88\x01\x01\x12\r\n\x05top_k\x18\x02 \x01(\r\x12\x12\n\x05top_p\x18\x03 \x01(\x02H\x01\x88\x01\x01\x12\r\n\x05min_p\x18\x04 \x01(\x02\x12\x11\n\x04seed\x18\x05 \x01(\x04H\x02\x88\x01\x01\x42\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x07\n\x05_seed\"\xf5\x02\n\x11SpeculationParams\x12.\n\x04mode\x18\x01 \x01(\x0e\x32 .specd.v1.SpeculationParams.Mode\x12\x14\n\x0c\x64raft_length\x18\x02 \x01(\r\x12\x36\n\x08pipeline\x18\x03 \x01(\x0e\x32$.specd.v1.SpeculationParams.Pipeline\"I\n\x04Mode\x12\x14\n\x10MODE_UNSPECIFIED\x10\x00\x12\r\n\tMODE_AUTO\x10\x01\x12\x0e\n\nMODE_FIXED\x10\x02\x12\x0c\n\x08MODE_OFF\x10\x03\"\x96\x01\n\x08Pipeline\x12\x18\n\x14PIPELINE_UNSPECIFIED\x10\x00\x12\x10\n\x0cPIPELINE_OFF\x10\x01\x12\x18\n\x14PIPELINE_BONUS_MATCH\x10\x02\x12\x18\n\x14PIPELINE_POST_VERIFY\x10\x03\x12\x17\n\x13PIPELINE_SPEC_CACHE\x10\x04\x12\x11\n\rPIPELINE_AUTO\x10\x05\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\r\"X\n\x12SparseDistribution\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\r\n\x05probs\x18\x02 \x03(\x02\x12\x0f\n\x07id_gaps\x18\x03 \x03(\r\x12\x0f\n\x07weights\x18\x04 \x03(\r\"\x93\x01\n\tModelInfo\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x12\n\nvocab_size\x18\x02 \x01(\r\x12\x16\n\x0etokenizer_size\x18\x03 \x01(\r\x12\x12\n\nvocab_hash\x18\x04 \x01(\t\x12\x13\n\x0bmax_context\x18\x05 \x01(\r\x12\x15\n\reos_token_ids\x18\x06 \x03(\r\x12\x0c\n\x04kind\x18\x07 \x01(\t\"\x15\n\x13GetModelInfoRequest*\xa4\x01\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x01\x12\x1c\n\x18\x46INISH_REASON_STOP_TOKEN\x10\x02\x12\x1d\n\x19\x46INISH_REASON_STOP_STRING\x10\x03\x12\x1e\n\x1a\x46INISH_REASON_CONTEXT_FULL\x10\x04\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x15specd/v1/common.proto\x12\x08specd.v1\"\x92\x01\n\x0eSamplingParams\x12\x18\n\x0btemperature\x18\x01 \x01(\x02H\x00\x88\x01\x01\x12\r\n\x05top_k\x18\x02 \x01(\r\x12\x12\n\x05top_p\x18\x03 \x01(\x02H\x01\x88\x01\x01\x12\r\n\x05min_p\x18\x04 \x01(\x02\x12\x11\n\x04seed\x18\x05 \x01(\x04H\x02\x88\x01\x01\x42\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x07\n\x05_seed\"\x8a\x03\n\x11SpeculationParams\x12.\n\x04mode\x18\x01 \x01(\x0e\x32 .specd.v1.SpeculationParams.Mode\x12\x14\n\x0c\x64raft_length\x18\x02 \x01(\r\x12\x36\n\x08pipeline\x18\x03 \x01(\x0e\x32$.specd.v1.SpeculationParams.Pipeline\x12\x13\n\x0btree_budget\x18\x04 \x01(\r\"I\n\x04Mode\x12\x14\n\x10MODE_UNSPECIFIED\x10\x00\x12\r\n\tMODE_AUTO\x10\x01\x12\x0e\n\nMODE_FIXED\x10\x02\x12\x0c\n\x08MODE_OFF\x10\x03\"\x96\x01\n\x08Pipeline\x12\x18\n\x14PIPELINE_UNSPECIFIED\x10\x00\x12\x10\n\x0cPIPELINE_OFF\x10\x01\x12\x18\n\x14PIPELINE_BONUS_MATCH\x10\x02\x12\x18\n\x14PIPELINE_POST_VERIFY\x10\x03\x12\x17\n\x13PIPELINE_SPEC_CACHE\x10\x04\x12\x11\n\rPIPELINE_AUTO\x10\x05\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\r\"X\n\x12SparseDistribution\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\r\n\x05probs\x18\x02 \x03(\x02\x12\x0f\n\x07id_gaps\x18\x03 \x03(\r\x12\x0f\n\x07weights\x18\x04 \x03(\r\"\x93\x01\n\tModelInfo\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x12\n\nvocab_size\x18\x02 \x01(\r\x12\x16\n\x0etokenizer_size\x18\x03 \x01(\r\x12\x12\n\nvocab_hash\x18\x04 \x01(\t\x12\x13\n\x0bmax_context\x18\x05 \x01(\r\x12\x15\n\reos_token_ids\x18\x06 \x03(\r\x12\x0c\n\x04kind\x18\x07 \x01(\t\"\x15\n\x13GetModelInfoRequest*\xa4\x01\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x01\x12\x1c\n\x18\x46INISH_REASON_STOP_TOKEN\x10\x02\x12\x1d\n\x19\x46INISH_REASON_STOP_STRING\x10\x03\x12\x1e\n\x1a\x46INISH_REASON_CONTEXT_FULL\x10\x04\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'specd.v1.common_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_FINISHREASON']._serialized_start=849
-  _globals['_FINISHREASON']._serialized_end=1013
+  _globals['_FINISHREASON']._serialized_start=870
+  _globals['_FINISHREASON']._serialized_end=1034
   _globals['_SAMPLINGPARAMS']._serialized_start=36
   _globals['_SAMPLINGPARAMS']._serialized_end=182
   _globals['_SPECULATIONPARAMS']._serialized_start=185
-  _globals['_SPECULATIONPARAMS']._serialized_end=558
-  _globals['_SPECULATIONPARAMS_MODE']._serialized_start=332
-  _globals['_SPECULATIONPARAMS_MODE']._serialized_end=405
-  _globals['_SPECULATIONPARAMS_PIPELINE']._serialized_start=408
-  _globals['_SPECULATIONPARAMS_PIPELINE']._serialized_end=558
-  _globals['_TOKENIDS']._serialized_start=560
-  _globals['_TOKENIDS']._serialized_end=583
-  _globals['_SPARSEDISTRIBUTION']._serialized_start=585
-  _globals['_SPARSEDISTRIBUTION']._serialized_end=673
-  _globals['_MODELINFO']._serialized_start=676
-  _globals['_MODELINFO']._serialized_end=823
-  _globals['_GETMODELINFOREQUEST']._serialized_start=825
-  _globals['_GETMODELINFOREQUEST']._serialized_end=846
+  _globals['_SPECULATIONPARAMS']._serialized_end=579
+  _globals['_SPECULATIONPARAMS_MODE']._serialized_start=353
+  _globals['_SPECULATIONPARAMS_MODE']._serialized_end=426
+  _globals['_SPECULATIONPARAMS_PIPELINE']._serialized_start=429
+  _globals['_SPECULATIONPARAMS_PIPELINE']._serialized_end=579
+  _globals['_TOKENIDS']._serialized_start=581
+  _globals['_TOKENIDS']._serialized_end=604
+  _globals['_SPARSEDISTRIBUTION']._serialized_start=606
+  _globals['_SPARSEDISTRIBUTION']._serialized_end=694
+  _globals['_MODELINFO']._serialized_start=697
+  _globals['_MODELINFO']._serialized_end=844
+  _globals['_GETMODELINFOREQUEST']._serialized_start=846
+  _globals['_GETMODELINFOREQUEST']._serialized_end=867
 # @@protoc_insertion_point(module_scope)

@@ -35,7 +35,7 @@ class SamplingParams(_message.Message):
     def __init__(self, temperature: _Optional[float] = ..., top_k: _Optional[int] = ..., top_p: _Optional[float] = ..., min_p: _Optional[float] = ..., seed: _Optional[int] = ...) -> None: ...
 
 class SpeculationParams(_message.Message):
-    __slots__ = ("mode", "draft_length", "pipeline")
+    __slots__ = ("mode", "draft_length", "pipeline", "tree_budget")
     class Mode(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
         __slots__ = ()
         MODE_UNSPECIFIED: _ClassVar[SpeculationParams.Mode]
@@ -63,10 +63,12 @@ class SpeculationParams(_message.Message):
     MODE_FIELD_NUMBER: _ClassVar[int]
     DRAFT_LENGTH_FIELD_NUMBER: _ClassVar[int]
     PIPELINE_FIELD_NUMBER: _ClassVar[int]
+    TREE_BUDGET_FIELD_NUMBER: _ClassVar[int]
     mode: SpeculationParams.Mode
     draft_length: int
     pipeline: SpeculationParams.Pipeline
-    def __init__(self, mode: _Optional[_Union[SpeculationParams.Mode, str]] = ..., draft_length: _Optional[int] = ..., pipeline: _Optional[_Union[SpeculationParams.Pipeline, str]] = ...) -> None: ...
+    tree_budget: int
+    def __init__(self, mode: _Optional[_Union[SpeculationParams.Mode, str]] = ..., draft_length: _Optional[int] = ..., pipeline: _Optional[_Union[SpeculationParams.Pipeline, str]] = ..., tree_budget: _Optional[int] = ...) -> None: ...
 
 class TokenIds(_message.Message):
     __slots__ = ("ids",)

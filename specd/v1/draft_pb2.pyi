@@ -9,7 +9,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class DraftRequest(_message.Message):
-    __slots__ = ("request_id", "session_id", "committed_length", "trace_context", "open", "propose", "close", "branches")
+    __slots__ = ("request_id", "session_id", "committed_length", "trace_context", "open", "propose", "close", "branches", "tree")
     class TraceContextEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -25,6 +25,7 @@ class DraftRequest(_message.Message):
     PROPOSE_FIELD_NUMBER: _ClassVar[int]
     CLOSE_FIELD_NUMBER: _ClassVar[int]
     BRANCHES_FIELD_NUMBER: _ClassVar[int]
+    TREE_FIELD_NUMBER: _ClassVar[int]
     request_id: int
     session_id: str
     committed_length: int
@@ -33,7 +34,8 @@ class DraftRequest(_message.Message):
     propose: DraftPropose
     close: DraftClose
     branches: DraftBranches
-    def __init__(self, request_id: _Optional[int] = ..., session_id: _Optional[str] = ..., committed_length: _Optional[int] = ..., trace_context: _Optional[_Mapping[str, str]] = ..., open: _Optional[_Union[DraftOpen, _Mapping]] = ..., propose: _Optional[_Union[DraftPropose, _Mapping]] = ..., close: _Optional[_Union[DraftClose, _Mapping]] = ..., branches: _Optional[_Union[DraftBranches, _Mapping]] = ...) -> None: ...
+    tree: DraftTreePropose
+    def __init__(self, request_id: _Optional[int] = ..., session_id: _Optional[str] = ..., committed_length: _Optional[int] = ..., trace_context: _Optional[_Mapping[str, str]] = ..., open: _Optional[_Union[DraftOpen, _Mapping]] = ..., propose: _Optional[_Union[DraftPropose, _Mapping]] = ..., close: _Optional[_Union[DraftClose, _Mapping]] = ..., branches: _Optional[_Union[DraftBranches, _Mapping]] = ..., tree: _Optional[_Union[DraftTreePropose, _Mapping]] = ...) -> None: ...
 
 class DraftClose(_message.Message):
     __slots__ = ("start", "token_ids")
@@ -81,8 +83,20 @@ class DraftBranches(_message.Message):
     acceptance: _containers.RepeatedScalarFieldContainer[float]
     def __init__(self, start: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., pending: _Optional[int] = ..., num_tokens: _Optional[int] = ..., budget: _Optional[int] = ..., acceptance: _Optional[_Iterable[float]] = ...) -> None: ...
 
+class DraftTreePropose(_message.Message):
+    __slots__ = ("start", "token_ids", "budget", "depth")
+    START_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    BUDGET_FIELD_NUMBER: _ClassVar[int]
+    DEPTH_FIELD_NUMBER: _ClassVar[int]
+    start: int
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    budget: int
+    depth: int
+    def __init__(self, start: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., budget: _Optional[int] = ..., depth: _Optional[int] = ...) -> None: ...
+
 class DraftResponse(_message.Message):
-    __slots__ = ("request_id", "session_id", "committed_length", "proposal", "ack", "error", "branches", "timing")
+    __slots__ = ("request_id", "session_id", "committed_length", "proposal", "ack", "error", "branches", "tree", "timing")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     COMMITTED_LENGTH_FIELD_NUMBER: _ClassVar[int]
@@ -90,6 +104,7 @@ class DraftResponse(_message.Message):
     ACK_FIELD_NUMBER: _ClassVar[int]
     ERROR_FIELD_NUMBER: _ClassVar[int]
     BRANCHES_FIELD_NUMBER: _ClassVar[int]
+    TREE_FIELD_NUMBER: _ClassVar[int]
     TIMING_FIELD_NUMBER: _ClassVar[int]
     request_id: int
     session_id: str
@@ -98,8 +113,9 @@ class DraftResponse(_message.Message):
     ack: _session_pb2.SessionAck
     error: _session_pb2.SessionError
     branches: DraftBranchSet
+    tree: DraftTree
     timing: _session_pb2.ServiceTiming
-    def __init__(self, request_id: _Optional[int] = ..., session_id: _Optional[str] = ..., committed_length: _Optional[int] = ..., proposal: _Optional[_Union[DraftProposal, _Mapping]] = ..., ack: _Optional[_Union[_session_pb2.SessionAck, _Mapping]] = ..., error: _Optional[_Union[_session_pb2.SessionError, _Mapping]] = ..., branches: _Optional[_Union[DraftBranchSet, _Mapping]] = ..., timing: _Optional[_Union[_session_pb2.ServiceTiming, _Mapping]] = ...) -> None: ...
+    def __init__(self, request_id: _Optional[int] = ..., session_id: _Optional[str] = ..., committed_length: _Optional[int] = ..., proposal: _Optional[_Union[DraftProposal, _Mapping]] = ..., ack: _Optional[_Union[_session_pb2.SessionAck, _Mapping]] = ..., error: _Optional[_Union[_session_pb2.SessionError, _Mapping]] = ..., branches: _Optional[_Union[DraftBranchSet, _Mapping]] = ..., tree: _Optional[_Union[DraftTree, _Mapping]] = ..., timing: _Optional[_Union[_session_pb2.ServiceTiming, _Mapping]] = ...) -> None: ...
 
 class DraftProposal(_message.Message):
     __slots__ = ("token_ids", "q", "compute_ms", "batch_size", "confidence")
@@ -134,3 +150,17 @@ class DraftBranchSet(_message.Message):
     compute_ms: float
     batch_size: int
     def __init__(self, branches: _Optional[_Iterable[_Union[DraftBranch, _Mapping]]] = ..., compute_ms: _Optional[float] = ..., batch_size: _Optional[int] = ...) -> None: ...
+
+class DraftTree(_message.Message):
+    __slots__ = ("token_ids", "parents", "q", "compute_ms", "batch_size")
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    PARENTS_FIELD_NUMBER: _ClassVar[int]
+    Q_FIELD_NUMBER: _ClassVar[int]
+    COMPUTE_MS_FIELD_NUMBER: _ClassVar[int]
+    BATCH_SIZE_FIELD_NUMBER: _ClassVar[int]
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    parents: _containers.RepeatedScalarFieldContainer[int]
+    q: _containers.RepeatedCompositeFieldContainer[_common_pb2.SparseDistribution]
+    compute_ms: float
+    batch_size: int
+    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., parents: _Optional[_Iterable[int]] = ..., q: _Optional[_Iterable[_Union[_common_pb2.SparseDistribution, _Mapping]]] = ..., compute_ms: _Optional[float] = ..., batch_size: _Optional[int] = ...) -> None: ...

@@ -21,7 +21,7 @@ TOKEN_KIND_BONUS: TokenKind
 TOKEN_KIND_DEFERRED: TokenKind
 
 class TargetRequest(_message.Message):
-    __slots__ = ("request_id", "session_id", "committed_length", "trace_context", "open", "verify", "close")
+    __slots__ = ("request_id", "session_id", "committed_length", "trace_context", "open", "verify", "close", "verify_tree")
     class TraceContextEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -36,6 +36,7 @@ class TargetRequest(_message.Message):
     OPEN_FIELD_NUMBER: _ClassVar[int]
     VERIFY_FIELD_NUMBER: _ClassVar[int]
     CLOSE_FIELD_NUMBER: _ClassVar[int]
+    VERIFY_TREE_FIELD_NUMBER: _ClassVar[int]
     request_id: int
     session_id: str
     committed_length: int
@@ -43,7 +44,8 @@ class TargetRequest(_message.Message):
     open: TargetOpen
     verify: Verify
     close: _session_pb2.SessionClose
-    def __init__(self, request_id: _Optional[int] = ..., session_id: _Optional[str] = ..., committed_length: _Optional[int] = ..., trace_context: _Optional[_Mapping[str, str]] = ..., open: _Optional[_Union[TargetOpen, _Mapping]] = ..., verify: _Optional[_Union[Verify, _Mapping]] = ..., close: _Optional[_Union[_session_pb2.SessionClose, _Mapping]] = ...) -> None: ...
+    verify_tree: VerifyTree
+    def __init__(self, request_id: _Optional[int] = ..., session_id: _Optional[str] = ..., committed_length: _Optional[int] = ..., trace_context: _Optional[_Mapping[str, str]] = ..., open: _Optional[_Union[TargetOpen, _Mapping]] = ..., verify: _Optional[_Union[Verify, _Mapping]] = ..., close: _Optional[_Union[_session_pb2.SessionClose, _Mapping]] = ..., verify_tree: _Optional[_Union[VerifyTree, _Mapping]] = ...) -> None: ...
 
 class TargetOpen(_message.Message):
     __slots__ = ("token_ids", "sampling")
@@ -67,6 +69,20 @@ class Verify(_message.Message):
     defer_bonus: bool
     def __init__(self, start: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., draft_token_ids: _Optional[_Iterable[int]] = ..., q: _Optional[_Iterable[_Union[_common_pb2.SparseDistribution, _Mapping]]] = ..., defer_bonus: _Optional[bool] = ...) -> None: ...
 
+class VerifyTree(_message.Message):
+    __slots__ = ("start", "token_ids", "draft_token_ids", "parents", "q")
+    START_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    PARENTS_FIELD_NUMBER: _ClassVar[int]
+    Q_FIELD_NUMBER: _ClassVar[int]
+    start: int
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    draft_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    parents: _containers.RepeatedScalarFieldContainer[int]
+    q: _containers.RepeatedCompositeFieldContainer[_common_pb2.SparseDistribution]
+    def __init__(self, start: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., draft_token_ids: _Optional[_Iterable[int]] = ..., parents: _Optional[_Iterable[int]] = ..., q: _Optional[_Iterable[_Union[_common_pb2.SparseDistribution, _Mapping]]] = ...) -> None: ...
+
 class Verdict(_message.Message):
     __slots__ = ("accepted", "token_id", "kind", "compute_ms", "batch_size", "batch_tokens")
     ACCEPTED_FIELD_NUMBER: _ClassVar[int]
@@ -83,14 +99,31 @@ class Verdict(_message.Message):
     batch_tokens: int
     def __init__(self, accepted: _Optional[int] = ..., token_id: _Optional[int] = ..., kind: _Optional[_Union[TokenKind, str]] = ..., compute_ms: _Optional[float] = ..., batch_size: _Optional[int] = ..., batch_tokens: _Optional[int] = ...) -> None: ...
 
+class TreeVerdict(_message.Message):
+    __slots__ = ("path", "token_id", "kind", "compute_ms", "batch_size", "batch_tokens")
+    PATH_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    COMPUTE_MS_FIELD_NUMBER: _ClassVar[int]
+    BATCH_SIZE_FIELD_NUMBER: _ClassVar[int]
+    BATCH_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    path: _containers.RepeatedScalarFieldContainer[int]
+    token_id: int
+    kind: TokenKind
+    compute_ms: float
+    batch_size: int
+    batch_tokens: int
+    def __init__(self, path: _Optional[_Iterable[int]] = ..., token_id: _Optional[int] = ..., kind: _Optional[_Union[TokenKind, str]] = ..., compute_ms: _Optional[float] = ..., batch_size: _Optional[int] = ..., batch_tokens: _Optional[int] = ...) -> None: ...
+
 class TargetResponse(_message.Message):
-    __slots__ = ("request_id", "session_id", "committed_length", "verdict", "ack", "error", "timing")
+    __slots__ = ("request_id", "session_id", "committed_length", "verdict", "ack", "error", "tree_verdict", "timing")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     COMMITTED_LENGTH_FIELD_NUMBER: _ClassVar[int]
     VERDICT_FIELD_NUMBER: _ClassVar[int]
     ACK_FIELD_NUMBER: _ClassVar[int]
     ERROR_FIELD_NUMBER: _ClassVar[int]
+    TREE_VERDICT_FIELD_NUMBER: _ClassVar[int]
     TIMING_FIELD_NUMBER: _ClassVar[int]
     request_id: int
     session_id: str
@@ -98,5 +131,6 @@ class TargetResponse(_message.Message):
     verdict: Verdict
     ack: _session_pb2.SessionAck
     error: _session_pb2.SessionError
+    tree_verdict: TreeVerdict
     timing: _session_pb2.ServiceTiming
-    def __init__(self, request_id: _Optional[int] = ..., session_id: _Optional[str] = ..., committed_length: _Optional[int] = ..., verdict: _Optional[_Union[Verdict, _Mapping]] = ..., ack: _Optional[_Union[_session_pb2.SessionAck, _Mapping]] = ..., error: _Optional[_Union[_session_pb2.SessionError, _Mapping]] = ..., timing: _Optional[_Union[_session_pb2.ServiceTiming, _Mapping]] = ...) -> None: ...
+    def __init__(self, request_id: _Optional[int] = ..., session_id: _Optional[str] = ..., committed_length: _Optional[int] = ..., verdict: _Optional[_Union[Verdict, _Mapping]] = ..., ack: _Optional[_Union[_session_pb2.SessionAck, _Mapping]] = ..., error: _Optional[_Union[_session_pb2.SessionError, _Mapping]] = ..., tree_verdict: _Optional[_Union[TreeVerdict, _Mapping]] = ..., timing: _Optional[_Union[_session_pb2.ServiceTiming, _Mapping]] = ...) -> None: ...

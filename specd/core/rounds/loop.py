@@ -44,6 +44,7 @@ from specd.core.rounds.port_sessions import DraftSession, TargetSession
 from specd.core.rounds.ports import Carrier, DraftPort, NoObserver, RoundObserver, TargetPort
 from specd.core.rounds.record import PipelineHit, RoundRecord, RoundStats, TargetOnly, TokenKind
 from specd.core.rounds.steps import DEFAULT_BRANCH_BUDGET, VerifyOutcome
+from specd.core.rounds.tree_rounds import StopCheck, TreeRounds, check_tree_request
 from specd.core.sampling.proposal import Proposal
 from specd.core.sampling.sampler import SamplingParams
 
@@ -54,9 +55,6 @@ _REFUSALS: tuple[type[SpecdError], ...] = (*REQUEST_ERRORS, ResourceExhausted)
 T = TypeVar("T")
 
 SPECULATION_MODES = ("auto", "fixed", "off")
-
-# Given the tokens a round committed: how many of them to keep when a stop string ended in them, else None.
-StopCheck = Callable[[Sequence[int]], int | None]
 
 
 @dataclass(frozen=True)
@@ -75,6 +73,7 @@ class GenerateSpec:
     # The caller chose the seed: the output must reproduce, and which positions are drafted depends on
     # K, so auto keeps K at draft_length and never cuts (its pipeline choice changes no token).
     seeded: bool = False
+    tree_budget: int = 0  # > 0: tree rounds, trees of at most this many nodes, draft_length deep (docs/trees.md)
 
 
 @dataclass(frozen=True)
@@ -216,6 +215,13 @@ class RequestRun:
         self._draft = DraftSession(loop.draft, session_id, spec.params, spec.tenant) if loop.draft is not None else None
         self._ready: tuple[Proposal, PipelineHit] | None = None  # a pre-draft for the committed prefix
         self._draft_refused = False  # the draft refused this request alone: target-only rounds for it
+        self._tree: TreeRounds | None = None  # a tree request's rounds (specd.core.rounds.tree_rounds)
+        if speculating and spec.tree_budget > 0:
+            check_tree_request(spec.tree_budget, spec.speculation, spec.pipeline, spec.draft_length)
+            self._tree = TreeRounds(
+                self.generation, spec.tree_budget, spec.draft_length, self._target, self._draft,
+                loop.draft_usable, self._draft_call, self._target_retry, stop, deadline,
+            )  # fmt: skip
 
     @property
     def finish_reason(self) -> FinishReason | None:
@@ -245,6 +251,8 @@ class RequestRun:
         t0 = time.perf_counter()
         index, committed = self.stats.rounds, gen.committed
         carrier = self._observer.round_started(index, len(committed))
+        if self._tree is not None:
+            return self._recorded(await self._tree.round(index, carrier))
         arm, cls = self._choose()
         wanted, why = self._wanted(arm)
         budget = gen.draft_budget(wanted)
@@ -332,6 +340,9 @@ class RequestRun:
             draft_transit=proposal.transit,
             verify_transit=outcome.transit,
         )
+        return self._recorded(record)
+
+    def _recorded(self, record: RoundRecord) -> RoundRecord:
         self.stats.add(record)
         self._observer.round_ended(record)
         return record

@@ -12,6 +12,7 @@ from specd.core.rounds import steps
 from specd.core.rounds.ports import Carrier, DraftPort, TargetPort
 from specd.core.sampling.proposal import Proposal
 from specd.core.sampling.sampler import SamplingParams
+from specd.core.sampling.tree import DraftTree
 
 T = TypeVar("T")
 
@@ -96,6 +97,20 @@ class DraftSession:
 
         return await self._call(committed, pending, send, timeout=timeout, carrier=carrier)
 
+    async def propose_tree(
+        self, committed: Sequence[int], budget: int, depth: int, *, timeout: float, carrier: Carrier
+    ) -> DraftTree:
+        """A tree of at most `budget` nodes, `depth` levels after `committed`; the draft then holds `committed`."""
+
+        async def send(start: int, prefix: list[int]) -> tuple[DraftTree, list[int]]:
+            request = steps.TreeProposeRequest(self.session_id, len(prefix), start, prefix[start:], budget, depth)
+            tree = await self.port.propose_tree(request, timeout=timeout, carrier=carrier)
+            if len(tree) > budget or tree.depth > depth:
+                raise Unavailable(f"draft sent a tree of {len(tree)} nodes, {tree.depth} deep, for {budget}, {depth}")
+            return tree, []
+
+        return await self._call(committed, (), send, timeout=timeout, carrier=carrier)
+
     async def _call(
         self,
         committed: Sequence[int],
@@ -171,6 +186,47 @@ class TargetSession:
         carrier: Carrier,
         on_retry: Callable[[BaseException], None],
     ) -> steps.VerifyOutcome:
+        async def send(timeout: float) -> steps.VerifyOutcome:
+            # start = the committed length: the target rolls back any verdict the loop never saw.
+            request = steps.VerifyRequest(
+                self.session_id, len(committed), proposal, start=len(committed), defer_bonus=defer_bonus
+            )
+            outcome = await self.port.verify(request, timeout=timeout, carrier=carrier)
+            _check(outcome, proposal, defer_bonus)
+            return outcome
+
+        return await self._retrying(committed, send, deadline=deadline, carrier=carrier, on_retry=on_retry)
+
+    async def verify_tree(
+        self,
+        committed: Sequence[int],
+        tree: DraftTree,
+        *,
+        deadline: float,
+        carrier: Carrier,
+        on_retry: Callable[[BaseException], None],
+    ) -> steps.TreeVerifyOutcome:
+        """The verdict on `tree` after `committed`, retried as verify's."""
+
+        async def send(timeout: float) -> steps.TreeVerifyOutcome:
+            request = steps.TreeVerifyRequest(self.session_id, len(committed), tree, start=len(committed))
+            outcome = await self.port.verify_tree(request, timeout=timeout, carrier=carrier)
+            if not tree.is_path(outcome.path) or outcome.tokens != tuple(tree.token_ids[i] for i in outcome.path):
+                raise Unavailable(f"the target accepted nodes {list(outcome.path)}, not a path of the tree it was sent")
+            return outcome
+
+        return await self._retrying(committed, send, deadline=deadline, carrier=carrier, on_retry=on_retry)
+
+    async def _retrying(
+        self,
+        committed: Sequence[int],
+        send: Callable[[float], Awaitable[T]],
+        *,
+        deadline: float,
+        carrier: Carrier,
+        on_retry: Callable[[BaseException], None],
+    ) -> T:
+        """send(timeout), opening the session first when needed, retried within the budget (see the class)."""
         failing_since: float | None = None
         backoff = 0.05
         last = ""
@@ -191,13 +247,7 @@ class TargetSession:
                         steps.OpenRequest(self.session_id, committed, self.params), timeout=timeout, carrier=carrier
                     )
                     self.opened = True
-                # start = the committed length: the target rolls back any verdict the loop never saw.
-                request = steps.VerifyRequest(
-                    self.session_id, len(committed), proposal, start=len(committed), defer_bonus=defer_bonus
-                )
-                outcome = await self.port.verify(request, timeout=timeout, carrier=carrier)
-                _check(outcome, proposal, defer_bonus)
-                return outcome
+                return await send(timeout)
             except (SessionNotFound, SessionOutOfSync) as exc:
                 self.opened = False
                 lost += 1

@@ -25,6 +25,7 @@ from typing import Protocol
 from specd.core.rounds import steps
 from specd.core.rounds.record import RoundRecord
 from specd.core.sampling.proposal import Proposal
+from specd.core.sampling.tree import DraftTree
 
 Carrier = Mapping[str, str]
 
@@ -45,6 +46,10 @@ class DraftPort(Protocol):
         self, request: steps.BranchRequest, *, timeout: float, carrier: Carrier
     ) -> steps.Branches: ...
 
+    async def propose_tree(
+        self, request: steps.TreeProposeRequest, *, timeout: float, carrier: Carrier
+    ) -> DraftTree: ...
+
     async def close(self, request: steps.CloseRequest, *, timeout: float) -> None: ...
 
 
@@ -56,6 +61,10 @@ class TargetPort(Protocol):
     async def verify(
         self, request: steps.VerifyRequest, *, timeout: float, carrier: Carrier
     ) -> steps.VerifyOutcome: ...
+
+    async def verify_tree(
+        self, request: steps.TreeVerifyRequest, *, timeout: float, carrier: Carrier
+    ) -> steps.TreeVerifyOutcome: ...
 
     async def close(self, request: steps.CloseRequest, *, timeout: float) -> None: ...
 

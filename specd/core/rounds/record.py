@@ -169,8 +169,9 @@ class RoundStats:
         self.drafts += 1
         self.draft_tokens += k
         self.accepted_tokens += r.accepted
-        if len(self.accepted_per_position) < k:
-            self.accepted_per_position.extend([0] * (k - len(self.accepted_per_position)))
+        n = min(k, r.draft_length or k)  # positions: a chain's k tokens, a tree's depth (its k nodes are wider)
+        if len(self.accepted_per_position) < n:
+            self.accepted_per_position.extend([0] * (n - len(self.accepted_per_position)))
         for i in range(r.accepted):
             self.accepted_per_position[i] += 1
 

@@ -1,115 +1,128 @@
 """Tree rounds (docs/trees.md): draft a tree, verify it in one pass, commit the accepted path and one token.
 
-Many requests run in lockstep, each round one batched tree draft and one
-batched tree verify over the requests still going; outcomes do not depend
-on the batch (coins hash (seed, position)). No pipelining: a tree round's
-next draft waits for its verdict. The draft's sequence stays at the
-committed prefix (a tree's nodes do not join it), so each round's draft call
-rolls it to the last round's prefix and appends what that round committed.
+The round loop (specd.core.rounds.loop) hands a request with a tree budget
+to `TreeRounds`, which runs each of its rounds over the same ports and
+sessions as a chain round: one tree call to the draft, one tree verify to
+the target. Fixed speculation only (the depth is the request's draft
+length), no pipelining: a tree round's next draft waits for its verdict.
+The draft's sequence stays at the committed prefix (a tree's nodes do not
+join it), so each tree call rolls it to the last round's prefix and appends
+what that round committed (port_sessions.DraftSession tracks it).
+
+Exactness is the chain's: a draft that fails, is slow or is missing turns
+the round target-only (an empty tree: the target samples the token itself).
 
 Records: a round's draft_token_ids are the tree's nodes (node order), its
-`accepted` the accepted path's length, so RoundStats' acceptance rate is
-accepted nodes per drafted node and accepted_per_position counts depths.
+`accepted` the accepted path's length (the accepted depth), so RoundStats'
+acceptance rate is accepted nodes per drafted node, its acceptance length
+1 + mean accepted depth, and accepted_per_position counts rounds per depth.
 """
 
 from __future__ import annotations
 
+import math
 import time
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Awaitable, Callable, Sequence
+from typing import TypeVar
 
 from specd.core.errors import InvalidArgument
-from specd.core.rounds.generation import Generation
+from specd.core.rounds.generation import FinishReason, Generation
+from specd.core.rounds.port_sessions import DraftSession, TargetSession
+from specd.core.rounds.ports import Carrier
 from specd.core.rounds.record import RoundRecord, TargetOnly, TokenKind
-from specd.core.rounds.steps import TreeProposeRequest, TreeVerifyOutcome, TreeVerifyRequest
 from specd.core.sampling.tree import DraftTree
 
-# One batched step each: errors in their slots (a request's error ends that request with it raised).
-ProposeTrees = Callable[[Sequence[TreeProposeRequest]], Sequence[DraftTree | Exception]]
-VerifyTrees = Callable[[Sequence[TreeVerifyRequest]], Sequence[TreeVerifyOutcome | Exception]]
-
+T = TypeVar("T")
 EMPTY_TREE = DraftTree((), ())
 
-
-@dataclass
-class TreeRun:
-    """One request's tree rounds: its generation, session, and where its draft's sequence stands."""
-
-    generation: Generation
-    session_id: str
-    depth: int  # tree levels at most (the chain's K)
-    draft_start: int  # the draft's sequence: the first draft_start tokens are committed ...
-    draft_tail: list[int] = field(default_factory=list)  # ... and these follow (committed since)
-    records: list[RoundRecord] = field(default_factory=list)
+# RequestRun._draft_call: call(draft session, timeout), or why the draft gave nothing (its failure policy).
+DraftCall = Callable[[Callable[[DraftSession, float], Awaitable[DraftTree]]], Awaitable[DraftTree | TargetOnly]]
+# Given the tokens a round committed: how many to keep when a stop string ended in them, else None.
+StopCheck = Callable[[Sequence[int]], int | None]
 
 
-def run_tree_rounds(
-    runs: Sequence[TreeRun],
-    propose: ProposeTrees | None,
-    verify: VerifyTrees,
-    *,
-    budget: int,
-) -> None:
-    """Run every request's rounds until each is done. propose None: target-only (empty trees).
-
-    budget: nodes per tree at most; a run's depth: levels at most (cut by what it may still commit).
-    """
+def check_tree_request(budget: int, speculation: str, pipeline: str, depth: int) -> None:
+    """InvalidArgument unless a tree request is one these rounds run: fixed speculation, pipeline off."""
     if budget < 1:
         raise InvalidArgument(f"tree rounds need a budget of >= 1 node (got {budget})")
-    while True:
-        active = [r for r in runs if not r.generation.done]
-        if not active:
-            return
+    if speculation != "fixed":
+        raise InvalidArgument(f"tree speculation runs with speculation 'fixed' (got {speculation!r})")
+    if pipeline != "off":
+        raise InvalidArgument(f"tree speculation runs with pipeline 'off' (got {pipeline!r})")
+    if depth < 1:
+        raise InvalidArgument(f"a tree's depth (the draft length) must be >= 1 (got {depth})")
+
+
+class TreeRounds:
+    """One request's tree rounds over its draft and target sessions."""
+
+    def __init__(
+        self,
+        generation: Generation,
+        budget: int,
+        depth: int,
+        target: TargetSession,
+        draft: DraftSession | None,
+        draft_usable: Callable[[], Awaitable[bool]],
+        draft_call: DraftCall,
+        on_retry: Callable[[BaseException], None],
+        stop: StopCheck | None = None,
+        deadline: float = math.inf,
+    ) -> None:
+        self.generation = generation
+        self.budget = budget  # nodes per tree at most
+        self.depth = depth  # levels at most (cut by what the request may still commit)
+        self._target = target
+        self._draft = draft
+        self._draft_usable = draft_usable
+        self._draft_call = draft_call
+        self._on_retry = on_retry
+        self._stop = stop
+        self._deadline = deadline
+
+    async def round(self, index: int, carrier: Carrier) -> RoundRecord:
+        gen = self.generation
         t0 = time.perf_counter()
-        levels = [r.generation.draft_budget(r.depth) for r in active]
-        trees: list[DraftTree] = [EMPTY_TREE] * len(active)
-        asking = [a for a, k in enumerate(levels) if k > 0 and propose is not None]
-        if asking and propose is not None:
-            requests = [_propose_request(active[a], budget, levels[a]) for a in asking]
-            for a, tree in zip(asking, propose(requests)):
-                if isinstance(tree, Exception):
-                    raise tree
-                trees[a] = tree
-                active[a].draft_start, active[a].draft_tail = active[a].generation.committed_length, []
-        t1 = time.perf_counter()
-        verdicts = verify(
-            [
-                TreeVerifyRequest(r.session_id, r.generation.committed_length, t, start=r.generation.committed_length)
-                for r, t in zip(active, trees)
-            ]
-        )
-        t2 = time.perf_counter()
-        for a, (r, tree, out) in enumerate(zip(active, trees, verdicts)):
-            if isinstance(out, Exception):
-                raise out
-            before = r.generation.committed_length
-            committed = r.generation.commit(out.tokens, out.accepted, out.token_id)
-            r.draft_tail.extend(committed)
-            reason = None if len(tree) else (TargetOnly.BUDGET if levels[a] == 0 else _why_empty(propose))
-            r.records.append(
-                RoundRecord(
-                    index=len(r.records),
-                    committed_length=before,
-                    draft_length=levels[a],
-                    draft_token_ids=tree.token_ids,
-                    accepted=out.accepted,
-                    token_id=out.token_id,
-                    token_kind=TokenKind.BONUS if out.is_bonus else TokenKind.RECOVERED,
-                    committed=tuple(committed),
-                    wall_ms=(t2 - t0) * 1e3,
-                    draft_ms=(t1 - t0) * 1e3 if a in asking else 0.0,
-                    verify_ms=out.compute_ms,
-                    target_only=reason,
-                )
+        committed = gen.committed
+        levels = gen.draft_budget(self.depth)
+        tree, why = EMPTY_TREE, None
+        draft_ms = 0.0
+        if levels == 0:
+            why = TargetOnly.BUDGET
+        elif self._draft is None:
+            why = TargetOnly.NO_DRAFT
+        elif not await self._draft_usable():
+            why = TargetOnly.DRAFT_UNAVAILABLE
+        else:
+            t_draft = time.perf_counter()
+            result = await self._draft_call(
+                lambda d, timeout: d.propose_tree(committed, self.budget, levels, timeout=timeout, carrier=carrier)
             )
-
-
-def _propose_request(r: TreeRun, budget: int, depth: int) -> TreeProposeRequest:
-    g = r.generation
-    if r.draft_start + len(r.draft_tail) != g.committed_length:  # every commit extends the tail
-        raise InvalidArgument("the draft's sequence fell out of step with the committed prefix")
-    return TreeProposeRequest(r.session_id, g.committed_length, r.draft_start, list(r.draft_tail), budget, depth)
-
-
-def _why_empty(propose: ProposeTrees | None) -> TargetOnly:
-    return TargetOnly.NO_DRAFT if propose is None else TargetOnly.DRAFT_EMPTY
+            draft_ms = (time.perf_counter() - t_draft) * 1e3
+            if isinstance(result, TargetOnly):
+                why = result
+            else:
+                tree, why = result, None if len(result) else TargetOnly.DRAFT_EMPTY
+        outcome = await self._target.verify_tree(
+            committed, tree, deadline=self._deadline, carrier=carrier, on_retry=self._on_retry
+        )
+        new = gen.commit(outcome.tokens, outcome.accepted, outcome.token_id)
+        if self._stop is not None:
+            keep = self._stop(new)
+            if keep is not None:
+                gen.finish(FinishReason.STOP_STRING, keep=len(gen.generated) - len(new) + keep)
+                new = new[:keep]
+        return RoundRecord(
+            index=index,
+            committed_length=len(committed),
+            draft_length=levels,
+            draft_token_ids=tree.token_ids,
+            accepted=outcome.accepted,
+            token_id=outcome.token_id,
+            token_kind=TokenKind.BONUS if outcome.is_bonus else TokenKind.RECOVERED,
+            committed=tuple(new),
+            wall_ms=(time.perf_counter() - t0) * 1e3,
+            draft_ms=draft_ms,
+            verify_ms=outcome.compute_ms,
+            target_only=None if len(tree) else why,
+        )

@@ -1,0 +1,55 @@
+"""Tree speculation through the three services (the shared tiny cluster): exact, and refused when malformed."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import grpc
+import pytest
+
+from specd.core.sampling.sampler import SamplingParams
+from tests.cluster import Cluster
+from tests.references import reference
+from tests.services.test_services import PROMPTS, prompt_ids
+
+TREE = dict(speculation="fixed", draft_length=4, tree_budget=8, ignore_eos=True)
+
+
+def test_greedy_and_seeded_trees_through_the_services(tiny_cluster: Cluster, tiny_pair: tuple[Path, Path]) -> None:
+    """Greedy: target-only's tokens; seeded: the in-process loop's tree rounds, token for token."""
+    target, draft = tiny_pair
+    with tiny_cluster.client() as client:
+        for text in PROMPTS[:3]:
+            ids = prompt_ids(target, text)
+            ref = reference(target, None, ids, SamplingParams(temperature=0), max_new_tokens=20)
+            got = client.generate(ids, max_new_tokens=20, temperature=0, **TREE)
+            assert list(got.token_ids) == ref.token_ids, text
+            s = got.stats
+            assert s.draft_tokens > s.drafts * 4 // 2  # trees of several nodes went out
+            assert s.accepted_tokens + s.rounds == 20 and len(s.accepted_per_position) <= 4  # per depth
+            streamed = list(client.generate_stream(ids, max_new_tokens=20, temperature=0, **TREE))
+            assert [t for m in streamed for t in m.token_ids] == ref.token_ids
+        params = SamplingParams(temperature=0.9, top_k=40, seed=7)
+        ids = prompt_ids(target, PROMPTS[3])
+        local = reference(target, draft, ids, params, max_new_tokens=20, draft_length=4, tree_budget=8)
+        for _ in range(2):
+            got = client.generate(ids, max_new_tokens=20, temperature=0.9, top_k=40, seed=7, **TREE)
+            assert list(got.token_ids) == local.token_ids
+            assert got.stats.accepted_tokens == local.stats.accepted_tokens
+            assert got.stats.draft_tokens == local.stats.draft_tokens
+
+
+@pytest.mark.parametrize(
+    "options, needle",
+    [
+        (dict(tree_budget=10_000, speculation="fixed"), "tree_budget must be in 0..32"),
+        (dict(tree_budget=8, speculation="auto"), "MODE_FIXED"),
+        (dict(tree_budget=8, speculation="fixed", pipeline="bonus-match"), "PIPELINE_OFF"),
+    ],
+)
+def test_malformed_tree_requests_get_invalid_argument(tiny_cluster: Cluster, options, needle) -> None:
+    with tiny_cluster.client(timeout=30) as client:
+        with pytest.raises(grpc.RpcError) as err:
+            client.generate("hi", max_new_tokens=4, temperature=0, **options)
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert needle in err.value.details(), err.value.details()

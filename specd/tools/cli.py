@@ -172,7 +172,10 @@ def _generate(args: argparse.Namespace) -> int:
         pipeline=args.pipeline,
         ignore_eos=args.ignore_eos,
         cache_salt=args.cache_salt,
+        tree_budget=args.tree_budget,
     )
+    if args.tree_budget and not args.no_speculation:  # trees run fixed, unpipelined; depth = draft length
+        kwargs.update(speculation="fixed", draft_length=args.draft_length or 4, pipeline=args.pipeline or "off")
     prompt: Prompt = [{"role": "user", "content": args.prompt}] if args.chat else args.prompt
     token = None
     if args.token_file:
@@ -332,6 +335,12 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--seed", type=int, default=None)
     gen.add_argument("--stop", action="append", help="stop string (repeatable)")
     gen.add_argument("--draft-length", type=int, default=None, help="fixed draft length K (default: server's choice)")
+    gen.add_argument(
+        "--tree-budget",
+        type=int,
+        default=0,
+        help="tree speculation: trees of at most N nodes, --draft-length levels deep (default 4; docs/trees.md)",
+    )
     gen.add_argument("--no-speculation", action="store_true", help="target-only decoding")
     gen.add_argument(
         "--pipeline",

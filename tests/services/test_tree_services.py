@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import grpc
 import pytest
 
 from specd.core.sampling.sampler import SamplingParams
+from specd.tools import cli
 from tests.cluster import Cluster
 from tests.references import reference
 from tests.services.test_services import PROMPTS, prompt_ids
@@ -53,3 +55,14 @@ def test_malformed_tree_requests_get_invalid_argument(tiny_cluster: Cluster, opt
             client.generate("hi", max_new_tokens=4, temperature=0, **options)
         assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
         assert needle in err.value.details(), err.value.details()
+
+
+def test_specd_generate_tree_budget(tiny_cluster: Cluster, tiny_pair: tuple[Path, Path], capsys) -> None:
+    """`specd generate --tree-budget N`: tree rounds (fixed, draft length 4), target-only's greedy text."""
+    target, _ = tiny_pair
+    args = ["generate", "--address", tiny_cluster.address, "--max-new-tokens", "12", "--temperature", "0"]
+    assert cli.main([*args, "--ignore-eos", "--json", "--tree-budget", "6", PROMPTS[0]]) == 0
+    out = json.loads(capsys.readouterr().out)
+    ref = reference(target, None, prompt_ids(target, PROMPTS[0]), SamplingParams(temperature=0), max_new_tokens=12)
+    assert out["token_ids"] == ref.token_ids
+    assert out["stats"]["draft_tokens"] > out["stats"]["drafts"]  # trees: several nodes per drafting round

@@ -229,6 +229,7 @@ def _cluster(
 ) -> LocalCluster:
     """The three services of one set-up, sized for the largest K the run drafts with."""
     k_max = largest_k(plan.modes, plan.draft_lengths)
+    n_max = max([32, k_max, *(int(m.request.get("tree_budget", 0)) for m in plan.modes)])  # a tree's nodes are drafts
     extra = [*setup.model_service_args, *tracing_args]
     return LocalCluster(
         args.target if pair.sim else pair.target_dir,  # an emulated model is its spec, not a folder
@@ -237,11 +238,13 @@ def _cluster(
         target_threads=args.target_threads,
         draft_threads=args.draft_threads,
         coordinator_threads=1,
-        target_args=[*extra, *shlex.split(args.target_args)],
-        draft_args=["--max-draft-tokens", str(max(32, k_max)), *extra, *shlex.split(args.draft_args)],
+        target_args=["--max-draft-tokens", str(n_max), *extra, *shlex.split(args.target_args)],
+        draft_args=["--max-draft-tokens", str(n_max), *extra, *shlex.split(args.draft_args)],
         coordinator_args=[
             "--max-draft-length",
             str(max(16, k_max)),
+            "--max-tree-budget",
+            str(n_max),
             "--metrics-port",  # the round-overhead histogram the records' overhead figures come from
             "0",
             *tracing_args,

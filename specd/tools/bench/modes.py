@@ -57,6 +57,17 @@ SERVICE_FAMILIES: dict[str, Callable[[int], dict[str, Any]]] = {
     "speccache": lambda k: {"speculation": "fixed", "draft_length": k, "pipeline": "spec-cache"},  # SSD / Saguaro's
 }
 
+# Tree speculation (docs/trees.md): tree-N drafts trees of at most N nodes, min(N, the largest
+# --draft-lengths K) levels deep (like for like with fixed-K: the same depth, wider), fixed, no pipelining.
+TREE = "tree"
+
+
+def tree_mode(budget: int, draft_lengths: Sequence[int]) -> Mode:
+    depth = max(1, min(budget, max(draft_lengths, default=4)))
+    request = {"speculation": "fixed", "draft_length": depth, "tree_budget": budget, "pipeline": False}
+    return Mode(f"{TREE}-{budget}", RUNNER_SERVICE, request)  # draft_length None: S(K) is a chain's theory
+
+
 # The HF baseline: transformers' assisted generation. hf-K: K assistant tokens, constant
 # schedule, no confidence early stop (like for like with fixed-K).
 HF_DEFAULT = "hf-default"  # transformers' own defaults for the assistant
@@ -124,6 +135,10 @@ def _expand_mode(raw: str, draft_lengths: Sequence[int]) -> list[Mode]:
     ks = [int(k_text)] if k_text else list(draft_lengths)
     if family in SERVICE_FAMILIES:
         return [Mode(f"{family}-{k}", RUNNER_SERVICE, SERVICE_FAMILIES[family](k), k) for k in ks]
+    if family == TREE:
+        if not k_text or int(k_text) < 1:
+            raise ValueError(f"mode {raw!r}: a tree mode needs its node budget, e.g. tree-16")
+        return [tree_mode(int(k_text), draft_lengths)]
     if family == "hf":
         return [Mode(f"hf-{k}", RUNNER_HF, _hf_fixed(k), k) for k in ks]
     if family == HF_LOOKUP:  # no draft model: the target alone, drafting by prompt lookup
@@ -132,6 +147,7 @@ def _expand_mode(raw: str, draft_lengths: Sequence[int]) -> list[Mode]:
         [
             *SERVICE_MODES,
             *(f"{f}[-K]" for f in SERVICE_FAMILIES),
+            f"{TREE}-N",
             "hf[-K]",
             f"{HF_LOOKUP}[-K]",
             HF_DEFAULT,

@@ -40,6 +40,7 @@ def summarize(
     """One record: throughput, acceptance, theory vs measurement, latencies (speed-up and greedy check come later)."""
     ok = [r for r in results if r.error is None]
     tokens = sum(len(r.token_ids) for r in ok)
+    tree = int(mode.request.get("tree_budget", 0))  # > 0: a tree mode; draft tokens count its nodes
     rec: dict[str, Any] = {
         "mode": mode.name,
         "runner": mode.runner,
@@ -47,6 +48,8 @@ def summarize(
         "temperature": temperature,
         "concurrency": concurrency,
         "draft_length": mode.draft_length,
+        "tree_budget": tree or None,
+        "tree_depth": mode.request.get("draft_length") if tree else None,
         "prompts": len(results),
         "errors": len(results) - len(ok),
         "first_error": next((r.error for r in results if r.error), None),
@@ -124,7 +127,9 @@ def summarize(
                 counts.extend([0] * (a - len(counts)))
                 for i in range(a):
                     counts[i] += 1
-        width = max(len(counts), math.ceil(rec["mean_draft_length"] or 0), mode.draft_length or 0)
+        # positions: a chain's K; a tree's depth (its mean draft length counts nodes, wider than deep)
+        longest = mode.request.get("draft_length", 0) if tree else math.ceil(rec["mean_draft_length"] or 0)
+        width = max(len(counts), longest, mode.draft_length or 0)
         counts.extend([0] * (width - len(counts)))
     rec["accepted_per_position"] = counts if speculative else None
     rec["acceptance_per_position"] = [c / drafts for c in counts] if speculative else None
@@ -132,9 +137,10 @@ def summarize(
     rec["per_position_source"] = per_position_source if speculative else None
     # -- theory: a, c, S(K), efficiency
     alpha = method = None
-    if speculative and per_round_drafted is not None and len(per_round_drafted) == len(accepted_rounds):
+    chain = speculative and not tree  # a: a chain's per-token acceptance, not defined for a tree's node counts
+    if chain and per_round_drafted is not None and len(per_round_drafted) == len(accepted_rounds):
         alpha, method = alpha_from_rounds(per_round_drafted, accepted_rounds), "rounds"
-    elif speculative:
+    elif chain:
         alpha, method = alpha_from_acceptance_length(rec["acceptance_length"], rec["mean_draft_length"]), "length"
     k = float(mode.draft_length) if mode.draft_length else rec["mean_draft_length"]
     c = (cost or {}).get("c")

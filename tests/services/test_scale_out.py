@@ -29,7 +29,9 @@ from specd.tools.otlp_receiver import OtlpReceiver
 from tests.cluster import QuietService, metrics_address, scrape, stop_together, total
 from tests.services.test_faults import PROMPTS, _ids, _references
 
-pytestmark = pytest.mark.slow
+# alone: the split checks count where the coordinator placed sessions, and a busy neighbour on the same
+# cores slows one replica of a pair (seen under two test workers: the drafts split 40/24)
+pytestmark = [pytest.mark.slow, pytest.mark.alone]
 
 STREAMS = 32
 TOKENS = 24

@@ -38,7 +38,7 @@ from measure_args import floats, ints, names
 
 def bench(profile: str, agreement: float, args: argparse.Namespace, out: Path) -> list[dict[str, Any]]:
     pipelined = [f"{m}-{k}" for m in ("pipelined", "postverify", "speccache") for k in args.pipelined_lengths]
-    modes = ["target-only", *(f"fixed-{k}" for k in args.draft_lengths), *pipelined, "auto"]
+    modes = ["target-only", *(f"fixed-{k}" for k in args.draft_lengths), *pipelined, *args.extra_modes, "auto"]
     cmd = [
         sys.executable,
         "-m",
@@ -71,10 +71,21 @@ def bench(profile: str, agreement: float, args: argparse.Namespace, out: Path) -
 
 def summarise(profile: str, agreement: float, temperature: float, records: list[dict[str, Any]]) -> dict[str, Any]:
     by_mode = {r["mode"]: r for r in records if r["temperature"] == temperature}
-    fixed = {m: r for m, r in by_mode.items() if m not in ("target-only", "auto")}  # every fixed K and pipeline
+    # every fixed chain: any K, any pipeline (trees are not among auto's arms: compared on their own)
+    fixed = {m: r for m, r in by_mode.items() if m not in ("target-only", "auto") and not m.startswith("tree-")}
+    trees = {m: r for m, r in by_mode.items() if m.startswith("tree-")}
     best_mode = max(fixed, key=lambda m: fixed[m]["speedup"])
+    best_tree = max(trees, key=lambda m: trees[m]["speedup"]) if trees else None
     auto = by_mode["auto"]
+    tree_figures: dict[str, Any] = {}
+    if best_tree is not None:
+        tree_figures = {
+            "best_tree": best_tree,
+            "best_tree_speedup": trees[best_tree]["speedup"],
+            "tree_over_best_chain": trees[best_tree]["speedup"] / fixed[best_mode]["speedup"],
+        }
     return {
+        **tree_figures,
         "profile": profile,
         "agreement": agreement,
         "temperature": temperature,
@@ -94,6 +105,7 @@ def summarise(profile: str, agreement: float, temperature: float, records: list[
 def markdown(rows: list[dict[str, Any]], args: argparse.Namespace, seconds: float) -> str:
     ks = [f"fixed-{k}" for k in args.draft_lengths]
     pipelined = [f"{m}-{k}" for m in ("pipelined", "postverify", "speccache") for k in args.pipelined_lengths]
+    pipelined += args.extra_modes
     out = [
         "# Efficiency and auto on emulated accelerators (issues #16 and #30)",
         "",
@@ -110,8 +122,12 @@ def markdown(rows: list[dict[str, Any]], args: argparse.Namespace, seconds: floa
         + " | ".join(f"{k} speed-up (eff.)" for k in ks)
         + " | "
         + " | ".join(pipelined)
-        + " | best fixed | auto | auto / best fixed | auto mean K |",
-        "|---|---|---|---|" + "---|" * (len(ks) + len(pipelined)) + "---|---|---|---|",
+        + " | best fixed | auto | auto / best fixed | auto mean K |"
+        + (" best tree / best fixed |" if args.extra_modes else ""),
+        "|---|---|---|---|"
+        + "---|" * (len(ks) + len(pipelined))
+        + "---|---|---|---|"
+        + ("---|" if args.extra_modes else ""),
     ]
     for r in rows:
         cells = []
@@ -126,6 +142,7 @@ def markdown(rows: list[dict[str, Any]], args: argparse.Namespace, seconds: floa
             + " | ".join(cells)
             + f" | `{r['best_fixed']}` {r['best_fixed_speedup']:.2f}x | {r['auto_speedup']:.2f}x | "
             f"{r['auto_over_best_fixed']:.3f} | {mean_k} |"
+            + (f" `{r['best_tree']}` {r['tree_over_best_chain']:.3f} |" if "best_tree" in r else "")
         )
     return "\n".join(out) + "\n"
 
@@ -137,6 +154,7 @@ def main() -> None:
     ap.add_argument("--draft-lengths", default="1,2,3,4,6,8")
     ap.add_argument("--pipelined-lengths", default="2,4", help="K of the pipelined, postverify and speccache modes")
     ap.add_argument("--temperatures", default="0", help="comma-separated; one bench runs them all")
+    ap.add_argument("--extra-modes", default="", help="more modes to run beside them (e.g. tree-8,tree-16)")
     ap.add_argument("--concurrency", type=int, default=1)
     ap.add_argument("--prompts", type=int, default=8)
     ap.add_argument("--max-new-tokens", type=int, default=64)
@@ -146,6 +164,7 @@ def main() -> None:
     args = ap.parse_args()
     args.draft_lengths = ints(args.draft_lengths)
     args.pipelined_lengths = ints(args.pipelined_lengths) if args.pipelined_lengths else []
+    args.extra_modes = names(args.extra_modes) if args.extra_modes else []
     started = time.monotonic()
     rows = []
     with tempfile.TemporaryDirectory(prefix="specd-efficiency-") as tmp:
@@ -166,7 +185,9 @@ def main() -> None:
                                     "best_fixed_speedup",
                                     "auto_speedup",
                                     "auto_over_best_fixed",
+                                    "tree_over_best_chain",
                                 )
+                                if k in rows[-1]
                             }
                         ),
                         flush=True,

@@ -102,6 +102,10 @@ class LinearCost:
         """The (forgetting) mean time observed, or None before any observation."""
         return self._y / self._w if self._w > 0 else None
 
+    def mean_tokens(self) -> float | None:
+        """The (forgetting) mean token count observed, or None before any observation."""
+        return self._x / self._w if self._w > 0 else None
+
     def share(self, batch_size: float) -> float:
         """sigma: the cost of one more token per session, as a fraction of a target-only step (0 if unknown)."""
         fitted = self.fit()

@@ -21,11 +21,15 @@ where the tokens are modelled and the cycle is measured:
   measured per arm and per workload class (greedy or sampled; the number of
   requests running, in powers of two), shrunk towards a model of it:
 
-      model(p, K) = v(K + 1) + (1 - h_p(K)) d(K) + o
+      model(off, K) = v(K + 1) + d(K)
+      model(p, K)   = max(v(K + 1), pre_p(K)) + (1 - h_p(K)) d(K)    (p pipelined)
 
-  v(n): a verify call's wall for n tokens, d(K): a fresh K-token draft
-  call's wall, both fitted online (`LinearCost`); o: what measured cycles
-  exceed their model by; h_p: the pipeline's hit chance from the
+  plus o. v(n): a verify call's wall for n tokens, d(K): a fresh K-token
+  draft call's wall, both fitted online (`LinearCost`); pre_p(K): the
+  pipeline's pre-draft, which runs beside the verify, so one longer than the
+  verify is waited for even on a hit (d(K + 1) from a guessed bonus, d(K)
+  for post-verify); o: what the family's (pipeline's, or target-only's)
+  measured cycles exceed their model by; h_p: the pipeline's hit chance from the
   acceptance model (off 0, post-verify P(all K), bonus-match P(all K) a_K,
   spec-cache the mean of P(all K) and 1). The model only places arms not
   measured yet; an arm's own rounds take over (`prior_weight` against up to
@@ -201,6 +205,20 @@ class ConfidenceCalibration:
         return out
 
 
+def waited(pipeline: str, verify: float, draft: float, pre_draft: float, hit: float) -> float:
+    """A round's modelled cycle in ms: v + d without a pipeline; with one, max(v, pre) + (1 - h) d.
+
+    The pre-draft runs beside the verify, so the next round waits for the longer of the two (one
+    longer than the verify is on the critical path even when it hits: the first issue-30 grid had
+    spec-cache at K = 3-4 on emulated h100-tp2-70b at 16.5 ms of round overhead against K = 2's 3.8),
+    then, on a miss, for a fresh draft. Bonus-match and spec-cache pre-draft from a guessed bonus:
+    pre = d(K + 1); post-verify's pre-draft starts at the deferred bonus: pre = d(K)."""
+    if pipeline == OFF:
+        return verify + draft
+    pre = draft if pipeline == POST_VERIFY else pre_draft
+    return max(verify, pre) + (1.0 - hit) * draft
+
+
 def _family(arm: Arm) -> str:
     """What an arm's residual and hit rate are pooled over: its pipeline, or target-only."""
     return "target-only" if arm.k == 0 else arm.pipeline
@@ -336,17 +354,30 @@ class AutoChooser:
         return measured.value * measured.weight / (measured.weight + self.policy.settings.correction_prior)
 
     def model_cycle(self, cls: ArmCycles, arm: Arm, rates: Sequence[float]) -> float:
-        """v(K + 1) + (1 - h) d(K), in ms: the cycle before its family's measured correction."""
+        """The cycle in ms before its family's measured correction (see `waited`)."""
         verify = _predict(cls.verify_ms, arm.k + 1) or 0.0
-        draft = 0.0
-        if arm.k > 0:
-            draft = _predict(cls.draft_ms, arm.k) or 0.2 * verify * arm.k  # unmeasured: a cheap-ish draft
-        return verify + (1.0 - self.hit(cls, arm, rates)) * draft
+        if arm.k == 0:
+            return verify
+        draft = self._draft_ms(cls, arm.k, verify)
+        return waited(arm.pipeline, verify, draft, self._draft_ms(cls, arm.k + 1, verify), self.hit(cls, arm, rates))
+
+    @staticmethod
+    def _draft_ms(cls: ArmCycles, k: int, verify: float) -> float:
+        """d(k): the fit; before the slope is known, proportional to the steps (a draft step per token)."""
+        if cls.draft_ms.fit() is not None:
+            return _predict(cls.draft_ms, k) or 0.0
+        mean, tokens = cls.draft_ms.mean(), cls.draft_ms.mean_tokens()
+        if mean is None or not tokens:
+            return 0.2 * verify * k  # unmeasured: a cheap-ish draft
+        return mean * k / tokens
+
+    def correction(self, cls: ArmCycles, arm: Arm) -> float:
+        """What the arm's family's (pipeline's, or target-only's) cycles exceeded their model by, shrunk towards none."""
+        return self._correction(cls.residual_ms.get(_family(arm)))
 
     def cycle(self, cls: ArmCycles, arm: Arm, rates: Sequence[float]) -> float:
         """The expected cycle in ms: the model plus what its family's rounds measured beyond it."""
-        residual = cls.residual_ms.get(_family(arm))
-        return max(0.0, self.model_cycle(cls, arm, rates) + self._correction(residual))
+        return max(0.0, self.model_cycle(cls, arm, rates) + self.correction(cls, arm))
 
     def neighbours(self, arm: Arm) -> list[Arm]:
         """The arms the best could move to next: K +- 1, the other pipelines at K, target-only."""
@@ -373,11 +404,12 @@ class AutoChooser:
         s = self.policy.settings
         rates = self.calibrated(cls, confidence)
         draft = _predict(cls.draft_ms, arm.k) or 0.0
-        residual = self._correction(cls.residual_ms.get(_family(arm)))
+        residual = self.correction(cls, arm)
         best_n, best_rate = n, -1.0
         for i in range(1, n + 1):
             hit = self.hit(cls, Arm(arm.pipeline, i), rates)
-            cycle = (_predict(cls.verify_ms, i + 1) or 0.0) + (1.0 - hit) * draft + residual
+            verify = _predict(cls.verify_ms, i + 1) or 0.0
+            cycle = waited(arm.pipeline, verify, draft, self._draft_ms(cls, i + 1, verify), hit) + residual
             rate = arm_tokens(Arm(arm.pipeline, i), rates) / max(cycle, 1e-6)
             if rate > best_rate * (1.0 + s.cut_margin):  # a longer proposal must pay clearly
                 best_n, best_rate = i, rate
@@ -409,9 +441,8 @@ class AutoChooser:
         if arm.k > 0 and arm.pipeline != OFF and structural[0 if all_in else 1]:
             measured = cls.hits.setdefault((arm.pipeline, all_in), Estimate(0.0))
             measured.update(float(hit), horizon=horizon)
-        family = _family(arm)
-        residual = cls.residual_ms.setdefault(family, Estimate(0.0))
-        residual.update(cycle_ms - self.model_cycle(cls, arm, rates), horizon=horizon)
+        excess = cycle_ms - self.model_cycle(cls, arm, rates)
+        cls.residual_ms.setdefault(_family(arm), Estimate(0.0)).update(excess, horizon=horizon)
 
     def observe_round(
         self,

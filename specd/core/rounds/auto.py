@@ -18,8 +18,9 @@ where the tokens are modelled and the cycle is measured:
   target's batch, the pipeline's settle, the next round's wait for its draft
   (none on a pipeline hit) and the loop's own work. Host costs, wire, queues
   and batching are in it as they are, not as a model thinks they are. It is
-  measured per arm and per workload class (greedy or sampled; the number of
-  requests running, in powers of two), shrunk towards a model of it:
+  measured per workload class (greedy or sampled; the number of requests
+  running, in powers of two) and predicted as a model of it plus what the
+  arm's family measured beyond that model:
 
       model(off, K) = v(K + 1) + d(K)
       model(p, K)   = max(v(K + 1), pre_p(K)) + (1 - h_p(K)) d(K)    (p pipelined)
@@ -31,9 +32,9 @@ where the tokens are modelled and the cycle is measured:
   for post-verify); o: what the family's (pipeline's, or target-only's)
   measured cycles exceed their model by; h_p: the pipeline's hit chance from the
   acceptance model (off 0, post-verify P(all K), bonus-match P(all K) a_K,
-  spec-cache the mean of P(all K) and 1). The model only places arms not
-  measured yet; an arm's own rounds take over (`prior_weight` against up to
-  `horizon` measured cycles).
+  spec-cache the mean of P(all K) and 1), corrected by the hits measured per
+  pipeline. o averages over `horizon` rounds and is shrunk towards 0 by
+  `correction_prior` rounds.
 
 **Exploration, and what it can cost.** One round in `explore_every` (counted
 over the whole service) runs a neighbour of the best arm instead, the one
@@ -209,8 +210,8 @@ def waited(pipeline: str, verify: float, draft: float, pre_draft: float, hit: fl
     """A round's modelled cycle in ms: v + d without a pipeline; with one, max(v, pre) + (1 - h) d.
 
     The pre-draft runs beside the verify, so the next round waits for the longer of the two (one
-    longer than the verify is on the critical path even when it hits: the first issue-30 grid had
-    spec-cache at K = 3-4 on emulated h100-tp2-70b at 16.5 ms of round overhead against K = 2's 3.8),
+    longer than the verify is on the critical path even when it hits: in the first issue-30 grid,
+    emulated h100-tp2-70b, auto's pipelined rounds at mean K 3.0 had 16.5 ms of round overhead, spec-cache-2's 3.8),
     then, on a miss, for a fresh draft. Bonus-match and spec-cache pre-draft from a guessed bonus:
     pre = d(K + 1); post-verify's pre-draft starts at the deferred bonus: pre = d(K)."""
     if pipeline == OFF:

@@ -62,10 +62,7 @@ class Verifier(PooledModel[_TargetSession]):
 
     def verify(self, request: VerifyRequest) -> VerifyOutcome:
         """Verify `proposal` after the committed prefix and commit the verdict (a batch of one)."""
-        result = self.verify_batch([request])[0]
-        if isinstance(result, BaseException):
-            raise result
-        return result
+        return _one(self.verify_batch([request]))
 
     @torch.inference_mode()
     def verify_batch(self, requests: Sequence[VerifyRequest]) -> list[VerifyOutcome | Exception]:
@@ -98,21 +95,27 @@ class Verifier(PooledModel[_TargetSession]):
         check_sync(len(s.kv.tokens), req.committed_length, start, req.tail)
         self.runner.splice(s.kv, start, req.tail)
         k = len(req.proposal)
-        if k > self.max_draft_tokens:
-            raise InvalidArgument(f"{k} draft tokens; this service verifies at most {self.max_draft_tokens}")
-        if req.proposal.q_ids is not None and int(req.proposal.q_ids.shape[-1]) > self.max_q_width:
-            raise InvalidArgument(
-                f"q rows of {int(req.proposal.q_ids.shape[-1])} entries; the limit is {self.max_q_width}"
-            )
-        if req.committed_length + k + 1 > self.runner.max_context:
-            raise InvalidArgument(
-                f"{k} draft tokens after {req.committed_length} committed exceed the context of "
-                f"{self.runner.max_context}"
-            )
-        if any(not 0 <= t < self.vocab_size for t in req.proposal.token_ids):
-            raise InvalidArgument(f"a draft token id is outside the vocabulary [0, {self.vocab_size})")
+        self._check_draft("a proposal", k, k, req.proposal.q_ids, req.committed_length, req.proposal.token_ids)
         self.runner.append(s.kv, req.proposal.token_ids)
         return s, 0
+
+    def _check_draft(
+        self, what: str, tokens: int, depth: int, q_ids: torch.Tensor | None, committed: int, token_ids: Sequence[int]
+    ) -> None:
+        """A proposal's or a tree's sizes against this service's limits, before anything is allocated."""
+        if tokens > self.max_draft_tokens:
+            raise InvalidArgument(
+                f"{what} of {tokens} draft tokens; this service verifies at most {self.max_draft_tokens}"
+            )
+        if q_ids is not None and int(q_ids.shape[-1]) > self.max_q_width:
+            raise InvalidArgument(f"q rows of {int(q_ids.shape[-1])} entries; the limit is {self.max_q_width}")
+        if committed + depth + 1 > self.runner.max_context:
+            raise InvalidArgument(
+                f"{what} {depth} tokens deep after {committed} committed exceeds the context of "
+                f"{self.runner.max_context}; send a shorter one"
+            )
+        if token_ids and not 0 <= min(token_ids) <= max(token_ids) < self.vocab_size:
+            raise InvalidArgument(f"a draft token id is outside the vocabulary [0, {self.vocab_size})")
 
     def _verify_ready(
         self,
@@ -215,10 +218,7 @@ class Verifier(PooledModel[_TargetSession]):
 
     def verify_tree(self, request: TreeVerifyRequest) -> TreeVerifyOutcome:
         """verify_tree_batch of one request: its outcome, or its error raised."""
-        result = self.verify_tree_batch([request])[0]
-        if isinstance(result, BaseException):
-            raise result
-        return result
+        return _one(self.verify_tree_batch([request]))
 
     @torch.inference_mode()
     def verify_tree_batch(self, requests: Sequence[TreeVerifyRequest]) -> list[TreeVerifyOutcome | Exception]:
@@ -243,17 +243,7 @@ class Verifier(PooledModel[_TargetSession]):
         start = len(s.kv.tokens) if req.start is None else req.start
         check_sync(len(s.kv.tokens), req.committed_length, start, req.tail)
         tree = req.tree
-        if len(tree) > self.max_draft_tokens:
-            raise InvalidArgument(f"a tree of {len(tree)} nodes; this service verifies at most {self.max_draft_tokens}")
-        if tree.q_ids is not None and int(tree.q_ids.shape[-1]) > self.max_q_width:
-            raise InvalidArgument(f"q rows of {int(tree.q_ids.shape[-1])} entries; the limit is {self.max_q_width}")
-        if req.committed_length + tree.depth + 1 > self.runner.max_context:
-            raise InvalidArgument(
-                f"a tree {tree.depth} deep after {req.committed_length} committed tokens exceeds the context of "
-                f"{self.runner.max_context}; send a shallower tree"
-            )
-        if tree.token_ids and not 0 <= min(tree.token_ids) <= max(tree.token_ids) < self.vocab_size:
-            raise InvalidArgument(f"a tree token id is outside the vocabulary [0, {self.vocab_size})")
+        self._check_draft("a tree", len(tree), tree.depth, tree.q_ids, req.committed_length, tree.token_ids)
         tree.check_q(self.vocab_size)
         self.runner.splice(s.kv, start, req.tail)
         return s, 0
@@ -375,3 +365,10 @@ def _timed(run: BatchRun[Any], outcomes: dict[int, Out]) -> list[Out | Exception
             ms = (log.phases[-1].end_ns - log.phases[0].start_ns) / 1e6
             results.append(dataclasses.replace(outcomes[i], compute_ms=ms, phases=log))
     return results
+
+
+def _one(results: list[Out | Exception]) -> Out:
+    """A batch of one's outcome, or its error raised."""
+    if isinstance(results[0], BaseException):
+        raise results[0]
+    return results[0]

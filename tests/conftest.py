@@ -11,7 +11,6 @@ from __future__ import annotations
 import fcntl
 import importlib.util
 import os
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -84,17 +83,16 @@ def pytest_sessionstart(session: pytest.Session) -> None:
 # ---- torch threads -------------------------------------------------------------
 
 
-@pytest.fixture(scope="module")
-def torch_single_thread() -> Iterator[None]:
-    """Run a module's tests (and its module fixtures) with one intra-op thread, then restore the count.
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    """Every test starts with one intra-op thread (a test that wants more sets them and puts them back).
 
-    Tiny models make many microsecond-sized ops; on a small shared machine,
-    thread hand-offs cost more than the ops (measured: 20x slower with 2
-    threads under load). Use with ``pytestmark = pytest.mark.usefixtures(...)``.
+    The test processes run tiny models (many microsecond-sized ops) beside the services they
+    start and the other worker's tests, on a small shared machine: a second thread's hand-offs
+    cost more than the ops, and OpenMP's spinning barrier stalls whenever one of the two threads
+    is not scheduled (measured: the in-process half of tests/services/test_sim_exactness.py ran
+    10x slower under two workers with 2 threads; test_sim_exactness and test_services side by side
+    on two workers took 232 s with the default, 104 s with one thread). Code under test that
+    sets the count itself (the CLI's service set-up, run in-process) does not leak into the next test.
     """
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(previous)
+    if torch.get_num_threads() != 1:
+        torch.set_num_threads(1)

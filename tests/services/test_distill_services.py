@@ -4,8 +4,6 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import pytest
-
 from specd.core.inprocess import speculative_generate
 from specd.core.model.loading import load_pretrained
 from specd.core.model.runner import CausalLMRunner
@@ -14,8 +12,6 @@ from specd.core.target.verifier import Verifier
 from tests.cluster import Cluster
 
 GREEDY = SamplingParams(temperature=0.0)
-
-pytestmark = pytest.mark.usefixtures("torch_single_thread")
 
 
 def test_ngram_drafter_through_the_services(

@@ -216,9 +216,14 @@ def test_hostile_requests_fail_alone_beside_eight_ordinary_ones(cluster: Cluster
     err, _ = outcomes.pop("nan numbers")
     assert isinstance(err, grpc.RpcError) and err.code() == grpc.StatusCode.INTERNAL, err
     assert "logged" in err.details() and "finite" not in err.details()  # a generic message, details in the log
+    # An abandoned request keeps its admission slot until its peers answered the close
+    # (coordinator/engine.py, admit): when the flood outruns the closes, the next call is refused
+    # at once (RESOURCE_EXHAUSTED: 1 of 589 in one run on two busy test workers), never queued.
+    expired = codes.count(grpc.StatusCode.DEADLINE_EXCEEDED)
+    assert set(codes) <= {grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.RESOURCE_EXHAUSTED}, set(codes)
+    assert expired >= 16 and expired > len(codes) / 2, (expired, len(codes))
     # 7 MB of q is over the target's message limit (sized to its context and q caps): gRPC
     # refuses that stream unread. Within the limit, the size check answers in-band.
-    assert len(codes) >= 16 and set(codes) == {grpc.StatusCode.DEADLINE_EXCEEDED}, codes
     huge, _ = outcomes.pop("verify width=1000000")
     assert huge.code == session_pb2.SessionError.CODE_RESOURCE_EXHAUSTED, huge
     for name, (error, _) in outcomes.items():

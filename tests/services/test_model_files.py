@@ -19,8 +19,6 @@ import pytest
 
 from tests.permissions import unreadable_by_others
 
-pytestmark = pytest.mark.usefixtures("torch_single_thread")
-
 REPO = Path(__file__).resolve().parents[2]
 
 

@@ -36,7 +36,7 @@ from target_service.workers.tp_runner import TensorParallelRunner, build_tp_runn
 from tests.cluster import READY_TIMEOUT_S, Cluster, QuietService, metrics_address, scrape, total
 from tests.references import loaded, reference
 
-pytestmark = [pytest.mark.usefixtures("torch_single_thread"), pytest.mark.timeout(240)]
+pytestmark = pytest.mark.timeout(240)
 
 TP = 2
 TOL = 1e-4  # max abs difference between tp=2 and tp=1 logits

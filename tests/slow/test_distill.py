@@ -29,8 +29,6 @@ from specd.core.target.verifier import Verifier
 from specd.tools import cli
 from specd.tools.distill import DistillConfig, build_draft, builtin_prompts, render_prompt, run_distill
 
-pytestmark = pytest.mark.usefixtures("torch_single_thread")
-
 GREEDY = SamplingParams(temperature=0.0)
 TRAIN_PROMPTS = [f"{w} number {i}" for i in range(12) for w in ("alpha", "tell me about", "count to")]
 HELDOUT = [f"{w} number {i}" for i in (40, 77, 123) for w in ("alpha", "tell me about", "count to")]  # unseen

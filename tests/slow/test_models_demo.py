@@ -13,8 +13,6 @@ from specd.core.model.demo_target import demo_target_path
 from specd.core.model.loading import load_pretrained
 from specd.core.model.runner import CausalLMRunner
 
-pytestmark = pytest.mark.usefixtures("torch_single_thread")
-
 
 @pytest.fixture(scope="module")
 def demo(demo_target_dir: Path):

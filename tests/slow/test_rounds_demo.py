@@ -17,8 +17,6 @@ from specd.core.target.verifier import Verifier
 
 GREEDY = SamplingParams(temperature=0.0)
 
-pytestmark = pytest.mark.usefixtures("torch_single_thread")
-
 
 DEMO_PROMPTS = [
     "The capital of France is",
@@ -46,11 +44,7 @@ DEMO_PROMPTS = [
 
 @pytest.fixture(scope="module")
 def demo_pair(demo_target_dir: Path):
-    # One torch thread: on 2 shared cores, two threads next to other processes run many times slower.
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield _demo_pair(demo_target_dir)
-    torch.set_num_threads(threads)
+    return _demo_pair(demo_target_dir)
 
 
 def _demo_pair(demo_target_dir: Path):

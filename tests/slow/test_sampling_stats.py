@@ -35,7 +35,7 @@ from specd.core.sampling.sampler import (
 from specd.core.sampling.sparse_q import QSettings
 from tests.devices import DEVICE
 
-pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("torch_single_thread")]
+pytestmark = pytest.mark.slow
 
 F64 = torch.float64
 I64 = torch.int64

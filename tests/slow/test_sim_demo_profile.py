@@ -9,15 +9,11 @@ import random
 import statistics
 import time
 
-import pytest
-
 from specd.core.draft.model_drafter import ModelDrafter
 from specd.core.model.sim import load_profile
 from specd.core.rounds.steps import ProposeRequest, VerifyRequest
 from specd.core.sampling.sampler import SamplingParams
 from specd.core.target.verifier import Verifier
-
-pytestmark = pytest.mark.usefixtures("torch_single_thread")
 
 
 def test_demo_profile_reproduces_the_measured_round_at_k4():

@@ -31,7 +31,7 @@ from specd.core.sampling.tree import TreeBatch
 from specd.core.sampling.tree_draft import draw_children
 from specd.core.sampling.tree_rejection import tree_rejection_sample
 
-pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("torch_single_thread")]
+pytestmark = pytest.mark.slow
 
 F64, I64 = torch.float64, torch.int64
 B = 20_000

@@ -22,8 +22,6 @@ from specd.serving.server import ServiceHandle
 from specd.v1 import common_pb2
 from target_service.server import SERVICE_NAME, create_server
 
-pytestmark = pytest.mark.usefixtures("torch_single_thread")
-
 PARAMS = SamplingParams(temperature=0.0, seed=1)
 
 

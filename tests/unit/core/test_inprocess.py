@@ -21,7 +21,6 @@ from specd.core.sampling.sampler import SamplingParams
 from specd.core.target.verifier import Verifier
 
 GREEDY = SamplingParams(temperature=0.0)
-pytestmark = pytest.mark.usefixtures("torch_single_thread")  # tiny models: one thread is faster on a shared box
 
 
 @pytest.fixture(scope="module")

@@ -33,8 +33,6 @@ from specd.serving.wire import params_to_proto
 from specd.v1 import common_pb2, session_pb2, target_pb2
 from target_service.servicer import TargetServicer
 
-pytestmark = pytest.mark.usefixtures("torch_single_thread")
-
 POISON = 200  # a byte no ordinary prompt below contains; its embedding row is NaN in the poisoned models
 # Lengths within a factor of two: the first verify prefills them, and the verifier
 # gives a much longer prefill a pass of its own (sessions.KVBudget.forward_groups).

@@ -26,8 +26,6 @@ from specd.serving.streams import Stamped
 from specd.v1 import common_pb2, session_pb2, target_pb2
 from target_service.servicer import TargetServicer
 
-pytestmark = pytest.mark.usefixtures("torch_single_thread")
-
 PROMPTS = ["hello world", "def f(x):\n    return", "abcabcabc", "The end.", "x", "a much longer prompt " * 6]
 
 

@@ -36,8 +36,6 @@ from specd.core.rounds.steps import Branches, BranchRequest, ProposeRequest
 from specd.core.sampling.proposal import Proposal
 from specd.core.sampling.sampler import SamplingParams
 
-pytestmark = pytest.mark.usefixtures("torch_single_thread")
-
 SIM = "sim:h100-tp2-70b,vocab_size=2048,time_scale=0"
 PROMPT = [11, 22, 33, 44, 55, 66, 77]
 GREEDY = SamplingParams(temperature=0.0, seed=3)

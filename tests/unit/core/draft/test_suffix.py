@@ -25,8 +25,6 @@ from specd.core.target.verifier import Verifier
 GREEDY = SamplingParams(temperature=0.0)
 RULES = dict(factor=1.0, offset=0.0, min_prob=0.1)
 
-pytestmark = pytest.mark.usefixtures("torch_single_thread")
-
 
 # ---- the index -----------------------------------------------------------------------
 

@@ -19,7 +19,6 @@ from specd.core.rounds.steps import ProposeRequest, TreeProposeRequest
 from specd.core.sampling.sampler import SamplingParams
 
 GREEDY = SamplingParams(temperature=0.0)
-pytestmark = pytest.mark.usefixtures("torch_single_thread")
 
 
 @pytest.fixture(scope="module")

@@ -27,8 +27,6 @@ from specd.core.sampling.proposal import Proposal
 from specd.core.sampling.sampler import SamplingParams
 from specd.core.target.verifier import Verifier
 
-pytestmark = pytest.mark.usefixtures("torch_single_thread")
-
 GREEDY = SamplingParams(temperature=0.0, seed=1)
 ROUNDS = 6
 OLD_K, YOUNG_K = 2, 6  # draft tokens per round: the young session asks for more

@@ -26,8 +26,6 @@ from specd.core.model.sim.profile import parse_sim_spec
 from specd.serving.config import DraftConfig, TargetConfig
 from target_service.server import _verifier
 
-pytestmark = pytest.mark.usefixtures("torch_single_thread")
-
 
 class CudaReportingRunner(CausalLMRunner):
     """A real runner (its model stays on the CPU) that says it runs on cuda:0."""

@@ -18,8 +18,6 @@ from specd.core.model.loading import load_pretrained
 from specd.tools.tiny_models import build_tiny_pair
 from tests.permissions import unreadable_by_others
 
-pytestmark = pytest.mark.usefixtures("torch_single_thread")
-
 
 def test_built_folders_are_readable_by_others(tmp_path: Path) -> None:
     target, draft = build_tiny_pair(tmp_path / "tiny")

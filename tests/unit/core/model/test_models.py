@@ -20,8 +20,6 @@ from specd.core.model.runner import CausalLMRunner
 from specd.tools import tiny_models
 from specd.tools.tiny_models import build_tiny_gpt2, build_tiny_pair, build_tiny_tokenizer
 
-pytestmark = pytest.mark.usefixtures("torch_single_thread")
-
 # ---- tiny models ---------------------------------------------------------------------
 
 

@@ -28,8 +28,6 @@ from specd.core.sampling.proposal import Proposal
 from specd.core.sampling.sampler import SamplingParams
 from specd.core.target.verifier import Verifier
 
-pytestmark = pytest.mark.usefixtures("torch_single_thread")
-
 HUGE = 200  # a byte no ordinary prompt holds: the oversized session's prompt carries it
 PROMPTS = ["hello world", "def f(x):\n    return", "abcabcabcabc", "The end. Fin.", "0123456789", "a longer one"]
 PARAMS = [

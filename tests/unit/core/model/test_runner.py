@@ -14,8 +14,6 @@ from specd.core.model.loading import load_pretrained
 from specd.core.model.runner import CausalLMRunner, KVSession
 from tests.devices import DEVICE
 
-pytestmark = pytest.mark.usefixtures("torch_single_thread")
-
 # Max abs difference allowed between cached and no-cache logits. A cached pass reduces in another
 # order than a full one, and the kernels chosen differ per CPU (CI's reached 1.04e-5 where this
 # machine stays under 1e-5); a wrong cache position or a stale KV row differs by 0.1 or more.

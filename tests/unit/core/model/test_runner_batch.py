@@ -18,8 +18,6 @@ from specd.core.model.runner import CausalLMRunner, KVSession
 from target_service.workers.tp_runner import TensorParallelRunner
 from tests.devices import DEVICE
 
-pytestmark = pytest.mark.usefixtures("torch_single_thread")
-
 # Max abs difference allowed between batched and per-session logits (|logits| < ~7
 # on the tiny models). Padding changes the float32 reduction order inside
 # attention (~1 ulp there), which the tiny random Llama amplifies: over 40

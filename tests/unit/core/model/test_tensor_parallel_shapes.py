@@ -13,8 +13,6 @@ from specd.core.model import tensor_parallel
 from specd.core.model.loading import load_pretrained
 from specd.tools import cli
 
-pytestmark = pytest.mark.usefixtures("torch_single_thread")
-
 SMOLLM2_LIKE = dict(  # the demo target's shape (SmolLM2-135M), built on the meta device
     vocab_size=49152,
     hidden_size=576,

@@ -22,8 +22,6 @@ from specd.core.model.tree_attention import tree_layout
 from specd.core.sampling.tree import DraftTree
 from specd.core.sampling.tree_rejection import tree_greedy_verdict
 
-pytestmark = pytest.mark.usefixtures("torch_single_thread")
-
 # Max abs difference between a tree's rows and the chain's: the same noise as batched against
 # single passes (test_runner_batch.py: padding and the mask change float32 reduction order);
 # measured here up to 4.5e-6 (Llama, SDPA). A node that sees a sibling, or sits at a wrong

@@ -18,8 +18,6 @@ from specd.core.sampling.sampler import (
 from tests.devices import DEVICE
 from tests.unit.core.sampling.tables import F32, F64, I64, on_device
 
-pytestmark = pytest.mark.usefixtures("torch_single_thread")  # small tensors: intra-op threads only add contention
-
 # --------------------------------------------------------------------------
 # rejection_sample
 # --------------------------------------------------------------------------

@@ -24,8 +24,6 @@ from specd.core.sampling.sampler import (
 from tests.devices import DEVICE
 from tests.unit.core.sampling.tables import F32, F64, I64, on_device, processed_row
 
-pytestmark = pytest.mark.usefixtures("torch_single_thread")  # small tensors: intra-op threads only add contention
-
 # --------------------------------------------------------------------------
 # SamplingParams validation
 # --------------------------------------------------------------------------

@@ -28,8 +28,6 @@ from specd.serving.metrics import DraftMetrics
 from specd.serving.wire import proposal_from_proto, proposal_to_proto, q_wire_bytes
 from specd.v1 import common_pb2, draft_pb2
 
-pytestmark = pytest.mark.usefixtures("torch_single_thread")
-
 
 def _row(*values: float) -> torch.Tensor:
     return torch.tensor([values], dtype=torch.float32)  # [1, V]

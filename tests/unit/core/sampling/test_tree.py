@@ -10,8 +10,6 @@ from specd.core.sampling.sampler import Role, coins, draft_token, sample_sparse
 from specd.core.sampling.tree import COIN_STRIDE, DraftTree, TreeBatch, coin_positions
 from specd.core.sampling.tree_draft import TreeBuilder, draw_children
 
-pytestmark = pytest.mark.usefixtures("torch_single_thread")
-
 F32, I64 = torch.float32, torch.int64
 #        0   1   2   3   4   5
 # prefix -> 0 -> 2 -> 5

@@ -11,8 +11,6 @@ from specd.core.sampling.sampler import Role, SamplingParams, coins, processed_p
 from specd.core.sampling.tree import COIN_STRIDE, DraftTree, TreeBatch
 from specd.core.sampling.tree_rejection import TreeVerdict, tree_greedy_verdict, tree_rejection_sample
 
-pytestmark = pytest.mark.usefixtures("torch_single_thread")
-
 F32, F64, I64 = torch.float32, torch.float64, torch.int64
 ONE = {0: [1, 0, 0, 0], 1: [0, 1, 0, 0], 2: [0, 0, 1, 0], 3: [0, 0, 0, 1]}  # one-hot rows over V = 4
 

@@ -19,7 +19,6 @@ from specd.core.sampling.tree import DraftTree
 from specd.core.target.verifier import Verifier
 
 GREEDY = SamplingParams(temperature=0.0)
-pytestmark = pytest.mark.usefixtures("torch_single_thread")
 
 
 @pytest.fixture(scope="module")

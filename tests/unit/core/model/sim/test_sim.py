@@ -26,9 +26,6 @@ from specd.core.rounds.steps import ProposeRequest, VerifyRequest
 from specd.core.sampling.sampler import SamplingParams
 from specd.core.target.verifier import Verifier
 
-pytestmark = pytest.mark.usefixtures("torch_single_thread")  # small tensors: intra-op threads only add contention
-
-
 # ---- p by hand: an independent, slow, pure-Python evaluation of the module docstring ----------------
 
 _MASK = (1 << 64) - 1

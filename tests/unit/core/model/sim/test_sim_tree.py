@@ -9,8 +9,6 @@ from specd.core.errors import InvalidArgument
 from specd.core.model.sim import CostModel, SimLM, SimRunner, SimShape
 from specd.core.sampling.tree import DraftTree
 
-pytestmark = pytest.mark.usefixtures("torch_single_thread")
-
 SMALL = SimShape(vocab_size=1000, context_tokens=3, head=16, seed=7)
 COST = CostModel(fixed_ms=0.0, per_token_ms=0.25, free_tokens=2, per_seq_ms=0.5, per_kv_token_ms=0.01)
 

@@ -24,7 +24,7 @@ def load_shard(spec: WorkerSpec, rank: int, device: str) -> LoadedModel:
     loaded = load_pretrained(spec.folder)
     tensor_parallel.shard_model(loaded.model, rank, spec.tp)
     # transformers decorates to() with functools.wraps(nn.Module.to), so its stub takes `self` as the device
-    loaded.model.to(device)  # type: ignore[arg-type]
+    loaded.model.to(device)
     return loaded
 
 

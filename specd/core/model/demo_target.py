@@ -81,7 +81,7 @@ def demo_target_path(cache_dir: Path, *, progress: bool = True) -> Path:
         stages.set_postfix_str("save")
         # The weights are dense float32 now; without this, save_pretrained
         # refuses (and a reload would look for the GGUF file).
-        model.hf_quantizer = None  # type: ignore[assignment]  # set by from_pretrained, not declared on the class
+        model.hf_quantizer = None  # set by from_pretrained, not declared on the class
         if hasattr(model.config, "quantization_config"):
             del model.config.quantization_config
         model.save_pretrained(tmp)

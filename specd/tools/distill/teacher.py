@@ -93,7 +93,7 @@ def generation_records(
     if temperature > 0:
         kwargs.update(temperature=temperature, top_k=0, top_p=1.0)
         torch.manual_seed(seed)
-    out = model.generate(  # type: ignore[operator]  # transformers types generate() through nn.Module.__getattr__
+    out = model.generate(
         input_ids=input_ids.to(device),
         attention_mask=mask.to(device),
         max_new_tokens=max_new_tokens,

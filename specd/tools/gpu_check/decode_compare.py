@@ -40,7 +40,7 @@ def runner_step_ms(runner: CausalLMRunner, context: int, steps: int, warmup: int
 def _generate_ms(model: PreTrainedModel, prompt: torch.Tensor, new_tokens: int) -> float:
     @torch.inference_mode()
     def run() -> None:
-        model.generate(  # type: ignore[operator]  # GenerationMixin
+        model.generate(
             prompt,
             attention_mask=torch.ones_like(prompt),
             max_new_tokens=new_tokens,

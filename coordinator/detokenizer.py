@@ -120,8 +120,30 @@ class IncrementalDetokenizer:
         return (at, settled) if full_text.startswith(settled) else None
 
     def take(self, final: bool = False) -> str:
-        """Text not handed out yet that can no longer change (all of it when final)."""
+        """Text not handed out yet that can no longer change (all of it when final).
+
+        Final also releases the tokens still waiting for the rest of a character: their text as
+        it decodes (U+FFFD for a character the output ends inside, or a U+FFFD the text holds),
+        as the whole output decoded at once would show it.
+        """
+        if final and not self.stopped:
+            self._flush()
         end = len(self.text) if (final or self.stopped) else max(self._emitted, len(self.text) - self._holdback)
         out = self.text[self._emitted : end]
         self._emitted = end
         return out
+
+    def _flush(self) -> None:
+        """The pending tokens' text into self.text (cut at a stop string it completes)."""
+        if len(self._ids) == self._read:
+            return
+        prefix_text = self._decode(self._ids[self._prefix : self._read])
+        full_text = self._decode(self._ids[self._prefix :])
+        if len(full_text) > len(prefix_text):
+            old_len = len(self.text)
+            self.text += full_text[len(prefix_text) :]
+            hits = self._stops_in(self.text, old_len)
+            if hits:
+                self.text = self.text[: min(hits)]
+                self.stopped = True
+        self._prefix, self._read = self._read, len(self._ids)

@@ -39,6 +39,24 @@ def test_streamed_text_equals_whole_text(tok, text: str, step: int) -> None:
     assert all("\ufffd" not in p for p in pieces) or "\ufffd" in text
 
 
+@pytest.mark.parametrize("text", ["\ufffd", "a\ufffd", "\ufffd\ufffd b"])
+def test_a_replacement_character_in_the_text_is_released_at_the_end(tok, text: str) -> None:
+    # U+FFFD is also what an incomplete character decodes to: held back while it may complete,
+    # released when the output ends (hypothesis found the lone one lost).
+    for step in (1, 2):
+        whole, _, _ = stream(tok, "prefix ", text, step=step)
+        assert whole == text
+
+
+def test_an_output_that_ends_inside_a_character_ends_with_a_replacement_character(tok) -> None:
+    ids = tok("é", add_special_tokens=False).input_ids
+    assert len(ids) == 2  # two UTF-8 bytes, one token each (byte-level tokenizer)
+    d = IncrementalDetokenizer(tok, [], ())
+    d.push(ids[:1])
+    assert d.take() == ""
+    assert d.take(final=True) == "\ufffd"  # as the whole output decodes
+
+
 def test_multibyte_characters_are_held_until_complete(tok) -> None:
     _, pieces, _ = stream(tok, "", "héllo 世界 🎉")
     assert "".join(pieces) == "héllo 世界 🎉"

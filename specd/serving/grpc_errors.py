@@ -129,6 +129,24 @@ def exception_from_session_error(err: session_pb2.SessionError) -> errors.SpecdE
     return kind(err.message or "peer reported an error")
 
 
+async def abort_with(context: grpc.aio.ServicerContext, exc: Exception) -> None:
+    """End the call with exc's status (status_for); raises grpc.aio.AbortError as context.abort does.
+
+    A call can end before its handler's error reaches this: its deadline passed at the same
+    moment (the coordinator raises DeadlineExceeded when the request's deadline does), or the
+    client went away. Then the status cannot be sent, and grpc logged the failed send as an
+    ERROR with two tracebacks; this ends the handler as a cancelled call instead (logged at debug).
+    """
+    code, message = status_for(exc)
+    try:
+        await context.abort(code, message)
+    except grpc.aio.AbortError:
+        raise
+    except Exception as failed:  # noqa: BLE001 - grpc's own batch error: the call is already over
+        log.debug("the call ended before its status (%s) could be sent: %s", code.name, failed)
+        raise asyncio.CancelledError from None
+
+
 class ErrorMappingInterceptor(grpc.aio.ServerInterceptor):
     """Turns domain exceptions raised by handlers into status codes (unary and streaming)."""
 
@@ -146,14 +164,10 @@ class ErrorMappingInterceptor(grpc.aio.ServerInterceptor):
             async def unary_unary(request: Any, context: grpc.aio.ServicerContext) -> Any:
                 try:
                     return await inner_uu(request, context)
-                except errors.SpecdError as exc:
-                    code, message = status_for(exc)
-                    await context.abort(code, message)
                 except (grpc.aio.AbortError, grpc.RpcError):
                     raise
-                except Exception as exc:  # noqa: BLE001 - mapped to INTERNAL, logged
-                    code, message = status_for(exc)
-                    await context.abort(code, message)
+                except Exception as exc:  # noqa: BLE001 - a domain error's code; anything else INTERNAL, logged
+                    await abort_with(context, exc)
 
             return grpc.unary_unary_rpc_method_handler(
                 unary_unary, handler.request_deserializer, handler.response_serializer
@@ -165,14 +179,10 @@ class ErrorMappingInterceptor(grpc.aio.ServerInterceptor):
                 try:
                     async for item in inner_us(request, context):
                         yield item
-                except errors.SpecdError as exc:
-                    code, message = status_for(exc)
-                    await context.abort(code, message)
                 except (grpc.aio.AbortError, grpc.RpcError):
                     raise
-                except Exception as exc:  # noqa: BLE001 - mapped to INTERNAL, logged
-                    code, message = status_for(exc)
-                    await context.abort(code, message)
+                except Exception as exc:  # noqa: BLE001 - a domain error's code; anything else INTERNAL, logged
+                    await abort_with(context, exc)
 
             return grpc.unary_stream_rpc_method_handler(
                 unary_stream, handler.request_deserializer, handler.response_serializer

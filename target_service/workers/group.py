@@ -168,8 +168,7 @@ class WorkerGroup:
             name=f"specd-tp-monitor-{generation}",
             daemon=True,
         ).start()
-        self.state = self.READY
-        for w in workers:
+        for w in workers:  # before READY: health says SERVING only once the log names the new workers
             log.info(
                 "tp worker rank %d ready: pid %d on %s (%s), %d bytes of sharded weights",
                 w["rank"],
@@ -178,6 +177,7 @@ class WorkerGroup:
                 w["device"],
                 w["sharded_bytes"],
             )
+        self.state = self.READY
 
     def _wait_ready(self, store: dist.TCPStore, deadline: float) -> list[dict[str, Any]]:
         pending = set(range(1, self.spec.tp))

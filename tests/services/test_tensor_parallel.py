@@ -404,7 +404,8 @@ def test_killing_a_worker_fails_rounds_fast_then_the_service_recovers(
         assert time.monotonic() - started < 10
         assert responses[1].error.code == session_pb2.SessionError.CODE_UNAVAILABLE, responses[1]
         _wait(lambda: _health(channel) == health_pb2.HealthCheckResponse.SERVING, RECOVERY_TIMEOUT_S, "SERVING again")
-    assert _worker_pid(tp_cluster) != pid
+    # The group logs its new workers before it serves; the line reaches this process through a pipe.
+    _wait(lambda: _worker_pid(tp_cluster) != pid, 10, "the restarted worker's ready line")
     ids = _ids(target, PROMPTS[0])
     want = reference(target, None, ids, SamplingParams(temperature=0), max_new_tokens=16)
     with tp_cluster.client() as client:

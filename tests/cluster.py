@@ -8,9 +8,11 @@ coordinator that gives up on a slow draft quickly and retries it soon.
 A cluster may borrow the target or the draft of another, running cluster
 (`borrow_target=` / `borrow_draft=`, usually the session's `tiny_cluster`):
 it then starts only what it does not borrow, its own coordinator at least,
-and never stops or signals what it borrowed. Each service start costs 3-4
-CPU-s (imports), so a test that needs other coordinator flags, or breaks only
-its draft, borrows the rest.
+and never stops or signals what it borrowed. A service forked from the test
+process's fork server (tests/forkserver.py: specd imported once) skips the
+3-4 CPU-s of imports a fresh interpreter pays (one still runs as such when an
+environment variable the imports read differs). A test that
+needs other coordinator flags, or breaks only its draft, still borrows the rest.
 """
 
 from __future__ import annotations
@@ -27,9 +29,17 @@ import grpc
 from prometheus_client.parser import text_string_to_metric_families
 
 from coordinator.client import CoordinatorClient
-from specd.tools.localcluster import READY_TIMEOUT_S, LocalCluster, QuietService, ServiceFailed, _with_port
+from specd.tools.localcluster import READY_TIMEOUT_S, LocalCluster, ServiceFailed, ServiceProcess, Spawn, _with_port
+from tests.forkserver import shared_fork_server
 
 __all__ = ["READY_TIMEOUT_S", "Borrowed", "Cluster", "QuietService", "_with_port"]
+
+
+class QuietService(ServiceProcess):
+    """One service process, forked from this test process's fork server unless told otherwise."""
+
+    def __init__(self, name: str, args: list[str], *, echo: bool = False, spawn: Spawn | None = None) -> None:
+        super().__init__(name, args, echo=echo, spawn=spawn or shared_fork_server().spawn)
 
 
 class Borrowed(QuietService):
@@ -40,7 +50,7 @@ class Borrowed(QuietService):
     test that borrowed what it breaks.
     """
 
-    def __init__(self, lender: QuietService) -> None:
+    def __init__(self, lender: ServiceProcess) -> None:
         super().__init__(lender.name, lender.args)
         self.lender = lender
         self.lines = lender.lines  # the lender's relay appends to this very list
@@ -91,6 +101,7 @@ class Cluster(LocalCluster):
             target_args=target_args or [],
             draft_args=draft_args or [],
             ready_timeout_s=READY_TIMEOUT_S,
+            spawn=shared_fork_server().spawn,
         )
         if borrow_target is not None:
             assert target_args is None, "a borrowed target runs with its lender's flags"

@@ -21,7 +21,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from coordinator.client import CoordinatorClient
@@ -62,10 +62,11 @@ class ServiceProcess:
     lines are kept (and echoed to stderr when echo is set).
     """
 
-    def __init__(self, name: str, args: list[str], *, echo: bool = False) -> None:
+    def __init__(self, name: str, args: list[str], *, echo: bool = False, spawn: Spawn | None = None) -> None:
         self.name = name
         self.args = list(args)
         self.echo = echo
+        self.spawn = spawn or popen_service
         self.ready_timeout_s = READY_TIMEOUT_S
         self.proc: subprocess.Popen[str] | None = None
         self.address: str | None = None
@@ -83,15 +84,7 @@ class ServiceProcess:
         self.http_address = None
         self._ready = threading.Event()
         self.started_at = time.monotonic()
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "specd.tools.entry", "serve", *self.args],
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-            bufsize=1,
-            env=env,
-            start_new_session=True,  # Ctrl-C reaches the parent only; it stops the children in order
-        )
+        self.proc = self.spawn(["serve", *self.args], env)
         threading.Thread(
             target=self._relay, args=(self.proc, self._ready), daemon=True, name=f"relay-{self.name}"
         ).start()
@@ -209,6 +202,24 @@ class ServiceProcess:
 
 QuietService = ServiceProcess  # the name the tests and scripts use (echo off by default)
 
+# spawn(specd's arguments, env): the running service, its output (stdout and stderr) as text lines on
+# .stdout, in a session of its own. The default runs a fresh interpreter; the tests fork theirs
+# from one that has imported specd already (tests/forkserver.py).
+Spawn = Callable[[list[str], "dict[str, str] | None"], "subprocess.Popen[str]"]
+
+
+def popen_service(argv: list[str], env: dict[str, str] | None) -> subprocess.Popen[str]:
+    """`python -m specd.tools.entry ARGV...` in a new session, stdout and stderr on one text pipe."""
+    return subprocess.Popen(
+        [sys.executable, "-m", "specd.tools.entry", *argv],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        bufsize=1,
+        env=env,
+        start_new_session=True,  # Ctrl-C reaches the parent only; it stops the children in order
+    )
+
 
 def describe_exit(code: int) -> str:
     """'code 1', or 'signal SIGKILL' for a negative Popen return code."""
@@ -325,6 +336,7 @@ class LocalCluster:
         echo: bool = False,
         target_replicas: int = 1,
         draft_replicas: int = 1,
+        spawn: Spawn | None = None,
     ) -> None:
         if target_replicas < 1 or draft_replicas < 1:
             raise ValueError(f"need at least one replica of each (got {target_replicas}, {draft_replicas})")
@@ -338,6 +350,7 @@ class LocalCluster:
                 _replica_name("target", i, target_replicas),
                 ["target", "--model", str(target_model), *common, "--torch-threads", str(target_threads), *target_args],
                 echo=echo,
+                spawn=spawn,
             )
             for i in range(target_replicas)
         ]
@@ -356,6 +369,7 @@ class LocalCluster:
                     *draft_args,
                 ],
                 echo=echo,
+                spawn=spawn,
             )
             for i in range(draft_replicas if draft_model is not None else 0)
         ]
@@ -368,6 +382,7 @@ class LocalCluster:
         self._coordinator_args = list(coordinator_args)
         self._host, self._port = host, port
         self._echo = echo
+        self._spawn = spawn
         self.coordinator: ServiceProcess | None = None
 
     @property
@@ -404,6 +419,7 @@ class LocalCluster:
                     *self._coordinator_args,
                 ],
                 echo=self._echo,
+                spawn=self._spawn,
             )
             self.coordinator.ready_timeout_s = self.ready_timeout_s
             self.coordinator.start(self.env)

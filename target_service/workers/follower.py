@@ -23,7 +23,6 @@ def load_shard(spec: WorkerSpec, rank: int, device: str) -> LoadedModel:
     """Load the model folder plainly, keep rank `rank`'s shard, move it to `device`."""
     loaded = load_pretrained(spec.folder)
     tensor_parallel.shard_model(loaded.model, rank, spec.tp)
-    # transformers decorates to() with functools.wraps(nn.Module.to), so its stub takes `self` as the device
     loaded.model.to(device)
     return loaded
 

@@ -92,15 +92,20 @@ class IncrementalDetokenizer:
                 if len(text) <= len(prefix_text):
                     del self._ids[self._read : at]  # tokens with no text: drop them, keep the context
                     continue
-            old_len = len(self.text)
-            self.text += text[len(prefix_text) :]
-            self._prefix, self._read = self._read, at
-            hits = self._stops_in(self.text, old_len)
-            if hits:
-                self.text = self.text[: min(hits)]
-                self.stopped = True
+            if self._release(text[len(prefix_text) :], at):
                 return i + 1
         return None
+
+    def _release(self, new: str, at: int) -> bool:
+        """Make `new` (the text of the tokens up to ids[at]) final; True if it completed a stop string (cut there)."""
+        old_len = len(self.text)
+        self.text += new
+        self._prefix, self._read = self._read, at
+        hits = self._stops_in(self.text, old_len)
+        if hits:
+            self.text = self.text[: min(hits)]
+            self.stopped = True
+        return bool(hits)
 
     def _undecided(self, prefix_text: str, full_text: str) -> tuple[int, str] | None:
         """While the tail is undecided: (token boundary, text up to it) to release now, or None to wait.
@@ -126,24 +131,10 @@ class IncrementalDetokenizer:
         it decodes (U+FFFD for a character the output ends inside, or a U+FFFD the text holds),
         as the whole output decoded at once would show it.
         """
-        if final and not self.stopped:
-            self._flush()
+        if final and not self.stopped and len(self._ids) > self._read:
+            prefix_text = self._decode(self._ids[self._prefix : self._read])
+            self._release(self._decode(self._ids[self._prefix :])[len(prefix_text) :], len(self._ids))
         end = len(self.text) if (final or self.stopped) else max(self._emitted, len(self.text) - self._holdback)
         out = self.text[self._emitted : end]
         self._emitted = end
         return out
-
-    def _flush(self) -> None:
-        """The pending tokens' text into self.text (cut at a stop string it completes)."""
-        if len(self._ids) == self._read:
-            return
-        prefix_text = self._decode(self._ids[self._prefix : self._read])
-        full_text = self._decode(self._ids[self._prefix :])
-        if len(full_text) > len(prefix_text):
-            old_len = len(self.text)
-            self.text += full_text[len(prefix_text) :]
-            hits = self._stops_in(self.text, old_len)
-            if hits:
-                self.text = self.text[: min(hits)]
-                self.stopped = True
-        self._prefix, self._read = self._read, len(self._ids)

@@ -74,9 +74,6 @@ class ForkedService:
     def kill(self) -> None:
         self.send_signal(signal.SIGKILL)
 
-    def terminate(self) -> None:
-        self.send_signal(signal.SIGTERM)
-
 
 class ForkServer:
     """The client side: starts the server process, asks it for forks, hears their exits."""

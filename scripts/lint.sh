@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The code checks (configured in pyproject.toml): ruff lint, ruff format, mypy, and
 # lint-imports (the layer contracts). Needs .venv (scripts/setup.sh); scripts/test.sh
-# runs this beside its first pytest pass. One line per check with its result; a failing check's
+# runs this before pytest. One line per check with its result; a failing check's
 # output follows its line. Exits 1 if any check fails.
 set -uo pipefail
 cd "$(dirname "$0")/.."

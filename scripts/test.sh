@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
-# Set up (scripts/setup.sh), then run the whole test suite with the code checks
-# (scripts/lint.sh) beside it. Extra args go to pytest.
+# Set up (scripts/setup.sh), run the code checks (scripts/lint.sh), then the whole
+# test suite. Extra args go to pytest.
 #
-#   scripts/test.sh            what CI runs (.ci/run): set-up, every tier with lint beside the
-#                              first pass (the tests marked `alone` last, by themselves)
+#   scripts/test.sh            what CI runs (.ci/run): set-up, lint, every tier (the tests
+#                              marked `alone` last, by themselves)
 #   scripts/test.sh --unit     the fast loop: tests/unit only, no lint; set-up only when
 #                              pyproject.toml or scripts/setup.sh changed since the last one
 #
@@ -61,31 +61,17 @@ started=$SECONDS
 set_up
 compile_sources
 echo "test.sh: set-up done in $((SECONDS - started)) s"
-# The code checks run beside the first pytest pass, at the lowest CPU priority: they take the cycles
-# the tests leave (mypy alone is about 30 CPU-s on a fresh clone) and give way to the tests at once.
-# Their lines are printed when they are done; a failed check fails the run, after the tests.
-lint_log=$(mktemp -t specd-lint.XXXXXX)
-trap 'rm -f "$lint_log"' EXIT
-nice -n 19 bash scripts/lint.sh >"$lint_log" 2>&1 &
-lint_pid=$!
+bash scripts/lint.sh
 # Two passes: every test but those marked `alone` on the workers, then those in one process with
 # nothing beside them (their assertions are about how their own load spreads over replicas; a
-# neighbour's load on the same two cores skews that; the code checks are done by then). One pass
-# may select nothing, not both.
+# neighbour's load on the same two cores skews that). One pass may select nothing, not both.
 set +e
 .venv/bin/python -m pytest -n "$WORKERS" --dist loadfile --no-loadscope-reorder -q -ra --durations=15 -m "not alone" "$@"
 shared=$?
-wait "$lint_pid"
-lint=$?
-cat "$lint_log"
 .venv/bin/python -m pytest -q -ra --durations=5 -m alone "$@"
 alone=$?
 set -e
 echo "test.sh: done in $((SECONDS - started)) s"
-if [ "$lint" -ne 0 ]; then
-  echo "test.sh: the code checks failed (scripts/lint.sh, above)" >&2
-  exit "$lint"
-fi
 if [ "$shared" -eq 5 ] && [ "$alone" -eq 5 ]; then
   echo "test.sh: pytest collected no tests; that is a failure" >&2
   exit 1

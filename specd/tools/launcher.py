@@ -1,7 +1,8 @@
 """`specd up`: the local cluster, supervised as Kubernetes would.
 
 The three services are a LocalCluster (specd.tools.localcluster) with their
-logs relayed. Once all are ready, a service that exits is started again on
+logs relayed, each forked from one fork server (specd.tools.forkserver) that
+imported specd once: a start or restart pays no imports. Once all are ready, a service that exits is started again on
 the port it had, after a backoff (1 s, doubling to 30 s; reset after 60 s of
 running), while the others keep serving: with the draft down the coordinator
 serves target-only, which is exact. Each state change prints one line.
@@ -22,6 +23,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+from specd.tools.forkserver import ForkServer
 from specd.tools.localcluster import LocalCluster, ServiceFailed, ServiceProcess, describe_exit
 
 __all__ = ["Supervisor", "run_up"]
@@ -135,6 +137,7 @@ def run_up(
 
     http_port: the coordinator's OpenAI HTTP API port (-1 off, 0 a free one), printed as
     `openai listening on HOST:PORT` after the coordinator's line."""
+    forks = ForkServer()  # before any thread of this process: the server is a fresh interpreter
     cluster = LocalCluster(
         target,
         None if draft == "none" else draft,
@@ -150,6 +153,7 @@ def run_up(
         echo=True,
         target_replicas=target_replicas,
         draft_replicas=draft_replicas,
+        spawn=forks.spawn,
     )
     stop = threading.Event()
 
@@ -184,6 +188,7 @@ def run_up(
         return 0 if supervised else 1
     finally:
         cluster.stop(grace_s=15.0)  # coordinator first: it drains its requests
+        forks.close()
         for sig, handler in previous.items():
             signal.signal(sig, handler)
 

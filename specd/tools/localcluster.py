@@ -23,6 +23,7 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import IO, Protocol
 
 from coordinator.client import CoordinatorClient
 
@@ -31,6 +32,7 @@ __all__ = [
     "LocalCluster",
     "QuietService",
     "ServiceFailed",
+    "ServiceHandle",
     "ServiceProcess",
     "process_tree_peak_rss",
     "wait_all_ready",
@@ -68,7 +70,7 @@ class ServiceProcess:
         self.echo = echo
         self.spawn = spawn or popen_service
         self.ready_timeout_s = READY_TIMEOUT_S
-        self.proc: subprocess.Popen[str] | None = None
+        self.proc: ServiceHandle | None = None
         self.address: str | None = None
         self.http_address: str | None = None  # the OpenAI HTTP API's HOST:PORT, when it serves one
         self.lines: list[str] = []
@@ -89,7 +91,7 @@ class ServiceProcess:
             target=self._relay, args=(self.proc, self._ready), daemon=True, name=f"relay-{self.name}"
         ).start()
 
-    def _relay(self, proc: subprocess.Popen[str], ready: threading.Event) -> None:
+    def _relay(self, proc: ServiceHandle, ready: threading.Event) -> None:
         # proc and ready are this start's: a relay still draining a previous process cannot touch the next.
         assert proc.stdout is not None
         for line in proc.stdout:
@@ -202,10 +204,24 @@ class ServiceProcess:
 
 QuietService = ServiceProcess  # the name the tests and scripts use (echo off by default)
 
+
+class ServiceHandle(Protocol):
+    """What ServiceProcess uses of a started service: the part of subprocess.Popen a fork server can give too."""
+
+    @property
+    def pid(self) -> int: ...
+    @property
+    def stdout(self) -> IO[str] | None: ...
+    def poll(self) -> int | None: ...
+    def wait(self, timeout: float | None = None) -> int: ...
+    def send_signal(self, sig: int) -> None: ...
+    def kill(self) -> None: ...
+
+
 # spawn(specd's arguments, env): the running service, its output (stdout and stderr) as text lines on
-# .stdout, in a session of its own. The default runs a fresh interpreter; the tests fork theirs
-# from one that has imported specd already (tests/forkserver.py).
-Spawn = Callable[[list[str], "dict[str, str] | None"], "subprocess.Popen[str]"]
+# .stdout, in a session of its own. The default runs a fresh interpreter; `specd up` and the tests fork theirs
+# from one that has imported specd already (specd.tools.forkserver).
+Spawn = Callable[[list[str], "dict[str, str] | None"], ServiceHandle]
 
 
 def popen_service(argv: list[str], env: dict[str, str] | None) -> subprocess.Popen[str]:

@@ -1,8 +1,9 @@
 """`specd up` as a user runs it (a real process and its three services, tiny models).
 
 It keeps serving when its draft is killed (target-only, exact), restarts a
-killed target, stops everything on SIGTERM, stops everything on the first
-exit with --no-restart, and reports a service that exits at start at once.
+killed target, stops everything on SIGTERM, takes its services with it when
+it is killed, stops everything on the first exit with --no-restart, and
+reports a service that exits at start at once.
 Every process is started here and killed by pid; every wait is bounded.
 """
 
@@ -188,6 +189,17 @@ def test_up_keeps_serving_while_its_draft_and_target_are_restarted(started) -> N
     for pid in (new_target, new_draft, pids["coordinator"]):
         assert not alive(pid), f"pid {pid} still running:\n{up.text()}"
     assert "specd up: stopping" in up.text()
+
+
+def test_a_killed_up_takes_its_services_with_it(started) -> None:
+    """SIGKILL leaves `specd up` no time to stop anything: its fork server kills the services it forked."""
+    up, _, pids = started
+    up.proc.kill()
+    up.proc.wait(10)
+    deadline = time.monotonic() + 30
+    while any(alive(pid) for pid in pids.values()) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not [name for name, pid in pids.items() if alive(pid)], up.text()
 
 
 def test_no_restart_stops_everything_on_the_first_exit(tiny_pair: tuple[Path, Path], tmp_path: Path) -> None:

@@ -11,6 +11,12 @@ its event-loop thread can be read directly. Every stream runs fixed-K rounds
     .venv/bin/python scripts/round_overhead.py                       # emulated h100-tp2-70b, 1 and 32 streams
     .venv/bin/python scripts/round_overhead.py --model sim:h100-8b --streams 1 --rounds 400
     .venv/bin/python scripts/round_overhead.py --target DIR --draft DIR   # real models
+    .venv/bin/python scripts/round_overhead.py --streams 1 --profile docs/results/round-profile/t0
+
+--profile DIR attaches py-spy (`--profile-rate` Hz; non-blocking, or pausing the process for
+each sample with --profile-native, which adds C frames; --profile-gil: only GIL-holding samples) to the coordinator (this process) and to both services
+for each measured setting, after the warm-up, and writes DIR/s{streams}-{process}.txt (raw
+stacks, for scripts/profile_summary.py) and .svg (a flame graph, scripts/flamegraph_svg.py).
 
 With an emulated model (sim:...) every figure is emulated: the services, the
 batching and the sampler are real, the forward passes take the profile's time.
@@ -21,6 +27,9 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
+import signal
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -78,6 +87,38 @@ async def run_streams(stub: coordinator_pb2_grpc.CoordinatorStub, streams: int, 
     await asyncio.gather(*(one(i) for i in range(streams)))
 
 
+class Profiler:
+    """py-spy on each round-path process while one setting runs (--profile)."""
+
+    def __init__(self, args: argparse.Namespace, pids: dict[str, int], streams: int) -> None:
+        self.dir = Path(args.profile)
+        self.dir.mkdir(parents=True, exist_ok=True)
+        self.outputs: dict[str, Path] = {}
+        self.procs: list[subprocess.Popen[bytes]] = []
+        spy = str(Path(sys.executable).with_name("py-spy"))
+        for name, pid in pids.items():
+            out = self.dir / f"s{streams}-{name}.txt"
+            cmd = [spy, "record", "--pid", str(pid), "--rate", str(args.profile_rate), "--format", "raw"]
+            cmd += ["--output", str(out)]
+            cmd += [] if args.profile_native else ["--nonblocking"]  # native stacks need the process paused
+            cmd += ["--gil"] if args.profile_gil else []
+            cmd += ["--native"] if args.profile_native else []
+            self.procs.append(subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
+            self.outputs[name] = out
+        time.sleep(1.0)  # py-spy attaches
+
+    def stop(self, title: str) -> None:
+        for proc in self.procs:
+            proc.send_signal(signal.SIGINT)  # py-spy writes its output on SIGINT
+        for proc in self.procs:
+            proc.wait(60)
+        draw = Path(__file__).with_name("flamegraph_svg.py")
+        for name, out in self.outputs.items():
+            if out.exists():
+                svg = out.with_suffix(".svg")
+                subprocess.run([sys.executable, str(draw), str(out), "-o", str(svg), "--title", f"{title}: {name}"])
+
+
 async def measure(args: argparse.Namespace) -> list[dict[str, object]]:
     common = ["--port", "0", "--log-level", "WARNING", "--event-loop", args.event_loop]
     common += ["--gil-switch-ms", str(args.gil_switch_ms)]
@@ -98,9 +139,15 @@ async def measure(args: argparse.Namespace) -> list[dict[str, object]]:
             for streams in args.streams:
                 tokens = max(8, args.rounds * max(1, args.draft_length) // streams)
                 engine.round_records.clear()
+                profiler = None
+                if args.profile:
+                    pids = {"coordinator": os.getpid(), "draft": peers[1].pid, "target": peers[0].pid}
+                    profiler = Profiler(args, {k: v for k, v in pids.items() if v is not None}, streams)
                 cpu0, wall0 = time.thread_time(), time.perf_counter()
                 await run_streams(stub, streams, tokens, args.draft_length, args.temperature)
                 cpu, wall = time.thread_time() - cpu0, time.perf_counter() - wall0
+                if profiler is not None:
+                    profiler.stop(f"{args.target} K={args.draft_length} T={args.temperature} streams={streams}")
                 records = [r for r in engine.round_records if r.index > 0]  # the first round opens sessions
                 stats = summary(records)
                 out.append(
@@ -139,6 +186,10 @@ def main() -> None:
     parser.add_argument("--draft-length", type=int, default=4, help="fixed K (0: target-only rounds)")
     parser.add_argument("--temperature", type=float, default=0.0)
     parser.add_argument("--json", default="", help="also write the figures here")
+    parser.add_argument("--profile", default="", help="py-spy each process into this folder (see above)")
+    parser.add_argument("--profile-rate", type=int, default=100, help="py-spy samples per second")
+    parser.add_argument("--profile-gil", action="store_true", help="py-spy --gil: only samples holding the GIL")
+    parser.add_argument("--profile-native", action="store_true", help="py-spy --native: C frames too")
     parser.add_argument("--gil-switch-ms", type=float, default=1.0, help="every process's GIL switch interval")
     parser.add_argument(
         "--event-loop", default="auto", choices=["auto", "uvloop", "asyncio"], help="every process's event loop"

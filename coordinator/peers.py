@@ -3,6 +3,10 @@
 `PeerStream` multiplexes requests over the stream by request_id, reconnects
 with backoff when it breaks, and fails the requests in flight at that moment
 with Unavailable (their sessions heal by re-opening on the next stream).
+The requests made in one event-loop turn travel as one stream message, and
+each response message answers many of them: under load the per-message cost
+(serialisation calls, gRPC's completions, wake-ups) is paid once per turn, not
+once per session.
 `Peer` is a service on such a stream (generic in its two message types);
 `GrpcDraft` and `GrpcTarget` speak the round loop's port operations
 (specd.core.rounds.ports) to one replica; coordinator.replica_ports spreads the
@@ -15,7 +19,7 @@ import asyncio
 import itertools
 import logging
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Iterable
 from dataclasses import dataclass
 from typing import Any, Generic, Literal, Protocol, TypeVar
 
@@ -55,18 +59,23 @@ class Answer(Generic[Resp]):
 
 
 class PeerStream(Generic[Req, Resp]):
-    """Request/response over one bidi stream, matched by request_id."""
+    """Request/response over one bidi stream, matched by request_id; one stream message per loop turn."""
 
     def __init__(
         self,
         name: str,
-        open_call: Callable[[AsyncIterator[Req]], Any],
+        open_call: Callable[[AsyncIterator[Any]], Any],
         *,
+        pack: Callable[[list[Req]], Any],
+        unpack: Callable[[Any], Iterable[Resp]],
         max_backoff_s: float = 2.0,
         max_outstanding: int = 4096,
     ) -> None:
         self.name = name
         self._open_call = open_call
+        self._pack = pack  # requests -> one stream message (DraftRequests, TargetRequests)
+        self._unpack = unpack  # a stream message -> its responses
+        self._turn: list[Req] = []  # requests made this loop turn, sent together at its end
         self._ids = itertools.count(1)
         self._pending: dict[int, asyncio.Future[tuple[Resp, int]]] = {}  # request_id -> (response, read at)
         self._outbox: asyncio.Queue[Any] | None = None
@@ -106,13 +115,21 @@ class PeerStream(Generic[Req, Resp]):
         # A timer, not asyncio.wait_for: that wraps every call in a task of its own.
         expiry = loop.call_later(timeout, self._expire, future, timeout)
         sent = time.perf_counter_ns()
+        if not self._turn:
+            loop.call_soon(self._flush, outbox)
+        self._turn.append(msg)
         try:
-            outbox.put_nowait(msg)
             resp, received = await future
         finally:
             expiry.cancel()
             self._pending.pop(msg.request_id, None)
         return Answer(resp, (received - sent) / 1e6, (time.perf_counter_ns() - received) / 1e6)
+
+    def _flush(self, outbox: asyncio.Queue[Any]) -> None:
+        """This turn's requests as one stream message (on a stream that broke meanwhile, they fail with it)."""
+        turn, self._turn = self._turn, []
+        if turn:
+            outbox.put_nowait(self._pack(turn))
 
     def _expire(self, future: asyncio.Future[Any], timeout: float) -> None:
         if not future.done():
@@ -149,10 +166,12 @@ class PeerStream(Generic[Req, Resp]):
                 self._connected.set()
                 backoff = 0.05
                 log.info("%s stream connected", self.name)
-                async for resp in call:
-                    future = self._pending.get(resp.request_id)
-                    if future is not None and not future.done():
-                        future.set_result((resp, time.perf_counter_ns()))
+                async for message in call:
+                    received = time.perf_counter_ns()
+                    for resp in self._unpack(message):
+                        future = self._pending.get(resp.request_id)
+                        if future is not None and not future.done():
+                            future.set_result((resp, received))
                 self.last_error = "stream ended by the peer"
             except asyncio.CancelledError:
                 if call is not None:
@@ -193,10 +212,14 @@ class Peer(Generic[Req, Resp_]):
     `GrpcTarget` add the one operation each has of its own.
     """
 
-    def __init__(self, name: str, channel: grpc.aio.Channel, stub_type: Any, request_type: type[Req]) -> None:
+    def __init__(
+        self, name: str, channel: grpc.aio.Channel, stub_type: Any, request_type: type[Req], requests_type: Any
+    ) -> None:
         self._stub = stub_type(channel)
         self._request_type: Any = request_type  # DraftRequest or TargetRequest (wire builds either)
-        self.stream: PeerStream[Req, Resp_] = PeerStream(name, self._stub.Rounds)
+        self.stream: PeerStream[Req, Resp_] = PeerStream(
+            name, self._stub.Rounds, pack=lambda requests: requests_type(requests=requests), unpack=_responses_of
+        )
 
     async def model_info(self, timeout: float) -> common_pb2.ModelInfo:
         return await self._stub.GetModelInfo(common_pb2.GetModelInfoRequest(), timeout=timeout)
@@ -223,7 +246,9 @@ class GrpcTarget(Peer[target_pb2.TargetRequest, target_pb2.TargetResponse]):
     """
 
     def __init__(self, channel: grpc.aio.Channel) -> None:
-        super().__init__("target", channel, target_pb2_grpc.TargetStub, target_pb2.TargetRequest)
+        super().__init__(
+            "target", channel, target_pb2_grpc.TargetStub, target_pb2.TargetRequest, target_pb2.TargetRequests
+        )
         # From its last GetModelInfo (a replica takes sessions only once checked): verdict tokens must be in it.
         self.vocab_size: int | None = None
 
@@ -262,6 +287,11 @@ class GrpcTarget(Peer[target_pb2.TargetRequest, target_pb2.TargetResponse]):
         return tree_wire.tree_verdict_from_proto(answer.response, request.tree, self.vocab_size)
 
 
+def _responses_of(message: Any) -> Any:
+    """The responses a stream message carries (DraftResponses, TargetResponses)."""
+    return message.responses
+
+
 def compatibility_problem(target: common_pb2.ModelInfo, draft: common_pb2.ModelInfo) -> str | None:
     """Why a draft cannot speculate for this target, or None if it can."""
     if draft.tokenizer_size != target.tokenizer_size:
@@ -282,7 +312,7 @@ class GrpcDraft(Peer[draft_pb2.DraftRequest, draft_pb2.DraftResponse]):
     """
 
     def __init__(self, channel: grpc.aio.Channel) -> None:
-        super().__init__("draft", channel, draft_pb2_grpc.DraftStub, draft_pb2.DraftRequest)
+        super().__init__("draft", channel, draft_pb2_grpc.DraftStub, draft_pb2.DraftRequest, draft_pb2.DraftRequests)
         self.target_info: common_pb2.ModelInfo | None = None  # set before it drafts: ids are checked against it
 
     async def propose(self, request: steps.ProposeRequest, *, timeout: float, carrier: Carrier) -> Proposal:

@@ -54,6 +54,7 @@ class DraftServicer(
     span_prefix = trace_names.SPAN_DRAFT_PHASE_PREFIX
     request_type = draft_pb2.DraftRequest
     response_type = draft_pb2.DraftResponse
+    responses_type = draft_pb2.DraftResponses
     engine: Drafter
 
     def __init__(

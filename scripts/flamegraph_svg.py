@@ -62,7 +62,7 @@ def render(root: Node, title: str, min_share: float) -> str:
         label = html.escape(node.name)
         text = label if width > 40 else ""
         boxes.append(
-            f'<g><title>{label} ({share:.1f}%)</title>'
+            f"<g><title>{label} ({share:.1f}%)</title>"
             f'<rect x="{x:.1f}" y="{{Y{depth}}}" width="{max(width - 0.5, 0.1):.1f}" height="{ROW - 1}" '
             f'fill="{colour(node.name)}"/>'
             f'<text x="{x + 2:.1f}" y="{{T{depth}}}" font-size="11" font-family="monospace" '

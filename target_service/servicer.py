@@ -28,6 +28,7 @@ class TargetServicer(
     span_prefix = trace_names.SPAN_TARGET_PHASE_PREFIX
     request_type = target_pb2.TargetRequest
     response_type = target_pb2.TargetResponse
+    responses_type = target_pb2.TargetResponses
     engine: Verifier  # TargetServicer(verifier, executor, info, *, tracing, metrics, max_batch, batch_wait_s)
 
     def step_request(self, req: target_pb2.TargetRequest) -> Work:

@@ -1,12 +1,15 @@
 """Continuous batching on a model thread: whatever is queued when the thread is free runs together.
 
-Requests from every stream and session are submitted here. The model thread
-takes all that are waiting (up to `max_batch`), hands them to `handle_batch`
-as one list and resolves each request's future with its own response; what
-arrives meanwhile forms the next batch. Nothing waits for a batch to fill:
-one request alone runs at once, and under load batches form by themselves.
-So a session joins or leaves between any two batches, and no request waits
-for another session longer than one batch's run (the bound).
+Requests from every stream and session are submitted here, a stream message's
+requests at once, each with the `Deliver` callback of the stream it came on.
+The model thread takes all that are waiting (up to `max_batch`), hands them to
+`handle_batch` as one list, and hands the answers back once per stream and
+batch: one call of each stream's Deliver with all of that stream's answers
+(so a stream pays one wake-up of its event loop per batch, not one per
+request). What arrives meanwhile forms the next batch. Nothing waits for a
+batch to fill: one request alone runs at once, and under load batches form by
+themselves. So a session joins or leaves between any two batches, and no
+request waits for another session longer than one batch's run (the bound).
 
 `max_batch = 1` turns batching off (one request per call, as before).
 
@@ -26,16 +29,20 @@ import time
 from collections import deque
 from collections.abc import Callable, Sequence
 from concurrent.futures import Executor, Future
-from typing import Generic, TypeVar
+from typing import Generic, TypeAlias, TypeVar
 
 Req = TypeVar("Req")
 Resp = TypeVar("Resp")
+
+# A stream's answers: (request, its response, or the error that failed its whole batch).
+Answered: TypeAlias = list[tuple[Req, Resp | BaseException]]
+Deliver: TypeAlias = Callable[[Answered[Req, Resp]], None]  # called once per batch with a stream's answers
 
 log = logging.getLogger(__name__)
 
 
 class MicroBatcher(Generic[Req, Resp]):
-    """Submit single requests; `handle_batch` sees them in batches, in arrival order."""
+    """Submit a stream message's requests with their stream's Deliver; `handle_batch` sees them in batches, in order."""
 
     def __init__(
         self,
@@ -57,41 +64,60 @@ class MicroBatcher(Generic[Req, Resp]):
         self._expected = expected
         self._lock = threading.Lock()
         self._arrived = threading.Condition(self._lock)
-        self._queue: deque[tuple[Req, Future[Resp]]] = deque()
+        self._queue: deque[tuple[Req, Deliver[Req, Resp]]] = deque()
         self._scheduled = False  # a drain is queued or running on the executor
 
-    def submit(self, request: Req) -> Future[Resp]:
-        future: Future[Resp] = Future()
+    def submit(self, requests: Sequence[Req], deliver: Deliver[Req, Resp]) -> None:
+        """Queue requests (one stream's, in order); their answers come to `deliver`, once per batch that ran any.
+
+        deliver is called on the model thread (or, if the executor has shut down, here, with
+        the error for every request); it must only hand the answers on, not block.
+        """
+        if not requests:
+            return
         with self._lock:
-            self._queue.append((request, future))
+            self._queue.extend((r, deliver) for r in requests)
             self._arrived.notify()
             if self._scheduled:
-                return future
+                return
             self._scheduled = True
         try:
             self._executor.submit(self._drain)
         except RuntimeError as exc:  # executor shut down: the service is stopping
             with self._lock:
                 self._scheduled = False
+                failed = list(self._queue)
                 self._queue.clear()
-            future.set_exception(exc)
+            self._deliver([(r, d, exc) for r, d in failed])
+
+    def submit_one(self, request: Req) -> Future[Resp]:
+        """One request, its answer as a Future (tests, and callers outside a stream)."""
+        future: Future[Resp] = Future()
+
+        def deliver(answered: Answered[Req, Resp]) -> None:
+            ((_, result),) = answered
+            if isinstance(result, BaseException):
+                future.set_exception(result)
+            else:
+                future.set_result(result)
+
+        self.submit([request], deliver)
         return future
 
     def withdraw(self, match: Callable[[Req], bool], answer: Callable[[Req], Resp]) -> int:
         """Take the queued requests that `match` out of the queue, unrun, each answered with answer(request).
 
         For work no one waits for any more (its session closed): it never reaches the model
-        thread. A request already in a running batch is not queued and runs to its end.
+        thread. A request already in a running batch is not queued and runs to its end. The
+        answers go to each request's Deliver at once, from the calling thread.
         """
         with self._lock:
-            taken = [(r, f) for r, f in self._queue if match(r)]
+            taken = [(r, d) for r, d in self._queue if match(r)]
             if taken:
-                kept = [(r, f) for r, f in self._queue if not match(r)]
+                kept = [(r, d) for r, d in self._queue if not match(r)]
                 self._queue.clear()
                 self._queue.extend(kept)
-        for r, f in taken:
-            if f.set_running_or_notify_cancel():
-                f.set_result(answer(r))
+        self._deliver([(r, d, answer(r)) for r, d in taken])
         return len(taken)
 
     @property
@@ -111,19 +137,27 @@ class MicroBatcher(Generic[Req, Resp]):
                 n = min(len(self._queue), self.max_batch)
                 batch = [self._queue.popleft() for _ in range(n)]
             requests = [r for r, _ in batch]
+            results: Sequence[Resp | BaseException]
             try:
-                responses = self._handle_batch(requests)
-                if len(responses) != len(requests):
-                    raise RuntimeError(f"handle_batch returned {len(responses)} responses for {len(requests)} requests")
+                results = self._handle_batch(requests)
+                if len(results) != len(requests):
+                    raise RuntimeError(f"handle_batch returned {len(results)} responses for {len(requests)} requests")
             except BaseException as exc:
                 log.exception("batch of %d failed", len(requests))
-                for _, f in batch:
-                    if f.set_running_or_notify_cancel():
-                        f.set_exception(exc)
-                continue
-            for (_, f), resp in zip(batch, responses):
-                if f.set_running_or_notify_cancel():
-                    f.set_result(resp)
+                results = [exc] * len(requests)
+            self._deliver([(r, d, result) for (r, d), result in zip(batch, results)])
+
+    @staticmethod
+    def _deliver(answered: Sequence[tuple[Req, Deliver[Req, Resp], Resp | BaseException]]) -> None:
+        """Each stream's answers to its Deliver, in one call per stream (in request order)."""
+        by_stream: dict[int, tuple[Deliver[Req, Resp], Answered[Req, Resp]]] = {}
+        for request, deliver, result in answered:
+            by_stream.setdefault(id(deliver), (deliver, []))[1].append((request, result))
+        for deliver, items in by_stream.values():
+            try:
+                deliver(items)
+            except Exception:  # one stream's hand-off must not stop the model thread
+                log.exception("handing %d answers to their stream failed", len(items))
 
     def _wait_for_more(self) -> None:
         """Hold a small batch up to max_wait_s for the requests the held sessions may still send (lock held)."""

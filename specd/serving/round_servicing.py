@@ -1,7 +1,9 @@
 """The draft and target servicers' common body: batches of stream messages, open/close, spans, metrics.
 
-Each stream message (open, a step, close) becomes a request for the model
-thread's MicroBatcher. A batch is walked in arrival order: step messages
+A stream message carries requests (open, a step, close) of any of the stream's
+sessions; each becomes a request for the model thread's MicroBatcher, and the
+answers of one model-thread batch go back as one stream message. A batch is
+walked in arrival order: step messages
 (draft `propose`, target `verify`) of different sessions are gathered and run
 as one batched core call; any other message runs on its own, after the
 gathered steps of its session (so a session's messages keep their order).
@@ -23,14 +25,14 @@ import logging
 import threading
 import time
 from collections.abc import AsyncIterator, Callable, Sequence, Sized
-from concurrent.futures import Executor, Future
+from concurrent.futures import Executor
 from typing import Any, Generic, Protocol, TypeVar
 
 from specd.core.errors import InvalidArgument, SessionNotFound
 from specd.core.phases import PhaseLog
 from specd.serving import trace_names, trace_spans
 from specd.serving import tracing as tr
-from specd.serving.batching import MicroBatcher
+from specd.serving.batching import Deliver, MicroBatcher
 from specd.serving.grpc_errors import session_error
 from specd.serving.streams import Stamped, StreamScope, TimedResponse, client_session_id, serve_round_stream
 from specd.v1 import common_pb2, session_pb2
@@ -78,8 +80,9 @@ class BatchedRoundServicer(abc.ABC, Generic[Req, Resp, Work, Result]):
     step_op: str  # the batchable oneof case: "propose" | "verify"
     extra_step_ops: frozenset[str] = frozenset()  # other oneof cases batched with it (the draft's "branches")
     span_prefix: str  # "specd.draft." | "specd.target.": + the oneof case (open, step, close) or the phase name
-    request_type: Callable[..., Req]  # the stream's request message class
-    response_type: Callable[..., Resp]  # the stream's response message class
+    request_type: Callable[..., Req]  # one request (DraftRequest, TargetRequest)
+    response_type: Callable[..., Resp]  # one response
+    responses_type: Callable[..., Any]  # a stream message of responses (DraftResponses, TargetResponses)
 
     def __init__(
         self,
@@ -292,40 +295,43 @@ class BatchedRoundServicer(abc.ABC, Generic[Req, Resp, Work, Result]):
 
     # ---- the gRPC methods ------------------------------------------------------------------
 
-    async def Rounds(self, request_iterator: AsyncIterator[Req], context: Any) -> AsyncIterator[Resp]:
+    async def Rounds(self, request_iterator: AsyncIterator[Any], context: Any) -> AsyncIterator[Any]:
         # Headers first, so the coordinator knows the stream is up before any round.
         await context.send_initial_metadata(())
         # Sessions belong to this stream (their own namespace), and close with it.
         scope = StreamScope()
-        async for response in serve_round_stream(
+        async for message in serve_round_stream(
             request_iterator,
             self._submit,
+            unpack=_requests_of,
+            pack=self._pack,
             scope=scope,
             make_request=self._empty_request,
             drain=self.draining,
         ):
-            yield response
+            yield message
 
-    def _submit(self, stamped: Stamped[Req]) -> Future[Resp]:
-        """Queue a stream message for the model thread; a close first withdraws its session's queued messages.
+    def _pack(self, responses: list[Resp]) -> Any:
+        return self.responses_type(responses=responses)
+
+    def _submit(self, items: list[Stamped[Req]], deliver: Deliver[Stamped[Req], Resp]) -> None:
+        """Queue a stream message's requests for the model thread; a close first withdraws its session's queued messages.
 
         The coordinator closes a session when its request is over (finished, cancelled or
         expired): an open or step of it still queued has no one waiting, so it never runs and
-        is answered at once (in stream order, as every message is). The session's scoped ID
-        names it within this stream only.
+        is answered at once. The session's scoped ID names it within this stream only.
         """
-        req = stamped.request
-        if req.WhichOneof("op") == "close":
+        for stamped in items:
+            req = stamped.request
+            if req.WhichOneof("op") != "close":
+                continue
             sid = req.session_id
             with self._closing_lock:
                 self._closing.add(sid)
-            withdrawn = self.batcher.withdraw(
-                lambda s: s.request.session_id == sid and s.request.WhichOneof("op") != "close",
-                lambda s: self._withdrawn(s.request),
-            )
+            withdrawn = self.batcher.withdraw(_queued_work_of(sid), lambda s: self._withdrawn(s.request))
             if withdrawn:
                 log.debug("session %s closed: %d queued messages withdrawn unrun", client_session_id(sid), withdrawn)
-        return self.batcher.submit(stamped)
+        self.batcher.submit(items, deliver)
 
     def _is_closing(self, sid: str) -> bool:
         with self._closing_lock:
@@ -343,3 +349,13 @@ class BatchedRoundServicer(abc.ABC, Generic[Req, Resp, Work, Result]):
 
     async def GetModelInfo(self, request: common_pb2.GetModelInfoRequest, context: Any) -> common_pb2.ModelInfo:
         return self.info
+
+
+def _queued_work_of(sid: str) -> Callable[[Stamped[Any]], bool]:
+    """Matches a session's queued messages other than its close (what a close withdraws)."""
+    return lambda s: s.request.session_id == sid and s.request.WhichOneof("op") != "close"
+
+
+def _requests_of(message: Any) -> Any:
+    """The requests a stream message carries (DraftRequests, TargetRequests)."""
+    return message.requests

@@ -14,11 +14,11 @@ from __future__ import annotations
 import asyncio
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable
-from concurrent.futures import Future
+from collections.abc import AsyncIterator, Callable, Iterable
 from dataclasses import dataclass
 from typing import Any, Generic, Protocol, TypeVar
 
+from specd.serving.batching import Answered, Deliver
 from specd.v1 import session_pb2
 
 Req = TypeVar("Req")
@@ -40,7 +40,7 @@ class Stamped(Generic[Req]):
 
     perf_counter_ns of this process: read from the stream, its batch started and ended
     on the model thread (the batch runner sets those two); the stream turns them into
-    the response's ServiceTiming when it hands the response to gRPC.
+    the response's ServiceTiming when it hands the response message to gRPC.
     """
 
     request: Req
@@ -94,18 +94,24 @@ class StreamScope:
 
 
 async def serve_round_stream(
-    requests: AsyncIterator[Req],
-    submit: Callable[[Stamped[Req]], Future[Resp]],
+    messages: AsyncIterator[Any],
+    submit: Callable[[list[Stamped[Req]], Deliver[Stamped[Req], Resp]], None],
     *,
+    unpack: Callable[[Any], Iterable[Req]],
+    pack: Callable[[list[Resp]], Any],
     max_pending: int = 256,
     scope: StreamScope | None = None,
     make_request: Callable[[], Req] | None = None,
     drain: asyncio.Event | None = None,
-) -> AsyncIterator[Resp]:
-    """Hand each request to `submit` (the model thread's batcher), yield responses in order.
+) -> AsyncIterator[Any]:
+    """Hand each stream message's requests to `submit` (the model thread's batcher); yield their answers.
 
-    Each request goes in stamped with its arrival; each response comes out with its
-    ServiceTiming filled in (queued, batch, reply), so the caller can split its round trip.
+    messages: the stream's incoming messages, each holding one or more requests
+    (`unpack`); what comes back for them is one outgoing message per delivery
+    (`pack`): the answers of one model-thread batch, however many requests of
+    this stream it ran. Each request goes in stamped with its arrival; each
+    response comes out with its ServiceTiming filled in (queued, batch, reply),
+    so the caller can split its round trip.
 
     At most max_pending requests wait at once; beyond that the stream stops
     reading, so gRPC flow control pushes back on the sender (no unbounded queue).
@@ -113,36 +119,39 @@ async def serve_round_stream(
     scope (with make_request, an empty request): the stream's own session
     namespace; its open sessions are closed when the stream ends, however it ends.
     drain: once set (the service is shutting down), the stream ends as soon as it is
-    idle: no session of it open and every message it has read answered. The
+    idle: no session of it open and every request it has read answered. The
     requests in flight finish their rounds here, and an idle service exits at
     once instead of after the whole shutdown grace (which still bounds a busy one).
     """
     loop = asyncio.get_running_loop()
-    pending: asyncio.Queue[tuple[Stamped[Req], asyncio.Future[Resp]] | None] = asyncio.Queue()  # bounded by room
-    room = asyncio.Semaphore(max_pending)
+    answers: asyncio.Queue[Answered[Stamped[Req], Resp] | None] = asyncio.Queue()  # bounded by max_pending
+    room = asyncio.Event()
+    room.set()
     clock = time.perf_counter_ns
-    unanswered = 0  # messages read and not yet answered
+    unanswered = 0  # requests read and not yet answered
+    reading = True
 
     def idle() -> bool:
         return unanswered == 0 and (scope is None or not scope.open)
 
+    def deliver(answered: Answered[Stamped[Req], Resp]) -> None:  # any thread: one loop wake-up per delivery
+        loop.call_soon_threadsafe(answers.put_nowait, answered)
+
     async def read() -> None:
-        nonlocal unanswered
+        nonlocal unanswered, reading
         try:
-            incoming = aiter(requests)
-            while True:
-                await room.acquire()
-                try:
-                    request = await anext(incoming)
-                except StopAsyncIteration:
-                    return
-                stamped = Stamped(request, clock())
-                if scope is not None:
-                    stamped.request = scope.inbound(request)
-                unanswered += 1
-                pending.put_nowait((stamped, asyncio.wrap_future(submit(stamped), loop=loop)))
+            async for message in messages:
+                now = clock()
+                items = [Stamped(scope.inbound(r) if scope is not None else r, now) for r in unpack(message)]
+                unanswered += len(items)
+                if unanswered >= max_pending:
+                    room.clear()
+                submit(items, deliver)
+                await room.wait()
         finally:
-            pending.put_nowait(None)
+            reading = False
+            if unanswered == 0:
+                answers.put_nowait(None)
 
     reader = asyncio.create_task(read())
 
@@ -153,15 +162,22 @@ async def serve_round_stream(
 
     stopper = asyncio.create_task(end_when_idle(drain)) if drain is not None else None
     try:
-        while (item := await pending.get()) is not None:
-            stamped, future = item
-            response = await future
-            room.release()
-            _fill_timing(response.timing, stamped, clock())
-            yield scope.outbound(response) if scope is not None else response
-            unanswered -= 1
+        while (answered := await answers.get()) is not None:
+            now = clock()
+            responses: list[Resp] = []
+            for stamped, result in answered:
+                if isinstance(result, BaseException):
+                    raise result  # the batch itself failed (a bug): the stream ends, its sessions heal
+                _fill_timing(result.timing, stamped, now)
+                responses.append(scope.outbound(result) if scope is not None else result)
+            unanswered -= len(answered)
+            if unanswered < max_pending:
+                room.set()
+            yield pack(responses)
             if drain is not None and drain.is_set() and idle():
                 reader.cancel()  # its last session closed and answered: the stream ends
+            if not reading and unanswered == 0:
+                break
         if not reader.cancelled():  # cancelled: drained, the stream ends cleanly
             await reader  # re-raise a broken stream's error, if any
     finally:
@@ -169,8 +185,12 @@ async def serve_round_stream(
         if stopper is not None:
             stopper.cancel()
         if scope is not None and make_request is not None:
-            for close in scope.closes(make_request):
-                submit(Stamped(close, clock()))  # frees their KV now; nobody waits for the answers
+            closes = [Stamped(close, clock()) for close in scope.closes(make_request)]
+            submit(closes, _ignore)  # frees their KV now; nobody waits for the answers
+
+
+def _ignore(answered: Answered[Any, Any]) -> None:
+    """The answers to a closed stream's final closes: nobody waits for them."""
 
 
 def _fill_timing(timing: session_pb2.ServiceTiming, stamped: Stamped[Any], now_ns: int) -> None:

@@ -8,6 +8,18 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
+class DraftRequests(_message.Message):
+    __slots__ = ("requests",)
+    REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    requests: _containers.RepeatedCompositeFieldContainer[DraftRequest]
+    def __init__(self, requests: _Optional[_Iterable[_Union[DraftRequest, _Mapping]]] = ...) -> None: ...
+
+class DraftResponses(_message.Message):
+    __slots__ = ("responses",)
+    RESPONSES_FIELD_NUMBER: _ClassVar[int]
+    responses: _containers.RepeatedCompositeFieldContainer[DraftResponse]
+    def __init__(self, responses: _Optional[_Iterable[_Union[DraftResponse, _Mapping]]] = ...) -> None: ...
+
 class DraftRequest(_message.Message):
     __slots__ = ("request_id", "session_id", "committed_length", "trace_context", "open", "propose", "close", "branches", "tree")
     class TraceContextEntry(_message.Message):

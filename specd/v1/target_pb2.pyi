@@ -20,6 +20,18 @@ TOKEN_KIND_RECOVERED: TokenKind
 TOKEN_KIND_BONUS: TokenKind
 TOKEN_KIND_DEFERRED: TokenKind
 
+class TargetRequests(_message.Message):
+    __slots__ = ("requests",)
+    REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    requests: _containers.RepeatedCompositeFieldContainer[TargetRequest]
+    def __init__(self, requests: _Optional[_Iterable[_Union[TargetRequest, _Mapping]]] = ...) -> None: ...
+
+class TargetResponses(_message.Message):
+    __slots__ = ("responses",)
+    RESPONSES_FIELD_NUMBER: _ClassVar[int]
+    responses: _containers.RepeatedCompositeFieldContainer[TargetResponse]
+    def __init__(self, responses: _Optional[_Iterable[_Union[TargetResponse, _Mapping]]] = ...) -> None: ...
+
 class TargetRequest(_message.Message):
     __slots__ = ("request_id", "session_id", "committed_length", "trace_context", "open", "verify", "close", "verify_tree")
     class TraceContextEntry(_message.Message):

@@ -37,8 +37,8 @@ class TargetStub:
         """
         self.Rounds = channel.stream_stream(
                 '/specd.v1.Target/Rounds',
-                request_serializer=specd_dot_v1_dot_target__pb2.TargetRequest.SerializeToString,
-                response_deserializer=specd_dot_v1_dot_target__pb2.TargetResponse.FromString,
+                request_serializer=specd_dot_v1_dot_target__pb2.TargetRequests.SerializeToString,
+                response_deserializer=specd_dot_v1_dot_target__pb2.TargetResponses.FromString,
                 _registered_method=True)
         self.GetModelInfo = channel.unary_unary(
                 '/specd.v1.Target/GetModelInfo',
@@ -52,8 +52,12 @@ class TargetServicer:
 
     def Rounds(self, request_iterator, context):
         """One long-lived stream per coordinator that carries the rounds of many
-        sessions. Each request gets exactly one response with the same
-        request_id; responses of different sessions may arrive in any order.
+        sessions. Each stream message carries every request the coordinator had
+        for this service in one event-loop turn, and each response message the
+        answers of one model-thread batch: the per-message cost (gRPC, wake-ups)
+        is paid once per batch, not once per session. Each request gets exactly
+        one response with the same request_id; responses of different sessions
+        may arrive in any order.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -71,8 +75,8 @@ def add_TargetServicer_to_server(servicer, server):
     rpc_method_handlers = {
             'Rounds': grpc.stream_stream_rpc_method_handler(
                     servicer.Rounds,
-                    request_deserializer=specd_dot_v1_dot_target__pb2.TargetRequest.FromString,
-                    response_serializer=specd_dot_v1_dot_target__pb2.TargetResponse.SerializeToString,
+                    request_deserializer=specd_dot_v1_dot_target__pb2.TargetRequests.FromString,
+                    response_serializer=specd_dot_v1_dot_target__pb2.TargetResponses.SerializeToString,
             ),
             'GetModelInfo': grpc.unary_unary_rpc_method_handler(
                     servicer.GetModelInfo,
@@ -105,8 +109,8 @@ class Target:
             request_iterator,
             target,
             '/specd.v1.Target/Rounds',
-            specd_dot_v1_dot_target__pb2.TargetRequest.SerializeToString,
-            specd_dot_v1_dot_target__pb2.TargetResponse.FromString,
+            specd_dot_v1_dot_target__pb2.TargetRequests.SerializeToString,
+            specd_dot_v1_dot_target__pb2.TargetResponses.FromString,
             options,
             channel_credentials,
             insecure,

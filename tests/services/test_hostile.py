@@ -31,6 +31,7 @@ from specd.core.sampling.sampler import SamplingParams
 from specd.core.target.verifier import Verifier
 from specd.v1 import session_pb2, target_pb2, target_pb2_grpc
 from tests.cluster import Cluster
+from tests.round_messages import answers, one_per_message
 
 MAX_NEW = 12
 K = 3
@@ -163,7 +164,8 @@ def _hostile_verify(address: str, k: int, width: int) -> session_pb2.SessionErro
         q.probs.extend([1.0] * width)
     with grpc.insecure_channel(address, options=[("grpc.max_send_message_length", 64 << 20)]) as channel:
         try:
-            responses = list(target_pb2_grpc.TargetStub(channel).Rounds(iter([opening, req]), timeout=60))
+            stream = target_pb2_grpc.TargetStub(channel).Rounds(one_per_message([opening, req]), timeout=60)
+            responses = list(answers(stream))
         except grpc.RpcError as err:  # over the target's message limit: refused unread, this stream only
             return session_pb2.SessionError(code=session_pb2.SessionError.CODE_RESOURCE_EXHAUSTED, message=str(err))
     by_id = {r.request_id: r for r in responses}

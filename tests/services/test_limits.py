@@ -20,6 +20,7 @@ from coordinator.requests import CHARS_PER_TOKEN, public_message_limit
 from specd.serving.config import CoordinatorConfig
 from specd.v1 import coordinator_pb2_grpc, session_pb2, target_pb2, target_pb2_grpc
 from tests.cluster import Cluster
+from tests.round_messages import answers, one_per_message
 
 TOKEN = "a-token-of-enough-characters"
 CONTEXT = 512  # the tiny models'
@@ -211,15 +212,17 @@ def test_a_session_belongs_to_the_stream_that_opened_it(cluster: Cluster) -> Non
     with grpc.insecure_channel(cluster.target.address) as channel:
         stub = target_pb2_grpc.TargetStub(channel)
         outbox: Queue = Queue()
-        owner = stub.Rounds(iter(outbox.get, None), timeout=60)
+        owner = answers(stub.Rounds(one_per_message(iter(outbox.get, None)), timeout=60))
         outbox.put(opening("shared-name"))
         assert next(owner).WhichOneof("result") == "ack"
         # Another stream cannot reach it, even by its exact ID.
-        other = list(stub.Rounds(iter([verify("shared-name", 1)]), timeout=30))
+        other = list(answers(stub.Rounds(one_per_message([verify("shared-name", 1)]), timeout=30)))
         assert other[0].error.code == session_pb2.SessionError.CODE_SESSION_NOT_FOUND
         assert other[0].session_id == "shared-name"  # answers speak the caller's IDs
         # ... and its own session of that name is another session.
-        own = list(stub.Rounds(iter([opening("shared-name"), verify("shared-name", 2)]), timeout=30))
+        own = list(
+            answers(stub.Rounds(one_per_message([opening("shared-name"), verify("shared-name", 2)]), timeout=30))
+        )
         assert [r.WhichOneof("result") for r in own] == ["ack", "verdict"]
         outbox.put(verify("shared-name", 3))
         reply = next(owner)

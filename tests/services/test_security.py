@@ -14,6 +14,7 @@ from coordinator.client import CoordinatorClient
 from specd.v1 import common_pb2, draft_pb2, draft_pb2_grpc, target_pb2, target_pb2_grpc
 from tests.certs import Pki, make_pki
 from tests.cluster import Cluster
+from tests.round_messages import answers, one_per_message
 
 TOKEN = "s3cret-token-for-tests"
 
@@ -136,7 +137,9 @@ def test_a_client_certificate_from_the_same_ca_with_another_name_is_refused(secu
             stub = stub_class(channel)
             calls = [
                 lambda stub=stub: stub.GetModelInfo(common_pb2.GetModelInfoRequest(), timeout=10),
-                lambda stub=stub, req=request_class: list(stub.Rounds(iter([req(session_id="s")]), timeout=10)),
+                lambda stub=stub, req=request_class: list(
+                    answers(stub.Rounds(one_per_message([req(session_id="s")]), timeout=10))
+                ),
                 lambda channel=channel: health_pb2_grpc.HealthStub(channel).Check(
                     health_pb2.HealthCheckRequest(), timeout=10
                 ),

@@ -35,6 +35,7 @@ from target_service.servicer import TargetServicer
 from target_service.workers.tp_runner import TensorParallelRunner, build_tp_runner
 from tests.cluster import READY_TIMEOUT_S, Cluster, QuietService, metrics_address, scrape, total
 from tests.references import loaded, reference
+from tests.round_messages import answers, one_per_message
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -400,7 +401,7 @@ def test_killing_a_worker_fails_rounds_fast_then_the_service_recovers(
             _verify_request("killed", len(prompt), [1, 2]),
         ]
         started = time.monotonic()
-        responses = list(target_pb2_grpc.TargetStub(channel).Rounds(iter(requests), timeout=30))
+        responses = list(answers(target_pb2_grpc.TargetStub(channel).Rounds(one_per_message(requests), timeout=30)))
         assert time.monotonic() - started < 10
         assert responses[1].error.code == session_pb2.SessionError.CODE_UNAVAILABLE, responses[1]
         _wait(lambda: _health(channel) == health_pb2.HealthCheckResponse.SERVING, RECOVERY_TIMEOUT_S, "SERVING again")

@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -140,9 +142,9 @@ def test_micro_batcher_batches_what_waits_in_order() -> None:
 
     with ThreadPoolExecutor(max_workers=1) as pool:
         batcher: MicroBatcher[int, int] = MicroBatcher(handle, pool, max_batch=3)
-        first = batcher.submit(0)
+        first = batcher.submit_one(0)
         time.sleep(0.05)
-        futures = [batcher.submit(i) for i in range(1, 6)]
+        futures = [batcher.submit_one(i) for i in range(1, 6)]
         gate.set()
         assert first.result(5) == 0
         assert [f.result(5) for f in futures] == [10, 20, 30, 40, 50]
@@ -155,10 +157,10 @@ def test_micro_batcher_fails_every_request_of_a_failed_batch() -> None:
 
     with ThreadPoolExecutor(max_workers=1) as pool:
         batcher: MicroBatcher[int, int] = MicroBatcher(handle, pool)
-        f = batcher.submit(1)
+        f = batcher.submit_one(1)
         with pytest.raises(RuntimeError, match="fell over"):
             f.result(5)
-        assert batcher.submit(2).exception(5) is not None  # and it keeps taking requests
+        assert batcher.submit_one(2).exception(5) is not None  # and it keeps taking requests
 
 
 def test_micro_batcher_withdraws_queued_requests_unrun() -> None:
@@ -172,9 +174,9 @@ def test_micro_batcher_withdraws_queued_requests_unrun() -> None:
 
     with ThreadPoolExecutor(max_workers=1) as pool:
         batcher: MicroBatcher[int, int] = MicroBatcher(handle, pool, max_batch=8)
-        running = batcher.submit(0)
+        running = batcher.submit_one(0)
         time.sleep(0.05)  # 0 is in a batch now: not withdrawable
-        queued = [batcher.submit(i) for i in range(1, 6)]
+        queued = [batcher.submit_one(i) for i in range(1, 6)]
         assert batcher.withdraw(lambda x: x % 2 == 0 or x == 0, lambda x: -x) == 2  # 2 and 4
         assert queued[1].result(0) == -2 and queued[3].result(0) == -4  # answered at once, unrun
         gate.set()
@@ -204,7 +206,16 @@ def test_a_close_withdraws_its_sessions_queued_messages(tiny) -> None:
             return Stamped(req, time.perf_counter_ns())
 
         sent = [message(*m) for m in (("a", "open"), ("b", "open"), ("a", "verify"), ("a", "close"))]
-        futures = [servicer._submit(s) for s in sent]
+        answers: dict[int, Future[target_pb2.TargetResponse]] = {id(s): Future() for s in sent}
+
+        def deliver(answered: list[tuple[Stamped[target_pb2.TargetRequest], Any]]) -> None:
+            for stamped, resp in answered:
+                answers[id(stamped)].set_result(resp)
+
+        for s in sent[:3]:
+            servicer._submit([s], deliver)  # three stream messages ...
+        servicer._submit([sent[3]], deliver)  # ... then the close
+        futures = [answers[id(s)] for s in sent]
         # a's open and verify: answered before the model thread is free, and not run
         for f in (futures[0], futures[2]):
             resp = f.result(0)
@@ -337,12 +348,34 @@ def test_micro_batcher_waits_briefly_so_cohorts_merge() -> None:
 
     with ThreadPoolExecutor(max_workers=1) as pool:
         batcher: MicroBatcher[int, int] = MicroBatcher(handle, pool, max_wait_s=1.0, expected=lambda: 3)
-        first = batcher.submit(1)
+        first = batcher.submit_one(1)
         time.sleep(0.05)
-        rest = [batcher.submit(2), batcher.submit(3)]  # arrive while the first waits
+        rest = [batcher.submit_one(2), batcher.submit_one(3)]  # arrive while the first waits
         assert [f.result(5) for f in (first, *rest)] == [1, 2, 3]
         assert seen == [[1, 2, 3]]
         lone: MicroBatcher[int, int] = MicroBatcher(handle, pool, max_wait_s=0.05, expected=lambda: 3)
         start = time.monotonic()
-        assert lone.submit(4).result(5) == 4  # nobody else comes: it runs after at most max_wait_s
+        assert lone.submit_one(4).result(5) == 4  # nobody else comes: it runs after at most max_wait_s
         assert time.monotonic() - start < 1.0 and seen[-1] == [4]
+
+
+def test_micro_batcher_hands_each_streams_answers_back_once_per_batch() -> None:
+    """One Deliver call per stream and batch, with that stream's answers in order: one wake-up, not one per request."""
+    calls: list[tuple[str, list[tuple[int, int | BaseException]]]] = []
+    gate = threading.Event()
+
+    def stream(name: str) -> Callable[[list[tuple[int, int | BaseException]]], None]:
+        return lambda answered: calls.append((name, answered))
+
+    with ThreadPoolExecutor(max_workers=1) as pool:
+        pool.submit(gate.wait, 5)  # the model thread is busy: all four queue, then run as one batch
+        batcher: MicroBatcher[int, int] = MicroBatcher(lambda batch: [x * 10 for x in batch], pool, max_batch=8)
+        a, b = stream("a"), stream("b")
+        batcher.submit([1, 2], a)
+        batcher.submit([3], b)
+        batcher.submit([4], a)
+        gate.set()
+        deadline = time.monotonic() + 5
+        while len(calls) < 2 and time.monotonic() < deadline:
+            time.sleep(0.01)
+    assert calls == [("a", [(1, 10), (2, 20), (4, 40)]), ("b", [(3, 30)])]

@@ -275,6 +275,16 @@ class GrpcTarget(Peer[target_pb2.TargetRequest, target_pb2.TargetResponse]):
                 raise ProposalRefused(f"the target refused the draft's proposal: {exc}") from exc
             raise FailedPrecondition(f"the target refused a round: {exc}") from exc
 
+    async def stage(self, request: steps.StageRequest, *, timeout: float, carrier: Carrier) -> steps.StagedOutcome:
+        """Stage the next round's verify; the answer comes once the target's verdict on this round decided it."""
+        try:
+            answer = await self.call(wire.stage_request(request, carrier), timeout)
+        except InvalidArgument as exc:  # a relayed q the target refused: the draft's, as in verify
+            raise ProposalRefused(f"the target refused a staged proposal: {exc}") from exc
+        return wire.staged_outcome_from_proto(
+            answer.response, request, answer.round_trip_ms, answer.wake_ms, vocab_size=self.vocab_size
+        )
+
     async def verify_tree(
         self, request: steps.TreeVerifyRequest, *, timeout: float, carrier: Carrier
     ) -> steps.TreeVerifyOutcome:

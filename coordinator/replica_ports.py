@@ -117,6 +117,11 @@ class ReplicatedTarget(_Replicated[Any]):
             request.session_id, lambda peer: peer.verify_tree(request, timeout=timeout, carrier=carrier)
         )
 
+    async def stage(self, request: steps.StageRequest, *, timeout: float, carrier: Carrier) -> steps.StagedOutcome:
+        return await self._on_holder(
+            request.session_id, lambda peer: peer.stage(request, timeout=timeout, carrier=carrier)
+        )
+
 
 class ReplicatedDraft(_Replicated[Any]):
     """DraftPort over all draft replicas: available while any may take a session."""

@@ -70,7 +70,9 @@ def summary(records: list[RoundRecord]) -> dict[str, dict[str, float]]:
     return {name: {"p50": quantile(v, 0.5), "p99": quantile(v, 0.99), "n": len(v)} for name, v in series.items()}
 
 
-async def run_streams(stub: coordinator_pb2_grpc.CoordinatorStub, streams: int, tokens: int, k: int, t: float) -> None:
+async def run_streams(
+    stub: coordinator_pb2_grpc.CoordinatorStub, streams: int, tokens: int, k: int, t: float, pipeline: str = "off"
+) -> None:
     async def one(i: int) -> None:
         await stub.Generate(
             build_request(
@@ -81,6 +83,7 @@ async def run_streams(stub: coordinator_pb2_grpc.CoordinatorStub, streams: int, 
                 ignore_eos=True,
                 speculation="fixed" if k else "off",
                 draft_length=k or 4,
+                pipeline=pipeline,
             )
         )
 
@@ -135,7 +138,7 @@ async def measure(args: argparse.Namespace) -> list[dict[str, object]]:
         await handle.server.start()
         async with grpc.aio.insecure_channel(f"127.0.0.1:{handle.port}") as channel:
             stub = coordinator_pb2_grpc.CoordinatorStub(channel)
-            await run_streams(stub, 1, 16, args.draft_length, args.temperature)  # warm-up
+            await run_streams(stub, 1, 16, args.draft_length, args.temperature, args.pipeline)  # warm-up
             for streams in args.streams:
                 tokens = max(8, args.rounds * max(1, args.draft_length) // streams)
                 engine.round_records.clear()
@@ -144,7 +147,7 @@ async def measure(args: argparse.Namespace) -> list[dict[str, object]]:
                     pids = {"coordinator": os.getpid(), "draft": peers[1].pid, "target": peers[0].pid}
                     profiler = Profiler(args, {k: v for k, v in pids.items() if v is not None}, streams)
                 cpu0, wall0 = time.thread_time(), time.perf_counter()
-                await run_streams(stub, streams, tokens, args.draft_length, args.temperature)
+                await run_streams(stub, streams, tokens, args.draft_length, args.temperature, args.pipeline)
                 cpu, wall = time.thread_time() - cpu0, time.perf_counter() - wall0
                 if profiler is not None:
                     profiler.stop(f"{args.target} K={args.draft_length} T={args.temperature} streams={streams}")
@@ -155,15 +158,17 @@ async def measure(args: argparse.Namespace) -> list[dict[str, object]]:
                         "streams": streams,
                         "rounds": len(records),
                         "loop_cpu_ms_per_round": cpu / max(1, len(engine.round_records)) * 1e3,
+                        "pipeline_hits": sum(r.pipeline_hit is not None for r in records),
+                        "staged": sum(r.staged for r in records),
                         "wall_s": wall,
                         "ms": stats,
                     }
                 )
                 print(
-                    f"\n{args.target} K={args.draft_length} T={args.temperature} streams={streams} "
+                    f"\n{args.target} K={args.draft_length} pipeline {args.pipeline} T={args.temperature} streams={streams} "
                     f"event loop {args.event_loop}, GIL switch {args.gil_switch_ms} ms: "
-                    f"{len(records)} rounds, coordinator event-loop CPU "
-                    f"{out[-1]['loop_cpu_ms_per_round']:.3f} ms per round"
+                    f"{len(records)} rounds ({out[-1]['pipeline_hits']} pipeline hits, {out[-1]['staged']} staged), "
+                    f"coordinator event-loop CPU {out[-1]['loop_cpu_ms_per_round']:.3f} ms per round"
                 )
                 print(f"{'':18s} {'p50 ms':>9s} {'p99 ms':>9s}")
                 for name, s in stats.items():
@@ -185,6 +190,9 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=300, help="about this many rounds per setting")
     parser.add_argument("--draft-length", type=int, default=4, help="fixed K (0: target-only rounds)")
     parser.add_argument("--temperature", type=float, default=0.0)
+    parser.add_argument(
+        "--pipeline", default="off", help="the requests' pipeline: off, bonus-match, post-verify, spec-cache, auto"
+    )
     parser.add_argument("--json", default="", help="also write the figures here")
     parser.add_argument("--profile", default="", help="py-spy each process into this folder (see above)")
     parser.add_argument("--profile-rate", type=int, default=100, help="py-spy samples per second")

@@ -11,9 +11,11 @@ from specd.core.rounds.steps import TreeVerifyOutcome, TreeVerifyRequest, Verify
 from specd.core.target.verifier import Verifier
 from specd.serving import trace_names, trace_spans
 from specd.serving.round_servicing import BatchedRoundServicer
+from specd.serving.streams import Stamped
 from specd.serving.tree_wire import tree_verdict_to_proto, verify_tree_from_proto
 from specd.serving.wire import params_from_proto, token_ids_from_wire, verdict_to_proto, verify_request_from_proto
 from specd.v1 import target_pb2, target_pb2_grpc
+from target_service.staging import StagedVerifies
 
 Work = VerifyRequest | TreeVerifyRequest
 Outcome = VerifyOutcome | TreeVerifyOutcome
@@ -30,6 +32,35 @@ class TargetServicer(
     response_type = target_pb2.TargetResponse
     responses_type = target_pb2.TargetResponses
     engine: Verifier  # TargetServicer(verifier, executor, info, *, tracing, metrics, max_batch, batch_wait_s)
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.staging = StagedVerifies(self._resubmit, self._answer_now, self._none_staged)
+
+    # ---- staged verifies (target_service/staging.py), on the model thread ------------------
+
+    def hold(self, items: Sequence[Stamped[target_pb2.TargetRequest]]) -> set[int]:
+        return self.staging.hold(items)
+
+    def after_batch(
+        self, items: Sequence[Stamped[target_pb2.TargetRequest]], responses: Sequence[target_pb2.TargetResponse]
+    ) -> None:
+        self.staging.after_batch(items, responses)
+
+    def _resubmit(self, item: Stamped[target_pb2.TargetRequest]) -> None:
+        assert item.deliver is not None, "a stream's message carries its stream's Deliver"
+        self.batcher.submit([item], item.deliver)
+
+    def _answer_now(self, item: Stamped[target_pb2.TargetRequest], resp: target_pb2.TargetResponse) -> None:
+        assert item.deliver is not None, "a stream's message carries its stream's Deliver"
+        if self.metrics is not None:
+            self.metrics.observe_message("stage", "ok")
+        item.deliver([(item, resp)])
+
+    def _none_staged(self, req: target_pb2.TargetRequest) -> target_pb2.TargetResponse:
+        resp = self._response(req)
+        resp.ack.SetInParent()  # staged_candidate 0: none of its candidates ran
+        return resp
 
     def step_request(self, req: target_pb2.TargetRequest) -> Work:
         v = self.engine

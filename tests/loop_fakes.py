@@ -23,6 +23,7 @@ from specd.core.phases import PhaseLog
 from specd.core.rounds import steps
 from specd.core.rounds.ports import Carrier
 from specd.core.rounds.record import RoundRecord
+from specd.core.rounds.staging import StagedVerdicts
 from specd.core.sampling.proposal import Proposal
 from specd.core.sampling.tree import DraftTree
 
@@ -125,12 +126,27 @@ class FakeTarget:
         self.carriers: list[Carrier] = []
         self.violations: list[tuple[list[int], list[int]]] = []  # (committed prefix, proposal) drafted elsewhere
         self.trees: list[tuple[list[int], DraftTree]] = []  # (committed prefix, tree) of every tree verify
+        self.staging = StagedVerdicts()
+        self.stages: list[steps.StageRequest] = []  # every stage sent
+        self.staged_runs = 0  # staged candidates it verified
 
     async def open(self, request: steps.OpenRequest, *, timeout: float, carrier: Carrier) -> None:
         self.opens += 1
+        self.staging.forget(request.session_id)
         self.sessions[request.session_id] = list(request.token_ids)
 
+    async def stage(self, request: steps.StageRequest, *, timeout: float, carrier: Carrier) -> steps.StagedOutcome:
+        self.stages.append(request)
+        result = await self.staging.stage(request, lambda v: self.verify(v, timeout=timeout, carrier=carrier))
+        self.staged_runs += result.outcome is not None
+        return result
+
     async def verify(self, request: steps.VerifyRequest, *, timeout: float, carrier: Carrier) -> steps.VerifyOutcome:
+        return await self.staging.verified(request, self._verify(request, carrier, timeout))
+
+    async def _verify(
+        self, request: steps.VerifyRequest, carrier: Carrier, timeout: float = 30.0
+    ) -> steps.VerifyOutcome:
         session_id, committed_length, proposal = request.session_id, request.committed_length, request.proposal
         self.calls += 1
         self.carriers.append(carrier)
@@ -198,6 +214,7 @@ class FakeTarget:
     async def close(self, request: steps.CloseRequest, *, timeout: float) -> None:
         await asyncio.sleep(self.close_delay_s)  # a peer still busy with the session's last batch
         self.closed.append(request.session_id)
+        self.staging.forget(request.session_id)
         self.sessions.pop(request.session_id, None)
 
 

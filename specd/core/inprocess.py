@@ -30,6 +30,7 @@ from specd.core.rounds.generation import FinishReason
 from specd.core.rounds.loop import GenerateSpec, LoopSettings, RequestRun, RoundLoop
 from specd.core.rounds.ports import Carrier
 from specd.core.rounds.record import RoundRecord, RoundStats
+from specd.core.rounds.staging import StagedVerdicts
 from specd.core.rounds.steps import (
     DEFAULT_BRANCH_BUDGET,
     Branches,
@@ -39,6 +40,8 @@ from specd.core.rounds.steps import (
     DraftWork,
     OpenRequest,
     ProposeRequest,
+    StagedOutcome,
+    StageRequest,
     TreeProposeRequest,
     TreeVerifyOutcome,
     TreeVerifyRequest,
@@ -129,17 +132,23 @@ class LocalTarget:
         self.verifier = verifier
         self._batch: TurnBatcher[VerifyRequest, VerifyOutcome] = TurnBatcher(verifier.verify_batch)
         self._trees: TurnBatcher[TreeVerifyRequest, TreeVerifyOutcome] = TurnBatcher(verifier.verify_tree_batch)
+        self._staged = StagedVerdicts()
 
     async def open(self, request: OpenRequest, *, timeout: float, carrier: Carrier) -> None:
+        self._staged.forget(request.session_id)
         self.verifier.open(request.session_id, request.token_ids, request.params)
 
     async def verify(self, request: VerifyRequest, *, timeout: float, carrier: Carrier) -> VerifyOutcome:
-        return await self._batch.submit(request)
+        return await self._staged.verified(request, self._batch.submit(request))
+
+    async def stage(self, request: StageRequest, *, timeout: float, carrier: Carrier) -> StagedOutcome:
+        return await self._staged.stage(request, lambda v: self.verify(v, timeout=timeout, carrier=carrier))
 
     async def verify_tree(self, request: TreeVerifyRequest, *, timeout: float, carrier: Carrier) -> TreeVerifyOutcome:
         return await self._trees.submit(request)
 
     async def close(self, request: CloseRequest, *, timeout: float) -> None:
+        self._staged.forget(request.session_id)
         self.verifier.close(request.session_id)
 
 

@@ -13,6 +13,10 @@ request waits for another session longer than one batch's run (the bound).
 
 `max_batch = 1` turns batching off (one request per call, as before).
 
+handle_batch may answer a request with LATER: it keeps the request and answers
+it itself, through the request's Deliver, once it can (the target's staged
+verifies wait for a verdict this way).
+
 Cohorts: with no wait at all, sessions split into groups that take turns
 (while group A runs, group B queues; when A's sessions send again, B is
 already running), so every round of all sessions costs two passes. With
@@ -29,7 +33,7 @@ import time
 from collections import deque
 from collections.abc import Callable, Sequence
 from concurrent.futures import Executor, Future
-from typing import Generic, TypeAlias, TypeVar
+from typing import Any, Generic, TypeAlias, TypeVar
 
 Req = TypeVar("Req")
 Resp = TypeVar("Resp")
@@ -37,6 +41,16 @@ Resp = TypeVar("Resp")
 # A stream's answers: (request, its response, or the error that failed its whole batch).
 Answered: TypeAlias = list[tuple[Req, Resp | BaseException]]
 Deliver: TypeAlias = Callable[[Answered[Req, Resp]], None]  # called once per batch with a stream's answers
+
+
+class Later:
+    """handle_batch's answer for a request it will answer itself, later, through its stream's Deliver."""
+
+    def __repr__(self) -> str:
+        return "LATER"
+
+
+LATER = Later()  # the one instance (immutable)
 
 log = logging.getLogger(__name__)
 
@@ -46,7 +60,7 @@ class MicroBatcher(Generic[Req, Resp]):
 
     def __init__(
         self,
-        handle_batch: Callable[[Sequence[Req]], Sequence[Resp]],
+        handle_batch: Callable[[Sequence[Req]], Sequence[Resp | Later]],
         executor: Executor,
         *,
         max_batch: int = 32,
@@ -137,7 +151,7 @@ class MicroBatcher(Generic[Req, Resp]):
                 n = min(len(self._queue), self.max_batch)
                 batch = [self._queue.popleft() for _ in range(n)]
             requests = [r for r, _ in batch]
-            results: Sequence[Resp | BaseException]
+            results: Sequence[Resp | Later | BaseException]
             try:
                 results = self._handle_batch(requests)
                 if len(results) != len(requests):
@@ -145,10 +159,10 @@ class MicroBatcher(Generic[Req, Resp]):
             except BaseException as exc:
                 log.exception("batch of %d failed", len(requests))
                 results = [exc] * len(requests)
-            self._deliver([(r, d, result) for (r, d), result in zip(batch, results)])
+            self._deliver([(r, d, result) for (r, d), result in zip(batch, results) if result is not LATER])
 
     @staticmethod
-    def _deliver(answered: Sequence[tuple[Req, Deliver[Req, Resp], Resp | BaseException]]) -> None:
+    def _deliver(answered: Sequence[tuple[Req, Deliver[Req, Resp], Any]]) -> None:
         """Each stream's answers to its Deliver, in one call per stream (in request order)."""
         by_stream: dict[int, tuple[Deliver[Req, Resp], Answered[Req, Resp]]] = {}
         for request, deliver, result in answered:

@@ -32,7 +32,7 @@ from specd.core.errors import InvalidArgument, SessionNotFound
 from specd.core.phases import PhaseLog
 from specd.serving import trace_names, trace_spans
 from specd.serving import tracing as tr
-from specd.serving.batching import Deliver, MicroBatcher
+from specd.serving.batching import LATER, Deliver, Later, MicroBatcher
 from specd.serving.grpc_errors import session_error
 from specd.serving.streams import Stamped, StreamScope, TimedResponse, client_session_id, serve_round_stream
 from specd.v1 import common_pb2, session_pb2
@@ -193,14 +193,30 @@ class BatchedRoundServicer(abc.ABC, Generic[Req, Resp, Work, Result]):
 
     # ---- the batch walk ---------------------------------------------------------------
 
-    def handle_stamped(self, items: Sequence[Stamped[Req]]) -> list[Resp]:
-        """handle_batch for messages off the stream, noting when their batch started and ended."""
+    def handle_stamped(self, items: Sequence[Stamped[Req]]) -> list[Resp | Later]:
+        """handle_batch for messages off the stream, noting when their batch started and ended.
+
+        A subclass may keep some messages to answer later (`hold`; LATER in their place) and
+        look at the batch's answers (`after_batch`)."""
         started = time.perf_counter_ns()
-        out = self.handle_batch([item.request for item in items])
+        held = self.hold(items)
+        run = [item for item in items if id(item) not in held] if held else list(items)
+        out = self.handle_batch([item.request for item in run])
+        self.after_batch(run, out)
         ended = time.perf_counter_ns()
         for item in items:
             item.started_ns, item.ended_ns = started, ended
-        return out
+        if not held:
+            return list(out)
+        answers = iter(out)
+        return [LATER if id(item) in held else next(answers) for item in items]
+
+    def hold(self, items: Sequence[Stamped[Req]]) -> set[int]:
+        """The messages (by id) this service keeps, to answer through their Deliver later (model thread)."""
+        return set()
+
+    def after_batch(self, items: Sequence[Stamped[Req]], responses: Sequence[Resp]) -> None:
+        """Sees each message the batch ran, with its response (model thread)."""
 
     def handle_batch(self, requests: Sequence[Req]) -> list[Resp]:
         spans = [self._start_span(r) for r in requests]

@@ -40,13 +40,15 @@ class Stamped(Generic[Req]):
 
     perf_counter_ns of this process: read from the stream, its batch started and ended
     on the model thread (the batch runner sets those two); the stream turns them into
-    the response's ServiceTiming when it hands the response message to gRPC.
+    the response's ServiceTiming when it hands the response message to gRPC. deliver:
+    how to answer it (its stream's), for a message the service answers later.
     """
 
     request: Req
     arrived_ns: int
     started_ns: int = 0
     ended_ns: int = 0
+    deliver: Deliver[Stamped[Req], Any] | None = None  # its stream's, set when it is submitted
 
 
 SCOPE_SEPARATOR = "/"
@@ -142,7 +144,9 @@ async def serve_round_stream(
         try:
             async for message in messages:
                 now = clock()
-                items = [Stamped(scope.inbound(r) if scope is not None else r, now) for r in unpack(message)]
+                items = [
+                    Stamped(scope.inbound(r) if scope is not None else r, now, deliver=deliver) for r in unpack(message)
+                ]
                 unanswered += len(items)
                 if unanswered >= max_pending:
                     room.clear()

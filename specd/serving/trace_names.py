@@ -93,6 +93,7 @@ ATTR_ROUND_TARGET_ONLY_REASON = "specd.round.target_only_reason"  # why no draft
 ATTR_ROUND_PIPELINE_OUTCOME = "specd.round.pipeline_outcome"  # the hit's outcome "accepted:kind" ("" if no hit)
 ATTR_ROUND_PIPELINE = "specd.round.pipeline"  # the pipeline strategy the round ran (auto: chosen per round)
 ATTR_ROUND_PIPELINE_LAUNCHED = "specd.round.pipeline_launched"  # pre-drafts launched for the next round
+ATTR_ROUND_STAGED = "specd.round.staged"  # the target verified the round's pre-draft itself (staged: no round trip)
 ATTR_ROUND_DRAFT_MS = "specd.round.draft_ms"
 ATTR_ROUND_VERIFY_MS = "specd.round.verify_ms"
 ATTR_ROUND_OVERHEAD_MS = "specd.round.overhead_ms"

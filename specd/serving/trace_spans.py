@@ -132,6 +132,7 @@ def round_attributes(record: RoundRecord) -> dict[str, Any]:
         trace_names.ATTR_ROUND_PIPELINE_OUTCOME: hit.outcome if hit is not None else "",
         trace_names.ATTR_ROUND_PIPELINE_LAUNCHED: record.pipeline_launched,
         trace_names.ATTR_ROUND_PIPELINE: record.pipeline,
+        trace_names.ATTR_ROUND_STAGED: record.staged,
         trace_names.ATTR_ROUND_DRAFT_MS: float(record.draft_ms),
         trace_names.ATTR_ROUND_VERIFY_MS: float(record.verify_ms),
         trace_names.ATTR_ROUND_OVERHEAD_MS: float(record.overhead_ms),

@@ -354,6 +354,44 @@ def verify_request(request: steps.VerifyRequest, carrier: Mapping[str, str]) -> 
     return req
 
 
+def stage_request(request: steps.StageRequest, carrier: Mapping[str, str]) -> target_pb2.TargetRequest:
+    """Stage the next round's verify: one candidate per verdict a pre-draft assumes (q relayed as drafted)."""
+    req = target_pb2.TargetRequest(
+        session_id=request.session_id, committed_length=request.committed_length, trace_context=carrier
+    )
+    for c in request.candidates:
+        staged = req.stage.candidates.add(accepted=c.accepted, token_id=c.token_id)
+        staged.draft_token_ids.extend(c.proposal.token_ids)
+        staged.q.extend(sparse_to_proto(c.proposal))
+    return req
+
+
+def staged_outcome_from_proto(
+    resp: target_pb2.TargetResponse,
+    request: steps.StageRequest,
+    round_trip_ms: float,
+    wake_ms: float,
+    *,
+    vocab_size: int | None = None,
+) -> steps.StagedOutcome:
+    """What the target did with a stage: none ran (an ack), or candidate i's verdict (checked as verdict_from_proto's).
+
+    A candidate index the stage did not have, or a verdict committing another length, is a
+    target out of step: Unavailable."""
+    if resp.staged_candidate == 0:
+        return steps.StagedOutcome.NONE
+    index = resp.staged_candidate - 1
+    if index >= len(request.candidates) or resp.WhichOneof("result") != "verdict":
+        raise Unavailable(f"the target answered a stage of {len(request.candidates)} with candidate {index + 1}")
+    outcome = verdict_from_proto(resp, round_trip_ms, wake_ms, vocab_size=vocab_size)
+    c = request.candidates[index]
+    if outcome.committed_length != request.committed_length + c.accepted + 1 + outcome.accepted + (
+        0 if outcome.deferred else 1
+    ):
+        raise Unavailable("the target's staged verdict commits another length than its candidate")
+    return steps.StagedOutcome(index, outcome)
+
+
 def proposal_from_answer(
     resp: draft_pb2.DraftResponse, vocab_size: int, round_trip_ms: float, wake_ms: float, *, relay: bool = False
 ) -> Proposal:
@@ -422,4 +460,5 @@ def stats_to_proto(stats: RequestStats) -> coordinator_pb2.GenerateStats:
         pipeline_hits=r.pipeline_hits,
         accepted_per_position=r.accepted_per_position,
         pipeline_hits_by_outcome=dict(r.pipeline_hits_by_outcome),
+        staged_rounds=r.staged_rounds,
     )

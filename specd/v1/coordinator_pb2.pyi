@@ -46,7 +46,7 @@ class GenerateRequest(_message.Message):
     def __init__(self, text: _Optional[str] = ..., token_ids: _Optional[_Union[_common_pb2.TokenIds, _Mapping]] = ..., chat: _Optional[_Union[ChatMessages, _Mapping]] = ..., max_new_tokens: _Optional[int] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., speculation: _Optional[_Union[_common_pb2.SpeculationParams, _Mapping]] = ..., stop: _Optional[_Iterable[str]] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., ignore_eos: _Optional[bool] = ..., cache_salt: _Optional[str] = ...) -> None: ...
 
 class GenerateStats(_message.Message):
-    __slots__ = ("rounds", "drafts", "draft_tokens", "accepted_tokens", "acceptance_length", "acceptance_rate", "prompt_tokens", "completion_tokens", "time_to_first_token_ms", "tokens_per_s", "seed", "target_only_rounds", "pipeline_hits", "accepted_per_position", "pipeline_hits_by_outcome")
+    __slots__ = ("rounds", "drafts", "draft_tokens", "accepted_tokens", "acceptance_length", "acceptance_rate", "prompt_tokens", "completion_tokens", "time_to_first_token_ms", "tokens_per_s", "seed", "target_only_rounds", "pipeline_hits", "accepted_per_position", "pipeline_hits_by_outcome", "staged_rounds")
     class PipelineHitsByOutcomeEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -69,6 +69,7 @@ class GenerateStats(_message.Message):
     PIPELINE_HITS_FIELD_NUMBER: _ClassVar[int]
     ACCEPTED_PER_POSITION_FIELD_NUMBER: _ClassVar[int]
     PIPELINE_HITS_BY_OUTCOME_FIELD_NUMBER: _ClassVar[int]
+    STAGED_ROUNDS_FIELD_NUMBER: _ClassVar[int]
     rounds: int
     drafts: int
     draft_tokens: int
@@ -84,7 +85,8 @@ class GenerateStats(_message.Message):
     pipeline_hits: int
     accepted_per_position: _containers.RepeatedScalarFieldContainer[int]
     pipeline_hits_by_outcome: _containers.ScalarMap[str, int]
-    def __init__(self, rounds: _Optional[int] = ..., drafts: _Optional[int] = ..., draft_tokens: _Optional[int] = ..., accepted_tokens: _Optional[int] = ..., acceptance_length: _Optional[float] = ..., acceptance_rate: _Optional[float] = ..., prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., time_to_first_token_ms: _Optional[float] = ..., tokens_per_s: _Optional[float] = ..., seed: _Optional[int] = ..., target_only_rounds: _Optional[int] = ..., pipeline_hits: _Optional[int] = ..., accepted_per_position: _Optional[_Iterable[int]] = ..., pipeline_hits_by_outcome: _Optional[_Mapping[str, int]] = ...) -> None: ...
+    staged_rounds: int
+    def __init__(self, rounds: _Optional[int] = ..., drafts: _Optional[int] = ..., draft_tokens: _Optional[int] = ..., accepted_tokens: _Optional[int] = ..., acceptance_length: _Optional[float] = ..., acceptance_rate: _Optional[float] = ..., prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., time_to_first_token_ms: _Optional[float] = ..., tokens_per_s: _Optional[float] = ..., seed: _Optional[int] = ..., target_only_rounds: _Optional[int] = ..., pipeline_hits: _Optional[int] = ..., accepted_per_position: _Optional[_Iterable[int]] = ..., pipeline_hits_by_outcome: _Optional[_Mapping[str, int]] = ..., staged_rounds: _Optional[int] = ...) -> None: ...
 
 class GenerateResponse(_message.Message):
     __slots__ = ("token_ids", "text", "finish_reason", "stats")

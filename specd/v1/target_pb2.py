@@ -26,7 +26,7 @@ from specd.v1 import common_pb2 as specd_dot_v1_dot_common__pb2
 from specd.v1 import session_pb2 as specd_dot_v1_dot_session__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x15specd/v1/target.proto\x12\x08specd.v1\x1a\x15specd/v1/common.proto\x1a\x16specd/v1/session.proto\";\n\x0eTargetRequests\x12)\n\x08requests\x18\x01 \x03(\x0b\x32\x17.specd.v1.TargetRequest\">\n\x0fTargetResponses\x12+\n\tresponses\x18\x01 \x03(\x0b\x32\x18.specd.v1.TargetResponse\"\xee\x02\n\rTargetRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\x04\x12\x12\n\nsession_id\x18\x02 \x01(\t\x12\x18\n\x10\x63ommitted_length\x18\x03 \x01(\r\x12@\n\rtrace_context\x18\x04 \x03(\x0b\x32).specd.v1.TargetRequest.TraceContextEntry\x12$\n\x04open\x18\n \x01(\x0b\x32\x14.specd.v1.TargetOpenH\x00\x12\"\n\x06verify\x18\x0b \x01(\x0b\x32\x10.specd.v1.VerifyH\x00\x12\'\n\x05\x63lose\x18\x0c \x01(\x0b\x32\x16.specd.v1.SessionCloseH\x00\x12+\n\x0bverify_tree\x18\r \x01(\x0b\x32\x14.specd.v1.VerifyTreeH\x00\x1a\x33\n\x11TraceContextEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\x42\x04\n\x02op\"K\n\nTargetOpen\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12*\n\x08sampling\x18\x02 \x01(\x0b\x32\x18.specd.v1.SamplingParams\"\x81\x01\n\x06Verify\x12\r\n\x05start\x18\x01 \x01(\r\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x17\n\x0f\x64raft_token_ids\x18\x03 \x03(\r\x12\'\n\x01q\x18\x04 \x03(\x0b\x32\x1c.specd.v1.SparseDistribution\x12\x13\n\x0b\x64\x65\x66\x65r_bonus\x18\x05 \x01(\x08\"\x81\x01\n\nVerifyTree\x12\r\n\x05start\x18\x01 \x01(\r\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x17\n\x0f\x64raft_token_ids\x18\x03 \x03(\r\x12\x0f\n\x07parents\x18\x04 \x03(\x05\x12\'\n\x01q\x18\x05 \x03(\x0b\x32\x1c.specd.v1.SparseDistribution\"\x8e\x01\n\x07Verdict\x12\x10\n\x08\x61\x63\x63\x65pted\x18\x01 \x01(\r\x12\x10\n\x08token_id\x18\x02 \x01(\r\x12!\n\x04kind\x18\x03 \x01(\x0e\x32\x13.specd.v1.TokenKind\x12\x12\n\ncompute_ms\x18\x04 \x01(\x01\x12\x12\n\nbatch_size\x18\x05 \x01(\r\x12\x14\n\x0c\x62\x61tch_tokens\x18\x06 \x01(\r\"\x8e\x01\n\x0bTreeVerdict\x12\x0c\n\x04path\x18\x01 \x03(\r\x12\x10\n\x08token_id\x18\x02 \x01(\r\x12!\n\x04kind\x18\x03 \x01(\x0e\x32\x13.specd.v1.TokenKind\x12\x12\n\ncompute_ms\x18\x04 \x01(\x01\x12\x12\n\nbatch_size\x18\x05 \x01(\r\x12\x14\n\x0c\x62\x61tch_tokens\x18\x06 \x01(\r\"\xa8\x02\n\x0eTargetResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\x04\x12\x12\n\nsession_id\x18\x02 \x01(\t\x12\x18\n\x10\x63ommitted_length\x18\x03 \x01(\r\x12$\n\x07verdict\x18\n \x01(\x0b\x32\x11.specd.v1.VerdictH\x00\x12#\n\x03\x61\x63k\x18\x0b \x01(\x0b\x32\x14.specd.v1.SessionAckH\x00\x12\'\n\x05\x65rror\x18\x0c \x01(\x0b\x32\x16.specd.v1.SessionErrorH\x00\x12-\n\x0ctree_verdict\x18\r \x01(\x0b\x32\x15.specd.v1.TreeVerdictH\x00\x12\'\n\x06timing\x18\x14 \x01(\x0b\x32\x17.specd.v1.ServiceTimingB\x08\n\x06result*p\n\tTokenKind\x12\x1a\n\x16TOKEN_KIND_UNSPECIFIED\x10\x00\x12\x18\n\x14TOKEN_KIND_RECOVERED\x10\x01\x12\x14\n\x10TOKEN_KIND_BONUS\x10\x02\x12\x17\n\x13TOKEN_KIND_DEFERRED\x10\x03\x32\x8f\x01\n\x06Target\x12\x41\n\x06Rounds\x12\x18.specd.v1.TargetRequests\x1a\x19.specd.v1.TargetResponses(\x01\x30\x01\x12\x42\n\x0cGetModelInfo\x12\x1d.specd.v1.GetModelInfoRequest\x1a\x13.specd.v1.ModelInfob\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x15specd/v1/target.proto\x12\x08specd.v1\x1a\x15specd/v1/common.proto\x1a\x16specd/v1/session.proto\";\n\x0eTargetRequests\x12)\n\x08requests\x18\x01 \x03(\x0b\x32\x17.specd.v1.TargetRequest\">\n\x0fTargetResponses\x12+\n\tresponses\x18\x01 \x03(\x0b\x32\x18.specd.v1.TargetResponse\"\x96\x03\n\rTargetRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\x04\x12\x12\n\nsession_id\x18\x02 \x01(\t\x12\x18\n\x10\x63ommitted_length\x18\x03 \x01(\r\x12@\n\rtrace_context\x18\x04 \x03(\x0b\x32).specd.v1.TargetRequest.TraceContextEntry\x12$\n\x04open\x18\n \x01(\x0b\x32\x14.specd.v1.TargetOpenH\x00\x12\"\n\x06verify\x18\x0b \x01(\x0b\x32\x10.specd.v1.VerifyH\x00\x12\'\n\x05\x63lose\x18\x0c \x01(\x0b\x32\x16.specd.v1.SessionCloseH\x00\x12+\n\x0bverify_tree\x18\r \x01(\x0b\x32\x14.specd.v1.VerifyTreeH\x00\x12&\n\x05stage\x18\x0e \x01(\x0b\x32\x15.specd.v1.StageVerifyH\x00\x1a\x33\n\x11TraceContextEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\x42\x04\n\x02op\"K\n\nTargetOpen\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12*\n\x08sampling\x18\x02 \x01(\x0b\x32\x18.specd.v1.SamplingParams\"\x81\x01\n\x06Verify\x12\r\n\x05start\x18\x01 \x01(\r\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x17\n\x0f\x64raft_token_ids\x18\x03 \x03(\r\x12\'\n\x01q\x18\x04 \x03(\x0b\x32\x1c.specd.v1.SparseDistribution\x12\x13\n\x0b\x64\x65\x66\x65r_bonus\x18\x05 \x01(\x08\"\x81\x01\n\nVerifyTree\x12\r\n\x05start\x18\x01 \x01(\r\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x17\n\x0f\x64raft_token_ids\x18\x03 \x03(\r\x12\x0f\n\x07parents\x18\x04 \x03(\x05\x12\'\n\x01q\x18\x05 \x03(\x0b\x32\x1c.specd.v1.SparseDistribution\"<\n\x0bStageVerify\x12-\n\ncandidates\x18\x01 \x03(\x0b\x32\x19.specd.v1.StagedCandidate\"w\n\x0fStagedCandidate\x12\x10\n\x08\x61\x63\x63\x65pted\x18\x01 \x01(\r\x12\x10\n\x08token_id\x18\x02 \x01(\r\x12\x17\n\x0f\x64raft_token_ids\x18\x03 \x03(\r\x12\'\n\x01q\x18\x04 \x03(\x0b\x32\x1c.specd.v1.SparseDistribution\"\x8e\x01\n\x07Verdict\x12\x10\n\x08\x61\x63\x63\x65pted\x18\x01 \x01(\r\x12\x10\n\x08token_id\x18\x02 \x01(\r\x12!\n\x04kind\x18\x03 \x01(\x0e\x32\x13.specd.v1.TokenKind\x12\x12\n\ncompute_ms\x18\x04 \x01(\x01\x12\x12\n\nbatch_size\x18\x05 \x01(\r\x12\x14\n\x0c\x62\x61tch_tokens\x18\x06 \x01(\r\"\x8e\x01\n\x0bTreeVerdict\x12\x0c\n\x04path\x18\x01 \x03(\r\x12\x10\n\x08token_id\x18\x02 \x01(\r\x12!\n\x04kind\x18\x03 \x01(\x0e\x32\x13.specd.v1.TokenKind\x12\x12\n\ncompute_ms\x18\x04 \x01(\x01\x12\x12\n\nbatch_size\x18\x05 \x01(\r\x12\x14\n\x0c\x62\x61tch_tokens\x18\x06 \x01(\r\"\xc2\x02\n\x0eTargetResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\x04\x12\x12\n\nsession_id\x18\x02 \x01(\t\x12\x18\n\x10\x63ommitted_length\x18\x03 \x01(\r\x12$\n\x07verdict\x18\n \x01(\x0b\x32\x11.specd.v1.VerdictH\x00\x12#\n\x03\x61\x63k\x18\x0b \x01(\x0b\x32\x14.specd.v1.SessionAckH\x00\x12\'\n\x05\x65rror\x18\x0c \x01(\x0b\x32\x16.specd.v1.SessionErrorH\x00\x12-\n\x0ctree_verdict\x18\r \x01(\x0b\x32\x15.specd.v1.TreeVerdictH\x00\x12\'\n\x06timing\x18\x14 \x01(\x0b\x32\x17.specd.v1.ServiceTiming\x12\x18\n\x10staged_candidate\x18\x15 \x01(\rB\x08\n\x06result*p\n\tTokenKind\x12\x1a\n\x16TOKEN_KIND_UNSPECIFIED\x10\x00\x12\x18\n\x14TOKEN_KIND_RECOVERED\x10\x01\x12\x14\n\x10TOKEN_KIND_BONUS\x10\x02\x12\x17\n\x13TOKEN_KIND_DEFERRED\x10\x03\x32\x8f\x01\n\x06Target\x12\x41\n\x06Rounds\x12\x18.specd.v1.TargetRequests\x1a\x19.specd.v1.TargetResponses(\x01\x30\x01\x12\x42\n\x0cGetModelInfo\x12\x1d.specd.v1.GetModelInfoRequest\x1a\x13.specd.v1.ModelInfob\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -35,28 +35,32 @@ if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_TARGETREQUEST_TRACECONTEXTENTRY']._loaded_options = None
   _globals['_TARGETREQUEST_TRACECONTEXTENTRY']._serialized_options = b'8\001'
-  _globals['_TOKENKIND']._serialized_start=1506
-  _globals['_TOKENKIND']._serialized_end=1618
+  _globals['_TOKENKIND']._serialized_start=1755
+  _globals['_TOKENKIND']._serialized_end=1867
   _globals['_TARGETREQUESTS']._serialized_start=82
   _globals['_TARGETREQUESTS']._serialized_end=141
   _globals['_TARGETRESPONSES']._serialized_start=143
   _globals['_TARGETRESPONSES']._serialized_end=205
   _globals['_TARGETREQUEST']._serialized_start=208
-  _globals['_TARGETREQUEST']._serialized_end=574
-  _globals['_TARGETREQUEST_TRACECONTEXTENTRY']._serialized_start=517
-  _globals['_TARGETREQUEST_TRACECONTEXTENTRY']._serialized_end=568
-  _globals['_TARGETOPEN']._serialized_start=576
-  _globals['_TARGETOPEN']._serialized_end=651
-  _globals['_VERIFY']._serialized_start=654
-  _globals['_VERIFY']._serialized_end=783
-  _globals['_VERIFYTREE']._serialized_start=786
-  _globals['_VERIFYTREE']._serialized_end=915
-  _globals['_VERDICT']._serialized_start=918
-  _globals['_VERDICT']._serialized_end=1060
-  _globals['_TREEVERDICT']._serialized_start=1063
-  _globals['_TREEVERDICT']._serialized_end=1205
-  _globals['_TARGETRESPONSE']._serialized_start=1208
-  _globals['_TARGETRESPONSE']._serialized_end=1504
-  _globals['_TARGET']._serialized_start=1621
-  _globals['_TARGET']._serialized_end=1764
+  _globals['_TARGETREQUEST']._serialized_end=614
+  _globals['_TARGETREQUEST_TRACECONTEXTENTRY']._serialized_start=557
+  _globals['_TARGETREQUEST_TRACECONTEXTENTRY']._serialized_end=608
+  _globals['_TARGETOPEN']._serialized_start=616
+  _globals['_TARGETOPEN']._serialized_end=691
+  _globals['_VERIFY']._serialized_start=694
+  _globals['_VERIFY']._serialized_end=823
+  _globals['_VERIFYTREE']._serialized_start=826
+  _globals['_VERIFYTREE']._serialized_end=955
+  _globals['_STAGEVERIFY']._serialized_start=957
+  _globals['_STAGEVERIFY']._serialized_end=1017
+  _globals['_STAGEDCANDIDATE']._serialized_start=1019
+  _globals['_STAGEDCANDIDATE']._serialized_end=1138
+  _globals['_VERDICT']._serialized_start=1141
+  _globals['_VERDICT']._serialized_end=1283
+  _globals['_TREEVERDICT']._serialized_start=1286
+  _globals['_TREEVERDICT']._serialized_end=1428
+  _globals['_TARGETRESPONSE']._serialized_start=1431
+  _globals['_TARGETRESPONSE']._serialized_end=1753
+  _globals['_TARGET']._serialized_start=1870
+  _globals['_TARGET']._serialized_end=2013
 # @@protoc_insertion_point(module_scope)

@@ -33,7 +33,7 @@ class TargetResponses(_message.Message):
     def __init__(self, responses: _Optional[_Iterable[_Union[TargetResponse, _Mapping]]] = ...) -> None: ...
 
 class TargetRequest(_message.Message):
-    __slots__ = ("request_id", "session_id", "committed_length", "trace_context", "open", "verify", "close", "verify_tree")
+    __slots__ = ("request_id", "session_id", "committed_length", "trace_context", "open", "verify", "close", "verify_tree", "stage")
     class TraceContextEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -49,6 +49,7 @@ class TargetRequest(_message.Message):
     VERIFY_FIELD_NUMBER: _ClassVar[int]
     CLOSE_FIELD_NUMBER: _ClassVar[int]
     VERIFY_TREE_FIELD_NUMBER: _ClassVar[int]
+    STAGE_FIELD_NUMBER: _ClassVar[int]
     request_id: int
     session_id: str
     committed_length: int
@@ -57,7 +58,8 @@ class TargetRequest(_message.Message):
     verify: Verify
     close: _session_pb2.SessionClose
     verify_tree: VerifyTree
-    def __init__(self, request_id: _Optional[int] = ..., session_id: _Optional[str] = ..., committed_length: _Optional[int] = ..., trace_context: _Optional[_Mapping[str, str]] = ..., open: _Optional[_Union[TargetOpen, _Mapping]] = ..., verify: _Optional[_Union[Verify, _Mapping]] = ..., close: _Optional[_Union[_session_pb2.SessionClose, _Mapping]] = ..., verify_tree: _Optional[_Union[VerifyTree, _Mapping]] = ...) -> None: ...
+    stage: StageVerify
+    def __init__(self, request_id: _Optional[int] = ..., session_id: _Optional[str] = ..., committed_length: _Optional[int] = ..., trace_context: _Optional[_Mapping[str, str]] = ..., open: _Optional[_Union[TargetOpen, _Mapping]] = ..., verify: _Optional[_Union[Verify, _Mapping]] = ..., close: _Optional[_Union[_session_pb2.SessionClose, _Mapping]] = ..., verify_tree: _Optional[_Union[VerifyTree, _Mapping]] = ..., stage: _Optional[_Union[StageVerify, _Mapping]] = ...) -> None: ...
 
 class TargetOpen(_message.Message):
     __slots__ = ("token_ids", "sampling")
@@ -95,6 +97,24 @@ class VerifyTree(_message.Message):
     q: _containers.RepeatedCompositeFieldContainer[_common_pb2.SparseDistribution]
     def __init__(self, start: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., draft_token_ids: _Optional[_Iterable[int]] = ..., parents: _Optional[_Iterable[int]] = ..., q: _Optional[_Iterable[_Union[_common_pb2.SparseDistribution, _Mapping]]] = ...) -> None: ...
 
+class StageVerify(_message.Message):
+    __slots__ = ("candidates",)
+    CANDIDATES_FIELD_NUMBER: _ClassVar[int]
+    candidates: _containers.RepeatedCompositeFieldContainer[StagedCandidate]
+    def __init__(self, candidates: _Optional[_Iterable[_Union[StagedCandidate, _Mapping]]] = ...) -> None: ...
+
+class StagedCandidate(_message.Message):
+    __slots__ = ("accepted", "token_id", "draft_token_ids", "q")
+    ACCEPTED_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    Q_FIELD_NUMBER: _ClassVar[int]
+    accepted: int
+    token_id: int
+    draft_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    q: _containers.RepeatedCompositeFieldContainer[_common_pb2.SparseDistribution]
+    def __init__(self, accepted: _Optional[int] = ..., token_id: _Optional[int] = ..., draft_token_ids: _Optional[_Iterable[int]] = ..., q: _Optional[_Iterable[_Union[_common_pb2.SparseDistribution, _Mapping]]] = ...) -> None: ...
+
 class Verdict(_message.Message):
     __slots__ = ("accepted", "token_id", "kind", "compute_ms", "batch_size", "batch_tokens")
     ACCEPTED_FIELD_NUMBER: _ClassVar[int]
@@ -128,7 +148,7 @@ class TreeVerdict(_message.Message):
     def __init__(self, path: _Optional[_Iterable[int]] = ..., token_id: _Optional[int] = ..., kind: _Optional[_Union[TokenKind, str]] = ..., compute_ms: _Optional[float] = ..., batch_size: _Optional[int] = ..., batch_tokens: _Optional[int] = ...) -> None: ...
 
 class TargetResponse(_message.Message):
-    __slots__ = ("request_id", "session_id", "committed_length", "verdict", "ack", "error", "tree_verdict", "timing")
+    __slots__ = ("request_id", "session_id", "committed_length", "verdict", "ack", "error", "tree_verdict", "timing", "staged_candidate")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     COMMITTED_LENGTH_FIELD_NUMBER: _ClassVar[int]
@@ -137,6 +157,7 @@ class TargetResponse(_message.Message):
     ERROR_FIELD_NUMBER: _ClassVar[int]
     TREE_VERDICT_FIELD_NUMBER: _ClassVar[int]
     TIMING_FIELD_NUMBER: _ClassVar[int]
+    STAGED_CANDIDATE_FIELD_NUMBER: _ClassVar[int]
     request_id: int
     session_id: str
     committed_length: int
@@ -145,4 +166,5 @@ class TargetResponse(_message.Message):
     error: _session_pb2.SessionError
     tree_verdict: TreeVerdict
     timing: _session_pb2.ServiceTiming
-    def __init__(self, request_id: _Optional[int] = ..., session_id: _Optional[str] = ..., committed_length: _Optional[int] = ..., verdict: _Optional[_Union[Verdict, _Mapping]] = ..., ack: _Optional[_Union[_session_pb2.SessionAck, _Mapping]] = ..., error: _Optional[_Union[_session_pb2.SessionError, _Mapping]] = ..., tree_verdict: _Optional[_Union[TreeVerdict, _Mapping]] = ..., timing: _Optional[_Union[_session_pb2.ServiceTiming, _Mapping]] = ...) -> None: ...
+    staged_candidate: int
+    def __init__(self, request_id: _Optional[int] = ..., session_id: _Optional[str] = ..., committed_length: _Optional[int] = ..., verdict: _Optional[_Union[Verdict, _Mapping]] = ..., ack: _Optional[_Union[_session_pb2.SessionAck, _Mapping]] = ..., error: _Optional[_Union[_session_pb2.SessionError, _Mapping]] = ..., tree_verdict: _Optional[_Union[TreeVerdict, _Mapping]] = ..., timing: _Optional[_Union[_session_pb2.ServiceTiming, _Mapping]] = ..., staged_candidate: _Optional[int] = ...) -> None: ...

@@ -46,6 +46,11 @@ pytestmark = pytest.mark.slow
 # Small vocabulary (cheap host-side sampling), the 70B profile's shape, sped up 10x; a good draft
 # (agreement 0.8) so that every strategy accepts often and pipelining hits.
 SPEC = "sim:h100-tp2-70b,vocab_size=2048,time_scale=0.1,agreement=0.8"
+# The served target runs at three times the profile's time, thirty times the draft's: a pipelined round's
+# pre-drafts land while it is still verified and are staged at the target (its staged verifies
+# are then part of every pipelined cell through the services). Timing changes no token.
+TARGET_SPEC = SPEC.replace("time_scale=0.1", "time_scale=3")
+STAGING = ("bonus-match", "spec-cache")  # the strategies whose pre-drafts are staged
 REQUESTS = 64
 # Of them through the services (one wave of the 8 clients), token for token against the in-process run.
 SERVICE_REQUESTS = 8
@@ -133,7 +138,7 @@ def cluster(tmp_path_factory):
     # A draft that times out makes its round target-only: exact, but other tokens than the in-process
     # run's. A slow round on a busy machine is not what this module is about (test_faults is).
     args = ["--draft-timeout-s", "60"]
-    with Cluster(SPEC, SPEC, cache_dir=tmp_path_factory.mktemp("sim-cache"), coordinator_args=args) as c:
+    with Cluster(TARGET_SPEC, SPEC, cache_dir=tmp_path_factory.mktemp("sim-cache"), coordinator_args=args) as c:
         yield c
 
 
@@ -196,6 +201,8 @@ def test_emitted_tokens_follow_the_emulators_p(cluster, prompts, strategy, setti
     check_speculation(outputs, st, strategy)
     served, served_st = run(cluster, prompts[:SERVICE_REQUESTS], strategy, **setting)
     check_speculation(served, served_st, strategy)
+    if strategy in STAGING:  # the target verified staged pre-drafts by itself: those tokens are in the sample
+        assert sum(s.staged_rounds for s in served_st) > 0, "no round was staged: staging was not exercised"
     for i, (got, s) in enumerate(zip(served, served_st)):
         assert got == outputs[i], f"request {i}: the services emitted other tokens than the in-process loop ({s})"
     check_p(prompts, outputs, setting, strategy)  # power: the same test rejects these tokens at 1.3x T

@@ -60,13 +60,14 @@ class Generation:
     def done(self) -> bool:
         return self.finish_reason is not None
 
-    def draft_budget(self, wanted: int) -> int:
+    def draft_budget(self, wanted: int, after: int = 0) -> int:
         """Draft tokens worth asking for this round: never past max_new_tokens or the context.
 
         A round commits accepted + 1 tokens, so K = remaining - 1 can finish the request.
+        after: the budget of the round after one that commits this many more tokens.
         """
-        remaining = self.rule.max_new_tokens - len(self.generated)
-        room = self.rule.max_context - self.committed_length
+        remaining = self.rule.max_new_tokens - len(self.generated) - after
+        room = self.rule.max_context - self.committed_length - after
         return max(0, min(wanted, remaining - 1, room - 1))
 
     def commit(self, drafts: Sequence[int], accepted: int, token: int | None) -> list[int]:

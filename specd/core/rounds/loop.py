@@ -43,7 +43,7 @@ from specd.core.rounds.pipeline import (
 from specd.core.rounds.port_sessions import DraftSession, TargetSession
 from specd.core.rounds.ports import Carrier, DraftPort, NoObserver, RoundObserver, TargetPort
 from specd.core.rounds.record import PipelineHit, RoundRecord, RoundStats, TargetOnly, TokenKind
-from specd.core.rounds.steps import DEFAULT_BRANCH_BUDGET, VerifyOutcome
+from specd.core.rounds.steps import DEFAULT_BRANCH_BUDGET, StagedOutcome, StagedRound, VerifyOutcome
 from specd.core.rounds.tree_rounds import StopCheck, TreeRounds, check_tree_request
 from specd.core.sampling.proposal import Proposal
 from specd.core.sampling.sampler import SamplingParams
@@ -74,6 +74,17 @@ class GenerateSpec:
     # K, so auto keeps K at draft_length and never cuts (its pipeline choice changes no token).
     seeded: bool = False
     tree_budget: int = 0  # > 0: tree rounds, trees of at most this many nodes, draft_length deep (docs/trees.md)
+
+
+@dataclass(frozen=True)
+class _Ready:
+    """A pre-draft made for exactly the committed prefix, and the target's staged verify of it, if any."""
+
+    proposal: Proposal
+    hit: PipelineHit
+    staged: asyncio.Future[StagedOutcome] | None = None  # the stage holding it (TargetPort.stage)
+    candidate: int = -1  # its index among that stage's candidates
+    staged_tokens: int = 0  # the draft tokens staged (the window the next round must verify to use it)
 
 
 @dataclass(frozen=True)
@@ -213,7 +224,9 @@ class RequestRun:
         self._verified_at = 0.0  # perf_counter() when the last verify call answered
         self._target = TargetSession(loop.target, session_id, spec.params, loop.settings.target_timeout_s)
         self._draft = DraftSession(loop.draft, session_id, spec.params, spec.tenant) if loop.draft is not None else None
-        self._ready: tuple[Proposal, PipelineHit] | None = None  # a pre-draft for the committed prefix
+        self._ready: _Ready | None = None  # a pre-draft for the committed prefix
+        self._verifying: asyncio.Future[Any] | None = None  # this round's verify while it is out (pipelined)
+        self._used_staged = False  # this round's verdict is the one the previous round staged
         self._draft_refused = False  # the draft refused this request alone: target-only rounds for it
         self._tree: TreeRounds | None = None  # a tree request's rounds (specd.core.rounds.tree_rounds)
         if speculating and spec.tree_budget > 0:
@@ -240,6 +253,8 @@ class RequestRun:
                 yield record
         finally:
             self._loop.running -= 1
+            if self._ready is not None and self._ready.staged is not None:
+                _drop(self._ready.staged)
             self._loop.close_later(
                 self._target, self._draft, list(self.generation.committed), abandoned=not self.generation.done
             )
@@ -261,9 +276,12 @@ class RequestRun:
         proposal, hit = Proposal([]), None
         draft_wall_ms = 0.0  # how long this round waited for a draft call (0: pipelined, or none made)
         ready, self._ready = self._ready, None
+        staged: _Ready | None = None  # the previous round staged this round's verify at the target
         if budget > 0:
             if ready is not None:
-                proposal, hit = ready[0].window(0, budget), ready[1]
+                proposal, hit = ready.proposal.window(0, budget), ready.hit
+                if ready.staged is not None and len(proposal) == ready.staged_tokens:
+                    staged = ready
             elif self._draft is None:
                 why = TargetOnly.NO_DRAFT
             elif not await self._loop.draft_usable():
@@ -291,11 +309,38 @@ class RequestRun:
                 return []
             return [PreDraft(b.extension(pending), b.proposal) for b in result.branches]
 
-        rnd = PipelineRound(committed, proposal, budget, wanted, draft_after, draft_branches)
+        stages: list[tuple[asyncio.Future[StagedOutcome], dict[tuple[int, ...], tuple[int, int]]]] = []
+        prefix_length = len(committed)
+
+        def stage(pre_drafts: Sequence[PreDraft]) -> None:
+            """Stage the next round's verify for these pre-drafts, if this round's verify is still out."""
+            if stages or self._verifying is None or self._verifying.done() or defer_bonus:
+                return
+            candidates: list[StagedRound] = []
+            index: dict[tuple[int, ...], tuple[int, int]] = {}  # extension -> (candidate, its draft tokens)
+            for pre in pre_drafts:
+                ext, j = pre.extension, len(pre.extension) - 1
+                if not 0 <= j <= len(proposal) or tuple(proposal.token_ids[:j]) != ext[:j] or ext in index:
+                    continue
+                window = pre.proposal.window(0, gen.draft_budget(wanted, after=len(ext)))
+                if len(window):
+                    index[ext] = (len(candidates), len(window))
+                    candidates.append(StagedRound(j, ext[-1], window))
+            if candidates:
+                staging = self._target.stage(prefix_length, candidates, deadline=self._deadline, carrier=carrier)
+                stages.append((asyncio.ensure_future(staging), index))
+
+        rnd = PipelineRound(committed, proposal, budget, wanted, draft_after, draft_branches, stage)
+        defer_bonus = staged is None and self._pipeline.defers_bonus(rnd)
+        if ready is not None and ready.staged is not None and staged is None:
+            _drop(ready.staged)  # this round verifies another window: the target rolls the staged one back
         if arm is not None and cls is not None:
             self._cycle(arm, cls, budget, why, draft_wall_ms)
         t_verify = time.perf_counter()
-        verify = self._verify(committed, proposal, self._pipeline.defers_bonus(rnd), carrier)
+        if staged is not None:
+            verify = self._staged_verify(staged, committed, proposal, carrier)
+        else:
+            verify = self._verify(committed, proposal, defer_bonus, carrier)
         pre_drafts: list[PreDraft] = []
         if isinstance(self._pipeline, Off):  # nothing runs beside the verify: await it here (no task, no loop turn)
             (outcome, refused), launched = await verify, 0
@@ -303,13 +348,22 @@ class RequestRun:
             (outcome, refused), launched, pre_drafts = await self._verify_beside_pipeline(verify, rnd)
         if refused:  # the target refused the draft's proposal: this round ran target-only
             proposal, hit, why = Proposal([]), None, TargetOnly.DRAFT_FAILED
+        was_staged, self._used_staged = self._used_staged, False
         kind = _kind(outcome)
         token = None if outcome.deferred else outcome.token_id
         extension = (*proposal.token_ids[: outcome.accepted], *(() if token is None else (token,)))
         for pre in pre_drafts:  # only a draft for exactly the prefix this round commits
             if pre.extension == extension and len(pre.proposal) > 0:
-                self._ready = (pre.proposal, PipelineHit(self._pipeline.name, outcome.accepted, kind, launched))
+                held, where = (stages[0][0], stages[0][1].get(extension)) if stages else (None, None)
+                self._ready = _Ready(
+                    pre.proposal,
+                    PipelineHit(self._pipeline.name, outcome.accepted, kind, launched),
+                    held if where is not None else None,
+                    *(where or (-1, 0)),
+                )
                 break
+        if stages and (self._ready is None or self._ready.staged is not stages[0][0]):
+            _drop(stages[0][0])  # none of its candidates is the next round's
         if arm is not None and cls is not None and self._chooser is not None and not refused:
             verify_ms = (self._verified_at - t_verify) * 1e3  # auto reads its own walls, not the peers' figures
             self._chooser.observe_round(
@@ -339,6 +393,7 @@ class RequestRun:
             pipeline=self._pipeline.name,
             draft_transit=proposal.transit,
             verify_transit=outcome.transit,
+            staged=was_staged,
         )
         return self._recorded(record)
 
@@ -376,16 +431,48 @@ class RequestRun:
         )
         return outcome, True
 
+    async def _staged_verify(
+        self, ready: _Ready, committed: Sequence[int], proposal: Proposal, carrier: Carrier
+    ) -> tuple[VerifyOutcome, bool]:
+        """This round's verdict from the verify the previous round staged; a usual verify if the target ran none.
+
+        The staged verdict is already committed at the target; the loop commits it as any
+        verdict. A target that refused the staged proposal's q refused the draft's proposal."""
+        assert ready.staged is not None
+        try:
+            result = await ready.staged
+        except ProposalRefused as exc:
+            self._loop.draft_failed(exc)
+            self._observer.round_event("target refused the draft's staged proposal; target-only round", exc)
+            outcome = await self._target.verify(
+                committed,
+                Proposal([]),
+                defer_bonus=False,
+                deadline=self._deadline,
+                carrier=carrier,
+                on_retry=self._target_retry,
+            )
+            return outcome, True
+        except SpecdError as exc:  # the stage failed: verify as usual
+            log.debug("a staged verify failed (%s); verifying again", exc)
+            result = StagedOutcome.NONE
+        if result.candidate == ready.candidate and result.outcome is not None:
+            self._verified_at = time.perf_counter()
+            self._used_staged = True
+            return result.outcome, False
+        return await self._verify(committed, proposal, False, carrier)
+
     async def _verify_beside_pipeline(
         self, verify: Coroutine[Any, Any, tuple[VerifyOutcome, bool]], rnd: PipelineRound
     ) -> tuple[tuple[VerifyOutcome, bool], int, list[PreDraft]]:
         """The verdict, with the pre-drafts the strategy made while the target verified."""
-        task = asyncio.ensure_future(verify)
+        task = self._verifying = asyncio.ensure_future(verify)
         launched = self._pipeline.launch(rnd)  # after the verify: it goes out first
         result: tuple[VerifyOutcome, bool] | None = None
         try:
             result = await task
         finally:
+            self._verifying = None
             task.cancel()  # no-op once done; stops the round if the request was cancelled
             pre_drafts = await self._pipeline.settle(None if result is None or result[1] else result[0])
         assert result is not None  # else the await raised
@@ -483,6 +570,12 @@ class RequestRun:
     def _target_retry(self, exc: BaseException) -> None:
         log.warning("target round failed (%s: %s); retrying", type(exc).__name__, exc)
         self._observer.round_event("target failed; retrying", exc)
+
+
+def _drop(future: asyncio.Future[Any]) -> None:
+    """A staged verify the loop will not use: cancel waiting for it (its error, if it had one, is read)."""
+    if not future.cancel() and not future.cancelled():
+        future.exception()
 
 
 def _kind(outcome: VerifyOutcome) -> TokenKind:

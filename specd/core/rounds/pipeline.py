@@ -12,6 +12,12 @@ A strategy owns the pre-draft state of one request. Each round the loop
 3. after the verdict (or a failure: None), awaits `settle(verdict)`, which
    returns the pre-drafts that finished, each as a `PreDraft`.
 
+A strategy whose pre-drafts assume a recovered or bonus token (bonus-match,
+the speculation cache) also hands them to `round.stage` as soon as they are
+ready: if the verify is still out, the loop stages them at the target, which
+verifies the one its own verdict names in its next pass, without waiting for
+the coordinator (the loop then uses that staged verdict as the next round's).
+
 The loop, not the strategy, picks the next round's drafts: the first
 pre-draft whose extension equals what the round really committed, token for
 token. Any other pre-draft was drafted for a prefix that is not the committed
@@ -55,6 +61,11 @@ class PipelineRound:
     next_k: int  # draft tokens the next round is expected to want
     draft_after: DraftAfter
     draft_branches: DraftBranches
+    # Hand pre-drafts to the loop as soon as they are ready: while this round's verify is still
+    # out, it stages them at the target (TargetPort.stage), which then starts the next round
+    # itself when its verdict is one of theirs. For pre-drafts whose extension ends with the
+    # round's recovered or bonus token (not a deferred bonus's).
+    stage: Callable[[Sequence[PreDraft]], None] = lambda pre_drafts: None
 
 
 @dataclass(frozen=True)
@@ -102,6 +113,7 @@ class _AllAccepted:
 
     name = ""
     extra = 0  # draft tokens beyond next_k
+    stages = False  # its pre-draft's extension ends with the round's bonus token: it can be staged
 
     def __init__(self) -> None:
         self._task: asyncio.Task[Proposal] | None = None
@@ -114,8 +126,14 @@ class _AllAccepted:
         if not self._applies(rnd):
             return 0
         self._assumed = tuple(rnd.proposal.token_ids)
-        self._task = asyncio.ensure_future(rnd.draft_after(self._assumed, rnd.next_k + self.extra))
+        self._task = asyncio.ensure_future(self._pre_draft(rnd))
         return 1
+
+    async def _pre_draft(self, rnd: PipelineRound) -> Proposal:
+        pre = await rnd.draft_after(self._assumed, rnd.next_k + self.extra)
+        if self.stages:
+            rnd.stage(self._shape(pre))
+        return pre
 
     async def settle(self, verdict: VerifyOutcome | None) -> list[PreDraft]:
         task, self._task = self._task, None
@@ -144,6 +162,7 @@ class BonusMatch(_AllAccepted):
 
     name = "bonus-match"
     extra = 1
+    stages = True
 
     def defers_bonus(self, rnd: PipelineRound) -> bool:
         return False
@@ -210,8 +229,13 @@ class SpecCache:
         if not self._drafted or rnd.next_k <= 0:
             return 0
         rates = self.acceptance.rates(self._drafted)
-        self._task = asyncio.ensure_future(rnd.draft_branches(self.budget, rates, rnd.next_k))
+        self._task = asyncio.ensure_future(self._branches(rnd, rates))
         return self.budget
+
+    async def _branches(self, rnd: PipelineRound, rates: Sequence[float]) -> list[PreDraft]:
+        pre_drafts = await rnd.draft_branches(self.budget, rates, rnd.next_k)
+        rnd.stage(pre_drafts)
+        return pre_drafts
 
     async def settle(self, verdict: VerifyOutcome | None) -> list[PreDraft]:
         if verdict is not None and self._drafted:

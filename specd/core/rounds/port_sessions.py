@@ -197,6 +197,27 @@ class TargetSession:
 
         return await self._retrying(committed, send, deadline=deadline, carrier=carrier, on_retry=on_retry)
 
+    async def stage(
+        self,
+        committed_length: int,
+        candidates: Sequence[steps.StagedRound],
+        *,
+        deadline: float,
+        carrier: Carrier,
+    ) -> steps.StagedOutcome:
+        """Stage the next round's verify while this round (after committed_length tokens) is verified.
+
+        No retries: a stage that fails is one that ran nothing (the loop verifies as usual),
+        and one sent to a session the target may not hold ran nothing either."""
+        timeout = min(self.timeout_s, deadline - time.monotonic())
+        if not self.opened or timeout <= 0:
+            return steps.StagedOutcome.NONE
+        request = steps.StageRequest(self.session_id, committed_length, tuple(candidates))
+        result = await self.port.stage(request, timeout=timeout, carrier=carrier)
+        if result.outcome is not None:
+            _check(result.outcome, candidates[result.candidate].proposal, False)
+        return result
+
     async def verify_tree(
         self,
         committed: Sequence[int],

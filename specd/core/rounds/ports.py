@@ -66,6 +66,10 @@ class TargetPort(Protocol):
         self, request: steps.TreeVerifyRequest, *, timeout: float, carrier: Carrier
     ) -> steps.TreeVerifyOutcome: ...
 
+    async def stage(self, request: steps.StageRequest, *, timeout: float, carrier: Carrier) -> steps.StagedOutcome:
+        """Stage the next round's verify (steps.StageRequest); returns once the target decided."""
+        ...
+
     async def close(self, request: steps.CloseRequest, *, timeout: float) -> None: ...
 
 

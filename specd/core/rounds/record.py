@@ -93,6 +93,7 @@ class RoundRecord:
     pipeline: str = "off"  # the pipeline strategy this round ran (auto picks it per round)
     draft_transit: Transit | None = None  # hops of this round's propose call (None: none made, or in-process)
     verify_transit: Transit | None = None  # hops of its verify call
+    staged: bool = False  # the target verified this round's pre-draft itself, staged during the previous round
 
     @property
     def draft_tokens(self) -> int:
@@ -134,6 +135,7 @@ class RoundStats:
     accepted_per_position: list[int] = field(default_factory=list)  # [i] = rounds whose draft i was accepted
     pipeline_hits: int = 0  # rounds whose drafts were made while the previous round was verified
     pipeline_hits_by_outcome: Counter[str] = field(default_factory=Counter)  # PipelineHit.outcome -> rounds
+    staged_rounds: int = 0  # pipeline hits the target verified by itself (staged during the round before)
     target_only_by_reason: Counter[str] = field(default_factory=Counter)  # TargetOnly value -> rounds
     wall_ms: float = 0.0
     draft_ms: float = 0.0
@@ -163,6 +165,7 @@ class RoundStats:
         if r.pipeline_hit is not None:
             self.pipeline_hits += 1
             self.pipeline_hits_by_outcome[r.pipeline_hit.outcome] += 1
+        self.staged_rounds += r.staged
         k = r.draft_tokens
         if k == 0:
             return

@@ -2,8 +2,8 @@
 
 One request object per port call: `OpenRequest` and `CloseRequest` (both
 ports), a draft's `ProposeRequest` and `BranchRequest`, a target's
-`VerifyRequest`; the answers `Proposal` (specd.core.sampling.proposal),
-`Branches` and `VerifyOutcome`; a tree round's `TreeProposeRequest`,
+`VerifyRequest` and `StageRequest`; the answers `Proposal`
+(specd.core.sampling.proposal), `Branches`, `VerifyOutcome` and `StagedOutcome`; a tree round's `TreeProposeRequest`,
 `TreeVerifyRequest` and `TreeVerifyOutcome` (docs/trees.md). The ports (specd.core.rounds.ports), the drafters, the
 verifier and the wire translation (specd.serving.wire) all read and write
 these, so a step's fields are spelled out once, here.
@@ -18,6 +18,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import ClassVar
 
 from specd.core.errors import InvalidArgument, SessionOutOfSync
 from specd.core.phases import PhaseLog
@@ -156,6 +157,44 @@ class VerifyOutcome:
     phases: PhaseLog = field(default_factory=PhaseLog, compare=False, repr=False)  # where the time went
     deferred: bool = False  # all drafts accepted, bonus not drawn (VerifyRequest.defer_bonus)
     transit: Transit | None = field(default=None, compare=False, repr=False)  # the call's hops (a transport's port)
+
+
+@dataclass(frozen=True)
+class StagedRound:
+    """One candidate of a staged verify: the verdict it assumes, and the next round's drafts after it."""
+
+    accepted: int  # this round's draft tokens accepted ...
+    token_id: int  # ... then its recovered or bonus token
+    proposal: Proposal  # the next round's drafts after committed + pending[:accepted] + [token_id]
+
+
+@dataclass(frozen=True)
+class StageRequest:
+    """The next round's verify, staged at the target while this round is verified (pipelined rounds).
+
+    committed_length is this round's prefix (before its verdict). Once the target's own
+    verdict on that round is known, it verifies the candidate whose (accepted, token_id)
+    that verdict is, at once, without waiting for the caller; otherwise it runs none.
+    The caller still decides what it commits: a staged verdict it does not use is rolled
+    back by its next message (start = its committed length).
+    """
+
+    session_id: str
+    committed_length: int
+    candidates: tuple[StagedRound, ...]
+
+
+@dataclass(frozen=True)
+class StagedOutcome:
+    """What the target did with a StageRequest: the candidate it verified (and the verdict), or none."""
+
+    candidate: int  # index into StageRequest.candidates; -1: none ran
+    outcome: VerifyOutcome | None = None
+
+    NONE: ClassVar[StagedOutcome]
+
+
+StagedOutcome.NONE = StagedOutcome(-1)
 
 
 @dataclass(frozen=True)

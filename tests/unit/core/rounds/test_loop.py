@@ -120,6 +120,34 @@ def test_bonus_match_hits_only_when_every_draft_and_the_guess_are_right() -> Non
     assert set(r.stats.pipeline_hits_by_outcome) == {"3:bonus"}
 
 
+@pytest.mark.parametrize("pipeline", ["bonus-match", "spec-cache"])
+def test_pre_drafts_ready_before_the_verdict_are_staged_and_the_target_verifies_them_itself(pipeline: str) -> None:
+    """A pre-draft that lands while its round is still being verified is staged at the target, which verifies
+    the one its own verdict names at once: the next round commits that verdict with no verify call of its own.
+    The output stays the target's own chain, and a staged candidate the verdict does not name never runs."""
+    target = FakeTarget(Script(latency_s=0.02))  # the verify outlasts the pre-draft (1 ms a call)
+    r, records, _ = run(spec(80, pipeline=pipeline), target, FakeDraft())
+    assert r.generation.generated == expected(80) and target.violations == []
+    check_records(r, records)
+    staged = [rec for rec in records if rec.staged]
+    assert target.stages and target.staged_runs > 0 and staged
+    assert all(rec.pipeline_hit is not None for rec in staged)  # only a pre-draft's round can be staged
+    assert len(staged) <= target.staged_runs  # a staged verdict the loop did not use is rolled back
+    for stage in target.stages:  # candidates differ by the verdict they assume
+        keys = [(c.accepted, c.token_id) for c in stage.candidates]
+        assert len(keys) == len(set(keys))
+    hits = [rec for rec in records if rec.pipeline_hit is not None]
+    assert len(staged) == len(hits)  # every hit here was staged in time (the verify is the slow side)
+
+
+def test_a_pre_draft_that_lands_after_the_verdict_is_not_staged() -> None:
+    """When the draft is the slow side, the loop knows the verdict first and verifies the hit itself."""
+    target = FakeTarget(Script(latency_s=0.001))
+    r, records, _ = run(spec(60, pipeline="bonus-match"), target, FakeDraft(Script(latency_s=0.02)))
+    assert r.generation.generated == expected(60) and target.violations == []
+    assert r.stats.pipeline_hits > 0 and not target.stages and not any(rec.staged for rec in records)
+
+
 def test_post_verify_defers_the_bonus_and_verifies_the_pre_draft_in_its_place() -> None:
     target = FakeTarget()
     r, records, _ = run(spec(80, pipeline="post-verify"), target, FakeDraft())

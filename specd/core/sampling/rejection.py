@@ -32,13 +32,15 @@ p itself (temperature, top-k, top-p, min-p; greedy as the limit case) is
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 from torch import Tensor
 
-from specd.core.errors import InvalidArgument
-from specd.core.sampling.sampler import Role, coins, sample_from_probs
+from specd.core.errors import Internal, InvalidArgument
+from specd.core.sampling.sampler import Role, host_coins, sample_from_probs
 
 __all__ = ["SparseProposal", "Verdict", "rejection_sample"]
 
@@ -86,8 +88,58 @@ def rejection_sample(
     num_draft:       [B] int64 real drafts per row (default K); slots >= num_draft[b] are
                      padding: never accepted, q = 0 there, so stopping at i = num_draft[b]
                      draws the bonus from p_i.
+
+    What reads p over the vocabulary runs where p lives: one gather of the K values p_i(x_i),
+    and the one row p_j the emitted token is drawn from (its residual differs from p_j only on
+    q_j's support, so only those entries are rewritten). The verdict's small numbers ([B, K]
+    and [B, K, W]) are worked on the host, in float64, with the same arithmetic as the dense
+    formulas above (tests/unit/core/sampling/test_rejection.py checks it against them).
     """
-    # ---- validate ----
+    B, K, V = _check_shapes(target_probs, draft_token_ids, seeds, start_positions)
+    dev = target_probs.device
+    nd = _num_draft(num_draft, B, K)  # [B]
+    ids = draft_token_ids.detach().to("cpu", torch.int64).numpy()  # [B, K]
+    real = np.arange(K)[None, :] < nd[:, None]  # [B, K] real (non-padding) drafts
+    bad = real & ((ids < 0) | (ids >= V))
+    if bad.any():
+        raise InvalidArgument(f"draft token ids must be in [0, V={V}): {_first_bad(bad, ids)}")
+    x = np.where(real, ids, 0)  # [B, K] padding -> a safe id
+    q_ids, q = _dense_q(proposal, x, real, V)  # [B, K, W] each: q = wire / sum(wire) (float64), 0 on padding
+    q_x = (q * (q_ids == x[..., None])).sum(-1)  # [B, K] duplicates add up
+    bad = real & (q_x <= 0)
+    if bad.any():
+        raise InvalidArgument(f"a draft token must be in its own proposal's support (q > 0): {_first_bad(bad, ids)}")
+
+    # ---- accept: u < min(1, p(x) / q(x)) ----
+    p_x = _probs_at(target_probs, x)  # [B, K] float64 p_i(x_i)
+    seed = seeds.detach().to("cpu", torch.int64).numpy()  # [B]
+    start = start_positions.detach().to("cpu", torch.int64).numpy()  # [B]
+    u_acc = host_coins(seed, start[:, None] + np.arange(K)[None, :], Role.ACCEPT)  # [B, K]
+    ratio = p_x / np.where(real, q_x, 1.0)  # [B, K]
+    accepted = real & (u_acc < np.minimum(ratio, 1.0))  # [B, K]
+    num_accepted = np.cumprod(accepted, axis=-1).sum(-1).astype(np.int64)  # [B] leading run of accepts
+    is_bonus = num_accepted == nd  # [B]
+    j = num_accepted  # [B] position of the emitted token
+
+    # ---- recovered / bonus: sample normalise(max(0, p_j - q_j)); q_j = 0 for the bonus ----
+    pos_j = (start + j)[:, None]  # [B, 1]
+    u = np.where(is_bonus, host_coins(seed, pos_j, Role.BONUS)[:, 0], host_coins(seed, pos_j, Role.RECOVER)[:, 0])
+    if dev.type == "cpu" and target_probs.dtype in (torch.float32, torch.float64):
+        next_token = torch.from_numpy(_draw_host(target_probs.detach().numpy(), j, ~is_bonus, q_ids, q, u))  # [B]
+    else:
+        residual = _residual(target_probs, j, ~is_bonus, q_ids, q)  # [B, V] float64
+        next_token = sample_from_probs(residual, torch.from_numpy(u).to(dev))  # [B]
+    return Verdict(
+        num_accepted=torch.from_numpy(num_accepted).to(dev),
+        next_token=next_token,
+        is_bonus=torch.from_numpy(is_bonus).to(dev),
+    )
+
+
+def _check_shapes(
+    target_probs: Tensor, draft_token_ids: Tensor, seeds: Tensor, start_positions: Tensor
+) -> tuple[int, int, int]:
+    """(B, K, V) of a verify's inputs, or InvalidArgument naming the one out of shape."""
     _require(target_probs.dim() == 3, f"target_probs must be [B, K+1, V], got {tuple(target_probs.shape)}")
     B, K1, V = target_probs.shape
     K = K1 - 1
@@ -101,81 +153,125 @@ def rejection_sample(
     assert target_probs.is_floating_point(), f"target_probs must be floating point, got {target_probs.dtype}"
     assert not draft_token_ids.is_floating_point() and not seeds.is_floating_point()
     assert not start_positions.is_floating_point()
-    dev = target_probs.device
+    return B, K, V
+
+
+def _num_draft(num_draft: Tensor | None, B: int, K: int) -> np.ndarray:
+    """[B] int64 real drafts per row (default K), checked to be in [0, K]."""
     if num_draft is None:
-        num_draft = torch.full((B,), K, dtype=torch.int64, device=dev)
+        return np.full(B, K, dtype=np.int64)
     _require(num_draft.shape == (B,), f"num_draft must be [B]=[{B}], got {tuple(num_draft.shape)}")
-    num_draft = num_draft.to(device=dev, dtype=torch.int64)
-    _require(bool(((num_draft >= 0) & (num_draft <= K)).all()), f"num_draft must be in [0, K={K}]")
-    draft_token_ids = draft_token_ids.to(device=dev, dtype=torch.int64)
-    pos_k = torch.arange(K, device=dev)  # [K]
-    real = pos_k[None, :] < num_draft[:, None]  # [B, K] real (non-padding) drafts
-    bad = real & ((draft_token_ids < 0) | (draft_token_ids >= V))
-    if bool(bad.any()):
-        raise InvalidArgument(f"draft token ids must be in [0, V={V}): {_first_bad(bad, draft_token_ids)}")
-    x = torch.where(real, draft_token_ids, 0)  # [B, K] padding -> a safe id
+    nd = num_draft.detach().to("cpu", torch.int64).numpy()
+    _require(bool(((nd >= 0) & (nd <= K)).all()), f"num_draft must be in [0, K={K}]")
+    return nd
 
-    p = target_probs  # [B, K+1, V]
-    p_x = p[:, :K].gather(-1, x[..., None]).squeeze(-1).to(torch.float64)  # [B, K] p_i(x_i)
 
-    # ---- q_i(x_i) and the dense q at each position ----
+def _dense_q(proposal: SparseProposal | None, x: np.ndarray, real: np.ndarray, V: int) -> tuple[np.ndarray, np.ndarray]:
+    """The proposal on the host: (ids [B, K, W] int64, q [B, K, W] float64), q = wire / sum(wire), 0 on padding.
+
+    x: [B, K] the draft tokens (padding: 0); real: [B, K] bool. No proposal: q one-hot at x (W = 1).
+    """
+    B, K = x.shape
     if proposal is None:
-        q_x = real.to(torch.float64)  # [B, K] one-hot q: q_i(x_i) = 1
-        q_ids = x[..., None]  # [B, K, 1]
-        q = q_x[..., None]  # [B, K, 1]
-    else:
-        q_ids, q_raw = proposal.token_ids, proposal.probs
-        _require(
-            q_ids.dim() == 3 and q_ids.shape[:2] == (B, K) and q_raw.shape == q_ids.shape,
-            f"proposal token_ids and probs must both be [B, K, W] with B={B}, K={K}, "
-            f"got {tuple(q_ids.shape)} and {tuple(q_raw.shape)}",
-        )
-        q_ids = q_ids.to(device=dev, dtype=torch.int64)
-        q_raw = q_raw.to(device=dev, dtype=torch.float64)
-        _require(bool(((q_ids >= 0) & (q_ids < V)).all()), f"proposal token ids must be in [0, V={V})")
-        _require(bool(((q_raw >= 0) & q_raw.isfinite()).all()), "proposal probabilities must be finite and >= 0")
-        q_sum = q_raw.sum(-1, keepdim=True)  # [B, K, 1]
-        _require(
-            not bool((real & (q_sum[..., 0] <= 0)).any()),
-            "each real draft position needs a proposal with positive mass",
-        )
-        # q = wire / sum(wire) in float64 (the draft sampled from exactly this); padding -> 0.
-        q = torch.where(real[..., None], q_raw / torch.where(q_sum > 0, q_sum, 1.0), 0.0)  # [B, K, W]
-        q_x = (q * (q_ids == x[..., None])).sum(-1)  # [B, K] duplicates add up
-        bad = real & (q_x <= 0)
-        if bool(bad.any()):
-            raise InvalidArgument(
-                f"a draft token must be in its own proposal's support (q > 0): {_first_bad(bad, draft_token_ids)}"
-            )
+        return x[..., None], real.astype(np.float64)[..., None]  # [B, K, 1] each: q_i(x_i) = 1
+    q_ids_t, q_raw_t = proposal.token_ids, proposal.probs
+    _require(
+        q_ids_t.dim() == 3 and q_ids_t.shape[:2] == (B, K) and q_raw_t.shape == q_ids_t.shape,
+        f"proposal token_ids and probs must both be [B, K, W] with B={B}, K={K}, "
+        f"got {tuple(q_ids_t.shape)} and {tuple(q_raw_t.shape)}",
+    )
+    q_ids = q_ids_t.detach().to("cpu", torch.int64).numpy()  # [B, K, W]
+    q_raw = q_raw_t.detach().to("cpu", torch.float64).numpy()  # [B, K, W]
+    _require(bool(((q_ids >= 0) & (q_ids < V)).all()), f"proposal token ids must be in [0, V={V})")
+    _require(bool(((q_raw >= 0) & np.isfinite(q_raw)).all()), "proposal probabilities must be finite and >= 0")
+    q_sum = q_raw.sum(-1, keepdims=True)  # [B, K, 1]
+    _require(
+        not bool((real & (q_sum[..., 0] <= 0)).any()), "each real draft position needs a proposal with positive mass"
+    )
+    # q = wire / sum(wire) in float64 (the draft sampled from exactly this); padding -> 0.
+    return q_ids, np.where(real[..., None], q_raw / np.where(q_sum > 0, q_sum, 1.0), 0.0)
 
-    # ---- accept: u < min(1, p(x) / q(x)) ----
-    u_acc = coins(seeds, start_positions[:, None] + pos_k[None, :].to(start_positions.device), Role.ACCEPT)
-    ratio = p_x / torch.where(real, q_x, 1.0)  # [B, K]
-    accepted = real & (u_acc.to(dev) < torch.clamp(ratio, max=1.0))  # [B, K]
-    num_accepted = accepted.to(torch.int64).cumprod(-1).sum(-1)  # [B] leading run of accepts
-    is_bonus = num_accepted == num_draft  # [B]
-    j = num_accepted  # [B] position of the emitted token
 
-    # ---- recovered / bonus: sample normalise(max(0, p_j - q_j)); q_j = 0 for the bonus ----
-    p_j = p.gather(1, j[:, None, None].expand(B, 1, V)).squeeze(1).to(torch.float64)  # [B, V]
-    q_dense = torch.zeros_like(p_j)  # [B, V]
-    if K > 0:
-        jq = torch.clamp(j, max=K - 1)[:, None, None]  # [B, 1, 1] (bonus rows: any, masked below)
-        W = q_ids.shape[-1]
-        ids_j = q_ids.gather(1, jq.expand(B, 1, W)).squeeze(1)  # [B, W]
-        q_j = q.gather(1, jq.expand(B, 1, W)).squeeze(1) * (~is_bonus)[:, None]  # [B, W]
-        q_dense.scatter_add_(-1, ids_j, q_j)
-    residual = torch.clamp(p_j - q_dense, min=0.0)  # [B, V]
+def _probs_at(target_probs: Tensor, x: np.ndarray) -> np.ndarray:
+    """[B, K] float64 p_i(x_i): one gather where p lives, then to the host."""
+    B, K = x.shape
+    if K == 0:
+        return np.zeros((B, 0), dtype=np.float64)
+    idx = torch.from_numpy(x).to(target_probs.device)[..., None]  # [B, K, 1]
+    return target_probs[:, :K].gather(-1, idx)[..., 0].to("cpu", torch.float64).numpy()
+
+
+def _residual(target_probs: Tensor, j: np.ndarray, rejected: np.ndarray, q_ids: np.ndarray, q: np.ndarray) -> Tensor:
+    """[B, V] float64: max(0, p_j - q_j) on rows with a rejection, p_j on the others (the bonus).
+
+    The dense q_j is 0 off its support, where max(0, p_j - 0) = p_j: only the support's entries
+    change. A row left without mass (p == q up to rounding) falls back to p_j (ZERO_RESIDUAL).
+    """
+    B, _, V = target_probs.shape
+    dev = target_probs.device
+    rows = torch.arange(B, device=dev)
+    residual = target_probs[rows, torch.from_numpy(j).to(dev)].to(torch.float64)  # [B, V] p_j (a copy)
+    rec = np.flatnonzero(rejected)  # rows that draw a recovered token (j < K)
+    if rec.size == 0:
+        return residual
+    jr = j[rec]  # [R]
+    at = torch.from_numpy((rec[:, None] * V + q_ids[rec, jr]).ravel()).to(dev)  # [R*W] into residual.view(-1)
+    # q_j dense on its rows, as the dense formula builds it: 0 + each slot's q in slot order.
+    q_dense = torch.zeros(B * V, dtype=torch.float64, device=dev).index_add_(
+        0, at, torch.from_numpy(q[rec, jr].ravel()).to(dev)
+    )
+    res = residual.view(-1)
+    res[at] = torch.clamp(res[at] - q_dense[at], min=0.0)  # a duplicate id writes the same number twice
     # Guard: p == q up to rounding leaves no residual mass: sample from p.
-    residual = torch.where(residual.sum(-1, keepdim=True) > ZERO_RESIDUAL, residual, p_j)
-
-    pos_j = (start_positions.to(dev) + j)[:, None]  # [B, 1]
-    u_rec = coins(seeds, pos_j, Role.RECOVER)[:, 0].to(dev)
-    u_bon = coins(seeds, pos_j, Role.BONUS)[:, 0].to(dev)
-    next_token = sample_from_probs(residual, torch.where(is_bonus, u_bon, u_rec))  # [B]
-    return Verdict(num_accepted=num_accepted, next_token=next_token, is_bonus=is_bonus)
+    empty = rec[residual.sum(-1).cpu().numpy()[rec] <= ZERO_RESIDUAL]
+    for b in empty.tolist():
+        residual[b] = target_probs[b, int(j[b])].to(torch.float64)
+    return residual
 
 
-def _first_bad(bad: Tensor, ids: Tensor) -> str:
-    b, i = (int(v) for v in bad.nonzero()[0])
+def _draw_host(
+    p: np.ndarray, j: np.ndarray, rejected: np.ndarray, q_ids: np.ndarray, q: np.ndarray, u: np.ndarray
+) -> np.ndarray:
+    """[B] int64: each row's recovered or bonus token, drawn on the host (p [B, K+1, V] in host memory).
+
+    Row by row, the same numbers as _residual then sampler.sample_from_probs: the residual in
+    float64 (p_j with q_j's support rewritten), the guard on its sum (torch's, as there), the
+    left-to-right cumulative sum, the first index whose cdf exceeds u * total, and the last token
+    with mass if u * total rounds up to the total. Only one float64 row is made per row.
+    """
+    out = np.empty(p.shape[0], dtype=np.int64)
+    for b in range(p.shape[0]):
+        r = _residual_row(p, b, int(j[b]), bool(rejected[b]), q_ids, q)  # [V] float64, our own copy
+        cdf = np.cumsum(r, out=r)  # in place: r is rebuilt below in the rare case it is needed again
+        total = float(cdf[-1])
+        if not (total > 0 and math.isfinite(total)):
+            raise Internal("a distribution to sample from has no finite positive mass")
+        at = int(np.searchsorted(cdf, u[b] * total, side="right"))  # the first cdf > u * total
+        if at >= cdf.size:  # u * total rounded up to the total: the last token with mass
+            mass = _residual_row(p, b, int(j[b]), bool(rejected[b]), q_ids, q) > 0
+            at = cdf.size - 1 - int(np.argmax(mass[::-1]))
+        out[b] = at
+    return out
+
+
+def _residual_row(p: np.ndarray, b: int, j: int, rejected: bool, q_ids: np.ndarray, q: np.ndarray) -> np.ndarray:
+    """[V] float64 row b of _residual: max(0, p_j - q_j), or p_j (the bonus, or no residual mass)."""
+    r = p[b, j].astype(np.float64)  # [V] p_j (a copy)
+    if not rejected:
+        return r
+    live = q[b, j] > 0  # [W] slots with mass: a zero adds nothing to q_dense
+    ids, qv = q_ids[b, j][live], q[b, j][live]
+    ordered = np.sort(ids)
+    if (ordered[1:] == ordered[:-1]).any():  # an id twice: q_dense adds them up, in slot order
+        ids, where = np.unique(ids, return_inverse=True)
+        qv = np.bincount(where, weights=qv, minlength=ids.size)
+    r[ids] = np.maximum(r[ids] - qv, 0.0)
+    # Guard: p == q up to rounding leaves no residual mass: sample from p (torch's sum, as _residual).
+    if not float(torch.from_numpy(r).sum()) > ZERO_RESIDUAL:
+        return p[b, j].astype(np.float64)
+    return r
+
+
+def _first_bad(bad: np.ndarray, ids: np.ndarray) -> str:
+    b, i = (int(v) for v in np.argwhere(bad)[0])
     return f"row {b}, draft {i} has token id {int(ids[b, i])}"

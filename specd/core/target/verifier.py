@@ -130,7 +130,6 @@ class Verifier(PooledModel[_TargetSession]):
         """
         ready = [(r.index, r.session) for r in part]
         ks = [len(requests[i].proposal) for i, _ in ready]
-        k_max = max(ks)
         batch_tokens = sum(len(s.kv.tokens) - s.kv.cached for _, s in ready)  # positions the forward runs
         for i, _ in ready:
             logs[i].batch_tokens = batch_tokens
@@ -146,9 +145,7 @@ class Verifier(PooledModel[_TargetSession]):
         else:
             # Pad each row to K_max + 1 positions (repeating its last row: never read, the
             # sampler stops at num_draft) and each q to the widest W; q = 0 on padding.
-            rows = torch.stack(
-                [torch.cat([lg, lg[-1:].expand(k_max - k, -1)]) if k < k_max else lg for lg, k in zip(logits, ks)]
-            )  # [B, K_max+1, V]
+            rows = _padded(logits, ks)  # [B, K_max+1, V]
             p = sampler.processed_probs(rows, [s.params for _, s in ready])  # [B, K_max+1, V]
             # A row whose numbers are not finite fails its own request only; the others go on.
             verdicts = dict(sampler.unusable_rows(rows, p))
@@ -192,13 +189,15 @@ class Verifier(PooledModel[_TargetSession]):
         if not rows:
             return {}
         k_max = p.shape[1] - 1
-        idx = torch.tensor(rows, dtype=torch.int64)
+        p_rows = p  # [B', K_max+1, V]
+        if rows != list(range(p.shape[0])):  # some rows failed already, or one alone: those rows only (a copy)
+            p_rows = p[torch.tensor(rows, dtype=torch.int64, device=p.device)]
         drafts = torch.zeros(len(rows), k_max, dtype=torch.int64)  # [B', K_max]
         for r, b in enumerate(rows):
             drafts[r, : ks[b]] = torch.tensor(requests[ready[b][0]].proposal.token_ids, dtype=torch.int64)
         try:
             v = rejection_sample(
-                p[idx],
+                p_rows,
                 drafts,
                 _sparse_batch([requests[ready[b][0]].proposal for b in rows], k_max),
                 seeds=torch.tensor([ready[b][1].params.seed for b in rows], dtype=torch.int64),
@@ -330,6 +329,17 @@ class Verifier(PooledModel[_TargetSession]):
             return out
         out.update({rows[r]: v.row(j) for j, r in enumerate(keep)})
         return out
+
+
+def _padded(logits: Sequence[torch.Tensor], ks: Sequence[int]) -> torch.Tensor:
+    """B x [K_b+1, V] -> [B, K_max+1, V], each row padded by repeating its last row (never read:
+    the sampler stops at num_draft); a batch of one needs no copy."""
+    k_max = max(ks)
+    if len(logits) == 1:
+        return logits[0][None]
+    return torch.stack(
+        [torch.cat([lg, lg[-1:].expand(k_max - k, -1)]) if k < k_max else lg for lg, k in zip(logits, ks)]
+    )
 
 
 def _sparse_batch(proposals: Sequence[Proposal], k_max: int) -> SparseProposal | None:

@@ -33,6 +33,7 @@ p itself (temperature, top-k, top-p, min-p; greedy as the limit case) is
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -42,7 +43,7 @@ from torch import Tensor
 from specd.core.errors import Internal, InvalidArgument
 from specd.core.sampling.sampler import Role, host_coins, sample_from_probs
 
-__all__ = ["SparseProposal", "Verdict", "rejection_sample"]
+__all__ = ["SparseProposal", "TargetRows", "Verdict", "rejection_sample"]
 
 # Below this residual mass, p == q up to rounding: sample from p instead.
 ZERO_RESIDUAL = 1e-12
@@ -70,8 +71,31 @@ class Verdict:
     is_bonus: Tensor  # [B] bool: all drafts accepted, next_token drawn from p_{num_draft}
 
 
+@dataclass(frozen=True)
+class TargetRows:
+    """The target's processed p for a round, read by (row, position) only where the verdict needs it.
+
+    shape:  (B, K+1, V)
+    device: where the rows are read to
+    read:   (rows [n] int64, positions [n] int64) -> p at those (row, position) pairs, [n, V]
+            (it may raise for a row whose p cannot be sampled: the caller finds which)
+    """
+
+    shape: tuple[int, int, int]
+    device: torch.device
+    read: Callable[[np.ndarray, np.ndarray], Tensor]
+
+    @staticmethod
+    def dense(p: Tensor) -> TargetRows:
+        """Rows of a whole [B, K+1, V] tensor."""
+        _require(p.dim() == 3, f"target_probs must be [B, K+1, V], got {tuple(p.shape)}")
+        assert p.is_floating_point(), f"target_probs must be floating point, got {p.dtype}"
+        B, K1, V = p.shape
+        return TargetRows((B, K1, V), p.device, lambda b, i: p[torch.from_numpy(b), torch.from_numpy(i)])
+
+
 def rejection_sample(
-    target_probs: Tensor,
+    target_probs: Tensor | TargetRows,
     draft_token_ids: Tensor,
     proposal: SparseProposal | None,
     seeds: Tensor,
@@ -81,6 +105,7 @@ def rejection_sample(
     """Verify draft tokens against the target's p (see the module docstring).
 
     target_probs:    [B, K+1, V] float32 processed p at each draft position and one more
+                     (or TargetRows: the same numbers, read on demand)
     draft_token_ids: [B, K] int64
     proposal:        sparse q per position ([B, K, W]); None => q one-hot at the draft token
     seeds:           [B] int64 request seeds
@@ -89,14 +114,14 @@ def rejection_sample(
                      padding: never accepted, q = 0 there, so stopping at i = num_draft[b]
                      draws the bonus from p_i.
 
-    What reads p over the vocabulary runs where p lives: one gather of the K values p_i(x_i),
-    and the one row p_j the emitted token is drawn from (its residual differs from p_j only on
-    q_j's support, so only those entries are rewritten). The verdict's small numbers ([B, K]
-    and [B, K, W]) are worked on the host, in float64, with the same arithmetic as the dense
-    formulas above (tests/unit/core/sampling/test_rejection.py checks it against them).
+    p is read only where the verdict depends on it: position i of row b while the drafts before
+    i were accepted (the value p_i(x_i)), and the row p_j the emitted token is drawn from (its
+    residual differs from p_j only on q_j's support, so only those entries are rewritten). The
+    verdict's small numbers ([B, K] and [B, K, W]) are worked on the host, in float64, with the
+    same arithmetic as the dense formulas above (tests/unit/core/sampling/reference.py).
     """
-    B, K, V = _check_shapes(target_probs, draft_token_ids, seeds, start_positions)
-    dev = target_probs.device
+    rows = target_probs if isinstance(target_probs, TargetRows) else TargetRows.dense(target_probs)
+    B, K, V = _check_shapes(rows.shape, draft_token_ids, seeds, start_positions)
     nd = _num_draft(num_draft, B, K)  # [B]
     ids = draft_token_ids.detach().to("cpu", torch.int64).numpy()  # [B, K]
     real = np.arange(K)[None, :] < nd[:, None]  # [B, K] real (non-padding) drafts
@@ -109,48 +134,61 @@ def rejection_sample(
     bad = real & (q_x <= 0)
     if bad.any():
         raise InvalidArgument(f"a draft token must be in its own proposal's support (q > 0): {_first_bad(bad, ids)}")
-
-    # ---- accept: u < min(1, p(x) / q(x)) ----
-    p_x = _probs_at(target_probs, x)  # [B, K] float64 p_i(x_i)
     seed = seeds.detach().to("cpu", torch.int64).numpy()  # [B]
     start = start_positions.detach().to("cpu", torch.int64).numpy()  # [B]
+
+    # ---- accept: u < min(1, p(x) / q(x)), position by position, while the run of accepts lasts ----
     u_acc = host_coins(seed, start[:, None] + np.arange(K)[None, :], Role.ACCEPT)  # [B, K]
-    ratio = p_x / np.where(real, q_x, 1.0)  # [B, K]
-    accepted = real & (u_acc < np.minimum(ratio, 1.0))  # [B, K]
-    num_accepted = np.cumprod(accepted, axis=-1).sum(-1).astype(np.int64)  # [B] leading run of accepts
+    num_accepted = np.zeros(B, dtype=np.int64)  # [B] leading run of accepts
+    p_j: list[Tensor | None] = [None] * B  # [V] each: the row the emitted token is drawn from
+    for i in range(K):
+        act = np.flatnonzero(num_accepted == i)  # rows whose drafts before i were all accepted
+        act = act[real[act, i]]  # padding ends a run: those rows take the bonus at num_draft
+        if act.size == 0:
+            break
+        p_i = rows.read(act, np.full(act.size, i))  # [n, V]
+        at = torch.from_numpy(x[act, i]).to(p_i.device)[:, None]  # [n, 1]
+        p_x = p_i.gather(-1, at)[:, 0].to("cpu", torch.float64).numpy()  # [n] p_i(x_i)
+        ok = u_acc[act, i] < np.minimum(p_x / q_x[act, i], 1.0)  # [n]
+        num_accepted[act[ok]] += 1
+        for n in np.flatnonzero(~ok).tolist():
+            p_j[int(act[n])] = p_i[n]  # rejected at i: the recovered token is drawn at i
     is_bonus = num_accepted == nd  # [B]
     j = num_accepted  # [B] position of the emitted token
+    bonus = np.flatnonzero(is_bonus)
+    if bonus.size:
+        for n, row in enumerate(rows.read(bonus, j[bonus])):
+            p_j[int(bonus[n])] = row
 
     # ---- recovered / bonus: sample normalise(max(0, p_j - q_j)); q_j = 0 for the bonus ----
     pos_j = (start + j)[:, None]  # [B, 1]
     u = np.where(is_bonus, host_coins(seed, pos_j, Role.BONUS)[:, 0], host_coins(seed, pos_j, Role.RECOVER)[:, 0])
-    if dev.type == "cpu" and target_probs.dtype in (torch.float32, torch.float64):
-        next_token = torch.from_numpy(_draw_host(target_probs.detach().numpy(), j, ~is_bonus, q_ids, q, u))  # [B]
-    else:
-        residual = _residual(target_probs, j, ~is_bonus, q_ids, q)  # [B, V] float64
-        next_token = sample_from_probs(residual, torch.from_numpy(u).to(dev))  # [B]
+    jq = np.minimum(j, max(K - 1, 0))  # [B] (bonus rows: any, unused)
+    q_ids_j = q_ids[np.arange(B), jq] if K else np.zeros((B, 0), dtype=np.int64)  # [B, W]
+    q_j = q[np.arange(B), jq] if K else np.zeros((B, 0))  # [B, W]
+    emitted = [row for row in p_j if row is not None]
+    assert len(emitted) == B
+    next_token = _draw(emitted, ~is_bonus, q_ids_j, q_j, u)  # [B]
     return Verdict(
-        num_accepted=torch.from_numpy(num_accepted).to(dev),
-        next_token=next_token,
-        is_bonus=torch.from_numpy(is_bonus).to(dev),
+        num_accepted=torch.from_numpy(num_accepted).to(rows.device),
+        next_token=next_token.to(rows.device),
+        is_bonus=torch.from_numpy(is_bonus).to(rows.device),
     )
 
 
 def _check_shapes(
-    target_probs: Tensor, draft_token_ids: Tensor, seeds: Tensor, start_positions: Tensor
+    shape: tuple[int, int, int], draft_token_ids: Tensor, seeds: Tensor, start_positions: Tensor
 ) -> tuple[int, int, int]:
     """(B, K, V) of a verify's inputs, or InvalidArgument naming the one out of shape."""
-    _require(target_probs.dim() == 3, f"target_probs must be [B, K+1, V], got {tuple(target_probs.shape)}")
-    B, K1, V = target_probs.shape
+    B, K1, V = shape
     K = K1 - 1
-    _require(K >= 0 and V > 0, f"target_probs must have K+1 >= 1 positions and V >= 1, got {tuple(target_probs.shape)}")
+    _require(K >= 0 and V > 0, f"target_probs must have K+1 >= 1 positions and V >= 1, got {tuple(shape)}")
     _require(
         draft_token_ids.shape == (B, K),
         f"draft_token_ids must be [B, K]=[{B}, {K}] to match target_probs, got {tuple(draft_token_ids.shape)}",
     )
     _require(seeds.shape == (B,), f"seeds must be [B]=[{B}], got {tuple(seeds.shape)}")
     _require(start_positions.shape == (B,), f"start_positions must be [B]=[{B}], got {tuple(start_positions.shape)}")
-    assert target_probs.is_floating_point(), f"target_probs must be floating point, got {target_probs.dtype}"
     assert not draft_token_ids.is_floating_point() and not seeds.is_floating_point()
     assert not start_positions.is_floating_point()
     return B, K, V
@@ -182,9 +220,15 @@ def _dense_q(proposal: SparseProposal | None, x: np.ndarray, real: np.ndarray, V
     )
     q_ids = q_ids_t.detach().to("cpu", torch.int64).numpy()  # [B, K, W]
     q_raw = q_raw_t.detach().to("cpu", torch.float64).numpy()  # [B, K, W]
-    _require(bool(((q_ids >= 0) & (q_ids < V)).all()), f"proposal token ids must be in [0, V={V})")
-    _require(bool(((q_raw >= 0) & np.isfinite(q_raw)).all()), "proposal probabilities must be finite and >= 0")
+    _require(
+        q_ids.size == 0 or 0 <= int(q_ids.min()) <= int(q_ids.max()) < V, f"proposal token ids must be in [0, V={V})"
+    )
     q_sum = q_raw.sum(-1, keepdims=True)  # [B, K, 1]
+    # Non-negative float32 numbers sum to a finite float64 unless one is NaN or infinite.
+    _require(
+        q_raw.size == 0 or (float(q_raw.min()) >= 0 and bool(np.isfinite(q_sum).all())),
+        "proposal probabilities must be finite and >= 0",
+    )
     _require(
         not bool((real & (q_sum[..., 0] <= 0)).any()), "each real draft position needs a proposal with positive mass"
     )
@@ -192,83 +236,84 @@ def _dense_q(proposal: SparseProposal | None, x: np.ndarray, real: np.ndarray, V
     return q_ids, np.where(real[..., None], q_raw / np.where(q_sum > 0, q_sum, 1.0), 0.0)
 
 
-def _probs_at(target_probs: Tensor, x: np.ndarray) -> np.ndarray:
-    """[B, K] float64 p_i(x_i): one gather where p lives, then to the host."""
-    B, K = x.shape
-    if K == 0:
-        return np.zeros((B, 0), dtype=np.float64)
-    idx = torch.from_numpy(x).to(target_probs.device)[..., None]  # [B, K, 1]
-    return target_probs[:, :K].gather(-1, idx)[..., 0].to("cpu", torch.float64).numpy()
+def _draw(p_j: list[Tensor], rejected: np.ndarray, q_ids: np.ndarray, q: np.ndarray, u: np.ndarray) -> Tensor:
+    """[B] int64: each row's recovered (rejected) or bonus token, drawn from max(0, p_j - q_j) or p_j.
+
+    p_j: B rows [V] of p; q_ids, q: [B, W] q_j (float64); u: [B] float64 coins. Rows in host
+    memory are drawn in numpy, others by the torch path; the same numbers either way.
+    """
+    if all(row.device.type == "cpu" and row.dtype in (torch.float32, torch.float64) for row in p_j):
+        out = [
+            _draw_host(row.detach().numpy(), bool(rejected[b]), q_ids[b], q[b], float(u[b]))
+            for b, row in enumerate(p_j)
+        ]
+        return torch.tensor(out, dtype=torch.int64)
+    residual = _residual(torch.stack(p_j), rejected, q_ids, q)  # [B, V] float64
+    return sample_from_probs(residual, torch.from_numpy(u).to(residual.device))
 
 
-def _residual(target_probs: Tensor, j: np.ndarray, rejected: np.ndarray, q_ids: np.ndarray, q: np.ndarray) -> Tensor:
+def _residual(p_j: Tensor, rejected: np.ndarray, q_ids: np.ndarray, q: np.ndarray) -> Tensor:
     """[B, V] float64: max(0, p_j - q_j) on rows with a rejection, p_j on the others (the bonus).
 
     The dense q_j is 0 off its support, where max(0, p_j - 0) = p_j: only the support's entries
     change. A row left without mass (p == q up to rounding) falls back to p_j (ZERO_RESIDUAL).
     """
-    B, _, V = target_probs.shape
-    dev = target_probs.device
-    rows = torch.arange(B, device=dev)
-    residual = target_probs[rows, torch.from_numpy(j).to(dev)].to(torch.float64)  # [B, V] p_j (a copy)
+    B, V = p_j.shape
+    dev = p_j.device
+    residual = p_j.to(torch.float64)  # [B, V] (a copy)
     rec = np.flatnonzero(rejected)  # rows that draw a recovered token (j < K)
     if rec.size == 0:
         return residual
-    jr = j[rec]  # [R]
-    at = torch.from_numpy((rec[:, None] * V + q_ids[rec, jr]).ravel()).to(dev)  # [R*W] into residual.view(-1)
+    at = torch.from_numpy((rec[:, None] * V + q_ids[rec]).ravel()).to(dev)  # [R*W] into residual.view(-1)
     # q_j dense on its rows, as the dense formula builds it: 0 + each slot's q in slot order.
     q_dense = torch.zeros(B * V, dtype=torch.float64, device=dev).index_add_(
-        0, at, torch.from_numpy(q[rec, jr].ravel()).to(dev)
+        0, at, torch.from_numpy(q[rec].ravel()).to(dev)
     )
     res = residual.view(-1)
     res[at] = torch.clamp(res[at] - q_dense[at], min=0.0)  # a duplicate id writes the same number twice
     # Guard: p == q up to rounding leaves no residual mass: sample from p.
     empty = rec[residual.sum(-1).cpu().numpy()[rec] <= ZERO_RESIDUAL]
     for b in empty.tolist():
-        residual[b] = target_probs[b, int(j[b])].to(torch.float64)
+        residual[b] = p_j[b].to(torch.float64)
     return residual
 
 
-def _draw_host(
-    p: np.ndarray, j: np.ndarray, rejected: np.ndarray, q_ids: np.ndarray, q: np.ndarray, u: np.ndarray
-) -> np.ndarray:
-    """[B] int64: each row's recovered or bonus token, drawn on the host (p [B, K+1, V] in host memory).
+def _draw_host(p: np.ndarray, rejected: bool, q_ids: np.ndarray, q: np.ndarray, u: float) -> int:
+    """One row's token, drawn on the host: the same numbers as _residual then sampler.sample_from_probs.
 
-    Row by row, the same numbers as _residual then sampler.sample_from_probs: the residual in
-    float64 (p_j with q_j's support rewritten), the guard on its sum (torch's, as there), the
-    left-to-right cumulative sum, the first index whose cdf exceeds u * total, and the last token
-    with mass if u * total rounds up to the total. Only one float64 row is made per row.
+    p: [V] the row p_j; q_ids, q: [W] q_j. The residual in float64 (p_j with q_j's support
+    rewritten), the guard on its sum (torch's, as there), the left-to-right cumulative sum, the
+    first index whose cdf exceeds u * total, and the last token with mass if u * total rounds up
+    to the total (the row is rebuilt for that: the cumulative sum overwrites it). One float64 row is made.
     """
-    out = np.empty(p.shape[0], dtype=np.int64)
-    for b in range(p.shape[0]):
-        r = _residual_row(p, b, int(j[b]), bool(rejected[b]), q_ids, q)  # [V] float64, our own copy
-        cdf = np.cumsum(r, out=r)  # in place: r is rebuilt below in the rare case it is needed again
-        total = float(cdf[-1])
-        if not (total > 0 and math.isfinite(total)):
-            raise Internal("a distribution to sample from has no finite positive mass")
-        at = int(np.searchsorted(cdf, u[b] * total, side="right"))  # the first cdf > u * total
-        if at >= cdf.size:  # u * total rounded up to the total: the last token with mass
-            mass = _residual_row(p, b, int(j[b]), bool(rejected[b]), q_ids, q) > 0
-            at = cdf.size - 1 - int(np.argmax(mass[::-1]))
-        out[b] = at
-    return out
+    r = _residual_row(p, rejected, q_ids, q)  # [V] float64, our own copy
+    cdf = torch.from_numpy(r).cumsum_(0).numpy()  # in place (torch's kernel: np.cumsum's sums, ~3x faster)
+    total = float(cdf[-1])
+    if not (total > 0 and math.isfinite(total)):
+        raise Internal("a distribution to sample from has no finite positive mass")
+    at = int(np.searchsorted(cdf, u * total, side="right"))  # the first cdf > u * total
+    if at >= cdf.size:  # u * total rounded up to the total: the last token with mass
+        mass = _residual_row(p, rejected, q_ids, q) > 0
+        at = cdf.size - 1 - int(np.argmax(mass[::-1]))
+    return at
 
 
-def _residual_row(p: np.ndarray, b: int, j: int, rejected: bool, q_ids: np.ndarray, q: np.ndarray) -> np.ndarray:
-    """[V] float64 row b of _residual: max(0, p_j - q_j), or p_j (the bonus, or no residual mass)."""
-    r = p[b, j].astype(np.float64)  # [V] p_j (a copy)
+def _residual_row(p: np.ndarray, rejected: bool, q_ids: np.ndarray, q: np.ndarray) -> np.ndarray:
+    """[V] float64: one row of _residual: max(0, p - q), or p (the bonus, or no residual mass)."""
+    r = p.astype(np.float64)  # [V] (a copy)
     if not rejected:
         return r
-    live = q[b, j] > 0  # [W] slots with mass: a zero adds nothing to q_dense
-    ids, qv = q_ids[b, j][live], q[b, j][live]
-    ordered = np.sort(ids)
-    if (ordered[1:] == ordered[:-1]).any():  # an id twice: q_dense adds them up, in slot order
+    live = q > 0  # [W] slots with mass: a zero adds nothing to q_dense
+    ids, qv = q_ids[live], q[live]
+    seen = np.zeros(r.size, dtype=np.bool_)  # [V]
+    seen[ids] = True
+    if np.count_nonzero(seen) < ids.size:  # an id twice: q_dense adds them up, in slot order
         ids, where = np.unique(ids, return_inverse=True)
         qv = np.bincount(where, weights=qv, minlength=ids.size)
     r[ids] = np.maximum(r[ids] - qv, 0.0)
     # Guard: p == q up to rounding leaves no residual mass: sample from p (torch's sum, as _residual).
     if not float(torch.from_numpy(r).sum()) > ZERO_RESIDUAL:
-        return p[b, j].astype(np.float64)
+        return p.astype(np.float64)
     return r
 
 

@@ -40,6 +40,7 @@ __all__ = [
     "MAX_TEMPERATURE",
     "TEMPERATURE_FLOOR",
     "UNUSABLE_LOGITS",
+    "UNUSABLE_PROBS",
     "Role",
     "SamplingParams",
     "coin_values",
@@ -50,6 +51,8 @@ __all__ = [
     "sample_from_probs",
     "sample_sparse",
     "sparse_proposal",
+    "unusable_logits",
+    "unusable_probs",
     "unusable_rows",
 ]
 
@@ -302,10 +305,17 @@ def _plain_softmax(params: Sequence[SamplingParams]) -> bool:
 UNUSABLE_LOGITS = "the model's logits for this request are not finite"
 
 
-def unusable_rows(logits: Tensor, probs: Tensor) -> dict[int, SpecdError]:
+# What a request whose processed p is not a distribution is told (its logits were fine).
+UNUSABLE_PROBS = "the sampling distribution for this request is not finite"
+
+
+def unusable_rows(logits: Tensor, probs: Tensor, *, sampled: bool = False) -> dict[int, SpecdError]:
     """The rows of a batch that cannot be sampled, each with the error its request gets.
 
     logits: [B, N, V] the model's raw logits; probs: [B, N, V] processed_probs of them
+    sampled: no row is greedy. A NaN or an infinite logit, or a row of -inf, makes a softmax
+             row NaN, so only a row whose p is bad can have bad logits: the logits are then
+             read only for those rows (to name the error), saving a pass over the batch.
     returns: {row: Internal} for rows whose logits hold NaN or +inf or no finite
              value at some position (a greedy row's argmax would silently pick a
              NaN), or whose processed p is not a distribution (not finite, or no mass).
@@ -314,25 +324,42 @@ def unusable_rows(logits: Tensor, probs: Tensor) -> dict[int, SpecdError]:
     assert logits.shape == probs.shape and logits.dim() == 3, (
         f"logits and probs must both be [B, N, V], got {tuple(logits.shape)} and {tuple(probs.shape)}"
     )
-    x = logits.detach()
-    # One pass each over the logits and p (the precise checks run only on rows these flag):
-    # a row's logit sum is finite unless it holds a NaN or an infinity (or overflows), and a
-    # p row's sum is finite and positive iff the row is finite with mass (p >= 0, sum <= V).
-    # The [B, N] sums are read on the host: a handful of numbers, no further tensor ops.
-    x_sum = x.sum(-1).float().cpu().numpy()  # [B, N]
-    p_sum = probs.detach().sum(-1).float().cpu().numpy()  # [B, N]
-    suspect = ~np.isfinite(x_sum).all(-1)  # [B]
-    bad_probs = ~(np.isfinite(p_sum) & (p_sum > 0)).all(-1)  # [B]
-    out: dict[int, SpecdError] = {}
-    if suspect.any():
-        rows = torch.from_numpy(np.flatnonzero(suspect)).to(x.device)
-        xs = x[rows]
-        bad = (xs.isnan() | (xs == math.inf)).flatten(1).any(-1) | (xs.amax(-1) == -math.inf).any(-1)  # [S]
-        for b in rows[bad].tolist():
-            out[b] = Internal(UNUSABLE_LOGITS)
-    for b in np.flatnonzero(bad_probs).tolist():
-        out.setdefault(b, Internal("the sampling distribution for this request is not finite"))
+    bad_p = unusable_probs(probs)
+    if sampled:
+        if not bad_p:
+            return {}
+        rows = sorted(bad_p)
+        bad_x = unusable_logits(logits[torch.tensor(rows, device=logits.device)])
+        out = {rows[r]: error for r, error in bad_x.items()}
+    else:
+        out = unusable_logits(logits)
+    for b, error in bad_p.items():
+        out.setdefault(b, error)
     return out
+
+
+def unusable_logits(logits: Tensor) -> dict[int, SpecdError]:
+    """unusable_rows' check of the logits alone: {row: Internal(UNUSABLE_LOGITS)} (logits [B, N, V])."""
+    x = logits.detach()
+    # One pass over the logits (the precise check runs only on the rows it flags): a row's sum is
+    # finite unless it holds a NaN or an infinity (or overflows). Its [B, N] sums are read on the host.
+    suspect = ~np.isfinite(x.sum(-1).float().cpu().numpy()).all(-1)  # [B]
+    if not suspect.any():
+        return {}
+    rows = torch.from_numpy(np.flatnonzero(suspect)).to(x.device)
+    xs = x[rows]
+    bad = (xs.isnan() | (xs == math.inf)).flatten(1).any(-1) | (xs.amax(-1) == -math.inf).any(-1)  # [S]
+    return {b: Internal(UNUSABLE_LOGITS) for b in rows[bad].tolist()}
+
+
+def unusable_probs(probs: Tensor) -> dict[int, SpecdError]:
+    """unusable_rows' check of p alone: {row: Internal(UNUSABLE_PROBS)} (probs [B, N, V] or [B, V]).
+
+    A p row's sum is finite and positive iff the row is finite with mass (p >= 0, sum <= V).
+    """
+    p_sum = probs.detach().sum(-1).float().cpu().numpy().reshape(probs.shape[0], -1)  # [B, N]
+    bad = ~(np.isfinite(p_sum) & (p_sum > 0)).all(-1)  # [B]
+    return {b: Internal(UNUSABLE_PROBS) for b in np.flatnonzero(bad).tolist()}
 
 
 # --------------------------------------------------------------------------

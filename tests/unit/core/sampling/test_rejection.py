@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
 from specd.core.errors import InvalidArgument
-from specd.core.sampling.rejection import SparseProposal, Verdict, rejection_sample
+from specd.core.sampling.rejection import SparseProposal, TargetRows, Verdict, rejection_sample
 from specd.core.sampling.sampler import (
     Role,
     coins,
@@ -360,3 +361,22 @@ def test_rejection_sample_table_cases_equal_the_dense_reference() -> None:
                 want.num_accepted.tolist(),
                 want.next_token.tolist(),
             )
+
+
+def test_rows_are_read_only_where_the_verdict_needs_them() -> None:
+    # Position i of a row while its drafts before i were accepted, and where its token is drawn.
+    g = torch.Generator().manual_seed(23)
+    for kind in ("one-hot", "sparse"):
+        for _ in range(40):
+            p, x, prop, seeds, start, nd = _random_round(g, 4, 4, 30, kind)
+            read: list[tuple[int, int]] = []
+
+            def rows(b: np.ndarray, i: np.ndarray, p: torch.Tensor = p, read: list = read) -> torch.Tensor:
+                read.extend(zip(b.tolist(), i.tolist()))
+                return p[torch.from_numpy(b), torch.from_numpy(i)]
+
+            v = rejection_sample(TargetRows(tuple(p.shape), p.device, rows), x, prop, seeds, start, nd)
+            dense = rejection_sample(p, x, prop, seeds, start, nd)
+            assert torch.equal(v.num_accepted, dense.num_accepted) and torch.equal(v.next_token, dense.next_token)
+            want = {(b, i) for b in range(4) for i in range(int(v.num_accepted[b]) + 1)}
+            assert sorted(read) == sorted(want)  # each once

@@ -440,3 +440,7 @@ def test_unusable_rows_names_each_bad_row_once() -> None:
     assert sorted(bad) == [1, 2, 3, 4]
     assert all(sampler.UNUSABLE_LOGITS in str(bad[b]) for b in (1, 2, 3))
     assert "not finite" in str(bad[4]) and sampler.UNUSABLE_LOGITS not in str(bad[4])
+    # No greedy row: the logits are read only where p is bad, with the same answers.
+    sampled = unusable_rows(logits, p, sampled=True)
+    assert {b: str(e) for b, e in sampled.items()} == {b: str(e) for b, e in bad.items()}
+    assert unusable_rows(logits[:1], p[:1], sampled=True) == {}

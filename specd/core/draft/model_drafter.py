@@ -14,6 +14,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Unpack
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -341,11 +342,11 @@ class ModelDrafter(PooledModel[_ModelDraftSession]):
         rest = [a for a in range(len(active)) if not active[a][1].params.is_greedy]
         sampled: dict[QSettings, list[int]] = {}  # rows of `rest` by q settings: each group shares one build
         probs = logits  # [R, V or N]: the processed p of the rest's rows, in their order
+        total = np.zeros(0)  # [R] float64: each row's mass (q's total)
         if rest:
-            rest_logits = _rows(logits, rest)[:, None, :]  # [R, 1, V or N]
-            rest_probs = sampler.processed_probs(rest_logits, [active[a][1].params for a in rest])
-            unusable = sampler.unusable_rows(rest_logits, rest_probs)
-            probs = rest_probs[:, 0]
+            rest_logits = _rows(logits, rest)  # [R, V or N]
+            probs = sampler.processed_probs(rest_logits[:, None], [active[a][1].params for a in rest])[:, 0]
+            total, unusable = sampler.sampled_mass(rest_logits, probs)  # one pass: the check and q's total
             for r, a in enumerate(rest):
                 if r in unusable:
                     failed[active[a][0][0]] = unusable[r]
@@ -354,11 +355,11 @@ class ModelDrafter(PooledModel[_ModelDraftSession]):
         tq = time.perf_counter_ns()
         for settings, group in sampled.items():
             try:
-                self._sample_rows(group, rest, settings, probs, active, drafted, tokens)
+                self._sample_rows(group, rest, settings, probs, total, active, drafted, tokens)
             except Exception:  # noqa: BLE001 - find the row(s) at fault: each alone, the others go on
                 for r in group:
                     try:
-                        self._sample_rows([r], rest, settings, probs, active, drafted, tokens)
+                        self._sample_rows([r], rest, settings, probs, total, active, drafted, tokens)
                     except Exception as exc:  # noqa: BLE001 - this row's sampling failed: its request alone
                         failed[active[rest[r]][0][0]] = exc
         q_ms = (time.perf_counter_ns() - tq) / 1e6
@@ -417,7 +418,7 @@ class ModelDrafter(PooledModel[_ModelDraftSession]):
             ranking, acceptance = calibrated_greedy(logits, columns, acceptance, width)
         else:
             processed = sampler.processed_probs(logits[None], [s.params])  # [1, K+1, V or N]
-            unusable = sampler.unusable_rows(logits[None], processed)
+            unusable = sampler.unusable_rows(logits[None], processed, sampled=True)
             if unusable:
                 raise unusable[0]
             ranking = top_ranking(processed[0], columns, width)
@@ -450,16 +451,17 @@ class ModelDrafter(PooledModel[_ModelDraftSession]):
         rest: list[int],
         settings: QSettings,
         probs: Tensor,
+        total: np.ndarray,
         active: list[tuple[_Key, _ModelDraftSession]],
         drafted: dict[_Key, _Draft],
         tokens: dict[int, int],
     ) -> None:
-        """Build q for rows `group` of probs [R, V or N] (row r is active row rest[r]) at once, sample from it,
-        record token and q per row."""
+        """Build q for rows `group` of probs [R, V or N] (row r is active row rest[r]; total [R] their
+        masses) at once, sample from it, record token and q per row."""
         sessions = [active[rest[r]][1] for r in group]
         seeds = torch.tensor([s.params.seed for s in sessions], dtype=torch.int64)  # [G]
         positions = torch.tensor([len(s.kv.tokens) for s in sessions], dtype=torch.int64)  # [G]
-        tok, ids, weights = sparse_q.draft(_rows(probs, group), settings, seeds, positions)  # [G], [G, W], [G, W]
+        tok, ids, weights = sparse_q.draft(_rows(probs, group), settings, seeds, positions, total[group])  # [G], [G, W]
         if self._host_map is not None:  # same numbers, target ids: q(token_map[j]) = weight j, 0 off the map
             tok, ids = self._host_map[tok], torch.where(weights > 0, self._host_map[ids], 0)
         w = weights.numpy()  # [G, W] host, integer-valued

@@ -50,6 +50,7 @@ __all__ = [
     "processed_probs",
     "sample_from_probs",
     "sample_sparse",
+    "sampled_mass",
     "sparse_proposal",
     "unusable_logits",
     "unusable_probs",
@@ -336,6 +337,25 @@ def unusable_rows(logits: Tensor, probs: Tensor, *, sampled: bool = False) -> di
     for b, error in bad_p.items():
         out.setdefault(b, error)
     return out
+
+
+def sampled_mass(logits: Tensor, probs: Tensor) -> tuple[np.ndarray, dict[int, SpecdError]]:
+    """Rows to sample from (no greedy row): each one's float64 mass, and the rows that cannot be sampled.
+
+    logits, probs: [B, V]; returns (total [B] float64 = probs.double().sum(-1), on the host;
+    {row: Internal} as unusable_rows(logits[:, None], probs[:, None], sampled=True) gives it).
+    One pass over p serves both: a float64 sum of p >= 0 is finite and positive iff p's is.
+    """
+    assert logits.shape == probs.shape and logits.dim() == 2, f"need [B, V] rows, got {tuple(probs.shape)}"
+    total = probs.sum(-1, dtype=torch.float64).cpu().numpy()  # [B]
+    bad = np.flatnonzero(~(np.isfinite(total) & (total > 0)))
+    if not bad.size:
+        return total, {}
+    rows = torch.from_numpy(bad).to(logits.device)
+    out = {int(bad[r]): error for r, error in unusable_logits(logits[rows][:, None]).items()}
+    for b in bad.tolist():
+        out.setdefault(b, Internal(UNUSABLE_PROBS))
+    return total, out
 
 
 def unusable_logits(logits: Tensor) -> dict[int, SpecdError]:

@@ -65,10 +65,11 @@ class QSettings:
         return cls(epsilon=0.0, max_tokens=k, bits=bits)
 
 
-def build(probs: Tensor, settings: QSettings) -> tuple[Tensor, Tensor]:
+def build(probs: Tensor, settings: QSettings, total: np.ndarray | None = None) -> tuple[Tensor, Tensor]:
     """The sparse q of each row: what the draft sends and samples from.
 
     probs:   [A, V] float, the draft's processed distribution per row (rows sum to ~1)
+    total:   [A] float64 probs.double().sum(-1) if the caller has it (sampler.sampled_mass)
     returns: (ids [A, W] int64, weights [A, W] float32) on the host, W = the widest row;
              slots by decreasing weight, each row's positive weights a prefix,
              unused slots id 0 with weight 0. q(ids[a, j]) = weights[a, j] / weights[a].sum().
@@ -90,7 +91,8 @@ def build(probs: Tensor, settings: QSettings) -> tuple[Tensor, Tensor]:
     if A == 0:
         return torch.zeros(0, 1, dtype=torch.int64), torch.zeros(0, 1, dtype=torch.float32)
     k = min(settings.max_tokens, V)
-    total = probs.sum(-1, dtype=torch.float64).cpu().numpy()  # [A] (the same sum as probs.double().sum(-1))
+    if total is None:
+        total = probs.sum(-1, dtype=torch.float64).cpu().numpy()  # [A] (the same sum as probs.double().sum(-1))
     vals, ids = _top(probs, k, total, settings.epsilon)  # [A, n] each, most likely first
     ids, weights = _round(vals, ids, total, settings)
     return torch.from_numpy(ids), torch.from_numpy(weights)
@@ -100,21 +102,33 @@ def _round(vals: np.ndarray, ids: np.ndarray, total: np.ndarray, settings: QSett
     """Truncate by mass, renormalise and round to the grid: (ids [A, W] int64, weights [A, W] float32).
 
     vals: [A, n] float32, each row's top values in decreasing order; ids: [A, n] their token ids;
-    total: [A] float64 each row's whole mass.
+    total: [A] float64 each row's whole mass. W = the widest row; unused slots id 0, weight 0.
     """
-    v64 = vals.astype(np.float64)  # [A, n]
-    keep = vals > 0  # [A, n] (a prefix: vals decrease)
+    rows = [_round_row(vals[a], ids[a], float(total[a]), settings) for a in range(vals.shape[0])]
+    width = max(len(w) for _, w in rows)
+    out_ids = np.zeros((len(rows), width), dtype=np.int64)
+    out_w = np.zeros((len(rows), width), dtype=np.float32)
+    for a, (i, w) in enumerate(rows):
+        out_ids[a, : len(i)], out_w[a, : len(w)] = i, w
+    return out_ids, out_w
+
+
+def _round_row(vals: np.ndarray, ids: np.ndarray, total: float, settings: QSettings) -> tuple[np.ndarray, np.ndarray]:
+    """One row of _round: (ids [w] int64, weights [w] float32 > 0), w >= 1, most likely first.
+
+    The kept ranks are a prefix (vals decrease, the mass before a rank grows): the positive ones
+    whose mass strictly before is < (1 - epsilon) * total, the first always.
+    """
+    v64 = vals.astype(np.float64)  # [n]
+    cut = int(np.count_nonzero(vals > 0))  # zeros come last
     if settings.epsilon > 0:
-        keep &= _within_mass(v64, total, settings.epsilon)
-    keep[:, 0] = True
-    kept = np.where(keep, v64, 0.0)  # [A, n]
-    t = kept / kept.sum(-1, keepdims=True)  # truncated, renormalised
-    weights = np.round(t * float(1 << settings.bits))  # [A, n] non-increasing along a row (half to even)
-    weights[:, 0] = np.maximum(weights[:, 0], 1.0)  # the row never vanishes
-    width = max(1, int((weights > 0).sum(-1).max()))
-    weights, ids = weights[:, :width], ids[:, :width]
-    ids = np.where(weights > 0, ids, 0)
-    return ids.astype(np.int64), weights.astype(np.float32)
+        before = _cumsum(v64) - v64  # [n] mass strictly before each rank, non-decreasing
+        cut = min(cut, int(np.searchsorted(before, (1.0 - settings.epsilon) * total, side="left")))
+    kept = v64[: max(cut, 1)]
+    weights = np.round(kept / kept.sum() * float(1 << settings.bits))  # non-increasing (half to even)
+    weights[0] = max(weights[0], 1.0)  # the row never vanishes
+    width = int(np.count_nonzero(weights))  # the positive prefix: a slot that rounds to 0 is dropped
+    return ids[:width].astype(np.int64), weights[:width].astype(np.float32)
 
 
 # The first selection's width: most rows' mass criterion ends within it (a partial top-k is
@@ -126,9 +140,14 @@ def _within_mass(v64: np.ndarray, total: np.ndarray, epsilon: float) -> np.ndarr
     """[A, n] bool: rank r of the sorted values is kept iff the mass strictly before it is < (1 - epsilon) total.
 
     v64: [A, n] float64 sorted values; total: [A] float64. The cumulative sum runs left to right
-    (float64), as torch.cumsum does on the host."""
-    before = np.cumsum(v64, axis=-1) - v64  # [A, n] mass strictly before each rank
+    (float64), as the reference's torch.cumsum does."""
+    before = _cumsum(v64) - v64  # [A, n] mass strictly before each rank
     return before < (1.0 - epsilon) * total[:, None]
+
+
+def _cumsum(x: np.ndarray) -> np.ndarray:
+    """np.cumsum(x, axis=-1) by torch's kernel: the same left-to-right sums, ~3x faster on this host."""
+    return torch.from_numpy(x).cumsum(-1).numpy()
 
 
 def _top(probs: Tensor, k: int, total: np.ndarray, epsilon: float) -> tuple[np.ndarray, np.ndarray]:
@@ -193,11 +212,13 @@ def _select_host(a: np.ndarray, total: float, k: int, epsilon: float) -> tuple[n
     sum (the one `_within_mass` computes), or the rank after them could still be kept: None. So is
     a row that is not finite and non-negative: the caller takes the full top-k.
     """
-    if not (math.isfinite(total) and total > 0) or not bool((a >= 0).all()):
+    if not (math.isfinite(total) and total > 0):  # a NaN or an infinity makes the total one too
         return None
     ids = host_select.mass_candidates(a, k, _COVER * epsilon * total)  # [n] ascending
-    vals, ids = host_select.top_sorted(a, ids, k)  # [min(n, k)] each, most likely first
-    if ids.size < k and epsilon > 0 and not np.cumsum(vals.astype(np.float64))[-1] >= (1.0 - epsilon) * total:
+    if ids is None:  # a negative value
+        return None
+    vals, ids = host_select.top_sorted(a, ids, k, nonneg=True)  # [min(n, k)] each, most likely first
+    if ids.size < k and epsilon > 0 and not _cumsum(vals.astype(np.float64))[-1] >= (1.0 - epsilon) * total:
         return None
     return vals, ids
 
@@ -207,18 +228,21 @@ def _host(top: tuple[Tensor, Tensor]) -> tuple[np.ndarray, np.ndarray]:
     return top[0].float().cpu().numpy(), top[1].cpu().numpy()
 
 
-def draft(probs: Tensor, settings: QSettings, seeds: Tensor, positions: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+def draft(
+    probs: Tensor, settings: QSettings, seeds: Tensor, positions: Tensor, total: np.ndarray | None = None
+) -> tuple[Tensor, Tensor, Tensor]:
     """The drafter's step for A rows at once: build q, then sample from exactly it.
 
     probs:     [A, V] the draft's processed distribution
     seeds:     [A] int64 request seeds
     positions: [A] int64 absolute position of the token being drafted
+    total:     [A] float64 each row's mass, if the caller has it (see build)
     returns:   (token [A] int64 column index into V, ids [A, W] int64, weights [A, W] float32), on the host
     """
     assert seeds.shape == positions.shape == probs.shape[:1], (
         f"seeds and positions must be [A]={tuple(probs.shape[:1])}, got {tuple(seeds.shape)}, {tuple(positions.shape)}"
     )
-    ids, weights = build(probs, settings)
+    ids, weights = build(probs, settings, total)
     u = host_coins(seeds.cpu().numpy(), positions.cpu().numpy()[:, None], Role.DRAFT)[:, 0]  # [A] the draft's coins
     slot = sample_slots(weights.numpy(), u)  # [A]
     return torch.from_numpy(np.take_along_axis(ids.numpy(), slot[:, None], -1)[:, 0]), ids, weights
@@ -233,7 +257,7 @@ def sample_slots(weights: np.ndarray, u: np.ndarray) -> np.ndarray:
     u * cdf[-1], else the last with weight > 0 (u * total rounded up to the total).
     """
     w = weights.astype(np.float64)  # [A, W]
-    cdf = np.cumsum(w / w.sum(-1, keepdims=True), axis=-1)  # [A, W]
+    cdf = _cumsum(w / w.sum(-1, keepdims=True))  # [A, W]
     slot = (cdf <= (u * cdf[:, -1])[:, None]).sum(-1)  # [A] the first index with cdf > u * total
     over = slot >= w.shape[-1]
     if over.any():

@@ -444,3 +444,9 @@ def test_unusable_rows_names_each_bad_row_once() -> None:
     sampled = unusable_rows(logits, p, sampled=True)
     assert {b: str(e) for b, e in sampled.items()} == {b: str(e) for b, e in bad.items()}
     assert unusable_rows(logits[:1], p[:1], sampled=True) == {}
+    # The drafter's one pass over p: each row's float64 mass and the same errors.
+    total, errors = sampler.sampled_mass(logits[:, 0], p[:, 0])
+    assert {b: str(e) for b, e in errors.items()} == {
+        b: str(e) for b, e in unusable_rows(logits[:, :1], p[:, :1]).items()
+    }
+    assert np.array_equal(total[:1], p[:1, 0].double().sum(-1).numpy())

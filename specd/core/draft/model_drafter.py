@@ -345,7 +345,8 @@ class ModelDrafter(PooledModel[_ModelDraftSession]):
         total = np.zeros(0)  # [R] float64: each row's mass (q's total)
         if rest:
             rest_logits = _rows(logits, rest)  # [R, V or N]
-            probs = sampler.processed_probs(rest_logits[:, None], [active[a][1].params for a in rest])[:, 0]
+            params = [active[a][1].params for a in rest]  # validated when their sessions opened
+            probs = sampler.processed_probs(rest_logits[:, None], params, checked=True)[:, 0]
             total, unusable = sampler.sampled_mass(rest_logits, probs)  # one pass: the check and q's total
             for r, a in enumerate(rest):
                 if r in unusable:

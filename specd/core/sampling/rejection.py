@@ -129,8 +129,8 @@ def rejection_sample(
     if bad.any():
         raise InvalidArgument(f"draft token ids must be in [0, V={V}): {_first_bad(bad, ids)}")
     x = np.where(real, ids, 0)  # [B, K] padding -> a safe id
-    q_ids, q = _dense_q(proposal, x, real, V)  # [B, K, W] each: q = wire / sum(wire) (float64), 0 on padding
-    q_x = (q * (q_ids == x[..., None])).sum(-1)  # [B, K] duplicates add up
+    q_ids, q_raw, q_sum = _proposal(proposal, x, real, V)  # [B, K, W], [B, K, W], [B, K]
+    q_x = _q_at(q_ids, q_raw, q_sum, x)  # [B, K] q_i(x_i)
     bad = real & (q_x <= 0)
     if bad.any():
         raise InvalidArgument(f"a draft token must be in its own proposal's support (q > 0): {_first_bad(bad, ids)}")
@@ -139,20 +139,7 @@ def rejection_sample(
 
     # ---- accept: u < min(1, p(x) / q(x)), position by position, while the run of accepts lasts ----
     u_acc = host_coins(seed, start[:, None] + np.arange(K)[None, :], Role.ACCEPT)  # [B, K]
-    num_accepted = np.zeros(B, dtype=np.int64)  # [B] leading run of accepts
-    p_j: list[Tensor | None] = [None] * B  # [V] each: the row the emitted token is drawn from
-    for i in range(K):
-        act = np.flatnonzero(num_accepted == i)  # rows whose drafts before i were all accepted
-        act = act[real[act, i]]  # padding ends a run: those rows take the bonus at num_draft
-        if act.size == 0:
-            break
-        p_i = rows.read(act, np.full(act.size, i))  # [n, V]
-        at = torch.from_numpy(x[act, i]).to(p_i.device)[:, None]  # [n, 1]
-        p_x = p_i.gather(-1, at)[:, 0].to("cpu", torch.float64).numpy()  # [n] p_i(x_i)
-        ok = u_acc[act, i] < np.minimum(p_x / q_x[act, i], 1.0)  # [n]
-        num_accepted[act[ok]] += 1
-        for n in np.flatnonzero(~ok).tolist():
-            p_j[int(act[n])] = p_i[n]  # rejected at i: the recovered token is drawn at i
+    num_accepted, p_j = _accept(rows, x, q_x, u_acc, nd)  # [B], B rows [V] (None: the bonus, not read yet)
     is_bonus = num_accepted == nd  # [B]
     j = num_accepted  # [B] position of the emitted token
     bonus = np.flatnonzero(is_bonus)
@@ -164,8 +151,10 @@ def rejection_sample(
     pos_j = (start + j)[:, None]  # [B, 1]
     u = np.where(is_bonus, host_coins(seed, pos_j, Role.BONUS)[:, 0], host_coins(seed, pos_j, Role.RECOVER)[:, 0])
     jq = np.minimum(j, max(K - 1, 0))  # [B] (bonus rows: any, unused)
-    q_ids_j = q_ids[np.arange(B), jq] if K else np.zeros((B, 0), dtype=np.int64)  # [B, W]
-    q_j = q[np.arange(B), jq] if K else np.zeros((B, 0))  # [B, W]
+    b_all = np.arange(B)
+    q_ids_j = q_ids[b_all, jq] if K else np.zeros((B, 0), dtype=np.int64)  # [B, W]
+    sum_j = np.where(q_sum[b_all, jq] > 0, q_sum[b_all, jq], 1.0) if K else np.ones(B)  # [B] (bonus rows: unused)
+    q_j = q_raw[b_all, jq] / sum_j[:, None] if K else np.zeros((B, 0))  # [B, W] q = wire / sum
     emitted = [row for row in p_j if row is not None]
     assert len(emitted) == B
     next_token = _draw(emitted, ~is_bonus, q_ids_j, q_j, u)  # [B]
@@ -174,6 +163,39 @@ def rejection_sample(
         next_token=next_token.to(rows.device),
         is_bonus=torch.from_numpy(is_bonus).to(rows.device),
     )
+
+
+def _accept(
+    rows: TargetRows, x: np.ndarray, q_x: np.ndarray, u: np.ndarray, nd: np.ndarray
+) -> tuple[np.ndarray, list[Tensor | None]]:
+    """The leading run of accepts of each row, reading position i of a row only while the run lasts.
+
+    x: [B, K] draft tokens; q_x: [B, K] q_i(x_i); u: [B, K] accept coins; nd: [B] real drafts.
+    Draft i is accepted iff u < min(1, p_i(x_i) / q_i(x_i)) (float64); padding (i >= nd) ends a
+    run. Returns (accepted [B] int64, per row the p row it was rejected at, or None). The numbers
+    are a round's few: Python floats (IEEE doubles, as numpy's) and one read per position.
+    """
+    B, K = x.shape
+    xs, qs, us, ends = x.tolist(), q_x.tolist(), u.tolist(), nd.tolist()
+    accepted = [0] * B
+    rejected_at: list[Tensor | None] = [None] * B
+    going = list(range(B))
+    for i in range(K):
+        going = [b for b in going if i < ends[b]]
+        if not going:
+            break
+        p_i = rows.read(np.array(going, dtype=np.int64), np.full(len(going), i, dtype=np.int64))  # [n, V]
+        at = torch.tensor([xs[b][i] for b in going], dtype=torch.int64, device=p_i.device)  # [n]
+        p_x = p_i[torch.arange(len(going), device=p_i.device), at].tolist()  # [n] p_i(x_i)
+        still = []
+        for n, b in enumerate(going):
+            if us[b][i] < min(p_x[n] / qs[b][i], 1.0):
+                accepted[b] += 1
+                still.append(b)
+            else:
+                rejected_at[b] = p_i[n]  # the recovered token is drawn from this row
+        going = still
+    return np.array(accepted, dtype=np.int64), rejected_at
 
 
 def _check_shapes(
@@ -204,14 +226,18 @@ def _num_draft(num_draft: Tensor | None, B: int, K: int) -> np.ndarray:
     return nd
 
 
-def _dense_q(proposal: SparseProposal | None, x: np.ndarray, real: np.ndarray, V: int) -> tuple[np.ndarray, np.ndarray]:
-    """The proposal on the host: (ids [B, K, W] int64, q [B, K, W] float64), q = wire / sum(wire), 0 on padding.
+def _proposal(
+    proposal: SparseProposal | None, x: np.ndarray, real: np.ndarray, V: int
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The proposal on the host: (ids [B, K, W] int64, wire [B, K, W] float64, its sums [B, K]).
 
-    x: [B, K] the draft tokens (padding: 0); real: [B, K] bool. No proposal: q one-hot at x (W = 1).
+    q = wire / sum (float64), 0 on padding. x: [B, K] the draft tokens (padding: 0); real: [B, K]
+    bool. No proposal: q one-hot at x (W = 1, wire = 1 on real drafts).
     """
     B, K = x.shape
     if proposal is None:
-        return x[..., None], real.astype(np.float64)[..., None]  # [B, K, 1] each: q_i(x_i) = 1
+        one = real.astype(np.float64)  # [B, K]
+        return x[..., None], one[..., None], np.where(real, 1.0, 0.0)
     q_ids_t, q_raw_t = proposal.token_ids, proposal.probs
     _require(
         q_ids_t.dim() == 3 and q_ids_t.shape[:2] == (B, K) and q_raw_t.shape == q_ids_t.shape,
@@ -223,17 +249,26 @@ def _dense_q(proposal: SparseProposal | None, x: np.ndarray, real: np.ndarray, V
     _require(
         q_ids.size == 0 or 0 <= int(q_ids.min()) <= int(q_ids.max()) < V, f"proposal token ids must be in [0, V={V})"
     )
-    q_sum = q_raw.sum(-1, keepdims=True)  # [B, K, 1]
+    q_sum = q_raw.sum(-1)  # [B, K]
     # Non-negative float32 numbers sum to a finite float64 unless one is NaN or infinite.
     _require(
         q_raw.size == 0 or (float(q_raw.min()) >= 0 and bool(np.isfinite(q_sum).all())),
         "proposal probabilities must be finite and >= 0",
     )
-    _require(
-        not bool((real & (q_sum[..., 0] <= 0)).any()), "each real draft position needs a proposal with positive mass"
-    )
-    # q = wire / sum(wire) in float64 (the draft sampled from exactly this); padding -> 0.
-    return q_ids, np.where(real[..., None], q_raw / np.where(q_sum > 0, q_sum, 1.0), 0.0)
+    _require(not bool((real & (q_sum <= 0)).any()), "each real draft position needs a proposal with positive mass")
+    return q_ids, q_raw, q_sum
+
+
+def _q_at(q_ids: np.ndarray, q_raw: np.ndarray, q_sum: np.ndarray, x: np.ndarray) -> np.ndarray:
+    """[B, K] q_i(x_i) = sum over the slots holding x_i of wire / sum (float64; duplicates add up).
+
+    One slot (the rule: ids are distinct): its wire / sum, as the dense formula divides first.
+    """
+    match = q_ids == x[..., None]  # [B, K, W]
+    safe = np.where(q_sum > 0, q_sum, 1.0)  # [B, K] (padding: no mass)
+    if bool((match.sum(-1) > 1).any()):  # an id twice: divide each slot, then add, as the dense formula
+        return np.where(match, q_raw / safe[..., None], 0.0).sum(-1)
+    return (q_raw * match).sum(-1) / safe
 
 
 def _draw(p_j: list[Tensor], rejected: np.ndarray, q_ids: np.ndarray, q: np.ndarray, u: np.ndarray) -> Tensor:

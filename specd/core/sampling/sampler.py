@@ -226,10 +226,11 @@ def coin_values(seeds: Sequence[int], positions: Sequence[Sequence[int]], role: 
 # --------------------------------------------------------------------------
 
 
-def processed_probs(logits: Tensor, params: Sequence[SamplingParams]) -> Tensor:
+def processed_probs(logits: Tensor, params: Sequence[SamplingParams], *, checked: bool = False) -> Tensor:
     """The request's processed distribution: what the bonus token is drawn from.
 
     logits:  [B, N, V] any float dtype; row b uses params[b]
+    checked: the params were validated already (a session's, when it opened): skip that
     returns: [B, N, V] float32, each [b, n] row sums to 1
 
     Order: temperature -> softmax (float32) -> top-k -> top-p -> min-p ->
@@ -248,8 +249,9 @@ def processed_probs(logits: Tensor, params: Sequence[SamplingParams]) -> Tensor:
     B, N, V = logits.shape
     _require(len(params) == B, f"need one SamplingParams per row: {len(params)} for {B} rows")
     _require(V > 0, "vocabulary size must be > 0")
-    for sp in set(params):
-        sp.validate()
+    if not checked:
+        for sp in set(params):
+            sp.validate()
     dev = logits.device
     x = logits.to(torch.float32)  # [B, N, V]
     if _plain_softmax(params):  # the common batch: one temperature, no filters, no greedy row

@@ -346,7 +346,7 @@ def _target_rows(logits: list[torch.Tensor], params: list[SamplingParams], k_max
     def read(b: np.ndarray, i: np.ndarray) -> torch.Tensor:
         pairs = list(zip(b.tolist(), i.tolist()))
         x = logits[pairs[0][0]][pairs[0][1]][None] if len(pairs) == 1 else torch.stack([logits[r][n] for r, n in pairs])
-        p = sampler.processed_probs(x[:, None, :], [params[r] for r, _ in pairs])[:, 0]  # [n, V]
+        p = sampler.processed_probs(x[:, None, :], [params[r] for r, _ in pairs], checked=True)[:, 0]  # [n, V]
         if bool(p[:, 0].isnan().any()):
             raise Internal(sampler.UNUSABLE_PROBS)
         return p

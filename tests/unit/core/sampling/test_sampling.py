@@ -427,6 +427,7 @@ def test_the_softmax_only_path_gives_the_general_paths_bits(temperature: float) 
     general = processed_probs(torch.cat([logits, logits[:1]]), [*params, SamplingParams(temperature=0.0)])
     assert torch.equal(fast, general[:3])
     assert torch.equal(fast, torch.softmax(logits / torch.tensor(temperature, dtype=F32), -1))
+    assert torch.equal(processed_probs(logits, params, checked=True), fast)  # params validated already
 
 
 def test_unusable_rows_names_each_bad_row_once() -> None:

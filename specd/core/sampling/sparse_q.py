@@ -18,6 +18,13 @@ kept token instead of ~6.7 for (uint32 id, float32 prob) pairs.
 
 A fixed top-k (the old ``--wire-top-k``) is the special case epsilon = 0,
 max_tokens = k (:meth:`QSettings.top_k`).
+
+How the kept tokens are found does not change which they are: a float32 row on
+the host takes a histogram of its values (specd.core.sampling.host_select) and
+sorts only the candidates that provably hold its kept prefix; any other row
+(on a GPU, or one the histogram cannot decide) a torch.topk of the budget.
+Equal probabilities keep the lower id first on the host path; the rule, the
+weights and the slot order are those of a full top-k (docs/results/sparse-q.md).
 """
 
 from __future__ import annotations

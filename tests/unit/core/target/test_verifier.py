@@ -7,6 +7,7 @@ import torch
 
 from specd.core.draft.model_drafter import ModelDrafter
 from specd.core.errors import Internal
+from specd.core.model.runner import KVSession
 from specd.core.model.sim import parse_sim_spec
 from specd.core.rounds.steps import ProposeRequest, VerifyOutcome, VerifyRequest
 from specd.core.sampling import sampler
@@ -47,7 +48,7 @@ def test_a_session_whose_p_is_not_a_distribution_fails_alone(monkeypatch: pytest
     verifier, requests = _round(params)
     logits_batch = verifier.runner.logits_batch
 
-    def huge_second(sessions, num_last):  # type: ignore[no-untyped-def]
+    def huge_second(sessions: list[KVSession], num_last: list[int]) -> list[torch.Tensor]:
         out = logits_batch(sessions, num_last)
         out[1] = out[1].clone()
         out[1][:, 0] = 1e36  # 1e36 / 1e-4 = inf

@@ -6,6 +6,13 @@ What is left when the models take no time: specd's drafter (sampling, sparse q) 
 median over the rounds. On a GPU deployment this work runs on the accelerators in well under a
 millisecond; here it adds to every emulated round (docs/performance.md).
 
+The emulated model's own logits (SimLM) are computed inside each forward; in the services that
+time hides in the modelled forward time. "model ms" is the wall time spent inside the runners'
+forwards (SimRunner.stats.wall_ms), "specd ms" the round minus it: specd's own host work, which
+issue 29 bounds at 3 ms per K=4 round at V = 32,000, T = 0.7. A second table times a speculation
+cache's branch call (ModelDrafter.draft_batch with a BranchRequest: --branch-budget branches of
+--branch-k drafts for the --branch-k tokens being verified), which runs beside a verify.
+
     .venv/bin/python scripts/sim_host_cost.py [--profile h100-tp2-70b] [--vocab 4096,32000,128256]
 """
 
@@ -16,6 +23,7 @@ import random
 import statistics
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
@@ -25,31 +33,101 @@ from measure_args import floats, ints
 
 from specd.core.draft.model_drafter import ModelDrafter
 from specd.core.model.sim import parse_sim_spec
-from specd.core.rounds.steps import ProposeRequest, VerifyRequest
+from specd.core.rounds.steps import BranchRequest, ProposeRequest, VerifyRequest
+from specd.core.sampling.proposal import Proposal
 from specd.core.sampling.sampler import SamplingParams
 from specd.core.target.verifier import Verifier
 
 
-def host_round_ms(spec: str, temperature: float, rounds: int) -> tuple[float, float]:
-    profile = parse_sim_spec(spec + ",time_scale=0")
-    verifier, drafter = Verifier(profile.runner("target")), ModelDrafter(profile.runner("draft"))
-    prompt = [random.Random(1).randrange(256) for _ in range(40)]
-    params = SamplingParams(temperature=temperature, seed=3)
-    verifier.open("s", prompt, params)
-    drafter.open("s", prompt, params)
-    committed, known = list(prompt), len(prompt)
-    draft_ms, verify_ms = [], []
+@dataclass(frozen=True)
+class RoundCost:
+    """Medians over the rounds, ms."""
+
+    draft: float  # the draft's 4 steps
+    verify: float
+    round: float  # draft + verify
+    model: float  # inside the emulated forwards (both runners)
+    specd_draft: float  # draft minus its forwards
+    specd_verify: float  # verify minus its forward
+    specd: float  # round minus every forward: specd's own host work
+
+
+@dataclass(frozen=True)
+class BranchCost:
+    """Medians over the branch calls, ms."""
+
+    call: float  # ModelDrafter.draft_batch([BranchRequest]): choose the branches, draft each
+    model: float  # inside the draft's emulated forwards
+    specd: float  # call minus its forwards
+
+
+class _Pair:
+    """An emulated draft and target at time_scale 0, one session open on both."""
+
+    def __init__(self, spec: str, temperature: float) -> None:
+        profile = parse_sim_spec(spec + ",time_scale=0")
+        self.target, self.draft = profile.runner("target"), profile.runner("draft")
+        self.verifier, self.drafter = Verifier(self.target), ModelDrafter(self.draft)
+        prompt = [random.Random(1).randrange(256) for _ in range(40)]
+        params = SamplingParams(temperature=temperature, seed=3)
+        self.verifier.open("s", prompt, params)
+        self.drafter.open("s", prompt, params)
+        self.committed, self.known = list(prompt), len(prompt)  # known: tokens the draft's sequence agrees on
+
+    def propose(self, k: int) -> Proposal:
+        c = self.committed
+        return self.drafter.propose(ProposeRequest("s", len(c), self.known, c[self.known :], k))
+
+    def verify(self, p: Proposal, *, branched: bool = False) -> None:
+        """Verify p after the committed prefix and commit the verdict.
+
+        The draft's sequence then agrees on the committed prefix and the accepted drafts (after a
+        branch call: on the committed prefix only, the part every branch shares)."""
+        o = self.verifier.verify(VerifyRequest("s", len(self.committed), p))
+        self.known = len(self.committed) + (0 if branched else o.accepted)
+        self.committed += p.token_ids[: o.accepted] + [o.token_id]
+
+
+def _medians(cols: dict[str, list[float]]) -> dict[str, float]:
+    return {name: statistics.median(xs) for name, xs in cols.items()}
+
+
+def host_round_ms(spec: str, temperature: float, rounds: int) -> RoundCost:
+    """A K=4 round (propose, verify) per iteration, timed around each call and inside the forwards."""
+    s = _Pair(spec, temperature)
+    cols: dict[str, list[float]] = {name: [] for name in RoundCost.__dataclass_fields__}
     for _ in range(rounds):
-        t0 = time.perf_counter()
-        p = drafter.propose(ProposeRequest("s", len(committed), known, committed[known:], 4))
-        t1 = time.perf_counter()
-        o = verifier.verify(VerifyRequest("s", len(committed), p))
+        d0, t0 = s.draft.snapshot().wall_ms, time.perf_counter()
+        p = s.propose(4)
+        v0, t1 = s.target.snapshot().wall_ms, time.perf_counter()
+        s.verify(p)
         t2 = time.perf_counter()
-        known = len(committed) + o.accepted
-        committed += p.token_ids[: o.accepted] + [o.token_id]
-        draft_ms.append((t1 - t0) * 1e3)
-        verify_ms.append((t2 - t1) * 1e3)
-    return statistics.median(draft_ms), statistics.median(verify_ms)
+        d_model, v_model = s.draft.snapshot().wall_ms - d0, s.target.snapshot().wall_ms - v0
+        d_ms, v_ms = (t1 - t0) * 1e3, (t2 - t1) * 1e3
+        row = (d_ms, v_ms, d_ms + v_ms, d_model + v_model, d_ms - d_model, v_ms - v_model)
+        for name, x in zip(cols, (*row, row[2] - row[3])):
+            cols[name].append(x)
+    return RoundCost(**_medians(cols))
+
+
+def host_branch_ms(spec: str, temperature: float, rounds: int, k: int, budget: int) -> BranchCost:
+    """A speculation cache's branch call per round: `budget` branches of k drafts for the k being verified."""
+    s = _Pair(spec, temperature)
+    cols: dict[str, list[float]] = {name: [] for name in BranchCost.__dataclass_fields__}
+    for _ in range(rounds):
+        p = s.propose(k)
+        prefix = s.committed + list(p.token_ids)
+        request = BranchRequest("s", len(prefix), len(prefix), [], k, k, budget, (0.8,) * k)
+        d0, t0 = s.draft.snapshot().wall_ms, time.perf_counter()
+        [branches] = s.drafter.draft_batch([request])
+        call = (time.perf_counter() - t0) * 1e3
+        model = s.draft.snapshot().wall_ms - d0
+        if isinstance(branches, Exception):
+            raise branches
+        for name, x in zip(cols, (call, model, call - model)):
+            cols[name].append(x)
+        s.verify(p, branched=True)
+    return BranchCost(**_medians(cols))
 
 
 def main() -> int:
@@ -58,16 +136,34 @@ def main() -> int:
     parser.add_argument("--vocab", default="4096,32000,128256")
     parser.add_argument("--temperatures", default="0,0.7")
     parser.add_argument("--rounds", type=int, default=30)
+    parser.add_argument("--branch-budget", type=int, default=8, help="branches per branch call (0: no branch table)")
+    parser.add_argument("--branch-k", type=int, default=3, help="pending tokens and drafts per branch")
     args = parser.parse_args()
     torch.set_num_threads(1)
     spec = args.profile if args.profile.startswith("sim:") else "sim:" + args.profile
     print(f"host ms per K=4 round, one session, in-process, time_scale 0 ({spec}; median of {args.rounds})")
-    print("| vocabulary | T | draft (4 steps) ms | verify ms | round ms |")
+    print(
+        "| vocabulary | T | draft (4 steps) ms | verify ms | round ms "
+        "| model ms | specd draft ms | specd verify ms | specd round ms |"
+    )
+    print("|---|---|---|---|---|---|---|---|---|")
+    for v in ints(args.vocab):
+        for t in floats(args.temperatures):
+            c = host_round_ms(f"{spec},vocab_size={v}", t, args.rounds)
+            print(
+                f"| {v} | {t:g} | {c.draft:.1f} | {c.verify:.1f} | {c.round:.1f} "
+                f"| {c.model:.1f} | {c.specd_draft:.2f} | {c.specd_verify:.2f} | {c.specd:.2f} |",
+                flush=True,
+            )
+    if args.branch_budget < 1:
+        return 0
+    print(f"\nhost ms per branch call (budget {args.branch_budget}, K={args.branch_k}; median of {args.rounds})")
+    print("| vocabulary | T | branch call ms | model ms | specd ms |")
     print("|---|---|---|---|---|")
     for v in ints(args.vocab):
         for t in floats(args.temperatures):
-            d, vf = host_round_ms(f"{spec},vocab_size={v}", t, args.rounds)
-            print(f"| {v} | {t:g} | {d:.1f} | {vf:.1f} | {d + vf:.1f} |", flush=True)
+            b = host_branch_ms(f"{spec},vocab_size={v}", t, args.rounds, args.branch_k, args.branch_budget)
+            print(f"| {v} | {t:g} | {b.call:.1f} | {b.model:.1f} | {b.specd:.2f} |", flush=True)
     return 0
 
 

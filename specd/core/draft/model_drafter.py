@@ -14,6 +14,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Unpack
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -38,7 +39,7 @@ from specd.core.rounds.steps import (
     check_sync,
 )
 from specd.core.sampling import sampler, sparse_q
-from specd.core.sampling.greedy import greedy_tokens
+from specd.core.sampling.greedy import greedy_tokens, top_probability
 from specd.core.sampling.proposal import Proposal
 from specd.core.sampling.sampler import UNUSABLE_LOGITS, SamplingParams
 from specd.core.sampling.sparse_q import QSettings
@@ -100,8 +101,10 @@ class ModelDrafter(PooledModel[_ModelDraftSession]):
     ) -> None:
         super().__init__(runner, **limits)
         self.token_map: Tensor | None = None  # [N] int64 on the model's device
+        self._host_map: Tensor | None = None  # [N] int64 on the host: q's slots -> target ids
         if token_map is not None:
-            self.token_map = check_token_map(token_map, runner.vocab_size).to(runner.model.device)
+            self._host_map = check_token_map(token_map, runner.vocab_size).cpu()
+            self.token_map = self._host_map.to(runner.device)
         if wire_top_k < 0:
             raise InvalidArgument(f"wire_top_k must be >= 0 (0: q by mass), got {wire_top_k}")
         self.q = (q or QSettings()).validate()
@@ -328,50 +331,38 @@ class ModelDrafter(PooledModel[_ModelDraftSession]):
         self, active: list[tuple[_Key, _ModelDraftSession]], rows: list[Tensor], drafted: dict[_Key, _Draft]
     ) -> dict[int, Exception]:
         """Sample one token per active row from its logits (A x [1, V]) and append it; {request: error}."""
-        logits = torch.cat(rows)  # [A, V]
+        logits = rows[0] if len(rows) == 1 else torch.cat(rows)  # [A, V]
         if self.token_map is not None:
             logits = logits[:, self.token_map]  # [A, N]: the reduced head's own rows
         failed: dict[int, Exception] = {}
         tokens: dict[int, int] = {}  # row -> token
         greedy = [a for a, (_, s) in enumerate(active) if s.params.is_greedy]
-        if greedy:  # the argmax, off the logits (specd.core.sampling.greedy); q one-hot: nothing to send
-            greedy_logits = logits[greedy].float()  # [G, V or N]
-            best, bad = greedy_tokens(greedy_logits)
-            # its confidence: the softmax's top probability (what the argmax would be sampled with at T = 1)
-            top = torch.exp(greedy_logits.max(-1).values - torch.logsumexp(greedy_logits, -1)).tolist()
-            for a, token, unusable, conf in zip(greedy, best.tolist(), bad.tolist(), top):
-                if unusable:
-                    failed[active[a][0][0]] = Internal(UNUSABLE_LOGITS)
-                else:
-                    tokens[a] = self._target_id(token)
-                    drafted[active[a][0]].confidence.append(conf if conf == conf else 0.0)  # NaN: none
+        if greedy:
+            self._greedy_rows(greedy, _rows(logits, greedy), active, drafted, failed, tokens)
         rest = [a for a in range(len(active)) if not active[a][1].params.is_greedy]
-        sampled: dict[QSettings, list[int]] = {}  # rows by q settings: each group shares one build
-        probs = logits  # [A, V or N]: the processed p of the sampled rows (greedy rows: unused)
+        sampled: dict[QSettings, list[int]] = {}  # rows of `rest` by q settings: each group shares one build
+        probs = logits  # [R, V or N]: the processed p of the rest's rows, in their order
+        total = np.zeros(0)  # [R] float64: each row's mass (q's total)
         if rest:
-            everyone = len(rest) == len(active)
-            rest_logits = (logits if everyone else logits[rest])[:, None, :]  # [R, 1, V or N]
-            rest_probs = sampler.processed_probs(rest_logits, [active[a][1].params for a in rest])
-            unusable = sampler.unusable_rows(rest_logits, rest_probs)
-            probs = rest_probs[:, 0]
-            if not everyone:  # back to row a of the batch
-                idx = torch.tensor(rest, dtype=torch.int64, device=probs.device)
-                probs = probs.new_zeros(logits.shape).index_copy_(0, idx, probs)
+            rest_logits = _rows(logits, rest)  # [R, V or N]
+            params = [active[a][1].params for a in rest]  # validated when their sessions opened
+            probs = sampler.processed_probs(rest_logits[:, None], params, checked=True)[:, 0]
+            total, unusable = sampler.sampled_mass(rest_logits, probs)  # one pass: the check and q's total
             for r, a in enumerate(rest):
                 if r in unusable:
                     failed[active[a][0][0]] = unusable[r]
                 else:
-                    sampled.setdefault(active[a][1].q, []).append(a)
+                    sampled.setdefault(active[a][1].q, []).append(r)
         tq = time.perf_counter_ns()
         for settings, group in sampled.items():
             try:
-                self._sample_rows(group, settings, probs, active, drafted, tokens)
+                self._sample_rows(group, rest, settings, probs, total, active, drafted, tokens)
             except Exception:  # noqa: BLE001 - find the row(s) at fault: each alone, the others go on
-                for a in group:
+                for r in group:
                     try:
-                        self._sample_rows([a], settings, probs, active, drafted, tokens)
+                        self._sample_rows([r], rest, settings, probs, total, active, drafted, tokens)
                     except Exception as exc:  # noqa: BLE001 - this row's sampling failed: its request alone
-                        failed[active[a][0][0]] = exc
+                        failed[active[rest[r]][0][0]] = exc
         q_ms = (time.perf_counter_ns() - tq) / 1e6
         for a, (key, s) in enumerate(active):
             if a not in tokens:
@@ -381,6 +372,29 @@ class ModelDrafter(PooledModel[_ModelDraftSession]):
             if not s.params.is_greedy:
                 drafted[key].q_ms += q_ms  # a batch's shared build counts whole, like its forward
         return failed
+
+    def _greedy_rows(
+        self,
+        greedy: list[int],
+        logits: Tensor,
+        active: list[tuple[_Key, _ModelDraftSession]],
+        drafted: dict[_Key, _Draft],
+        failed: dict[int, Exception],
+        tokens: dict[int, int],
+    ) -> None:
+        """The argmax of each greedy row (logits [G, V or N]), off the logits (specd.core.sampling.greedy).
+
+        q is one-hot: nothing to send. Its confidence is the softmax's top probability (what the
+        argmax would be sampled with at T = 1), one fused pass over the row.
+        """
+        best, bad = greedy_tokens(logits)  # [G] each
+        top = top_probability(logits, best).tolist()  # [G]
+        for a, token, unusable, conf in zip(greedy, best.tolist(), bad.tolist(), top):
+            if unusable:
+                failed[active[a][0][0]] = Internal(UNUSABLE_LOGITS)
+            else:
+                tokens[a] = self._target_id(token)
+                drafted[active[a][0]].confidence.append(conf if conf == conf else 0.0)  # NaN: none
 
     def _choose_branches(
         self, i: int, s: _ModelDraftSession, logits: Tensor, bp: _BranchPass, drafted: dict[_Key, _Draft]
@@ -405,7 +419,7 @@ class ModelDrafter(PooledModel[_ModelDraftSession]):
             ranking, acceptance = calibrated_greedy(logits, columns, acceptance, width)
         else:
             processed = sampler.processed_probs(logits[None], [s.params])  # [1, K+1, V or N]
-            unusable = sampler.unusable_rows(logits[None], processed)
+            unusable = sampler.unusable_rows(logits[None], processed, sampled=True)
             if unusable:
                 raise unusable[0]
             ranking = top_ranking(processed[0], columns, width)
@@ -435,26 +449,31 @@ class ModelDrafter(PooledModel[_ModelDraftSession]):
     def _sample_rows(
         self,
         group: list[int],
+        rest: list[int],
         settings: QSettings,
         probs: Tensor,
+        total: np.ndarray,
         active: list[tuple[_Key, _ModelDraftSession]],
         drafted: dict[_Key, _Draft],
         tokens: dict[int, int],
     ) -> None:
-        """Build q for rows `group` of probs [A, V or N] at once, sample from it, record token and q per row."""
-        seeds = torch.tensor([active[a][1].params.seed for a in group], dtype=torch.int64)  # [G]
-        positions = torch.tensor([len(active[a][1].kv.tokens) for a in group], dtype=torch.int64)  # [G]
-        tok, ids, weights = sparse_q.draft(probs[group], settings, seeds, positions)  # [G], [G, W], [G, W]
-        if self.token_map is not None:  # same numbers, target ids: q(token_map[j]) = weight j, 0 off the map
-            tok, ids = self.token_map[tok], torch.where(weights > 0, self.token_map[ids], 0)
-        widths = (weights > 0).sum(-1).tolist()  # each row's own width (a prefix of its slots)
-        own = (weights * (ids == tok[:, None])).sum(-1) / weights.sum(-1)  # [G] q(token): its confidence
-        for g, a in enumerate(group):  # nothing below can fail: a retry never records a row twice
-            d = drafted[active[a][0]]
+        """Build q for rows `group` of probs [R, V or N] (row r is active row rest[r]; total [R] their
+        masses) at once, sample from it, record token and q per row."""
+        sessions = [active[rest[r]][1] for r in group]
+        seeds = torch.tensor([s.params.seed for s in sessions], dtype=torch.int64)  # [G]
+        positions = torch.tensor([len(s.kv.tokens) for s in sessions], dtype=torch.int64)  # [G]
+        tok, ids, weights = sparse_q.draft(_rows(probs, group), settings, seeds, positions, total[group])  # [G], [G, W]
+        if self._host_map is not None:  # same numbers, target ids: q(token_map[j]) = weight j, 0 off the map
+            tok, ids = self._host_map[tok], torch.where(weights > 0, self._host_map[ids], 0)
+        w = weights.numpy()  # [G, W] host, integer-valued
+        widths = (w > 0).sum(-1).tolist()  # each row's own width (a prefix of its slots)
+        own = ((w * (ids.numpy() == tok.numpy()[:, None])).sum(-1) / w.sum(-1)).tolist()  # [G] q(token)
+        for g, r in enumerate(group):  # nothing below can fail: a retry never records a row twice
+            d = drafted[active[rest[r]][0]]
             d.q_ids.append(ids[g, : widths[g]])
             d.q_probs.append(weights[g, : widths[g]])
-            d.confidence.append(float(own[g]))
-            tokens[a] = int(tok[g])
+            d.confidence.append(own[g])
+            tokens[rest[r]] = int(tok[g])
 
     def _column(self, token: int) -> int:
         """A target token id -> its logit column (a reduced head: its row in token_map)."""
@@ -468,6 +487,13 @@ class ModelDrafter(PooledModel[_ModelDraftSession]):
     def _target_id(self, index: Tensor | int) -> int:
         """A logit column index -> the target token id it stands for."""
         return int(index) if self.token_map is None else int(self.token_map[int(index)])
+
+
+def _rows(x: Tensor, rows: list[int]) -> Tensor:
+    """x[rows] along the first dimension; x itself when that is every row in order (no copy)."""
+    if rows == list(range(x.shape[0])):
+        return x
+    return x[torch.tensor(rows, dtype=torch.int64, device=x.device)]
 
 
 @dataclass

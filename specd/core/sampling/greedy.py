@@ -20,18 +20,37 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+import numpy as np
 import torch
 from torch import Tensor
 
-__all__ = ["greedy_tokens", "greedy_verdict"]
+__all__ = ["greedy_tokens", "greedy_verdict", "top_probability"]
 
 
 def greedy_tokens(logits: Tensor) -> tuple[Tensor, Tensor]:
     """logits [..., V] -> (argmax [...] int64, unusable [...] bool: NaN, +inf, or no finite logit)."""
-    # One pass: the max (NaN if any logit is NaN, +inf if any is +inf, -inf if all are) and
-    # where it is (the first maximal index: the lowest id on ties, as argmax).
-    top, best = logits.to(torch.float32).max(-1)
+    # One pass: where the max is (the first maximal index: the lowest id on ties, as argmax; the
+    # first NaN if any) and its value (NaN if any logit is NaN, +inf if any is +inf, -inf if all are).
+    x = logits.to(torch.float32)
+    if x.device.type == "cpu":  # numpy's argmax is vectorised, torch's CPU max-with-index is not: same answers
+        a = x.detach().numpy()  # [..., V]
+        at = np.asarray(a.argmax(-1))  # [...]
+        value = np.take_along_axis(a, at[..., None], -1)[..., 0]  # [...]
+        return torch.from_numpy(at), torch.from_numpy(np.asarray(~np.isfinite(value)))
+    top, best = x.max(-1)
     return best, ~top.isfinite()
+
+
+def top_probability(logits: Tensor, best: Tensor) -> Tensor:
+    """The softmax probability of each row's token `best`: softmax(logits)[best], float32.
+
+    logits: [A, V]; best: [A] int64 (the argmax: the greedy token's probability at T = 1, a
+    calibrated confidence). One fused pass over V; NaN for a row that cannot be sampled.
+    """
+    assert logits.dim() == 2 and best.shape == logits.shape[:1], (
+        f"need [A, V] logits and [A] tokens, got {tuple(logits.shape)}, {tuple(best.shape)}"
+    )
+    return torch.softmax(logits.to(torch.float32), -1).gather(-1, best.to(logits.device)[:, None])[:, 0]
 
 
 def greedy_verdict(logits: Tensor, draft_token_ids: Sequence[int]) -> tuple[int, int, bool] | None:

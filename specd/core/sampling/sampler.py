@@ -40,14 +40,20 @@ __all__ = [
     "MAX_TEMPERATURE",
     "TEMPERATURE_FLOOR",
     "UNUSABLE_LOGITS",
+    "UNUSABLE_PROBS",
     "Role",
     "SamplingParams",
+    "coin_values",
     "coins",
     "draft_token",
+    "host_coins",
     "processed_probs",
     "sample_from_probs",
     "sample_sparse",
+    "sampled_mass",
     "sparse_proposal",
+    "unusable_logits",
+    "unusable_probs",
     "unusable_rows",
 ]
 
@@ -138,6 +144,10 @@ class Role(enum.IntEnum):
 _GOLDEN = np.uint64(0x9E3779B97F4A7C15)  # splitmix64 increment (odd)
 _MUL1 = np.uint64(0xBF58476D1CE4E5B9)
 _MUL2 = np.uint64(0x94D049BB133111EB)
+_MASK = (1 << 64) - 1
+# Up to this many coins per call, the hash runs on Python integers (a round's few coins: ~1 us
+# each, against ~25 us of numpy's per-call overhead); above it, vectorised in numpy. Same values.
+_SCALAR_COINS = 64
 
 
 def _mix64(z: np.ndarray) -> np.ndarray:
@@ -145,6 +155,13 @@ def _mix64(z: np.ndarray) -> np.ndarray:
     z = (z ^ (z >> np.uint64(30))) * _MUL1
     z = (z ^ (z >> np.uint64(27))) * _MUL2
     return z ^ (z >> np.uint64(31))
+
+
+def _mix64_int(z: int) -> int:
+    """_mix64 of one Python integer in [0, 2**64) (the same bijection, wrapping explicitly)."""
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK
+    return z ^ (z >> 31)
 
 
 def coins(seeds: Tensor, positions: Tensor, role: Role) -> Tensor:
@@ -163,16 +180,45 @@ def coins(seeds: Tensor, positions: Tensor, role: Role) -> Tensor:
         f"positions must be [B, N] with B={seeds.shape[0]}, got {tuple(positions.shape)}"
     )
     assert not seeds.is_floating_point() and not positions.is_floating_point()
+    u = host_coins(
+        seeds.detach().to("cpu", torch.int64).numpy(), positions.detach().to("cpu", torch.int64).numpy(), role
+    )
+    return torch.from_numpy(u).to(positions.device)
+
+
+def host_coins(seeds: np.ndarray, positions: np.ndarray, role: Role) -> np.ndarray:
+    """:func:`coins` on host arrays: seeds [B] int64, positions [B, N] int64 -> [B, N] float64.
+
+    A few coins (a round's) are hashed in Python integers, more in vectorised numpy: the same numbers.
+    """
     role = Role(role)
+    if positions.size <= _SCALAR_COINS:
+        u = coin_values(seeds.tolist(), positions.tolist(), role)
+        return np.asarray(u, dtype=np.float64).reshape(positions.shape)
     # numpy uint64 arithmetic wraps modulo 2**64 by definition; torch has no portable wrapping uint64.
-    s = seeds.detach().to("cpu", torch.int64).numpy().view(np.uint64)[:, None]  # [B, 1]
-    p = positions.detach().to("cpu", torch.int64).numpy().view(np.uint64)  # [B, N]
+    s = seeds.astype(np.int64).view(np.uint64)[:, None]  # [B, 1]
+    p = positions.astype(np.int64).view(np.uint64)  # [B, N]
     with np.errstate(over="ignore"):
         h = _mix64(s + _GOLDEN)
         h = _mix64(h ^ (p + _GOLDEN * np.uint64(2)))
         h = _mix64(h ^ (np.uint64(int(role)) * _GOLDEN * np.uint64(3)))
-    u = (h >> np.uint64(11)).astype(np.float64) * (1.0 / (1 << 53))  # top 53 bits -> [0, 1)
-    return torch.from_numpy(u).to(positions.device)
+    return (h >> np.uint64(11)).astype(np.float64) * (1.0 / (1 << 53))  # top 53 bits -> [0, 1)
+
+
+def coin_values(seeds: Sequence[int], positions: Sequence[Sequence[int]], role: Role) -> list[float]:
+    """:func:`coins` in Python integers, flattened: [B x N] row-major (the same numbers, for a few coins).
+
+    seeds: B int64 seeds; positions: B rows of N int64 positions (negative values wrap as uint64).
+    """
+    g = int(_GOLDEN)
+    salt = (int(role) * 3 * g) & _MASK
+    out: list[float] = []
+    for seed, row in zip(seeds, positions):
+        h0 = _mix64_int((seed + g) & _MASK)
+        for pos in row:
+            h = _mix64_int(_mix64_int(h0 ^ ((pos + 2 * g) & _MASK)) ^ salt)
+            out.append((h >> 11) * (1.0 / (1 << 53)))
+    return out
 
 
 # --------------------------------------------------------------------------
@@ -180,10 +226,11 @@ def coins(seeds: Tensor, positions: Tensor, role: Role) -> Tensor:
 # --------------------------------------------------------------------------
 
 
-def processed_probs(logits: Tensor, params: Sequence[SamplingParams]) -> Tensor:
+def processed_probs(logits: Tensor, params: Sequence[SamplingParams], *, checked: bool = False) -> Tensor:
     """The request's processed distribution: what the bonus token is drawn from.
 
     logits:  [B, N, V] any float dtype; row b uses params[b]
+    checked: the params were validated already (a session's, when it opened): skip that
     returns: [B, N, V] float32, each [b, n] row sums to 1
 
     Order: temperature -> softmax (float32) -> top-k -> top-p -> min-p ->
@@ -202,10 +249,13 @@ def processed_probs(logits: Tensor, params: Sequence[SamplingParams]) -> Tensor:
     B, N, V = logits.shape
     _require(len(params) == B, f"need one SamplingParams per row: {len(params)} for {B} rows")
     _require(V > 0, "vocabulary size must be > 0")
-    for sp in set(params):
-        sp.validate()
+    if not checked:
+        for sp in set(params):
+            sp.validate()
     dev = logits.device
     x = logits.to(torch.float32)  # [B, N, V]
+    if _plain_softmax(params):  # the common batch: one temperature, no filters, no greedy row
+        return torch.softmax(x / params[0].temperature, dim=-1)  # [B, N, V]; x / T in float32 as below
 
     greedy = torch.tensor([sp.is_greedy for sp in params], device=dev)  # [B]
     temp = torch.tensor([sp.temperature for sp in params], dtype=torch.float32, device=dev)  # [B]
@@ -243,14 +293,32 @@ def processed_probs(logits: Tensor, params: Sequence[SamplingParams]) -> Tensor:
     return probs
 
 
+def _plain_softmax(params: Sequence[SamplingParams]) -> bool:
+    """True if every row is softmax(x / T) with one T: no greedy row, no filter (processed_probs' fast path).
+
+    x / T with T a Python float divides in float32 by float32(T), as the general path's
+    per-row float32 temperatures do (tests/unit/core/sampling/test_sampling.py checks the bits)."""
+    t = params[0].temperature
+    return not params[0].is_greedy and all(
+        sp.temperature == t and sp.top_k == 0 and sp.top_p >= 1.0 and sp.min_p <= 0.0 for sp in params
+    )
+
+
 # What a request whose logits cannot be sampled is told (its own failure: the batch goes on).
 UNUSABLE_LOGITS = "the model's logits for this request are not finite"
 
 
-def unusable_rows(logits: Tensor, probs: Tensor) -> dict[int, SpecdError]:
+# What a request whose processed p is not a distribution is told (its logits were fine).
+UNUSABLE_PROBS = "the sampling distribution for this request is not finite"
+
+
+def unusable_rows(logits: Tensor, probs: Tensor, *, sampled: bool = False) -> dict[int, SpecdError]:
     """The rows of a batch that cannot be sampled, each with the error its request gets.
 
     logits: [B, N, V] the model's raw logits; probs: [B, N, V] processed_probs of them
+    sampled: no row is greedy. A NaN or an infinite logit, or a row of -inf, makes a softmax
+             row NaN, so only a row whose p is bad can have bad logits: the logits are then
+             read only for those rows (to name the error), saving a pass over the batch.
     returns: {row: Internal} for rows whose logits hold NaN or +inf or no finite
              value at some position (a greedy row's argmax would silently pick a
              NaN), or whose processed p is not a distribution (not finite, or no mass).
@@ -259,23 +327,61 @@ def unusable_rows(logits: Tensor, probs: Tensor) -> dict[int, SpecdError]:
     assert logits.shape == probs.shape and logits.dim() == 3, (
         f"logits and probs must both be [B, N, V], got {tuple(logits.shape)} and {tuple(probs.shape)}"
     )
-    x = logits.detach()
-    # One pass each over the logits and p (the precise checks run only on rows these flag):
-    # a row's logit sum is finite unless it holds a NaN or an infinity (or overflows), and a
-    # p row's sum is finite and positive iff the row is finite with mass (p >= 0, sum <= V).
-    suspect = (~x.sum(-1).isfinite()).any(-1)  # [B]
-    bad_logits = torch.zeros_like(suspect)
-    if bool(suspect.any()):
-        xs = x[suspect]
-        bad_logits[suspect] = (xs.isnan() | (xs == math.inf)).flatten(1).any(-1) | (xs.amax(-1) == -math.inf).any(-1)
-    p_sum = probs.sum(-1)  # [B, N]
-    bad_probs = (~p_sum.isfinite() | (p_sum <= 0)).any(-1)  # [B]
-    out: dict[int, SpecdError] = {}
-    for b in bad_logits.nonzero().flatten().tolist():
-        out[b] = Internal(UNUSABLE_LOGITS)
-    for b in bad_probs.nonzero().flatten().tolist():
-        out.setdefault(b, Internal("the sampling distribution for this request is not finite"))
+    bad_p = unusable_probs(probs)
+    if sampled:
+        if not bad_p:
+            return {}
+        rows = sorted(bad_p)
+        bad_x = unusable_logits(logits[torch.tensor(rows, device=logits.device)])
+        out = {rows[r]: error for r, error in bad_x.items()}
+    else:
+        out = unusable_logits(logits)
+    for b, error in bad_p.items():
+        out.setdefault(b, error)
     return out
+
+
+def sampled_mass(logits: Tensor, probs: Tensor) -> tuple[np.ndarray, dict[int, SpecdError]]:
+    """Rows to sample from (no greedy row): each one's float64 mass, and the rows that cannot be sampled.
+
+    logits, probs: [B, V]; returns (total [B] float64 = probs.double().sum(-1), on the host;
+    {row: Internal} as unusable_rows(logits[:, None], probs[:, None], sampled=True) gives it).
+    One pass over p serves both: a float64 sum of p >= 0 is finite and positive iff p's is.
+    """
+    assert logits.shape == probs.shape and logits.dim() == 2, f"need [B, V] rows, got {tuple(probs.shape)}"
+    total = probs.sum(-1, dtype=torch.float64).cpu().numpy()  # [B]
+    bad = np.flatnonzero(~(np.isfinite(total) & (total > 0)))
+    if not bad.size:
+        return total, {}
+    rows = torch.from_numpy(bad).to(logits.device)
+    out = {int(bad[r]): error for r, error in unusable_logits(logits[rows][:, None]).items()}
+    for b in bad.tolist():
+        out.setdefault(b, Internal(UNUSABLE_PROBS))
+    return total, out
+
+
+def unusable_logits(logits: Tensor) -> dict[int, SpecdError]:
+    """unusable_rows' check of the logits alone: {row: Internal(UNUSABLE_LOGITS)} (logits [B, N, V])."""
+    x = logits.detach()
+    # One pass over the logits (the precise check runs only on the rows it flags): a row's sum is
+    # finite unless it holds a NaN or an infinity (or overflows). Its [B, N] sums are read on the host.
+    suspect = ~np.isfinite(x.sum(-1).float().cpu().numpy()).all(-1)  # [B]
+    if not suspect.any():
+        return {}
+    rows = torch.from_numpy(np.flatnonzero(suspect)).to(x.device)
+    xs = x[rows]
+    bad = (xs.isnan() | (xs == math.inf)).flatten(1).any(-1) | (xs.amax(-1) == -math.inf).any(-1)  # [S]
+    return {b: Internal(UNUSABLE_LOGITS) for b in rows[bad].tolist()}
+
+
+def unusable_probs(probs: Tensor) -> dict[int, SpecdError]:
+    """unusable_rows' check of p alone: {row: Internal(UNUSABLE_PROBS)} (probs [B, N, V] or [B, V]).
+
+    A p row's sum is finite and positive iff the row is finite with mass (p >= 0, sum <= V).
+    """
+    p_sum = probs.detach().sum(-1).float().cpu().numpy().reshape(probs.shape[0], -1)  # [B, N]
+    bad = ~(np.isfinite(p_sum) & (p_sum > 0)).all(-1)  # [B]
+    return {b: Internal(UNUSABLE_PROBS) for b in np.flatnonzero(bad).tolist()}
 
 
 # --------------------------------------------------------------------------
@@ -298,14 +404,19 @@ def sample_from_probs(probs: Tensor, u: Tensor) -> Tensor:
     assert probs.shape[-1] > 0, "cannot sample from an empty distribution"
     cdf = torch.cumsum(probs.to(torch.float64), dim=-1)  # [..., V]
     total = cdf[..., -1]  # [...]
-    if not bool((total > 0).all()) or not bool(total.isfinite().all()):
+    if not bool(((total > 0) & total.isfinite()).all()):
         raise Internal("a distribution to sample from has no finite positive mass")
     target = (u.to(torch.float64) * total).unsqueeze(-1)  # [..., 1]
-    idx = torch.searchsorted(cdf.contiguous(), target.contiguous(), right=True).squeeze(-1)  # [...]
-    # u*total can round up to total: fall back to the last token with weight > 0.
+    idx = torch.searchsorted(cdf, target.contiguous(), right=True).squeeze(-1)  # [...]
+    # The first index whose cdf exceeds u*total has weight > 0 (a zero weight repeats the cdf
+    # before it), unless there is none: u*total rounded up to total. Then fall back to the
+    # last token with weight > 0.
     V = probs.shape[-1]
-    last_pos = (V - 1) - (probs > 0).flip(-1).to(torch.int8).argmax(-1)  # [...]
-    return torch.minimum(idx, last_pos).to(torch.int64)
+    over = idx >= V  # [...]
+    if bool(over.any()):
+        last_pos = (V - 1) - (probs > 0).flip(-1).to(torch.int8).argmax(-1)  # [...]
+        idx = torch.where(over, last_pos, idx)
+    return idx.to(torch.int64)
 
 
 def sparse_proposal(probs: Tensor, wire_top_k: int, wire_bits: int = 16) -> tuple[Tensor, Tensor]:

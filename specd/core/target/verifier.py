@@ -12,6 +12,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar, Unpack
 
+import numpy as np
 import torch
 
 from specd.core import phases as ph
@@ -24,7 +25,7 @@ from specd.core.rounds.steps import TreeVerifyOutcome, TreeVerifyRequest, Verify
 from specd.core.sampling import sampler
 from specd.core.sampling.greedy import greedy_verdict
 from specd.core.sampling.proposal import DEFAULT_MAX_DRAFT_TOKENS, DEFAULT_MAX_Q_WIDTH, Proposal
-from specd.core.sampling.rejection import SparseProposal, rejection_sample
+from specd.core.sampling.rejection import SparseProposal, TargetRows, rejection_sample
 from specd.core.sampling.sampler import UNUSABLE_LOGITS, SamplingParams
 from specd.core.sampling.tree import TreeBatch
 from specd.core.sampling.tree_rejection import TreeVerdict, tree_greedy_verdict, tree_rejection_sample
@@ -130,7 +131,6 @@ class Verifier(PooledModel[_TargetSession]):
         """
         ready = [(r.index, r.session) for r in part]
         ks = [len(requests[i].proposal) for i, _ in ready]
-        k_max = max(ks)
         batch_tokens = sum(len(s.kv.tokens) - s.kv.cached for _, s in ready)  # positions the forward runs
         for i, _ in ready:
             logs[i].batch_tokens = batch_tokens
@@ -144,15 +144,15 @@ class Verifier(PooledModel[_TargetSession]):
                 greedy = greedy_verdict(lg, requests[i].proposal.token_ids)
                 verdicts[b] = greedy if greedy is not None else Internal(UNUSABLE_LOGITS)
         else:
-            # Pad each row to K_max + 1 positions (repeating its last row: never read, the
-            # sampler stops at num_draft) and each q to the widest W; q = 0 on padding.
-            rows = torch.stack(
-                [torch.cat([lg, lg[-1:].expand(k_max - k, -1)]) if k < k_max else lg for lg, k in zip(logits, ks)]
-            )  # [B, K_max+1, V]
-            p = sampler.processed_probs(rows, [s.params for _, s in ready])  # [B, K_max+1, V]
-            # A row whose numbers are not finite fails its own request only; the others go on.
-            verdicts = dict(sampler.unusable_rows(rows, p))
-            verdicts.update(self._sample([b for b in range(len(ready)) if b not in verdicts], p, ready, requests, ks))
+            # A session whose logits are not finite at some position fails its own request only;
+            # the others go on. p is computed where the sampler reads it (_target_rows).
+            verdicts = {}
+            for b, lg in enumerate(logits):
+                for error in sampler.unusable_logits(lg[None]).values():
+                    verdicts[b] = error
+            verdicts.update(
+                self._sample([b for b in range(len(ready)) if b not in verdicts], logits, ready, requests, ks)
+            )
         t2 = time.time_ns()
         failed: dict[int, Exception] = {}
         for b, (i, s) in enumerate(ready):
@@ -177,28 +177,28 @@ class Verifier(PooledModel[_TargetSession]):
     @staticmethod
     def _sample(
         rows: list[int],
-        p: torch.Tensor,
+        logits: list[torch.Tensor],
         ready: list[tuple[int, _TargetSession]],
         requests: Sequence[VerifyRequest],
         ks: list[int],
     ) -> dict[int, tuple[int, int, bool] | Exception]:
-        """The rejection sampler over the given rows of p: {row: (accepted, token, is_bonus) or its error}.
+        """The rejection sampler over the given sessions: {row: (accepted, token, is_bonus) or its error}.
 
-        One batched call; if it refuses (a row breaks a sampler rule), each row
-        again on its own, so that only the offending row fails. Verdicts do not
-        depend on the batch (coins hash (seed, position)), so this changes nothing
-        for the others.
+        logits: B x [K_b+1, V], the forward's rows per session. One batched call, its q padded to
+        the widest W and K_max drafts (q = 0 on padding); if it refuses (a row breaks a sampler
+        rule, or its p is not a distribution), each row again on its own, so that only the
+        offending row fails. Verdicts do not depend on the batch (coins hash (seed, position)),
+        so this changes nothing for the others.
         """
         if not rows:
             return {}
-        k_max = p.shape[1] - 1
-        idx = torch.tensor(rows, dtype=torch.int64)
+        k_max = max(ks[b] for b in rows)
         drafts = torch.zeros(len(rows), k_max, dtype=torch.int64)  # [B', K_max]
         for r, b in enumerate(rows):
             drafts[r, : ks[b]] = torch.tensor(requests[ready[b][0]].proposal.token_ids, dtype=torch.int64)
         try:
             v = rejection_sample(
-                p[idx],
+                _target_rows([logits[b] for b in rows], [ready[b][1].params for b in rows], k_max),
                 drafts,
                 _sparse_batch([requests[ready[b][0]].proposal for b in rows], k_max),
                 seeds=torch.tensor([ready[b][1].params.seed for b in rows], dtype=torch.int64),
@@ -210,7 +210,7 @@ class Verifier(PooledModel[_TargetSession]):
                 return {rows[0]: exc}
             out: dict[int, tuple[int, int, bool] | Exception] = {}
             for b in rows:
-                out.update(Verifier._sample([b], p, ready, requests, ks))
+                out.update(Verifier._sample([b], logits, ready, requests, ks))
             return out
         return {b: (int(v.num_accepted[r]), int(v.next_token[r]), bool(v.is_bonus[r])) for r, b in enumerate(rows)}
 
@@ -330,6 +330,28 @@ class Verifier(PooledModel[_TargetSession]):
             return out
         out.update({rows[r]: v.row(j) for j, r in enumerate(keep)})
         return out
+
+
+def _target_rows(logits: list[torch.Tensor], params: list[SamplingParams], k_max: int) -> TargetRows:
+    """The processed p of each session's rows (logits B x [K_b+1, V]), computed when the sampler reads them.
+
+    The sampler reads position i of a session only while its drafts before i were accepted, and
+    the position its token is drawn at: ~3 of 5 rows at K = 4 and acceptance 0.6, each a softmax
+    over V. A read whose p is not a distribution raises (the caller finds the session at fault):
+    with the logits checked finite beforehand, that is a NaN row (x / T overflowed), and a NaN in
+    a softmax row (or anything made from it) is a NaN in every entry, so one entry tells.
+    """
+    V = int(logits[0].shape[-1])
+
+    def read(b: np.ndarray, i: np.ndarray) -> torch.Tensor:
+        pairs = list(zip(b.tolist(), i.tolist()))
+        x = logits[pairs[0][0]][pairs[0][1]][None] if len(pairs) == 1 else torch.stack([logits[r][n] for r, n in pairs])
+        p = sampler.processed_probs(x[:, None, :], [params[r] for r, _ in pairs], checked=True)[:, 0]  # [n, V]
+        if bool(p[:, 0].isnan().any()):
+            raise Internal(sampler.UNUSABLE_PROBS)
+        return p
+
+    return TargetRows((len(logits), k_max + 1, V), logits[0].device, read)
 
 
 def _sparse_batch(proposals: Sequence[Proposal], k_max: int) -> SparseProposal | None:

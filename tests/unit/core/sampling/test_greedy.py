@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from specd.core.sampling.greedy import greedy_tokens, greedy_verdict
+from specd.core.sampling.greedy import greedy_tokens, greedy_verdict, top_probability
 from specd.core.sampling.rejection import rejection_sample
 from specd.core.sampling.sampler import SamplingParams, processed_probs, unusable_rows
 
@@ -72,3 +72,25 @@ def test_greedy_tokens_are_the_argmax_of_the_processed_p() -> None:
     keep = [b for b in range(12) if b != 5]
     assert torch.equal(tokens[keep], p[keep, 0].argmax(-1))
     assert int(tokens[3]) == 10
+
+
+def test_greedy_tokens_on_the_host_equal_torch_max() -> None:
+    g = torch.Generator().manual_seed(9)
+    rows = torch.randn(8, 50, generator=g)
+    rows[0, [3, 40]] = 9.0  # a tie: the lower id
+    rows[1, 7] = math.nan
+    rows[2, 9] = math.inf
+    rows[3] = -math.inf
+    rows[4, :49] = -math.inf
+    for x in (rows, rows.to(torch.bfloat16), rows[:, None, :].expand(8, 3, 50)):
+        top, best = x.float().max(-1)
+        got_best, got_bad = greedy_tokens(x)
+        assert torch.equal(got_bad, ~top.isfinite())
+        assert torch.equal(got_best[~got_bad], best[~got_bad])
+
+
+def test_the_greedy_confidence_is_the_softmax_top_probability() -> None:
+    logits = torch.randn(6, 3000, generator=torch.Generator().manual_seed(2)) * 4
+    best, _ = greedy_tokens(logits)
+    want = torch.exp(logits.max(-1).values - torch.logsumexp(logits, -1))
+    assert torch.allclose(top_probability(logits, best), want, rtol=1e-5, atol=0)

@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
 from specd.core.errors import InvalidArgument
-from specd.core.sampling.rejection import SparseProposal, Verdict, rejection_sample
+from specd.core.sampling.rejection import SparseProposal, TargetRows, Verdict, rejection_sample
 from specd.core.sampling.sampler import (
     Role,
     coins,
@@ -16,6 +17,7 @@ from specd.core.sampling.sampler import (
     sparse_proposal,
 )
 from tests.devices import DEVICE
+from tests.unit.core.sampling import reference
 from tests.unit.core.sampling.tables import F32, F64, I64, on_device
 
 # --------------------------------------------------------------------------
@@ -307,3 +309,74 @@ def test_rejection_sample_bad_input_raises(change, match):
 def test_rejection_sample_ok_inputs_run():
     v = rejection_sample(**_ok_inputs())
     assert v.num_accepted.shape == v.next_token.shape == v.is_bonus.shape == (2,)
+
+
+# --------------------------------------------------------------------------
+# the host path (issue 29): the same verdicts as the dense formulas (reference.py)
+# --------------------------------------------------------------------------
+
+
+def _random_round(g: torch.Generator, B: int, K: int, V: int, kind: str):
+    p = torch.softmax(torch.randn(B, K + 1, V, generator=g) * 3, -1)
+    p[0, :, : V // 3] = 0.0  # zeros in p: residuals that vanish, drafts p gives no mass
+    p = p / p.sum(-1, keepdim=True)
+    x = torch.randint(0, V, (B, K), generator=g)
+    prop = None
+    if kind == "sparse":
+        W = 6
+        ids = torch.randint(0, V, (B, K, W), generator=g)
+        ids[..., 0], ids[..., 1] = x, x  # the draft token in its support, twice (duplicates add up)
+        prop = SparseProposal(ids, torch.randint(0, 4, (B, K, W), generator=g).float() + (torch.arange(W) == 0))
+    elif kind == "q == p":  # the residual vanishes: the guard samples from p
+        x = p[:, :K].argmax(-1)  # in q's support
+        prop = SparseProposal(torch.arange(V).expand(B, K, V).clone(), p[:, :K].clone())
+    seeds, start = torch.randint(0, 2**62, (B,), generator=g), torch.randint(0, 10**6, (B,), generator=g)
+    return p, x, prop, seeds, start, torch.randint(0, K + 1, (B,), generator=g)
+
+
+@pytest.mark.parametrize("dtype", [F32, torch.float16], ids=["host", "where p lives"])  # float16: the torch path
+@pytest.mark.parametrize("kind", ["one-hot", "sparse", "q == p"])
+def test_rejection_sample_equals_the_dense_reference(kind: str, dtype: torch.dtype) -> None:
+    g = torch.Generator().manual_seed(17)
+    for _ in range(60):
+        B, K, V = (int(torch.randint(lo, hi, (1,), generator=g)) for lo, hi in ((1, 6), (0, 5), (2, 50)))
+        p, *rest = _random_round(g, B, K, V, kind)
+        args = (p.to(dtype), *rest)
+        got, want = rejection_sample(*args), reference.rejection_sample(*args)
+        assert torch.equal(got.num_accepted, want.num_accepted)
+        assert torch.equal(got.next_token, want.next_token)
+        assert torch.equal(got.is_bonus, want.is_bonus)
+
+
+def test_rejection_sample_table_cases_equal_the_dense_reference() -> None:
+    for p, drafts, prop, num_draft, _ in REJECTION_CASES.values():
+        p = torch.tensor(p, dtype=F32).cpu()
+        x = torch.tensor(drafts, dtype=I64).reshape(1, p.shape[1] - 1)
+        prop = None if prop is None else SparseProposal(prop.token_ids.cpu(), prop.probs.cpu())
+        nd = torch.tensor(num_draft if num_draft is not None else [p.shape[1] - 1])
+        for seed in range(20):
+            args = (p, x, prop, torch.tensor([seed]), torch.tensor([17]), nd)
+            got, want = rejection_sample(*args), reference.rejection_sample(*args)
+            assert (got.num_accepted.tolist(), got.next_token.tolist()) == (
+                want.num_accepted.tolist(),
+                want.next_token.tolist(),
+            )
+
+
+def test_rows_are_read_only_where_the_verdict_needs_them() -> None:
+    # Position i of a row while its drafts before i were accepted, and where its token is drawn.
+    g = torch.Generator().manual_seed(23)
+    for kind in ("one-hot", "sparse"):
+        for _ in range(40):
+            p, x, prop, seeds, start, nd = _random_round(g, 4, 4, 30, kind)
+            read: list[tuple[int, int]] = []
+
+            def rows(b: np.ndarray, i: np.ndarray, p: torch.Tensor = p, read: list = read) -> torch.Tensor:
+                read.extend(zip(b.tolist(), i.tolist()))
+                return p[torch.from_numpy(b), torch.from_numpy(i)]
+
+            v = rejection_sample(TargetRows(tuple(p.shape), p.device, rows), x, prop, seeds, start, nd)
+            dense = rejection_sample(p, x, prop, seeds, start, nd)
+            assert torch.equal(v.num_accepted, dense.num_accepted) and torch.equal(v.next_token, dense.next_token)
+            want = {(b, i) for b in range(4) for i in range(int(v.num_accepted[b]) + 1)}
+            assert sorted(read) == sorted(want)  # each once

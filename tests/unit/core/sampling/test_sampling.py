@@ -10,16 +10,19 @@ import torch
 from scipy import stats
 
 from specd.core.errors import InvalidArgument
+from specd.core.sampling import sampler
 from specd.core.sampling.rejection import SparseProposal, rejection_sample
 from specd.core.sampling.sampler import (
     Role,
     SamplingParams,
     coins,
     draft_token,
+    host_coins,
     processed_probs,
     sample_from_probs,
     sample_sparse,
     sparse_proposal,
+    unusable_rows,
 )
 from tests.devices import DEVICE
 from tests.unit.core.sampling.tables import F32, F64, I64, on_device, processed_row
@@ -394,3 +397,57 @@ def test_rejection_sample_rows_are_independent_of_the_batch():
         nd[b : b + 1],
     )
     assert (int(v1.num_accepted), int(v1.next_token)) == (int(v.num_accepted[b]), int(v.next_token[b]))
+
+
+# --------------------------------------------------------------------------
+# host fast paths (issue 29): the same numbers as the formulas they replace
+# --------------------------------------------------------------------------
+
+
+def test_python_and_numpy_coins_agree(monkeypatch: pytest.MonkeyPatch) -> None:
+    seeds = np.array([0, 3, 2**40 + 7, 2**63 - 1], dtype=np.int64)
+    positions = np.array([[0, 1, 2**31 + 5, -1] * 20] * 4, dtype=np.int64)  # 80 a row: numpy above 64
+    for role in Role:
+        few = [host_coins(seeds[b : b + 1], positions[b : b + 1, :16], role) for b in range(4)]  # Python ints
+        many = host_coins(seeds, positions, role)  # numpy
+        assert np.array_equal(np.concatenate(few), many[:, :16])
+        monkeypatch.setattr(sampler, "_SCALAR_COINS", 10**6)  # all in Python ints
+        assert np.array_equal(host_coins(seeds, positions, role), many)
+        monkeypatch.undo()
+
+
+@pytest.mark.parametrize("temperature", [0.05, 0.7, 1.0, 1.3, 37.0])
+def test_the_softmax_only_path_gives_the_general_paths_bits(temperature: float) -> None:
+    g = torch.Generator().manual_seed(5)
+    logits = torch.randn(3, 4, 777, generator=g) * torch.tensor([1.0, 30.0, 1e4])[:, None, None]
+    logits[0, 0, :100] = -math.inf
+    params = [SamplingParams(temperature=temperature)] * 3
+    fast = processed_probs(logits, params)
+    # A greedy row in the batch sends every row through the general path (per-row float32 temperatures).
+    general = processed_probs(torch.cat([logits, logits[:1]]), [*params, SamplingParams(temperature=0.0)])
+    assert torch.equal(fast, general[:3])
+    assert torch.equal(fast, torch.softmax(logits / torch.tensor(temperature, dtype=F32), -1))
+    assert torch.equal(processed_probs(logits, params, checked=True), fast)  # params validated already
+
+
+def test_unusable_rows_names_each_bad_row_once() -> None:
+    logits = torch.zeros(5, 2, 4)
+    logits[1, 1, 2] = math.nan
+    logits[2, 0, 0] = math.inf
+    logits[3, 1] = -math.inf
+    logits[4, 0, 1] = 3e38  # finite, but x / T overflows: p is not a distribution
+    p = processed_probs(logits, [SamplingParams(temperature=0.01)] * 5)
+    bad = unusable_rows(logits, p)
+    assert sorted(bad) == [1, 2, 3, 4]
+    assert all(sampler.UNUSABLE_LOGITS in str(bad[b]) for b in (1, 2, 3))
+    assert "not finite" in str(bad[4]) and sampler.UNUSABLE_LOGITS not in str(bad[4])
+    # No greedy row: the logits are read only where p is bad, with the same answers.
+    sampled = unusable_rows(logits, p, sampled=True)
+    assert {b: str(e) for b, e in sampled.items()} == {b: str(e) for b, e in bad.items()}
+    assert unusable_rows(logits[:1], p[:1], sampled=True) == {}
+    # The drafter's one pass over p: each row's float64 mass and the same errors.
+    total, errors = sampler.sampled_mass(logits[:, 0], p[:, 0])
+    assert {b: str(e) for b, e in errors.items()} == {
+        b: str(e) for b, e in unusable_rows(logits[:, :1], p[:, :1]).items()
+    }
+    assert np.array_equal(total[:1], p[:1, 0].double().sum(-1).numpy())

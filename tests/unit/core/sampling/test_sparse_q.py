@@ -5,9 +5,11 @@ Exactness of sampling from it is tested statistically in test_sampling_stats.py.
 
 from __future__ import annotations
 
+import math
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from prometheus_client import generate_latest
@@ -19,7 +21,7 @@ from specd.core.errors import InvalidArgument
 from specd.core.model.loading import load_pretrained
 from specd.core.model.runner import CausalLMRunner
 from specd.core.rounds.steps import ProposeRequest
-from specd.core.sampling import sparse_q
+from specd.core.sampling import sampler, sparse_q
 from specd.core.sampling.proposal import Proposal
 from specd.core.sampling.sampler import SamplingParams
 from specd.core.sampling.sparse_q import MAX_WEIGHT, QSettings
@@ -27,6 +29,8 @@ from specd.serving.config import DraftConfig
 from specd.serving.metrics import DraftMetrics
 from specd.serving.wire import proposal_from_proto, proposal_to_proto, q_wire_bytes
 from specd.v1 import common_pb2, draft_pb2
+from tests.unit.core.sampling import reference
+from tests.unit.core.sampling.tables import F32, F64
 
 
 def _row(*values: float) -> torch.Tensor:
@@ -259,9 +263,11 @@ def test_draft_service_exports_q_bytes_and_build_time(tiny_target) -> None:
 
 
 def test_the_partial_first_selection_keeps_exactly_what_the_full_top_k_keeps(monkeypatch) -> None:
-    # Rows from sharp (a few tokens keep the mass) to flat (over a thousand do), in one batch.
+    # Rows from sharp (a few tokens keep the mass) to flat (over a thousand do), in one batch; float64,
+    # so that they take the top-k where they live (float32 host rows take the histogram: test_fast_paths.py).
     g = torch.Generator().manual_seed(11)
     probs = torch.softmax(torch.randn(6, 5000, generator=g) * torch.tensor([8.0, 4.0, 2.0, 1.0, 0.5, 0.1])[:, None], -1)
+    probs = probs.double()
     settings = sparse_q.QSettings()
     ids, weights = sparse_q.build(probs, settings)
     first = sparse_q._FIRST_TOP
@@ -270,3 +276,75 @@ def test_the_partial_first_selection_keeps_exactly_what_the_full_top_k_keeps(mon
     assert torch.equal(ids, full_ids) and torch.equal(weights, full_weights)
     widths = (weights > 0).sum(-1)
     assert widths.min() < first < widths.max()  # both paths ran
+
+
+# ---- the host selection (issue 29): the same q as a full top-k -------------------------------
+
+
+def _rows() -> dict[str, torch.Tensor]:
+    """Rows [A, V] from sharp to flat, and the awkward ones: ties, zeros, tiny V, a flat tail."""
+    g = torch.Generator().manual_seed(29)
+    scales = torch.tensor([16.0, 8.0, 4.0, 2.0, 1.0, 0.5, 0.1])[:, None]
+    ties = torch.zeros(3, 3000)
+    ties[0, :50], ties[1, :2000], ties[2, ::3] = 1.0, 1.0, 1.0  # equal values across a cut and the budget
+    zipf = 1.0 / torch.arange(1, 32001, dtype=F64) ** 1.05  # a heavy tail: the budget binds
+    return {
+        "softmax": torch.softmax(torch.randn(7, 5000, generator=g) * scales, -1),
+        "ties": ties / ties.sum(-1, keepdim=True),
+        "one-hot and uniform": torch.stack([torch.eye(400)[7], torch.full((400,), 1 / 400)]),
+        "tiny V": torch.tensor([[0.5, 0.3, 0.2], [1.0, 0.0, 0.0]]),
+        "zipf tail": (zipf / zipf.sum())[None].to(F32),
+        "subnormal tail": torch.cat([torch.tensor([[1.0]]), torch.full((1, 999), 1e-44)], -1),
+    }
+
+
+SETTINGS = [QSettings(), QSettings.top_k(7), QSettings(0.3, 32, 10), QSettings(1e-3, 1792, 2), QSettings(0.0, 4096)]
+
+
+def _assert_same_q(
+    probs: torch.Tensor, got: tuple[torch.Tensor, torch.Tensor], want: tuple[torch.Tensor, torch.Tensor]
+):
+    """Equal weights slot for slot; equal ids except where equal probabilities trade places (ties)."""
+    (ids, w), (ref_ids, ref_w) = got, want
+    assert torch.equal(w, ref_w)
+    moved = ids != ref_ids
+    assert torch.equal(probs.gather(-1, ids)[moved], probs.gather(-1, ref_ids)[moved])
+
+
+@pytest.mark.parametrize("settings", SETTINGS, ids=str)
+@pytest.mark.parametrize("name", list(_rows()))
+def test_build_equals_the_full_top_k_reference(name: str, settings: QSettings) -> None:
+    probs = _rows()[name]
+    _assert_same_q(probs, sparse_q.build(probs, settings), reference.build(probs, settings))
+
+
+def test_the_device_path_equals_the_host_path() -> None:
+    # float64 rows (and any row off the host) take torch.topk: the partial-first selection, then the full one.
+    probs = _rows()["softmax"]
+    for settings in SETTINGS:
+        _assert_same_q(probs, sparse_q.build(probs.double(), settings), sparse_q.build(probs, settings))
+
+
+def test_rows_the_histogram_cannot_decide_take_the_full_top_k(monkeypatch: pytest.MonkeyPatch) -> None:
+    probs = _rows()["softmax"]
+    want = reference.build(probs, QSettings())
+    a = probs.numpy()
+    total = probs.sum(-1, dtype=F64).numpy()
+    assert sparse_q._select_host(np.array([0.5, -0.1, 0.6], dtype=np.float32), 1.0, 8, 1e-3) is None  # negative
+    assert sparse_q._select_host(a[0], math.nan, 8, 1e-3) is None
+    # Candidates allowed to leave out far more than epsilon: some rows fall short of the mass rule.
+    monkeypatch.setattr(sparse_q, "_COVER", 500.0)
+    declined = [i for i in range(len(a)) if sparse_q._select_host(a[i], float(total[i]), 1792, 1e-3) is None]
+    assert 0 < len(declined) < len(a)
+    _assert_same_q(probs, sparse_q.build(probs, QSettings()), want)
+
+
+def test_sample_slots_equals_sample_sparse() -> None:
+    g = torch.Generator().manual_seed(3)
+    weights = torch.randint(0, 50, (200, 30), generator=g).float() * (torch.rand(200, 30, generator=g) > 0.4)
+    weights[:, 3] += 1  # every row has mass
+    ids = torch.randint(0, 1000, (200, 30), generator=g)
+    u = torch.rand(200, dtype=F64, generator=g)
+    u[:3] = torch.tensor([0.0, 1 - 2**-53, 0.5])
+    slot = torch.from_numpy(sparse_q.sample_slots(weights.numpy(), u.numpy()))
+    assert torch.equal(ids.gather(-1, slot[:, None])[:, 0], sampler.sample_sparse(ids, weights, u))

@@ -1,0 +1,87 @@
+"""The model drafter's sampling step: rows of a batch, a reduced head's ids, the greedy confidence."""
+
+from __future__ import annotations
+
+import torch
+
+from specd.core.draft.model_drafter import ModelDrafter
+from specd.core.model.sim import parse_sim_spec
+from specd.core.rounds.steps import ProposeRequest
+from specd.core.sampling.proposal import Proposal
+from specd.core.sampling.sampler import SamplingParams
+from specd.core.sampling.sparse_q import QSettings
+
+SIM = "sim:h100-tp2-70b,vocab_size=2048,time_scale=0"
+PROMPT = [5, 6, 7, 8, 9]
+SESSIONS = {  # one batch: greedy and sampled rows, two q settings
+    "greedy": (SamplingParams(temperature=0.0, seed=1), 0),
+    "warm": (SamplingParams(temperature=0.7, seed=2), 0),
+    "hot": (SamplingParams(temperature=1.3, seed=3), 0),
+    "top-8": (SamplingParams(temperature=1.0, seed=4), 8),
+}
+
+
+def _drafter(token_map: torch.Tensor | None = None) -> ModelDrafter:
+    return ModelDrafter(parse_sim_spec(SIM).runner("draft"), q=QSettings(), token_map=token_map)
+
+
+def _propose(d: ModelDrafter, names: list[str]) -> dict[str, Proposal]:
+    for name in names:
+        params, top_k = SESSIONS[name]
+        d.open(name, PROMPT, params, wire_top_k=top_k)
+    results = d.propose_batch([ProposeRequest(n, len(PROMPT), len(PROMPT), [], 4) for n in names])
+    out = {}
+    for name, result in zip(names, results):
+        assert isinstance(result, Proposal), result
+        out[name] = result
+    return out
+
+
+def _same(a: Proposal, b: Proposal, conf: float = 0.0, weight: float = 0.0) -> None:
+    """The same tokens; confidences within `conf`; q on the same ids with weights within `weight`."""
+    assert a.token_ids == b.token_ids
+    assert all(abs(x - y) <= conf for x, y in zip(a.confidence, b.confidence, strict=True))
+    qa, qb = _q(a), _q(b)
+    assert (qa is None) == (qb is None)
+    for ra, rb in zip(qa or [], qb or [], strict=True):
+        assert ra.keys() == rb.keys() and all(abs(ra[i] - rb[i]) <= weight for i in ra)
+
+
+def _q(p: Proposal) -> list[dict[int, float]] | None:
+    """Each position's q as {token id: weight} (slots of equal weight may sit in either order)."""
+    if p.q_ids is None or p.q_probs is None:
+        return None
+    return [{int(i): float(w) for i, w in zip(ids, ws) if w > 0} for ids, ws in zip(p.q_ids, p.q_probs)]
+
+
+def test_a_mixed_batch_drafts_what_each_session_drafts_alone() -> None:
+    together = _propose(_drafter(), list(SESSIONS))
+    for name in SESSIONS:
+        _same(together[name], _propose(_drafter(), [name])[name])
+    assert together["greedy"].q_ids is None
+    top8 = together["top-8"].q_ids
+    assert top8 is not None and top8.shape[-1] <= 8
+
+
+def test_a_reduced_head_drafts_target_ids_with_the_same_numbers() -> None:
+    # token_map[i] = the target id of the head's row i. The identity changes nothing; a permutation
+    # changes only where each number sits, and the order of the softmax's sums: its probabilities
+    # (the confidences, the weights) agree to float32 rounding.
+    plain = _propose(_drafter(), list(SESSIONS))
+    same = _propose(_drafter(torch.arange(2048)), list(SESSIONS))
+    perm = torch.randperm(2048, generator=torch.Generator().manual_seed(0))
+    mapped = _propose(_drafter(perm), list(SESSIONS))
+    for name in SESSIONS:
+        _same(plain[name], same[name])
+        _same(plain[name], mapped[name], conf=2.0**-16, weight=1.0)  # a weight a grid step off: q(x) too
+
+
+def test_the_greedy_confidence_is_the_softmax_probability_of_the_argmax() -> None:
+    d = _drafter()
+    got = _propose(d, ["greedy"])["greedy"]
+    runner = parse_sim_spec(SIM).runner("draft")
+    tokens = PROMPT + got.token_ids
+    for i, conf in enumerate(got.confidence):
+        logits = runner.lm.logits([tokens[: len(PROMPT) + i]])[0]  # [V] the row that drafted token i
+        assert int(logits.argmax()) == got.token_ids[i]
+        assert abs(conf - float(torch.softmax(logits, -1).max())) < 1e-6

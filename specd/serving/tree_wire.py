@@ -15,7 +15,7 @@ from collections.abc import Mapping, Sequence
 from specd.core.errors import InvalidArgument, Unavailable
 from specd.core.phases import PhaseLog
 from specd.core.rounds import steps
-from specd.core.sampling import sparse_q
+from specd.core.sampling import compact_q
 from specd.core.sampling.proposal import DEFAULT_MAX_Q_WIDTH
 from specd.core.sampling.tree import DEFAULT_MAX_TREE_DEPTH, DEFAULT_MAX_TREE_NODES, DraftTree
 from specd.serving.wire import q_rows, reported_ms, token_ids_from_wire
@@ -27,11 +27,9 @@ def tree_q_to_proto(tree: DraftTree) -> list[common_pb2.SparseDistribution]:
     if tree.q_ids is None or tree.q_probs is None:
         return []
     out = []
-    if sparse_q.is_integral(tree.q_probs):
-        for ids, weights in zip(tree.q_ids, tree.q_probs):
-            gaps, ints = sparse_q.to_compact(ids, weights)
-            out.append(common_pb2.SparseDistribution(id_gaps=gaps, weights=ints))
-        return out
+    if compact_q.is_integral(tree.q_probs):
+        rows = compact_q.to_compact(tree.q_ids, tree.q_probs)
+        return [common_pb2.SparseDistribution(id_gaps=gaps, weights=ints) for gaps, ints in rows]
     for ids, probs in zip(tree.q_ids, tree.q_probs):
         keep = probs > 0  # [W] the row's support; padding is (id 0, 0)
         out.append(common_pb2.SparseDistribution(token_ids=ids[keep].tolist(), probs=probs[keep].tolist()))

@@ -14,7 +14,7 @@ from specd.core.phases import PhaseLog
 from specd.core.rounds import steps
 from specd.core.rounds.generation import FinishReason
 from specd.core.rounds.record import RequestStats
-from specd.core.sampling import sparse_q
+from specd.core.sampling import compact_q, varint
 from specd.core.sampling.proposal import (
     DEFAULT_MAX_DRAFT_TOKENS,
     DEFAULT_MAX_Q_WIDTH,
@@ -56,12 +56,9 @@ def sparse_to_proto(proposal: Proposal) -> list[common_pb2.SparseDistribution]:
         return list(proposal.wire_q)
     if proposal.q_ids is None or proposal.q_probs is None:
         return []
-    if sparse_q.is_integral(proposal.q_probs):
-        out = []
-        for ids, weights in zip(proposal.q_ids, proposal.q_probs):
-            gaps, ints = sparse_q.to_compact(ids, weights)
-            out.append(common_pb2.SparseDistribution(id_gaps=gaps, weights=ints))
-        return out
+    if compact_q.is_integral(proposal.q_probs):
+        rows = compact_q.to_compact(proposal.q_ids, proposal.q_probs)
+        return [common_pb2.SparseDistribution(id_gaps=gaps, weights=ints) for gaps, ints in rows]
     return [common_pb2.SparseDistribution(token_ids=ids, probs=probs) for ids, probs in proposal.to_wire()]
 
 
@@ -188,6 +185,10 @@ def _checked_proposal(
     max_q_width: int,
 ) -> Proposal:
     check_sizes(len(token_ids), len(q), max_draft_tokens)  # before any row is decoded
+    cap = min(max_q_width, vocab_size)
+    if q and all([_is_compact(i, d, cap) for i, d in enumerate(q)]):  # a model draft's: all rows at once
+        tokens = checked_tokens(token_ids, vocab_size)
+        return Proposal(tokens, *compact_q.dense_from_compact([(d.id_gaps, d.weights) for d in q], vocab_size, tokens))
     rows = q_rows(q, vocab_size, max_q_width)
     return Proposal.from_wire(token_ids, rows, vocab_size, max_draft_tokens=max_draft_tokens, max_q_width=max_q_width)
 
@@ -198,7 +199,7 @@ def q_rows(q: Sequence[common_pb2.SparseDistribution], vocab_size: int, max_q_wi
     rows: list[QRow] = []
     for i, d in enumerate(q):
         if _is_compact(i, d, min(max_q_width, vocab_size)):
-            rows.append(sparse_q.from_compact(d.id_gaps, d.weights, vocab_size))
+            rows.append(compact_q.from_compact(d.id_gaps, d.weights, vocab_size))
         else:
             rows.append((d.token_ids, d.probs))
     return rows
@@ -208,11 +209,15 @@ def _is_compact(i: int, d: common_pb2.SparseDistribution, cap: int) -> bool:
     """Whether q row i is in the compact form, from lengths alone; InvalidArgument if it holds both
     forms or neither, or more than cap entries."""
     plain = max(len(d.token_ids), len(d.probs))
-    compact = max(len(d.id_gaps), len(d.weights))
-    if (plain > 0) == (compact > 0):
+    compact_bytes = max(len(d.id_gaps), len(d.weights))
+    if (plain > 0) == (compact_bytes > 0):
         raise InvalidArgument(f"q at draft position {i} must use exactly one of the plain and the compact form")
-    check_row_width(i, max(plain, compact), cap)
-    return compact > 0
+    if compact_bytes:  # an entry takes 1 to 5 bytes: refuse what cannot fit before counting the entries
+        check_row_width(i, -(-compact_bytes // varint.MAX_BYTES), cap)
+        check_row_width(i, max(compact_q.compact_entries(d.id_gaps, d.weights)), cap)
+    else:
+        check_row_width(i, plain, cap)
+    return compact_bytes > 0
 
 
 # ---- the draft and target services' stream messages (their servicers) ------------------------

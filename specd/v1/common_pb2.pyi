@@ -84,9 +84,9 @@ class SparseDistribution(_message.Message):
     WEIGHTS_FIELD_NUMBER: _ClassVar[int]
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     probs: _containers.RepeatedScalarFieldContainer[float]
-    id_gaps: _containers.RepeatedScalarFieldContainer[int]
-    weights: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., probs: _Optional[_Iterable[float]] = ..., id_gaps: _Optional[_Iterable[int]] = ..., weights: _Optional[_Iterable[int]] = ...) -> None: ...
+    id_gaps: bytes
+    weights: bytes
+    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., probs: _Optional[_Iterable[float]] = ..., id_gaps: _Optional[bytes] = ..., weights: _Optional[bytes] = ...) -> None: ...
 
 class ModelInfo(_message.Message):
     __slots__ = ("name", "vocab_size", "tokenizer_size", "vocab_hash", "max_context", "eos_token_ids", "kind")

@@ -13,8 +13,8 @@ Why integer weights on a fine grid (docs/results/sparse-q.md has the numbers):
 at T = 1 the demo target spreads its mass over thousands of tokens, many of
 them below 2**-17, which a 2**-16 grid rounds to 0; 2**-18 keeps most of them.
 Weights are small integers, so on the wire they travel as varints, with the
-token IDs sorted and sent as gaps (see :func:`to_compact`): ~2.2 bytes per
-kept token instead of ~6.7 for (uint32 id, float32 prob) pairs.
+token IDs sorted and sent as gaps (specd.core.sampling.compact_q): ~2.2 bytes
+per kept token instead of ~6.7 for (uint32 id, float32 prob) pairs.
 
 A fixed top-k (the old ``--wire-top-k``) is the special case epsilon = 0,
 max_tokens = k (:meth:`QSettings.top_k`).
@@ -30,7 +30,6 @@ weights and the slot order are those of a full top-k (docs/results/sparse-q.md).
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -271,48 +270,3 @@ def sample_slots(weights: np.ndarray, u: np.ndarray) -> np.ndarray:
         last = w.shape[-1] - 1 - np.argmax((w > 0)[:, ::-1], axis=-1)  # [A] the last slot with weight > 0
         slot = np.where(over, last, slot)
     return slot.astype(np.int64)
-
-
-# --------------------------------------------------------------------------
-# Compact wire form
-# --------------------------------------------------------------------------
-
-
-def is_integral(weights: Tensor) -> bool:
-    """True if every weight is an integer in [0, MAX_WEIGHT] (the compact form can carry them exactly)."""
-    return bool(((weights == torch.round(weights)) & (weights >= 0) & (weights <= MAX_WEIGHT)).all())
-
-
-def to_compact(ids: Tensor, weights: Tensor) -> tuple[list[int], list[int]]:
-    """One position's q as (id gaps, integer weights), zero-weight slots dropped.
-
-    ids: [W] int64; weights: [W] integer-valued (see is_integral).
-    The kept tokens are sorted by id; gaps[0] is the first id, gaps[j] the
-    difference to the previous id (>= 1: an id appears once; duplicate ids are
-    merged, their weights added). Small gaps and small weights are one-byte varints.
-    """
-    assert ids.shape == weights.shape and ids.dim() == 1, f"ids and weights must be [W], got {tuple(ids.shape)}"
-    live = weights > 0
-    order_ids, inverse = torch.unique(ids[live], sorted=True, return_inverse=True)  # [M] increasing
-    merged = torch.zeros(order_ids.shape[0], dtype=torch.float64).index_add_(0, inverse, weights[live].double())
-    gaps = torch.diff(order_ids, prepend=order_ids.new_zeros(1))
-    return gaps.tolist(), merged.to(torch.int64).tolist()
-
-
-def from_compact(gaps: Sequence[int], weights: Sequence[int], vocab_size: int) -> tuple[Tensor, Tensor]:
-    """(ids [W] int64, weights [W] float32) from the compact form, or InvalidArgument saying what is wrong.
-
-    Decoded in numpy from the wire's repeated fields (no Python list per row: the target decodes
-    every draft position of every verify)."""
-    if len(gaps) != len(weights) or not gaps:
-        raise InvalidArgument("compact q needs equal, non-zero numbers of id gaps and weights")
-    g = np.asarray(gaps, dtype=np.int64)  # [W]
-    w = np.asarray(weights, dtype=np.int64)  # [W]
-    if (g[1:] < 1).any() or (g < 0).any():
-        raise InvalidArgument("compact q: id gaps after the first must be >= 1 (ids increase, each once)")
-    if (w < 0).any() or (w > MAX_WEIGHT).any():
-        raise InvalidArgument(f"compact q: weights must be integers in [0, {MAX_WEIGHT}]")
-    ids = np.cumsum(g)
-    if int(ids[-1]) >= vocab_size:
-        raise InvalidArgument(f"compact q names a token id outside the vocabulary [0, {vocab_size})")
-    return torch.from_numpy(ids), torch.from_numpy(w.astype(np.float32))

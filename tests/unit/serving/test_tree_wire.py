@@ -8,7 +8,7 @@ import torch
 from specd.core.errors import InvalidArgument, Unavailable
 from specd.core.phases import PhaseLog
 from specd.core.rounds import steps
-from specd.core.sampling import sparse_q
+from specd.core.sampling import compact_q
 from specd.core.sampling.tree import DraftTree
 from specd.serving import tree_wire
 from specd.v1 import draft_pb2, target_pb2
@@ -101,9 +101,9 @@ def test_a_draft_tree_over_the_request_is_refused() -> None:
     [
         (lambda v: v.draft_token_ids.extend([1] * 40), "at most 32"),  # parents need not be read
         (lambda v: v.parents.extend([0, 5]), "parent"),
-        (lambda v: v.q.add(id_gaps=list(range(1, 70)), weights=[1] * 69), "has 69 entries; the limit is 50"),
-        (lambda v: v.q.add(token_ids=[1], probs=[1.0], weights=[1]), "exactly one of the plain and the compact"),
-        (lambda v: v.q.add(id_gaps=[1], weights=[1]), "q has 1 rows for 2 tree nodes"),
+        (lambda v: v.q.add(id_gaps=bytes(range(1, 70)), weights=b"\x01" * 69), "has 69 entries; the limit is 50"),
+        (lambda v: v.q.add(token_ids=[1], probs=[1.0], weights=b"\x01"), "exactly one of the plain and the compact"),
+        (lambda v: v.q.add(id_gaps=b"\x01", weights=b"\x01"), "q has 1 rows for 2 tree nodes"),
     ],
 )
 def test_the_target_checks_sizes_before_it_decodes_or_allocates(monkeypatch, mutate, needle) -> None:
@@ -116,9 +116,9 @@ def test_the_target_checks_sizes_before_it_decodes_or_allocates(monkeypatch, mut
     v.parents.extend([-1, 0])
     mutate(v)
     if len(v.q) == 1 and len(v.draft_token_ids) == 2 and "rows" not in needle:
-        v.q.add(id_gaps=[2], weights=[1])  # one row per node, so the row's own check is what refuses
+        v.q.add(id_gaps=b"\x02", weights=b"\x01")  # one row per node, so the row's own check is what refuses
     monkeypatch.setattr(torch, "zeros", refuse)
-    monkeypatch.setattr(sparse_q, "from_compact", refuse)
+    monkeypatch.setattr(compact_q, "from_compact", refuse)
     with pytest.raises(InvalidArgument, match=needle):
         tree_wire.verify_tree_from_proto(req, V, max_nodes=32, max_q_width=64, max_context=100)
 

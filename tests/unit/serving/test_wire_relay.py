@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
 from specd.core.errors import InvalidArgument
 from specd.core.rounds import steps
-from specd.core.sampling import sparse_q
+from specd.core.sampling import sparse_q, varint
 from specd.core.sampling.proposal import Proposal
 from specd.serving import wire
 from specd.v1 import common_pb2, draft_pb2
@@ -39,9 +40,9 @@ def test_a_relayed_q_reaches_the_target_byte_for_byte() -> None:
     ("mutate", "needle"),
     [
         (lambda m: m.token_ids.__setitem__(0, V + 3), "outside the vocabulary"),
-        (lambda m: m.q.add(id_gaps=[1], weights=[1]), "positions for"),
+        (lambda m: m.q.add(id_gaps=b"\x01", weights=b"\x01"), "positions for"),
         (lambda m: m.q[0].token_ids.append(5), "exactly one of"),
-        (lambda m: m.q[1].id_gaps.extend([1] * 5000), "the limit is"),
+        (lambda m: setattr(m.q[1], "id_gaps", b"\x01" * 5000), "the limit is"),
     ],
 )
 def test_the_relay_still_refuses_what_lengths_and_ids_show(mutate, needle: str) -> None:
@@ -53,7 +54,8 @@ def test_the_relay_still_refuses_what_lengths_and_ids_show(mutate, needle: str) 
 
 def test_a_relayed_q_with_bad_numbers_is_refused_by_the_target_side_check() -> None:
     msg = wire.proposal_to_proto(_model_proposal())
-    msg.q[0].CopyFrom(common_pb2.SparseDistribution(id_gaps=[V + 5], weights=[1]))  # an id outside the vocabulary
+    outside = varint.encode(np.array([V + 5]))  # an id outside the vocabulary
+    msg.q[0].CopyFrom(common_pb2.SparseDistribution(id_gaps=outside, weights=b"\x01"))
     relayed = wire.proposal_from_proto(msg, V, relay=True)  # lengths are fine: it passes the relay
     req = wire.verify_request(steps.VerifyRequest("s", 10, relayed), {})
     with pytest.raises(InvalidArgument, match="outside the vocabulary"):  # what the target's servicer runs

@@ -21,10 +21,10 @@ from specd.core.errors import InvalidArgument
 from specd.core.model.loading import load_pretrained
 from specd.core.model.runner import CausalLMRunner
 from specd.core.rounds.steps import ProposeRequest
-from specd.core.sampling import sampler, sparse_q
+from specd.core.sampling import compact_q, sampler, sparse_q
 from specd.core.sampling.proposal import Proposal
 from specd.core.sampling.sampler import SamplingParams
-from specd.core.sampling.sparse_q import MAX_WEIGHT, QSettings
+from specd.core.sampling.sparse_q import QSettings
 from specd.serving.config import DraftConfig
 from specd.serving.metrics import DraftMetrics
 from specd.serving.wire import proposal_from_proto, proposal_to_proto, q_wire_bytes
@@ -67,7 +67,7 @@ def test_weights_are_integers_on_the_grid_and_zero_probability_tokens_are_never_
     p = _row(0.0, 0.7, 0.0, 0.2, 0.1, 0.0)  # a top-p filtered row: exact zeros
     ids, w = sparse_q.build(p, QSettings(epsilon=0.0, max_tokens=6, bits=10))
     assert _kept(ids[0], w[0]) == {1: 717, 3: 205, 4: 102}  # round(t * 1024), t renormalised over the kept
-    assert sparse_q.is_integral(w)
+    assert compact_q.is_integral(w)
     # a value below half a grid step rounds to 0 and is dropped (its id is not sent)
     ids, w = sparse_q.build(_row(0.999, 0.0004, 0.0006), QSettings(epsilon=0.0, max_tokens=3, bits=10))
     assert _kept(ids[0], w[0]) == {0: 1023, 2: 1}
@@ -122,59 +122,6 @@ def test_draft_samples_a_token_of_its_own_q_with_the_draft_coin() -> None:
     assert all(float(w[a][ids[a] == tok[a]].sum()) > 0 for a in range(64))
     again, _, _ = sparse_q.draft(p, QSettings(epsilon=1e-2, max_tokens=100), seeds, positions)
     assert torch.equal(tok, again)  # coins depend on (seed, position) only
-
-
-# ---- the compact wire form ---------------------------------------------------
-
-
-def test_compact_form_round_trips_and_merges_duplicates() -> None:
-    ids = torch.tensor([40, 3, 17, 0, 3, 9])
-    w = torch.tensor([5.0, 2.0, 1000.0, 0.0, 1.0, 7.0])  # id 3 twice, a zero slot
-    gaps, ints = sparse_q.to_compact(ids, w)
-    assert gaps == [3, 6, 8, 23] and ints == [3, 7, 1000, 5]
-    ids, weights = sparse_q.from_compact(gaps, ints, 41)
-    assert (ids.tolist(), weights.tolist()) == ([3, 9, 17, 40], [3.0, 7.0, 1000.0, 5.0])
-
-
-@pytest.mark.parametrize(
-    "gaps, weights, match",
-    [
-        ([1, 0], [1, 1], "gaps after the first"),
-        ([1, 2], [1], "equal, non-zero"),
-        ([], [], "equal, non-zero"),
-        ([1], [MAX_WEIGHT + 1], "weights must be"),
-        ([30, 20], [1, 1], "outside the vocabulary"),
-    ],
-)
-def test_malformed_compact_q_is_refused(gaps, weights, match) -> None:
-    with pytest.raises(InvalidArgument, match=match):
-        sparse_q.from_compact(gaps, weights, 49)
-
-
-def test_wire_sends_integer_weights_compactly_and_float_probs_plainly() -> None:
-    g = torch.Generator().manual_seed(4)
-    p = torch.softmax(torch.randn(4, 5000, generator=g) * 1.2, -1)
-    tok, ids, w = sparse_q.draft(
-        p, QSettings(epsilon=1e-3, max_tokens=1000), torch.arange(4), torch.zeros(4, dtype=torch.int64)
-    )
-    proposal = Proposal(tok.tolist(), ids, w)
-    msg = proposal_to_proto(proposal)
-    assert all(d.id_gaps and not d.token_ids for d in msg.q)
-    back = proposal_from_proto(msg, 5000)
-    for k in range(4):  # the same q, per token
-        assert _kept(back.q_ids[k], back.q_probs[k]) == _kept(ids[k], w[k])
-    plain = Proposal(tok.tolist(), ids, w / w.sum(-1, keepdim=True))  # float probabilities: the plain form
-    plain_msg = proposal_to_proto(plain)
-    assert all(d.token_ids and not d.id_gaps for d in plain_msg.q)
-    # the compact form is much smaller for the same tokens
-    assert sum(q_wire_bytes(msg)) < 0.6 * sum(q_wire_bytes(plain_msg))
-    assert sum(q_wire_bytes(msg)) == draft_pb2.DraftProposal(q=msg.q).ByteSize()  # tags and lengths included
-
-
-def test_a_q_that_mixes_both_forms_is_refused() -> None:
-    d = common_pb2.SparseDistribution(token_ids=[1], probs=[1.0], id_gaps=[1], weights=[1])
-    with pytest.raises(InvalidArgument, match="exactly one of the plain and the compact form"):
-        proposal_from_proto(draft_pb2.DraftProposal(token_ids=[1], q=[d]), 10)
 
 
 # ---- the drafter and the draft service ----------------------------------------

@@ -74,7 +74,9 @@ class StagedVerifies:
                 op == "verify" and req.committed_length == self._waiting[sid].request.committed_length
             ):
                 self._drop(sid)  # the session moved on another way (open, close, another round)
-            if op in ("open", "close", "verify_tree"):
+            if op in ("open", "close", "verify", "verify_tree"):
+                # Its verdict is about to change: a stage later in this batch waits for the new one
+                # (a verify again of a round the target staged itself replaces that staged verdict).
                 self._verdicts.pop(sid, None)
         return held
 

@@ -262,8 +262,11 @@ class FakeDraft:
         self.prefixes.append(prefix)
         drafts = chain(prefix, self._length(n, request.num_tokens), self.step)
         self.sessions[request.session_id] = prefix + drafts
-        conf = tuple(self.confidence[i % len(self.confidence)] for i in range(len(drafts))) if self.confidence else ()
-        return Proposal(drafts, compute_ms=self.script.compute_ms * max(1, len(drafts)), confidence=conf)
+        return Proposal(drafts, compute_ms=self.script.compute_ms * max(1, len(drafts)), confidence=self._conf(drafts))
+
+    def _conf(self, drafts: Sequence[int]) -> tuple[float, ...]:
+        """What the proposal says of itself: the scripted confidences, repeating (none if unscripted)."""
+        return tuple(self.confidence[i % len(self.confidence)] for i in range(len(drafts))) if self.confidence else ()
 
     async def propose_branches(
         self, request: steps.BranchRequest, *, timeout: float, carrier: Carrier
@@ -279,7 +282,8 @@ class FakeDraft:
         ranking = top_ranking(probs, prefix[base:], budget + 1)
         for c in select_branches(ranking, prefix[base:], request.acceptance, budget):
             drafts = chain([*prefix[: base + c.accepted], c.token_id], k, self.step)
-            branches.append(steps.Branch(c.accepted, c.token_id, Proposal(drafts, compute_ms=self.script.compute_ms)))
+            proposal = Proposal(drafts, compute_ms=self.script.compute_ms, confidence=self._conf(drafts))
+            branches.append(steps.Branch(c.accepted, c.token_id, proposal))
         self.sessions[session_id] = prefix
         self.shared[session_id] = base  # what every branch shares with the sequence
         result = steps.Branches(tuple(branches), compute_ms=self.script.compute_ms)

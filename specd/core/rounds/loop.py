@@ -294,6 +294,8 @@ class RequestRun:
         drafted = len(proposal)  # before auto cuts it: what the draft call drafted
         if self._cuts and arm is not None and cls is not None and self._chooser is not None and proposal.confidence:
             proposal = proposal.cut(self._chooser.cut(cls, arm, proposal.confidence))
+        if staged is not None and len(proposal) != staged.staged_tokens:
+            staged = None  # the round verifies fewer drafts than were staged: the target's staged verdict is not its
 
         async def draft_after(extension: Sequence[int], k: int) -> Proposal:
             return (await self._propose(committed, extension, k, carrier))[0]

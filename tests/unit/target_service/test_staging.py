@@ -156,3 +156,28 @@ def test_a_stage_for_a_round_that_failed_runs_none(stream: Stream) -> None:
     verify_id, stage_id = stream.send(bad, _stage(len(PROMPT) + 3, [(0, 1, [2])]))
     assert stream.answer(verify_id).WhichOneof("result") == "error"
     assert stream.answer(stage_id).staged_candidate == 0
+
+
+def test_a_stage_waits_for_the_verify_of_its_round_sent_before_it_not_an_older_verdict(stream: Stream) -> None:
+    """The coordinator verified the round again (it did not use what the target had verified for it): a stage
+    sent after that verify is decided on the new verdict, not on the one the target held before."""
+    first_drafts, first = _round_one()
+    again = [first.token_id, 7, 8]  # another proposal for the same round: its verdict differs from the first's
+    want = _reference([again])[0]
+    assert (want.accepted, want.token_id) != (first.accepted, first.token_id)
+    nxt = [21, 22]
+    expected = _reference([again, nxt])[1]
+    stream.answer(stream.send(_open())[0])
+    stream.answer(stream.send(_verify(len(PROMPT), first_drafts))[0])  # the verdict the target holds
+    verify_id, stage_id = stream.send(
+        _verify(len(PROMPT), again), _stage(len(PROMPT), [(want.accepted, want.token_id, nxt)])
+    )
+    assert stream.answer(verify_id).verdict.accepted == want.accepted
+    staged = stream.answer(stage_id)
+    assert staged.staged_candidate == 1
+    got = wire.verdict_from_proto(staged)
+    assert (got.accepted, got.token_id, got.committed_length) == (
+        expected.accepted,
+        expected.token_id,
+        expected.committed_length,
+    )

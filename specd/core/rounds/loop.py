@@ -78,13 +78,16 @@ class GenerateSpec:
 
 @dataclass(frozen=True)
 class _Ready:
-    """A pre-draft made for exactly the committed prefix, and the target's staged verify of it, if any."""
+    """A pre-draft made for exactly the committed prefix, and the target's staged verify of it, if any.
+
+    Staged: proposal is the very window staged (budget and cut applied then), which the next
+    round verifies whatever it would choose now: the target runs it as soon as its verdict
+    names it, so another choice would only waste that pass."""
 
     proposal: Proposal
     hit: PipelineHit
     staged: asyncio.Future[StagedOutcome] | None = None  # the stage holding it (TargetPort.stage)
     candidate: int = -1  # its index among that stage's candidates
-    staged_tokens: int = 0  # the draft tokens staged (the window the next round must verify to use it)
 
 
 @dataclass(frozen=True)
@@ -276,12 +279,14 @@ class RequestRun:
         proposal, hit = Proposal([]), None
         draft_wall_ms = 0.0  # how long this round waited for a draft call (0: pipelined, or none made)
         ready, self._ready = self._ready, None
-        staged: _Ready | None = None  # the previous round staged this round's verify at the target
-        if budget > 0:
+        # The previous round staged this round's verify at the target, which verifies it as soon as its
+        # verdict names it: the round is that window (its budget and cut applied when it was staged).
+        staged = ready if ready is not None and ready.staged is not None else None
+        if staged is not None:
+            proposal, hit, budget, why = staged.proposal, staged.hit, len(staged.proposal), None
+        elif budget > 0:
             if ready is not None:
                 proposal, hit = ready.proposal.window(0, budget), ready.hit
-                if ready.staged is not None and len(proposal) == ready.staged_tokens:
-                    staged = ready
             elif self._draft is None:
                 why = TargetOnly.NO_DRAFT
             elif not await self._loop.draft_usable():
@@ -292,10 +297,8 @@ class RequestRun:
                 draft_wall_ms = (time.perf_counter() - t_draft) * 1e3
 
         drafted = len(proposal)  # before auto cuts it: what the draft call drafted
-        if self._cuts and arm is not None and cls is not None and self._chooser is not None and proposal.confidence:
-            proposal = proposal.cut(self._chooser.cut(cls, arm, proposal.confidence))
-        if staged is not None and len(proposal) != staged.staged_tokens:
-            staged = None  # the round verifies fewer drafts than were staged: the target's staged verdict is not its
+        if staged is None:
+            proposal = self._cut(arm, cls, proposal)
 
         async def draft_after(extension: Sequence[int], k: int) -> Proposal:
             return (await self._propose(committed, extension, k, carrier))[0]
@@ -311,7 +314,7 @@ class RequestRun:
                 return []
             return [PreDraft(b.extension(pending), b.proposal) for b in result.branches]
 
-        stages: list[tuple[asyncio.Future[StagedOutcome], dict[tuple[int, ...], tuple[int, int]]]] = []
+        stages: list[tuple[asyncio.Future[StagedOutcome], dict[tuple[int, ...], tuple[int, Proposal]]]] = []
         prefix_length = len(committed)
 
         def stage(pre_drafts: Sequence[PreDraft]) -> None:
@@ -319,14 +322,15 @@ class RequestRun:
             if stages or self._verifying is None or self._verifying.done() or defer_bonus:
                 return
             candidates: list[StagedRound] = []
-            index: dict[tuple[int, ...], tuple[int, int]] = {}  # extension -> (candidate, its draft tokens)
+            index: dict[tuple[int, ...], tuple[int, Proposal]] = {}  # extension -> (candidate, its window)
             for pre in pre_drafts:
                 ext, j = pre.extension, len(pre.extension) - 1
                 if not 0 <= j <= len(proposal) or tuple(proposal.token_ids[:j]) != ext[:j] or ext in index:
                     continue
-                window = pre.proposal.window(0, gen.draft_budget(wanted, after=len(ext)))
+                # what the next round would verify of it: its budget after this verdict, and auto's cut
+                window = self._cut(arm, cls, pre.proposal.window(0, gen.draft_budget(wanted, after=len(ext))))
                 if len(window):
-                    index[ext] = (len(candidates), len(window))
+                    index[ext] = (len(candidates), window)
                     candidates.append(StagedRound(j, ext[-1], window))
             if candidates:
                 staging = self._target.stage(prefix_length, candidates, deadline=self._deadline, carrier=carrier)
@@ -334,8 +338,6 @@ class RequestRun:
 
         rnd = PipelineRound(committed, proposal, budget, wanted, draft_after, draft_branches, stage)
         defer_bonus = staged is None and self._pipeline.defers_bonus(rnd)
-        if ready is not None and ready.staged is not None and staged is None:
-            _drop(ready.staged)  # this round verifies another window: the target rolls the staged one back
         if arm is not None and cls is not None:
             self._cycle(arm, cls, budget, why, draft_wall_ms)
         t_verify = time.perf_counter()
@@ -356,13 +358,12 @@ class RequestRun:
         extension = (*proposal.token_ids[: outcome.accepted], *(() if token is None else (token,)))
         for pre in pre_drafts:  # only a draft for exactly the prefix this round commits
             if pre.extension == extension and len(pre.proposal) > 0:
-                held, where = (stages[0][0], stages[0][1].get(extension)) if stages else (None, None)
-                self._ready = _Ready(
-                    pre.proposal,
-                    PipelineHit(self._pipeline.name, outcome.accepted, kind, launched),
-                    held if where is not None else None,
-                    *(where or (-1, 0)),
-                )
+                pipeline_hit = PipelineHit(self._pipeline.name, outcome.accepted, kind, launched)
+                where = stages[0][1].get(extension) if stages else None
+                if where is not None:  # staged: the target verifies it (or says it did not)
+                    self._ready = _Ready(where[1], pipeline_hit, stages[0][0], where[0])
+                else:
+                    self._ready = _Ready(pre.proposal, pipeline_hit)
                 break
         if stages and (self._ready is None or self._ready.staged is not stages[0][0]):
             _drop(stages[0][0])  # none of its candidates is the next round's
@@ -495,6 +496,12 @@ class RequestRun:
         arm = self._chooser.choose(cls)
         self._pipeline = self._strategy(arm.pipeline)
         return arm, cls
+
+    def _cut(self, arm: Arm | None, cls: ArmCycles | None, proposal: Proposal) -> Proposal:
+        """The proposal as auto verifies it: cut where its confidence says more tokens stop paying."""
+        if self._cuts and arm is not None and cls is not None and self._chooser is not None and proposal.confidence:
+            return proposal.cut(self._chooser.cut(cls, arm, proposal.confidence))
+        return proposal
 
     def _wanted(self, arm: Arm | None) -> tuple[int, TargetOnly | None]:
         """K this round would like (before the budget), or 0 and why not."""

@@ -1,0 +1,38 @@
+"""What a request asks of the round loop, and the loop's own settings."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from specd.core.rounds.steps import DEFAULT_BRANCH_BUDGET
+from specd.core.sampling.sampler import SamplingParams
+
+SPECULATION_MODES = ("auto", "fixed", "off")
+
+
+@dataclass(frozen=True)
+class GenerateSpec:
+    """A validated request in core terms."""
+
+    prompt_ids: list[int]
+    params: SamplingParams  # seed always set
+    max_new_tokens: int
+    stop_strings: tuple[str, ...] = ()  # applied by the caller's StopCheck (the coordinator's detokenizer)
+    stop_token_ids: frozenset[int] = frozenset()
+    speculation: str = "auto"  # one of SPECULATION_MODES
+    draft_length: int = 4  # fixed K, or the largest K automatic mode may pick
+    pipeline: str = "off"  # a name in specd.core.rounds.pipeline.PIPELINES, or "auto": chosen per round
+    tenant: str = ""  # the caller's tenant key: the draft's learned state it may use ("": none)
+    # The caller chose the seed: the output must reproduce, and which positions are drafted depends on
+    # K, so auto keeps K at draft_length and never cuts (its pipeline choice changes no token).
+    seeded: bool = False
+    tree_budget: int = 0  # > 0: tree rounds, trees of at most this many nodes, draft_length deep (docs/trees.md)
+
+
+@dataclass(frozen=True)
+class LoopSettings:
+    draft_timeout_s: float = 5.0  # a draft answer later than this: target-only round
+    target_timeout_s: float = 30.0  # per target call, and the retry budget after a first failure
+    draft_retry_s: float = 2.0  # after a draft failure, rounds are target-only this long
+    close_timeout_s: float = 2.0
+    branch_budget: int = DEFAULT_BRANCH_BUDGET  # spec-cache pipelining: verdicts pre-drafted per round

@@ -20,6 +20,7 @@ from torch import Tensor
 
 from specd.core import phases as ph
 from specd.core.draft.branching import BranchChoice, Ranking, calibrated_greedy, select_branches, top_ranking
+from specd.core.draft.growing_draft import GrowingDraft
 from specd.core.draft.protocol import propose_one
 from specd.core.errors import Internal, InvalidArgument, SessionNotFound
 from specd.core.model.pool import BatchRun, PooledModel, PoolLimits, Ready
@@ -156,7 +157,7 @@ class ModelDrafter(PooledModel[_ModelDraftSession]):
         sampling uses the (seed, position) coins, so a branch drafts what a
         propose for its prefix would.
         """
-        drafted: dict[_Key, _Draft] = {}
+        drafted: dict[_Key, GrowingDraft] = {}
         branched: dict[int, _BranchPass] = {}
         run = self._pool.run_batch(
             requests,
@@ -267,7 +268,7 @@ class ModelDrafter(PooledModel[_ModelDraftSession]):
         part: list[Ready[_ModelDraftSession]],
         run: BatchRun[_ModelDraftSession],
         requests: Sequence[DraftWork],
-        drafted: dict[_Key, _Draft],
+        drafted: dict[_Key, GrowingDraft],
         branched: dict[int, _BranchPass],
     ) -> dict[int, Exception]:
         """One forward group: at each step, one forward over every row that still drafts.
@@ -279,7 +280,7 @@ class ModelDrafter(PooledModel[_ModelDraftSession]):
             if isinstance(req, BranchRequest):
                 branched[r.index] = _BranchPass(req, max(0, r.extra - 1))
             else:
-                drafted[(r.index,)] = _Draft()
+                drafted[(r.index,)] = GrowingDraft()
         failed: dict[int, Exception] = {}
         for step in range(max((r.extra for r in part), default=0)):
             rows: list[tuple[_Key, _ModelDraftSession]] = []
@@ -302,7 +303,7 @@ class ModelDrafter(PooledModel[_ModelDraftSession]):
         self,
         active: list[tuple[_Key, _ModelDraftSession]],
         parents: list[tuple[int, _ModelDraftSession]],
-        drafted: dict[_Key, _Draft],
+        drafted: dict[_Key, GrowingDraft],
         branched: dict[int, _BranchPass],
         logs: list[PhaseLog],
     ) -> dict[int, Exception]:
@@ -328,7 +329,7 @@ class ModelDrafter(PooledModel[_ModelDraftSession]):
         return failed
 
     def _sample_step(
-        self, active: list[tuple[_Key, _ModelDraftSession]], rows: list[Tensor], drafted: dict[_Key, _Draft]
+        self, active: list[tuple[_Key, _ModelDraftSession]], rows: list[Tensor], drafted: dict[_Key, GrowingDraft]
     ) -> dict[int, Exception]:
         """Sample one token per active row from its logits (A x [1, V]) and append it; {request: error}."""
         logits = rows[0] if len(rows) == 1 else torch.cat(rows)  # [A, V]
@@ -378,7 +379,7 @@ class ModelDrafter(PooledModel[_ModelDraftSession]):
         greedy: list[int],
         logits: Tensor,
         active: list[tuple[_Key, _ModelDraftSession]],
-        drafted: dict[_Key, _Draft],
+        drafted: dict[_Key, GrowingDraft],
         failed: dict[int, Exception],
         tokens: dict[int, int],
     ) -> None:
@@ -397,7 +398,7 @@ class ModelDrafter(PooledModel[_ModelDraftSession]):
                 drafted[active[a][0]].confidence.append(conf if conf == conf else 0.0)  # NaN: none
 
     def _choose_branches(
-        self, i: int, s: _ModelDraftSession, logits: Tensor, bp: _BranchPass, drafted: dict[_Key, _Draft]
+        self, i: int, s: _ModelDraftSession, logits: Tensor, bp: _BranchPass, drafted: dict[_Key, GrowingDraft]
     ) -> None:
         """Rank the verdicts of the pending tokens by the rule (specd.core.draft.branching) and fork the chosen ones.
 
@@ -434,10 +435,10 @@ class ModelDrafter(PooledModel[_ModelDraftSession]):
             self.runner.append(kv, [choice.token_id])
             self._pool.reserve(kv, len(kv) + bp.steps)  # the drafts it will grow by, for the next _branch_room
             bp.forks.append(_ModelDraftSession(kv, s.params, s.q))
-            drafted[(i, b)] = _Draft()
+            drafted[(i, b)] = GrowingDraft()
         s.branches, s.fork_at = list(bp.forks), base
 
-    def _branches(self, i: int, bp: _BranchPass, drafted: dict[_Key, _Draft], log: PhaseLog) -> Branches:
+    def _branches(self, i: int, bp: _BranchPass, drafted: dict[_Key, GrowingDraft], log: PhaseLog) -> Branches:
         compute_ms = (log.phases[-1].end_ns - log.phases[0].start_ns) / 1e6 if log.phases else 0.0
         out = []
         for b, choice in enumerate(bp.choices):
@@ -454,7 +455,7 @@ class ModelDrafter(PooledModel[_ModelDraftSession]):
         probs: Tensor,
         total: np.ndarray,
         active: list[tuple[_Key, _ModelDraftSession]],
-        drafted: dict[_Key, _Draft],
+        drafted: dict[_Key, GrowingDraft],
         tokens: dict[int, int],
     ) -> None:
         """Build q for rows `group` of probs [R, V or N] (row r is active row rest[r]; total [R] their
@@ -494,28 +495,3 @@ def _rows(x: Tensor, rows: list[int]) -> Tensor:
     if rows == list(range(x.shape[0])):
         return x
     return x[torch.tensor(rows, dtype=torch.int64, device=x.device)]
-
-
-@dataclass
-class _Draft:
-    """One session's tokens and q rows, growing step by step in a batched draft."""
-
-    tokens: list[int] = field(default_factory=list)
-    q_ids: list[Tensor] = field(default_factory=list)  # per position [W_i] int64
-    q_probs: list[Tensor] = field(default_factory=list)  # per position [W_i] float32 integer weights
-    q_ms: float = 0.0  # time spent building q and sampling from it
-    confidence: list[float] = field(default_factory=list)  # per position: the draft's P(its token)
-
-    def proposal(self, log: PhaseLog) -> Proposal:
-        compute_ms = (log.phases[-1].end_ns - log.phases[0].start_ns) / 1e6 if log.phases else 0.0
-        confidence = tuple(self.confidence) if len(self.confidence) == len(self.tokens) else ()
-        if not self.q_ids:
-            return Proposal(self.tokens, compute_ms=compute_ms, phases=log, confidence=confidence)
-        # Positions have their own widths: pad to the widest with weight-0 slots.
-        width = max(int(r.shape[0]) for r in self.q_ids)
-        ids = torch.zeros(len(self.q_ids), width, dtype=torch.int64)  # [K, W]
-        weights = torch.zeros(len(self.q_ids), width, dtype=torch.float32)  # [K, W]
-        for k, (r_ids, r_w) in enumerate(zip(self.q_ids, self.q_probs)):
-            ids[k, : r_ids.shape[0]] = r_ids
-            weights[k, : r_w.shape[0]] = r_w
-        return Proposal(self.tokens, ids, weights, compute_ms, phases=log, q_ms=self.q_ms, confidence=confidence)

@@ -1,0 +1,36 @@
+"""A session's proposal as a batched draft grows it, one step (token and q row) at a time."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor
+
+from specd.core.phases import PhaseLog
+from specd.core.sampling.proposal import Proposal
+
+
+@dataclass
+class GrowingDraft:
+    """One session's tokens and q rows, growing step by step in a batched draft."""
+
+    tokens: list[int] = field(default_factory=list)
+    q_ids: list[Tensor] = field(default_factory=list)  # per position [W_i] int64
+    q_probs: list[Tensor] = field(default_factory=list)  # per position [W_i] float32 integer weights
+    q_ms: float = 0.0  # time spent building q and sampling from it
+    confidence: list[float] = field(default_factory=list)  # per position: the draft's P(its token)
+
+    def proposal(self, log: PhaseLog) -> Proposal:
+        compute_ms = (log.phases[-1].end_ns - log.phases[0].start_ns) / 1e6 if log.phases else 0.0
+        confidence = tuple(self.confidence) if len(self.confidence) == len(self.tokens) else ()
+        if not self.q_ids:
+            return Proposal(self.tokens, compute_ms=compute_ms, phases=log, confidence=confidence)
+        # Positions have their own widths: pad to the widest with weight-0 slots.
+        width = max(int(r.shape[0]) for r in self.q_ids)
+        ids = torch.zeros(len(self.q_ids), width, dtype=torch.int64)  # [K, W]
+        weights = torch.zeros(len(self.q_ids), width, dtype=torch.float32)  # [K, W]
+        for k, (r_ids, r_w) in enumerate(zip(self.q_ids, self.q_probs)):
+            ids[k, : r_ids.shape[0]] = r_ids
+            weights[k, : r_w.shape[0]] = r_w
+        return Proposal(self.tokens, ids, weights, compute_ms, phases=log, q_ms=self.q_ms, confidence=confidence)

@@ -53,7 +53,6 @@ class StagedVerifies:
         self._none = none
         self._waiting: dict[str, Item] = {}  # session -> its stage, until its round's verdict
         self._verdicts: dict[str, _Verdict] = {}  # session -> its last verdict
-        self._running: dict[int, int] = {}  # id(the candidate's verify message) -> 1 + candidate index
 
     def hold(self, items: Sequence[Item]) -> set[int]:
         """Keep this batch's stages (by id); a session's other messages end its waiting stage first."""
@@ -86,9 +85,8 @@ class StagedVerifies:
             req = item.request
             if req.WhichOneof("op") != "verify":
                 continue
-            candidate = self._running.pop(id(item), 0)
-            if candidate:
-                resp.staged_candidate = candidate
+            if item.staged_candidate:
+                resp.staged_candidate = item.staged_candidate
             sid = req.session_id
             if resp.WhichOneof("result") != "verdict":
                 self._verdicts.pop(sid, None)
@@ -118,9 +116,7 @@ class StagedVerifies:
                 run.verify.start = committed  # the target committed its own verdict: nothing to patch
                 run.verify.draft_token_ids.extend(c.draft_token_ids)
                 run.verify.q.extend(c.q)
-                item = Stamped(run, time.perf_counter_ns(), deliver=stage.deliver)
-                self._running[id(item)] = i + 1
-                self._resubmit(item)
+                self._resubmit(Stamped(run, time.perf_counter_ns(), deliver=stage.deliver, staged_candidate=i + 1))
                 return
         self._answer(stage, self._none(req))
 

@@ -49,6 +49,7 @@ class Stamped(Generic[Req]):
     started_ns: int = 0
     ended_ns: int = 0
     deliver: Deliver[Stamped[Req], Any] | None = None  # its stream's, set when it is submitted
+    staged_candidate: int = 0  # a target's staged verify (1 + the candidate it runs), 0 for a stream message
 
 
 SCOPE_SEPARATOR = "/"

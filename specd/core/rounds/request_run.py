@@ -317,8 +317,14 @@ class RequestRun:
             self._verified_at = time.perf_counter()
             return outcome, False
         except ProposalRefused as exc:
-            self._loop.draft_failed(exc)
-            self._observer.round_event("target refused the draft's proposal; target-only round", exc)
+            return await self._refused(committed, carrier, exc, "target refused the draft's proposal")
+
+    async def _refused(
+        self, committed: Sequence[int], carrier: Carrier, exc: ProposalRefused, what: str
+    ) -> tuple[VerifyOutcome, bool]:
+        """The target refused the draft's q: speculation pauses as on any draft failure, the round runs target-only."""
+        self._loop.draft_failed(exc)
+        self._observer.round_event(f"{what}; target-only round", exc)
         outcome = await self._target.verify(
             committed,
             Proposal([]),
@@ -340,17 +346,7 @@ class RequestRun:
         try:
             result = await ready.staged
         except ProposalRefused as exc:
-            self._loop.draft_failed(exc)
-            self._observer.round_event("target refused the draft's staged proposal; target-only round", exc)
-            outcome = await self._target.verify(
-                committed,
-                Proposal([]),
-                defer_bonus=False,
-                deadline=self._deadline,
-                carrier=carrier,
-                on_retry=self._target_retry,
-            )
-            return outcome, True
+            return await self._refused(committed, carrier, exc, "target refused the draft's staged proposal")
         except SpecdError as exc:  # the stage failed: verify as usual
             log.debug("a staged verify failed (%s); verifying again", exc)
             result = StagedOutcome.NONE

@@ -113,7 +113,6 @@ class _AllAccepted:
 
     name = ""
     extra = 0  # draft tokens beyond next_k
-    stages = False  # its pre-draft's extension ends with the round's bonus token: it can be staged
 
     def __init__(self) -> None:
         self._task: asyncio.Task[Proposal] | None = None
@@ -131,8 +130,7 @@ class _AllAccepted:
 
     async def _pre_draft(self, rnd: PipelineRound) -> Proposal:
         pre = await rnd.draft_after(self._assumed, rnd.next_k + self.extra)
-        if self.stages:
-            rnd.stage(self._shape(pre))
+        rnd.stage(self._shape(pre))  # the loop stages none for a round that defers its bonus (post-verify)
         return pre
 
     async def settle(self, verdict: VerifyOutcome | None) -> list[PreDraft]:
@@ -162,7 +160,6 @@ class BonusMatch(_AllAccepted):
 
     name = "bonus-match"
     extra = 1
-    stages = True
 
     def defers_bonus(self, rnd: PipelineRound) -> bool:
         return False

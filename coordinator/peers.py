@@ -344,8 +344,8 @@ class GrpcDraft(Peer[draft_pb2.DraftRequest, draft_pb2.DraftResponse]):
     async def propose_tree(self, request: steps.TreeProposeRequest, *, timeout: float, carrier: Carrier) -> DraftTree:
         assert self.target_info is not None, "target_info first"
         answer = await self.call(tree_wire.tree_propose_request(request, carrier), timeout)
-        # Decoded and checked here (ids against the target's vocabulary, the request's budget and depth):
-        # a tree's q is re-encoded for the target (not relayed yet; docs/trees.md).
+        # Checks the ids against the target's vocabulary, the request's budget and depth; q goes on to
+        # the target undecoded.
         return tree_wire.draft_tree_from_proto(
             answer.response.tree, self.target_info.vocab_size, budget=request.budget, depth=request.depth
         )

@@ -10,6 +10,7 @@ indices before any row is decoded or any tensor allocated.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping, Sequence
 
 from specd.core.errors import InvalidArgument, Unavailable
@@ -18,12 +19,14 @@ from specd.core.rounds import steps
 from specd.core.sampling import compact_q
 from specd.core.sampling.proposal import DEFAULT_MAX_Q_WIDTH
 from specd.core.sampling.tree import DEFAULT_MAX_TREE_DEPTH, DEFAULT_MAX_TREE_NODES, DraftTree
-from specd.serving.wire import q_rows, reported_ms, token_ids_from_wire
+from specd.serving.wire import q_rows, relayed_tokens, reported_ms, token_ids_from_wire
 from specd.v1 import common_pb2, draft_pb2, target_pb2
 
 
 def tree_q_to_proto(tree: DraftTree) -> list[common_pb2.SparseDistribution]:
     """Per node, its q as sent (zero-weight padding slots dropped); none for a one-hot tree."""
+    if tree.wire_q is not None:  # relayed as the draft sent it: the target validates it
+        return list(tree.wire_q)
     if tree.q_ids is None or tree.q_probs is None:
         return []
     out = []
@@ -101,8 +104,17 @@ def draft_tree_to_proto(tree: DraftTree, compute_ms: float = 0.0, batch_size: in
 
 
 def draft_tree_from_proto(msg: draft_pb2.DraftTree, vocab_size: int, *, budget: int, depth: int) -> DraftTree:
-    """A draft's tree, validated against the target's vocabulary and the request's budget and depth."""
-    return tree_from_wire(msg.token_ids, msg.parents, msg.q, vocab_size, max_nodes=budget, max_depth=depth)
+    """A draft's tree for relaying: node count, parents, depth and token ids checked against the
+    target's vocabulary and the request's budget and depth, each q row's form and width from its
+    lengths; q itself goes on to the target undecoded (`DraftTree.wire_q`), which validates it."""
+    n = len(msg.token_ids)
+    if n > budget:
+        raise InvalidArgument(f"a draft tree of {n} nodes; this request allows at most {budget}")
+    if len(msg.q) not in (0, n):
+        raise InvalidArgument(f"q has {len(msg.q)} rows for {n} tree nodes; send one per node or none")
+    relayed_tokens(msg.token_ids, msg.q, vocab_size, max(n, 1), DEFAULT_MAX_Q_WIDTH)  # row forms and widths
+    structure = DraftTree.from_wire(msg.token_ids, list(msg.parents), (), vocab_size, max_nodes=budget, max_depth=depth)
+    return dataclasses.replace(structure, wire_q=tuple(msg.q) if len(msg.q) else None)
 
 
 # ---- the target's tree verify ------------------------------------------------------------------

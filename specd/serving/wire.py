@@ -123,7 +123,7 @@ def proposal_from_proto(
     re-encoding them was most of its event-loop time at T > 0).
     """
     if relay:
-        tokens = _relayed_tokens(msg.token_ids, msg.q, vocab_size, max_draft_tokens, max_q_width)
+        tokens = relayed_tokens(msg.token_ids, msg.q, vocab_size, max_draft_tokens, max_q_width)
         return Proposal(
             tokens,
             compute_ms=reported_ms(msg.compute_ms),
@@ -154,7 +154,7 @@ def reported_confidence(values: Sequence[float], k: int) -> tuple[float, ...]:
     return tuple(min(1.0, v) if v > 0.0 else 0.0 for v in values)  # NaN fails v > 0
 
 
-def _relayed_tokens(
+def relayed_tokens(
     token_ids: Sequence[int],
     q: Sequence[common_pb2.SparseDistribution],
     vocab_size: int,

@@ -4,20 +4,26 @@ At each depth the draft model reads the logits after every frontier node in
 ONE tree forward over all sessions (CausalLMRunner.tree_logits_batch on the
 tree grown so far: the prefix's uncached tail and the earlier nodes run
 again, which keeps the draft session's cache at the committed prefix).
-Then the frontier's `beam` nodes of highest path probability are expanded,
-adding at most `beam` nodes per level and leaving one node of the budget for
-each level still to come:
+Then the frontier's `beam` nodes of highest path probability are expanded
+with `width` children each:
 
-- greedy (T = 0): each proposes its `width` likeliest tokens under the
-  draft's softmax, and of all these the ones of highest path probability are
-  kept while the budget lasts (EAGLE-2's reranking; any tree is exact at
-  T = 0, the greedy verdict reads the target's argmax);
-- sampled (T > 0): each draws `width` children without replacement from the
-  sparse q the chain drafter would send there (TreeBuilder.draw, coin slots
-  per depth), parents in order of path probability while the budget lasts.
-  Where to draw and how many is decided from what was drawn before; every
-  drawn child is kept (docs/trees.md, "The drafter's duty"). A tree with
-  width 1 is the chain drafter's proposal, token for token.
+- greedy (T = 0), EAGLE-2: every child of an expanded node joins the tree
+  being grown (up to beam x width a level, the pass tree capped at a few
+  budgets), the `beam` likeliest of them are the next frontier, and at the
+  end the `budget` nodes of highest path probability are kept (a child is
+  never likelier than its parent, so they form a tree). Any tree is exact at
+  T = 0: the greedy verdict reads the target's argmax. The rerank lets the
+  budget go where the draft is unsure (several siblings at a shallow depth)
+  or sure (one long path), which a per-level quota cannot;
+- sampled (T > 0): each expanded node draws `width` children without
+  replacement from the sparse q the chain drafter would send there
+  (TreeBuilder.draw, coin slots per depth), parents in order of path
+  probability, up to beam x width new nodes a level while the budget lasts,
+  leaving one node for each level still to come. Where to draw and how many
+  is decided from what was drawn before, and every drawn child is kept, so
+  no rerank here (docs/trees.md, "The drafter's duty").
+
+A tree with width 1 is the chain drafter's proposal, token for token.
 """
 
 from __future__ import annotations
@@ -37,8 +43,10 @@ from specd.core.sampling.sampler import UNUSABLE_LOGITS
 from specd.core.sampling.tree import DraftTree
 from specd.core.sampling.tree_draft import TreeBuilder
 
-DEFAULT_TREE_WIDTH = 3  # children per expanded node
+DEFAULT_TREE_WIDTH = 6  # children per expanded node
 DEFAULT_TREE_BEAM = 4  # nodes expanded per depth
+_PASS_BUDGETS = 3  # greedy: the tree being grown holds up to this many budgets of candidates ...
+_PASS_NODES_MAX = 128  # ... and never more nodes than this (one draft pass reruns them all)
 
 
 @dataclass
@@ -47,13 +55,39 @@ class _Growing:
 
     session: _ModelDraftSession
     builder: TreeBuilder
-    budget: int  # nodes left
+    budget: int  # nodes the proposal may have
     depth: int  # levels at most
-    frontier: list[int] = field(default_factory=lambda: [-1])  # nodes of the last level (-1: the prefix)
+    frontier: list[int] = field(default_factory=lambda: [-1])  # nodes to expand next (-1: the prefix)
     score: dict[int, float] = field(default_factory=lambda: {-1: 0.0})  # node -> log path probability
+
+    @property
+    def room(self) -> int:
+        """Nodes the tree being grown may still take: the budget when sampling (every draw is kept),
+        a few budgets when greedy (the final rerank keeps `budget` of them)."""
+        cap = self.budget if not self.session.params.is_greedy else min(_PASS_NODES_MAX, _PASS_BUDGETS * self.budget)
+        return cap - len(self.builder)
 
     def partial(self) -> DraftTree:
         return DraftTree(tuple(self.builder.token_ids), tuple(self.builder.parents))  # no q: for the forward only
+
+    def result(self, vocab_size: int) -> DraftTree:
+        """The proposal: sampled, the tree as drawn; greedy, its `budget` nodes of highest path probability."""
+        if not self.session.params.is_greedy or len(self.builder) <= self.budget:
+            return self.builder.build(vocab_size)
+        b = self.builder
+        # Likeliest first; a parent before its children at equal score (depth), then drafting order.
+        order = sorted(range(len(b)), key=lambda n: (-self.score[n], b.depth_of(n), n))
+        kept: set[int] = set()
+        for n in order:
+            if len(kept) == self.budget:
+                break
+            if b.parents[n] < 0 or b.parents[n] in kept:
+                kept.add(n)
+        pruned = TreeBuilder(b.seed, b.start_position)
+        index: dict[int, int] = {-1: -1}
+        for n in sorted(kept):  # drafting order is topological
+            index[n] = pruned.add(index[b.parents[n]], b.token_ids[n])
+        return pruned.build(vocab_size)
 
 
 def model_trees(
@@ -75,7 +109,7 @@ def model_trees(
             out[i] = exc
     with torch.inference_mode():
         for level in range(1, max((g.depth for g in growing.values()), default=0) + 1):
-            active = [i for i, g in growing.items() if g.budget > 0 and g.frontier and level <= g.depth]
+            active = [i for i, g in growing.items() if g.room > 0 and g.frontier and level <= g.depth]
             if not active:
                 break
             try:
@@ -95,7 +129,7 @@ def model_trees(
                     del growing[i]
     for i, g in growing.items():
         try:
-            out[i] = g.builder.build(drafter.vocab_size)
+            out[i] = g.result(drafter.vocab_size)
         except Exception as exc:  # noqa: BLE001 - reported in its slot
             out[i] = exc
     return out
@@ -116,10 +150,7 @@ def _prepare(drafter: ModelDrafter, req: TreeProposeRequest) -> _Growing:
 def _expand(drafter: ModelDrafter, g: _Growing, logits: torch.Tensor, width: int, beam: int) -> None:
     """Grow g by one level from its tree pass's logits [N+1, V] (row 1 + i after node i, row 0 after the prefix)."""
     parents = sorted(g.frontier, key=lambda n: -g.score[n])[:beam]  # highest path probability first
-    # New nodes this level: at most `beam`, leaving one per level still to come so the tree reaches its
-    # depth. Counts only, never the children's values: at T > 0 every child drawn is kept.
     level = g.builder.depth_of(parents[0]) + 1
-    allowance = max(1, min(beam, g.budget - (g.depth - level)))
     rows = logits[[n + 1 for n in parents]].float()  # [P, V]
     new: list[int] = []
     if g.session.params.is_greedy:
@@ -133,24 +164,41 @@ def _expand(drafter: ModelDrafter, g: _Growing, logits: torch.Tensor, width: int
             for v, t in zip(top.values[r].tolist(), top.indices[r].tolist())
         ]
         cands.sort(key=lambda c: -c[0])  # stable: a parent's own order breaks ties
-        for score, p, t in cands[:allowance]:
+        for score, p, t in cands[: g.room]:  # all of them join; result() reranks
             node = g.builder.add(p, t)
             g.score[node] = score
             new.append(node)
-    else:
-        probs = sampler.processed_probs(rows[:, None, :], [g.session.params] * len(parents))  # [P, 1, V]
-        unusable = sampler.unusable_rows(rows[:, None, :], probs)
-        if unusable:
-            raise next(iter(unusable.values()))
-        ids, weights = sparse_q.build(probs[:, 0], g.session.q)  # [P, W] the q the chain drafter would send
-        for r, p in enumerate(parents):
-            k = min(width, allowance - len(new))
-            if k <= 0:
-                break
-            total = float(weights[r].sum())
-            for node in g.builder.draw(p, ids[r], weights[r], k):
-                mass = float(weights[r][ids[r] == g.builder.token_ids[node]].sum()) / total
-                g.score[node] = g.score[p] + math.log(max(mass, 1e-30))
-                new.append(node)
-    g.budget -= len(new)
+        g.frontier = new[:beam]  # the likeliest children are expanded next
+        if g.frontier and len(g.builder) >= g.budget:
+            # No deeper node can outscore its ancestor: once the best frontier node ranks below the
+            # budget-th best so far, another level (a draft pass) could not change the proposal.
+            kth = sorted((g.score[n] for n in range(len(g.builder))), reverse=True)[g.budget - 1]
+            if g.score[g.frontier[0]] < kth:
+                g.frontier = []
+        return
+    # Sampled: at most beam x width new nodes, leaving one per level still to come so the tree
+    # reaches its depth. Counts only, never the children's values: every child drawn is kept.
+    allowance = max(1, min(beam * width, g.room - (g.depth - level)))
+    probs = sampler.processed_probs(rows[:, None, :], [g.session.params] * len(parents))  # [P, 1, V]
+    unusable = sampler.unusable_rows(rows[:, None, :], probs)
+    if unusable:
+        raise next(iter(unusable.values()))
+    ids, weights = sparse_q.build(probs[:, 0], g.session.q)  # [P, W] the q the chain drafter would send
+    counts: list[int] = []
+    for _ in parents:  # parents in order of path probability take the allowance
+        counts.append(max(0, min(width, allowance - sum(counts))))
+    drawing = [r for r, c in enumerate(counts) if c > 0]
+    if not drawing:
+        g.frontier = []
+        return
+    chosen = [parents[r] for r in drawing]
+    nodes = g.builder.draw_level(chosen, ids[drawing], weights[drawing], [counts[r] for r in drawing])
+    # Each child's score: its parent's plus the log of its token's mass in the parent's full q.
+    w64 = weights[drawing].to(torch.float64).numpy()  # [P', W]
+    mass, id_rows = w64 / w64.sum(-1, keepdims=True), ids[drawing].numpy()
+    for j, (r, kids) in enumerate(zip(drawing, nodes)):
+        for node in kids:
+            m = float(mass[j][id_rows[j] == g.builder.token_ids[node]].sum())  # ids may repeat
+            g.score[node] = g.score[parents[r]] + math.log(max(m, 1e-30))
+            new.append(node)
     g.frontier = new

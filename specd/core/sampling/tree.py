@@ -32,8 +32,9 @@ B trees padded into tensors for the batched verifier
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import cached_property
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -77,6 +78,9 @@ class DraftTree:
     parents: tuple[int, ...]  # [N] -1 or an earlier node's index
     q_ids: Tensor | None = None  # [N, W] int64 (unused slots: id 0, prob 0)
     q_probs: Tensor | None = None  # [N, W] float32 wire values; None: one-hot q at each token
+    # Instead of q_ids/q_probs: per node, q exactly as it arrived from a draft, relayed to the
+    # target undecoded (the coordinator never reads q's numbers; the target validates them).
+    wire_q: tuple[Any, ...] | None = field(default=None, compare=False, repr=False)
 
     def __len__(self) -> int:
         return len(self.token_ids)

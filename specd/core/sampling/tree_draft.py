@@ -123,6 +123,31 @@ class TreeBuilder:
         self._slots[depth] = slot + n
         return [self.add(parent, int(tokens[0, i]), (ids.cpu(), qs[0, i].cpu())) for i in range(n)]
 
+    def draw_level(self, parents: Sequence[int], ids: Tensor, wire: Tensor, counts: Sequence[int]) -> list[list[int]]:
+        """`draw` for several parents of one depth at once: counts[r] children of parents[r] from its q
+        (ids [P, W], wire [P, W]), in ONE batched draw. Parent r's draws take coin slots after the
+        counts of parents 0..r-1 (fixed before any value is drawn, so unique whatever is drawn);
+        returns each parent's new nodes."""
+        if not parents:
+            return []
+        depths = {self.depth_of(p) for p in parents}
+        if len(depths) != 1:
+            raise InvalidArgument(f"draw_level needs parents of one depth, got depths {sorted(depths)}")
+        depth = depths.pop() + 1
+        slot = self._slots.get(depth, 0)
+        P, k = len(parents), max(counts)
+        firsts = torch.tensor([slot + sum(counts[:r]) for r in range(P)], dtype=torch.int64)
+        seeds = torch.full((P,), self.seed, dtype=torch.int64)
+        pos = torch.full((P,), self.start_position + depth - 1, dtype=torch.int64)
+        tokens, qs, drawn = draw_children(ids, wire, k, seeds, pos, firsts)
+        self._slots[depth] = slot + sum(counts)
+        out: list[list[int]] = []
+        tok, got = tokens.tolist(), drawn.tolist()
+        for r, p in enumerate(parents):
+            kept = [i for i in range(counts[r]) if got[r][i]]
+            out.append([self.add(p, tok[r][i], (ids[r].cpu(), qs[r, i].cpu())) for i in kept])
+        return out
+
     def build(
         self,
         vocab_size: int,

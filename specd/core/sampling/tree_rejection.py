@@ -66,18 +66,27 @@ verdict, bit for bit.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 from torch import Tensor
 
 from specd.core.errors import InvalidArgument
 from specd.core.sampling.greedy import greedy_tokens
 from specd.core.sampling.rejection import ZERO_RESIDUAL
-from specd.core.sampling.sampler import Role, coins, sample_from_probs
-from specd.core.sampling.tree import DraftTree, TreeBatch, coin_positions
+from specd.core.sampling.sampler import Role, coins, host_coins, sample_from_probs
+from specd.core.sampling.tree import COIN_STRIDE, DraftTree, TreeBatch, coin_positions
 
-__all__ = ["TreeVerdict", "TreeVerdicts", "next_residual", "tree_greedy_verdict", "tree_rejection_sample"]
+__all__ = [
+    "TreeVerdict",
+    "TreeVerdicts",
+    "next_residual",
+    "tree_greedy_verdict",
+    "tree_rejection_row",
+    "tree_rejection_sample",
+]
 
 
 @dataclass(frozen=True)
@@ -200,6 +209,72 @@ def tree_rejection_sample(
     u_bon = coins(seeds, pos, Role.BONUS)[:, 0].to(dev)
     next_token = sample_from_probs(final_w, torch.where(is_bonus, u_bon, u_rec))  # [B]
     return TreeVerdicts(path[:, :N], depth, next_token, is_bonus)
+
+
+def tree_rejection_row(read_p: Callable[[int], np.ndarray], tree: DraftTree, seed: int, start: int) -> TreeVerdict:
+    """`tree_rejection_sample` for one tree, on the host, reading p only where the walk needs it.
+
+    read_p(i): p after the prefix (i = 0) or after node i - 1, as a float64 [V] array; it is called
+               for the prefix and for each accepted node only (depth + 1 rows of the N + 1), and
+               may raise for a row that cannot be sampled
+    seed:      the request's seed; start: absolute position of a depth-1 node (the committed length)
+
+    The same rule and coins as the batched function, with r kept up to a scale: a rejection
+    changes r only on the child's q support (elsewhere it is rescaled), so a sibling costs O(W)
+    plus one copy of p's row at the first rejection at a node, not several passes over V.
+    """
+    kids, tokens = tree.children, tree.token_ids
+    depth_max = tree.depth
+    width = max((len(k) for k in kids), default=1) or 1
+    # Every accept coin the walk could use: depth d (accepted so far) x rank k, one hash call.
+    pos = np.array([[start + d + k * COIN_STRIDE for d in range(depth_max + 1) for k in range(width)]], np.int64)
+    u_acc = host_coins(np.array([seed], np.int64), pos, Role.ACCEPT)[0].reshape(depth_max + 1, width)
+    q_ids = tree.q_ids.numpy() if tree.q_ids is not None else None  # [N, W]
+    q_w = tree.q_probs.numpy() if tree.q_probs is not None else None  # [N, W] wire values
+
+    path: list[int] = []
+    cur, rank = -1, 0
+    base = read_p(0)  # [V] float64: r = scale * base / total; rewritten in place after a rejection
+    copied = False  # base is read_p's array until the first rejection at a node copies it
+    scale, total, base_sum = 1.0, 1.0, 0.0  # p's mass taken as 1, as the batched rule does
+    while rank < len(kids[cur + 1]):
+        c = kids[cur + 1][rank]
+        x = tokens[c]
+        t_ids: np.ndarray
+        t_q: np.ndarray
+        if q_ids is None or q_w is None:
+            t_ids, t_q = np.array([x], np.int64), np.ones(1)
+        else:  # the child's q, normalised as the batched rule does; repeated ids summed
+            w = q_w[c].astype(np.float64)
+            w = w / w.sum()
+            t_ids, inverse = np.unique(q_ids[c][w > 0], return_inverse=True)
+            t_q = np.bincount(inverse, weights=w[w > 0], minlength=len(t_ids))
+        hit = t_ids == x
+        q_x = float(t_q[hit].sum())
+        r_x = scale * float(base[x])
+        if u_acc[len(path), rank] < min(1.0, r_x / (total * (q_x if q_x > 0 else 1.0))):
+            path.append(c)
+            cur, rank = c, 0
+            base, copied, scale, total = read_p(c + 1), False, 1.0, 1.0
+            continue
+        # Rejected: r <- max(0, r - q) (unnormalised, its mass z), kept as it is where z ~ 0.
+        if not copied:
+            base, copied, base_sum = base.copy(), True, float(base.sum())
+        new_scale = scale / total
+        old = base[t_ids]
+        kept = np.maximum(0.0, scale * old / total - t_q) / new_scale
+        removed = float((old - kept).sum())
+        z = new_scale * (base_sum - removed)
+        if z > ZERO_RESIDUAL:
+            base[t_ids] = kept
+            scale, total, base_sum = new_scale, z, base_sum - removed
+        rank += 1
+    is_bonus = rank == 0
+    final = torch.from_numpy(base)  # [V] r up to its factor
+    emit = np.array([[start + len(path)]], np.int64)
+    u = host_coins(np.array([seed], np.int64), emit, Role.BONUS if is_bonus else Role.RECOVER)[0]
+    token = int(sample_from_probs(final[None], torch.from_numpy(u))[0])
+    return TreeVerdict(tuple(path), token, is_bonus)
 
 
 def tree_greedy_verdict(logits: Tensor, tree: DraftTree) -> TreeVerdict | None:

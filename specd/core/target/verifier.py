@@ -27,8 +27,7 @@ from specd.core.sampling.greedy import greedy_verdict
 from specd.core.sampling.proposal import DEFAULT_MAX_DRAFT_TOKENS, DEFAULT_MAX_Q_WIDTH, Proposal
 from specd.core.sampling.rejection import SparseProposal, TargetRows, rejection_sample
 from specd.core.sampling.sampler import UNUSABLE_LOGITS, SamplingParams
-from specd.core.sampling.tree import TreeBatch
-from specd.core.sampling.tree_rejection import TreeVerdict, tree_greedy_verdict, tree_rejection_sample
+from specd.core.sampling.tree_rejection import TreeVerdict, tree_greedy_verdict, tree_rejection_row
 
 
 @dataclass
@@ -294,41 +293,27 @@ class Verifier(PooledModel[_TargetSession]):
         ready: list[tuple[int, _TargetSession]],
         requests: Sequence[TreeVerifyRequest],
     ) -> dict[int, TreeVerdict | Exception]:
-        """Recursive rejection sampling over the given rows: {row: verdict or its error}.
+        """Recursive rejection sampling over the given rows, each on the host: {row: verdict or its error}.
 
-        One batched call over the rows padded to the largest tree (repeating a row's last logits:
-        padded nodes are never read); if it refuses, each row again alone, so only the offender fails.
+        p is processed only for the rows the walk reads (the prefix and each accepted node: depth + 1
+        of a tree's N + 1), as the chain's verify does (`_target_rows`); a row whose p cannot be
+        sampled fails its request alone.
         """
-        if not rows:
-            return {}
-        n_max = max(len(results[b].tree) for b in rows)
-        logits = torch.stack(
-            [torch.cat([lg, lg[-1:].expand(n_max + 1 - lg.shape[0], -1)]) for lg in (results[b].logits for b in rows)]
-        )  # [B', N_max+1, V]
-        p = sampler.processed_probs(logits, [ready[b][1].params for b in rows])  # [B', N_max+1, V]
         out: dict[int, TreeVerdict | Exception] = {}
-        for r, err in sampler.unusable_rows(logits, p).items():
-            out[rows[r]] = err
-        keep = [r for r in range(len(rows)) if rows[r] not in out]
-        if not keep:
-            return out
-        try:
-            v = tree_rejection_sample(
-                p[keep],
-                TreeBatch.of([results[rows[r]].tree for r in keep]),
-                seeds=torch.tensor([ready[rows[r]][1].params.seed for r in keep], dtype=torch.int64),
-                start_positions=torch.tensor(
-                    [requests[ready[rows[r]][0]].committed_length for r in keep], dtype=torch.int64
-                ),
-            )
-        except Exception as exc:  # noqa: BLE001 - find the row(s) at fault, one by one
-            if len(keep) == 1:
-                out[rows[keep[0]]] = exc
-                return out
-            for r in keep:
-                out.update(Verifier._tree_sample([rows[r]], results, ready, requests))
-            return out
-        out.update({rows[r]: v.row(j) for j, r in enumerate(keep)})
+        for b in rows:
+            logits, params = results[b].logits, ready[b][1].params
+
+            def read(i: int, logits: torch.Tensor = logits, params: SamplingParams = params) -> np.ndarray:
+                p = sampler.processed_probs(logits[i][None, None, :], [params])[0, 0]  # [V]
+                if sampler.unusable_rows(logits[i][None, None, :], p[None, None, :]):
+                    raise Internal(sampler.UNUSABLE_PROBS)
+                return p.to(torch.float64).numpy()
+
+            try:
+                start = requests[ready[b][0]].committed_length
+                out[b] = tree_rejection_row(read, results[b].tree, params.seed, start)
+            except Exception as exc:  # noqa: BLE001 - this row's error, in its slot
+                out[b] = exc
         return out
 
 

@@ -11,7 +11,7 @@ from specd.core.rounds import steps
 from specd.core.sampling import compact_q
 from specd.core.sampling.tree import DraftTree
 from specd.serving import tree_wire
-from specd.v1 import draft_pb2, target_pb2
+from specd.v1 import common_pb2, draft_pb2, target_pb2
 
 V = 50
 
@@ -60,13 +60,15 @@ def test_a_tree_crosses_the_draft_and_target_wires_unchanged(weights) -> None:
     request = steps.TreeVerifyRequest("s", 10, back, start=10, tail=())
     wire = target_pb2.TargetRequest.FromString(tree_wire.verify_tree_request(request, {}).SerializeToString())
     at_target = tree_wire.verify_tree_from_proto(wire, V, max_nodes=32, max_q_width=64, max_context=100)
-    for got in (back, at_target.tree):
-        assert got.token_ids == tree.token_ids and got.parents == tree.parents
-        if weights is None:
-            assert got.q_ids is None
-        else:
-            for g, t in zip(_q(got), _q(tree)):
-                assert g.keys() == t.keys() and all(g[k] == pytest.approx(t[k], abs=1e-6) for k in g)
+    # The coordinator relays q undecoded (the rows as the draft sent them); the target decodes them.
+    assert back.q_ids is None and back.wire_q == (None if weights is None else tuple(msg.q))
+    got = at_target.tree
+    assert got.token_ids == tree.token_ids and got.parents == tree.parents
+    if weights is None:
+        assert got.q_ids is None
+    else:
+        for g, t in zip(_q(got), _q(tree)):
+            assert g.keys() == t.keys() and all(g[k] == pytest.approx(t[k], abs=1e-6) for k in g)
     assert at_target.committed_length == 10 and at_target.start == 10
 
 
@@ -94,6 +96,15 @@ def test_a_draft_tree_over_the_request_is_refused() -> None:
         tree_wire.draft_tree_from_proto(msg, V, budget=4, depth=1)
     with pytest.raises(InvalidArgument, match="outside the vocabulary"):
         tree_wire.draft_tree_from_proto(msg, 5, budget=4, depth=2)
+    # q's numbers are the target's to check, its rows' count and form the coordinator's.
+    msg.q.add(token_ids=[1], probs=[1.0])
+    with pytest.raises(InvalidArgument, match="q has 1 rows for 4 tree nodes"):
+        tree_wire.draft_tree_from_proto(msg, V, budget=4, depth=2)
+    msg.q.add(token_ids=[1], probs=[1.0], weights=b"\x01")
+    del msg.q[0]
+    msg.q.extend([common_pb2.SparseDistribution(token_ids=[1], probs=[1.0])] * 3)
+    with pytest.raises(InvalidArgument, match="exactly one of the plain and the compact"):
+        tree_wire.draft_tree_from_proto(msg, V, budget=4, depth=2)
 
 
 @pytest.mark.parametrize(

@@ -60,7 +60,11 @@ def test_expansion_keeps_the_budget_and_depth_and_siblings_differ(tiny, params: 
     tok, drafter = tiny
     prompt = tok("hello world").input_ids
     tree = _tree(drafter, prompt, params, 10, 4, width=3, beam=3)
-    assert len(tree) == 10 and tree.depth == 4  # at most beam nodes a level, one kept for each level to come
+    assert len(tree) == 10
+    if params.is_greedy:  # EAGLE-2's rerank: the 10 likeliest paths, however deep they reach
+        assert tree.depth <= 4
+    else:  # every draw is kept: one node left for each level to come
+        assert tree.depth == 4
     for kids in tree.children:
         assert len(kids) <= 3
         assert len({tree.token_ids[c] for c in kids}) == len(kids)  # top-k or drawn without replacement

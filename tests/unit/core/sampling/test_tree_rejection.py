@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import random
+
 import pytest
 import torch
 
@@ -9,7 +11,12 @@ from specd.core.errors import InvalidArgument
 from specd.core.sampling.rejection import SparseProposal, rejection_sample
 from specd.core.sampling.sampler import Role, SamplingParams, coins, processed_probs, sample_from_probs, sample_sparse
 from specd.core.sampling.tree import COIN_STRIDE, DraftTree, TreeBatch
-from specd.core.sampling.tree_rejection import TreeVerdict, tree_greedy_verdict, tree_rejection_sample
+from specd.core.sampling.tree_rejection import (
+    TreeVerdict,
+    tree_greedy_verdict,
+    tree_rejection_row,
+    tree_rejection_sample,
+)
 
 F32, F64, I64 = torch.float32, torch.float64, torch.int64
 ONE = {0: [1, 0, 0, 0], 1: [0, 1, 0, 0], 2: [0, 0, 1, 0], 3: [0, 0, 0, 1]}  # one-hot rows over V = 4
@@ -18,10 +25,37 @@ ONE = {0: [1, 0, 0, 0], 1: [0, 1, 0, 0], 2: [0, 0, 1, 0], 3: [0, 0, 0, 1]}  # on
 def _verify(p_rows, tokens, parents, q=(), seed=0, start=5) -> TreeVerdict:
     """One tree's verdict: p_rows [N+1][V] (row 0 after the prefix, 1+i after node i)."""
     tree = DraftTree.from_wire(tokens, parents, list(q), 4)
-    v = tree_rejection_sample(
-        torch.tensor([p_rows], dtype=F32), TreeBatch.of([tree]), torch.tensor([seed]), torch.tensor([start])
-    )
-    return v.row(0)
+    p = torch.tensor([p_rows], dtype=F32)
+    v = tree_rejection_sample(p, TreeBatch.of([tree]), torch.tensor([seed]), torch.tensor([start])).row(0)
+    # The verifier's host walk (p read row by row) must give the same verdict, coin for coin.
+    assert tree_rejection_row(lambda i: p[0, i].to(F64).numpy(), tree, seed, start) == v
+    return v
+
+
+def test_the_host_walk_equals_the_batched_rule_on_random_trees() -> None:
+    """Random trees (up to 12 nodes, siblings of up to 4), p rows and sparse q with repeats, 300 seeds:
+    tree_rejection_row's verdict is tree_rejection_sample's, and it reads p at accepted nodes only."""
+    rng = random.Random(7)
+    V = 12
+    for seed in range(300):
+        n = rng.randrange(0, 13)
+        parents = [rng.randrange(-1, i) for i in range(n)]
+        tokens = [rng.randrange(V) for _ in range(n)]
+        q = []
+        for t in tokens:
+            ids = [t] + [rng.randrange(V) for _ in range(rng.randrange(0, 5))]  # repeats allowed
+            q.append((ids, [rng.choice([0.0, rng.random()]) + 0.05 for _ in ids]))
+        tree = DraftTree.from_wire(tokens, parents, q if seed % 3 else [], V)
+        p = torch.softmax(torch.randn(1, n + 1, V, generator=torch.Generator().manual_seed(seed)) * 2, -1)
+        want = tree_rejection_sample(p, TreeBatch.of([tree]), torch.tensor([seed]), torch.tensor([9])).row(0)
+        read: list[int] = []
+
+        def read_p(i: int, p: torch.Tensor = p, read: list[int] = read) -> object:
+            read.append(i)
+            return p[0, i].to(F64).numpy()
+
+        assert tree_rejection_row(read_p, tree, seed, 9) == want, seed
+        assert read == [0] + [c + 1 for c in want.accepted]
 
 
 # Each case: p rows, tokens, parents, q rows (none: one-hot), expected verdict. Chosen to hold for

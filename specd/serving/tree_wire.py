@@ -19,7 +19,7 @@ from specd.core.rounds import steps
 from specd.core.sampling import compact_q
 from specd.core.sampling.proposal import DEFAULT_MAX_Q_WIDTH
 from specd.core.sampling.tree import DEFAULT_MAX_TREE_DEPTH, DEFAULT_MAX_TREE_NODES, DraftTree
-from specd.serving.wire import q_rows, relayed_tokens, reported_ms, token_ids_from_wire
+from specd.serving.wire import compact_rows, q_rows, relayed_tokens, reported_ms, token_ids_from_wire
 from specd.v1 import common_pb2, draft_pb2, target_pb2
 
 
@@ -62,6 +62,10 @@ def tree_from_wire(
     structure = DraftTree.from_wire(token_ids, list(parents), (), vocab_size, **limits)
     if not q:
         return structure
+    compact = compact_rows(q, vocab_size, max_q_width)
+    if compact is not None:  # a model draft's: every row decoded and checked at once
+        q_ids, q_probs = compact_q.dense_from_compact(compact, vocab_size, structure.token_ids)
+        return dataclasses.replace(structure, q_ids=q_ids, q_probs=q_probs)
     rows = q_rows(q, vocab_size, max_q_width)
     return DraftTree.from_wire(structure.token_ids, structure.parents, rows, vocab_size, **limits)
 

@@ -185,12 +185,23 @@ def _checked_proposal(
     max_q_width: int,
 ) -> Proposal:
     check_sizes(len(token_ids), len(q), max_draft_tokens)  # before any row is decoded
-    cap = min(max_q_width, vocab_size)
-    if q and all([_is_compact(i, d, cap) for i, d in enumerate(q)]):  # a model draft's: all rows at once
+    compact = compact_rows(q, vocab_size, max_q_width)
+    if compact is not None:  # a model draft's: all rows at once
         tokens = checked_tokens(token_ids, vocab_size)
-        return Proposal(tokens, *compact_q.dense_from_compact([(d.id_gaps, d.weights) for d in q], vocab_size, tokens))
+        return Proposal(tokens, *compact_q.dense_from_compact(compact, vocab_size, tokens))
     rows = q_rows(q, vocab_size, max_q_width)
     return Proposal.from_wire(token_ids, rows, vocab_size, max_draft_tokens=max_draft_tokens, max_q_width=max_q_width)
+
+
+def compact_rows(
+    q: Sequence[common_pb2.SparseDistribution], vocab_size: int, max_q_width: int
+) -> list[compact_q.CompactRow] | None:
+    """q's rows as (id gaps, weights) when there are some and every one is compact (a model draft's),
+    to decode all at once (compact_q.dense_from_compact); else None. Sizes are checked first."""
+    cap = min(max_q_width, vocab_size)
+    if q and all([_is_compact(i, d, cap) for i, d in enumerate(q)]):
+        return [(d.id_gaps, d.weights) for d in q]
+    return None
 
 
 def q_rows(q: Sequence[common_pb2.SparseDistribution], vocab_size: int, max_q_width: int) -> list[QRow]:

@@ -26,13 +26,14 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+import numpy as np
 import torch
 from torch import Tensor
 
 from specd.core.errors import InvalidArgument
 from specd.core.sampling.proposal import DEFAULT_MAX_Q_WIDTH, QRow
-from specd.core.sampling.sampler import Role, coins, sample_sparse
-from specd.core.sampling.tree import DEFAULT_MAX_TREE_DEPTH, DEFAULT_MAX_TREE_NODES, DraftTree, coin_positions
+from specd.core.sampling.sampler import Role, host_coins
+from specd.core.sampling.tree import COIN_STRIDE, DEFAULT_MAX_TREE_DEPTH, DEFAULT_MAX_TREE_NODES, DraftTree
 
 __all__ = ["TreeBuilder", "draw_children"]
 
@@ -60,22 +61,35 @@ def draw_children(
     assert ids.shape == wire.shape and ids.dim() == 2, f"ids and wire must be [B, W], got {tuple(ids.shape)}"
     assert seeds.shape == positions.shape == ids.shape[:1]
     B, W = ids.shape
-    w = wire.to(torch.float32).clone()  # [B, W] the remainder
-    tokens = torch.zeros(B, k, dtype=torch.int64, device=ids.device)
-    qs = torch.zeros(B, k, W, dtype=torch.float32, device=ids.device)
-    drawn = torch.zeros(B, k, dtype=torch.bool, device=ids.device)
-    left = torch.ones(B, dtype=torch.bool, device=ids.device)
+    # On the host in numpy: a few [B, W] rows, k draws each; the arithmetic is sample_sparse's
+    # (float32 remainder, normalised and summed in float64, inverse CDF with searchsorted's rule).
+    ids_np = ids.detach().to("cpu", torch.int64).numpy()
+    w = wire.detach().to("cpu", torch.float32).numpy().copy()  # [B, W] the remainder
+    slots = np.broadcast_to(torch.as_tensor(first_slot, dtype=torch.int64).numpy(), (B,))[:, None] + np.arange(k)
+    pos = positions.detach().to("cpu", torch.int64).numpy()[:, None] + slots * COIN_STRIDE  # [B, k]
+    u = host_coins(seeds.detach().to("cpu", torch.int64).numpy(), pos, Role.DRAFT)  # [B, k] every coin at once
+    tokens = np.zeros((B, k), dtype=np.int64)
+    qs = np.zeros((B, k, W), dtype=np.float32)
+    drawn = np.zeros((B, k), dtype=bool)
+    left = np.ones(B, dtype=bool)
+    rows = np.arange(B)
     for i in range(k):
-        left = left & (w.sum(-1) > 0)
-        if not bool(left.any()):
+        left &= w.sum(-1) > 0
+        if not left.any():
             break
-        u = coins(seeds, coin_positions(positions, torch.as_tensor(first_slot) + i)[:, None], Role.DRAFT)[:, 0]
-        src = torch.where(left[:, None], w, 1.0)  # rows with nothing left draw a placeholder, not kept
-        tok = sample_sparse(ids, src, u.to(ids.device))
-        tokens[:, i], qs[:, i], drawn[:, i] = tok, torch.where(left[:, None], w, 0.0), left
+        src = np.where(left[:, None], w, np.float32(1.0)).astype(np.float64)  # exhausted rows: a placeholder
+        q = src / src.sum(-1, keepdims=True)
+        cdf = np.cumsum(q, -1)  # [B, W]
+        slot = (cdf <= (u[:, i] * cdf[:, -1])[:, None]).sum(-1)  # searchsorted(right=True)
+        over = slot >= W  # u * total rounded up to total: the last slot with weight
+        if over.any():
+            slot = np.where(over, W - 1 - np.argmax((q > 0)[:, ::-1], -1), slot)
+        tok = ids_np[rows, slot]
+        tokens[:, i], qs[:, i], drawn[:, i] = tok, np.where(left[:, None], w, np.float32(0.0)), left
         if not replacement:
-            w = w * (ids != tok[:, None])  # every slot of that token (ids may repeat)
-    return tokens, qs, drawn
+            w = w * (ids_np != tok[:, None])  # every slot of that token (ids may repeat)
+    dev = ids.device
+    return torch.from_numpy(tokens).to(dev), torch.from_numpy(qs).to(dev), torch.from_numpy(drawn).to(dev)
 
 
 class TreeBuilder:

@@ -7,6 +7,7 @@ from pathlib import Path
 
 import grpc
 import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from specd.core.sampling.sampler import SamplingParams
 from specd.tools import cli
@@ -66,3 +67,31 @@ def test_specd_generate_tree_budget(tiny_cluster: Cluster, tiny_pair: tuple[Path
     ref = reference(target, None, prompt_ids(target, PROMPTS[0]), SamplingParams(temperature=0), max_new_tokens=12)
     assert out["token_ids"] == ref.token_ids
     assert out["stats"]["draft_tokens"] > out["stats"]["drafts"]  # trees: several nodes per drafting round
+
+
+def test_trees_at_the_limits_are_served_past_them_refused_and_every_service_stays_serving(
+    tiny_cluster: Cluster, tiny_pair: tuple[Path, Path]
+) -> None:
+    """A tree at the node and depth limits (budget 32, depth 16: the defaults) gives target-only's tokens;
+    one node or one level more is refused with INVALID_ARGUMENT (by the coordinator, before any draft
+    or target allocates); afterwards all three services still answer SERVING."""
+    target, _ = tiny_pair
+    ids = prompt_ids(target, PROMPTS[1])
+    ref = reference(target, None, ids, SamplingParams(temperature=0), max_new_tokens=12)
+    limits = dict(speculation="fixed", ignore_eos=True)
+    with tiny_cluster.client(timeout=60) as client:
+        got = client.generate(ids, max_new_tokens=12, temperature=0, tree_budget=32, draft_length=16, **limits)
+        assert list(got.token_ids) == ref.token_ids
+        for over, needle in (
+            (dict(tree_budget=33, draft_length=4), "tree_budget must be in 0..32"),
+            (dict(tree_budget=8, draft_length=17), "draft_length must be in 1..16"),
+        ):
+            with pytest.raises(grpc.RpcError) as err:
+                client.generate(ids, max_new_tokens=4, temperature=0, **over, **limits)
+            assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+            assert needle in err.value.details(), err.value.details()
+    for service in (tiny_cluster.coordinator, tiny_cluster.draft, tiny_cluster.target):
+        assert service is not None and service.address
+        with grpc.insecure_channel(service.address) as channel:
+            reply = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=10)
+        assert reply.status == health_pb2.HealthCheckResponse.SERVING

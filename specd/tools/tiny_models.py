@@ -30,14 +30,17 @@ __all__ = [
     "TINY_DRAFT_DIR",
     "TINY_GPT2_DIR",
     "TINY_TARGET_DIR",
+    "TINY_TARGET_TP3_DIR",
     "build_tiny_gpt2",
     "build_tiny_pair",
+    "build_tiny_target_tp3",
     "build_tiny_tokenizer",
 ]
 
 TINY_TARGET_DIR = "tiny-target"
 TINY_DRAFT_DIR = "tiny-draft"
 TINY_GPT2_DIR = "tiny-gpt2"
+TINY_TARGET_TP3_DIR = "tiny-target-tp3"
 _TINY_RECIPE_VERSION = 1  # bump when the recipe changes: folders built before are rebuilt
 
 # Tiny tokenizer: token id b is byte b (0..255), then the special tokens.
@@ -162,6 +165,21 @@ def build_tiny_pair(root: Path, *, seed: int = 0) -> tuple[Path, Path]:
         kind="tiny-llama-draft",
     )
     return target, draft
+
+
+def build_tiny_target_tp3(root: Path, *, seed: int = 0) -> Path:
+    """A tiny random Llama target that shards by 3 (and by 1), with the tiny tokenizer.
+
+    3 layers, hidden 96, 6 heads over 3 KV heads (head size 16, as the pair's target), MLP
+    width 192: --tp 3 divides every sharded count (tensor_parallel.check_model_folder), which
+    the pair's 4 heads over 2 KV heads do not. Drafts with the pair's draft (same tokenizer).
+    """
+    return _build_random(
+        Path(root) / TINY_TARGET_TP3_DIR,
+        lambda: LlamaForCausalLM(_tiny_llama(layers=3, hidden=96, heads=6, kv_heads=3)),
+        seed=seed,
+        kind="tiny-llama-target-tp3",
+    )
 
 
 def build_tiny_gpt2(root: Path, *, seed: int = 0) -> Path:

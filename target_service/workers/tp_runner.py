@@ -1,5 +1,6 @@
 """Rank 0's runner: the `CausalLMRunner` interface over a worker group, so the Verifier does not
-change; every forward is announced to the followers first (target_service.workers.commands)."""
+change; every forward is announced to the followers first (target_service.workers.commands), tree
+verification (tree_logits_batch / keep_tree_path) included."""
 
 from __future__ import annotations
 
@@ -14,9 +15,11 @@ from typing import TYPE_CHECKING
 import torch
 
 from specd.core.errors import SpecdError, Unavailable
-from specd.core.model import tensor_parallel
+from specd.core.model import tensor_parallel, tree_forward
 from specd.core.model.loading import LoadedModel
 from specd.core.model.runner import CausalLMRunner, KVSession
+from specd.core.model.tree_forward import TreeLogits
+from specd.core.sampling.tree import DraftTree
 from target_service.workers import commands
 from target_service.workers.executor import make_executor
 from target_service.workers.follower import load_shard
@@ -44,6 +47,10 @@ class TensorParallelRunner(CausalLMRunner):
         super().__init__(model, max_context=max_context)
         self.group = group
         self._ids = itertools.count(1)
+        # Paths kept since the last command, (generation, tp_id, path), in order: the next command
+        # carries them (_send). Not a broadcast of their own: a tree round then costs one command,
+        # as a chain round does, and a follower needs a kept path only before its next forward.
+        self._kept: list[tuple[int, int, list[int]]] = []
 
     def new_session(self, token_ids: Sequence[int]) -> TPSession:
         plain = super().new_session(token_ids)
@@ -55,11 +62,9 @@ class TensorParallelRunner(CausalLMRunner):
         if isinstance(num_last, bool) or not isinstance(num_last, int) or not 1 <= num_last <= n:
             return super().logits(s, num_last)  # raises InvalidArgument before any collective
         with self.group.collective():
-            if s.generation != self.group.generation:  # the followers restarted: they hold nothing
-                self._crop(s, 0)
-                s.generation = self.group.generation
+            self._sync_generation(s)
             start = min(s.cached, n - num_last)  # what CausalLMRunner.logits will compute
-            self.group.send(commands.forward(s.tp_id, start, s.tokens[start:], num_last))
+            self._send(commands.forward(s.tp_id, start, s.tokens[start:], num_last))
             return super().logits(s, num_last)
 
     def logits_batch(self, sessions: Sequence[KVSession], num_last: Sequence[int]) -> list[torch.Tensor]:
@@ -72,23 +77,74 @@ class TensorParallelRunner(CausalLMRunner):
         with self.group.collective():
             batch: list[commands.BatchRow] = []
             for s, k in pairs:
-                assert isinstance(s, TPSession), "sessions of a TensorParallelRunner come from its new_session"
-                if s.generation != self.group.generation:  # the followers restarted: they hold nothing
-                    self._crop(s, 0)
-                    s.generation = self.group.generation
+                tp_id = self._sync_generation(s)
                 start = min(s.cached, len(s.tokens) - k)  # what CausalLMRunner.logits_batch will compute
-                batch.append((s.tp_id, start, s.tokens[start:], k))
-            self.group.send(commands.forward_batch(batch))
+                batch.append((tp_id, start, s.tokens[start:], k))
+            self._send(commands.forward_batch(batch))
             return super().logits_batch([s for s, _ in pairs], [k for _, k in pairs])
+
+    def tree_logits_batch(self, sessions: Sequence[KVSession], trees: Sequence[DraftTree]) -> list[TreeLogits]:
+        """One tree forward on every rank: the followers get each session's (start, new tokens) and each
+        tree's ids and parents, in order, and run the same `CausalLMRunner.tree_logits_batch`, so the
+        padded shapes and the tree mask, and with them the collectives inside the model, match rank 0's.
+        Each follower keeps its sessions' node KV until `keep_tree_path` names a path."""
+        self._check_trees(sessions, trees)  # the same InvalidArgument as the plain runner, before any collective
+        if not sessions:
+            return []
+        with self.group.collective():
+            rows: list[commands.TreeRow] = []
+            for s, tree in zip(sessions, trees):
+                tp_id = self._sync_generation(s)
+                start = min(s.cached, len(s.tokens) - 1)  # what tree_forward.forward_trees will compute
+                rows.append((tp_id, start, s.tokens[start:], list(tree.token_ids), list(tree.parents)))
+            self._send(commands.tree_batch(rows))
+            return super().tree_logits_batch(sessions, trees)
+
+    def keep_tree_path(self, s: KVSession, result: TreeLogits, path: Sequence[int]) -> None:
+        """Rank 0's keep now (InvalidArgument for a bad path or an edited session, nothing queued); the
+        followers' at the start of the next command (_send)."""
+        assert isinstance(s, TPSession), "sessions of a TensorParallelRunner come from its new_session"
+        with_kv = s.cached == result.committed  # else keep_path appends tokens only (the cache fell behind)
+        super().keep_tree_path(s, result, path)
+        # Without KV kept here, the next forward starts at or before this rank's cache end, and cropping
+        # the followers there is all they need; a restarted group holds nothing of the pass.
+        if path and with_kv and s.generation == self.group.generation:
+            self._kept.append((s.generation, s.tp_id, list(path)))
 
     def release(self, s: KVSession) -> None:
         if not isinstance(s, TPSession) or s.generation != self.group.generation:
             return
+        self._kept = [k for k in self._kept if k[1] != s.tp_id]  # no use keeping what is released
         try:
             with self.group.collective():
-                self.group.send(commands.release([s.tp_id]))
+                self._send(commands.release([s.tp_id]))
         except Unavailable:
             pass  # the group is restarting: the followers' caches are gone anyway
+
+    def _sync_generation(self, s: KVSession) -> int:
+        """s's tp_id, its cache cropped to nothing if the group restarted since its last forward (the
+        followers hold nothing of it); call inside `collective()`."""
+        assert isinstance(s, TPSession), "sessions of a TensorParallelRunner come from its new_session"
+        if s.generation != self.group.generation:
+            self._crop(s, 0)
+            s.generation = self.group.generation
+        return s.tp_id
+
+    def _send(self, command: commands.Command) -> None:
+        """Broadcast `command`, preceded by the paths kept since the last one (call inside `collective()`)."""
+        kept = [(tp_id, path) for gen, tp_id, path in self._kept if gen == self.group.generation]
+        self._kept.clear()  # a restarted group's followers hold no tree pass to keep a path of
+        self.group.send(commands.keep(kept, command) if kept else command)
+
+    def _check_trees(self, sessions: Sequence[KVSession], trees: Sequence[DraftTree]) -> None:
+        """tree_forward.check_trees, and each tree's parents as the followers rebuild it
+        (DraftTree.from_wire without q): a tree that fails there must fail here, before any broadcast."""
+        for tree in trees:
+            if isinstance(tree, DraftTree):  # check_trees names anything else
+                DraftTree.from_wire(
+                    tree.token_ids, tree.parents, [], self.vocab_size, max_nodes=len(tree), max_depth=self.max_context
+                )
+        tree_forward.check_trees(sessions, trees, self.vocab_size, self.max_context)
 
 
 def build_tp_runner(

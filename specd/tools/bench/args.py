@@ -63,7 +63,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--modes",
         default=DEFAULT_MODES,
         help="comma list: target-only, auto, fixed-K (bare 'fixed': "
-        "every --draft-lengths K), tree-N (trees of N nodes, docs/trees.md), hf-K / hf (the HF baseline, K assistant tokens, constant), hf-default, "
+        "every --draft-lengths K), tree-N / tree-NxD (trees of N nodes, D levels deep, docs/trees.md), hf-K / hf (the HF baseline, K assistant tokens, constant), hf-default, "
         f"hf-target-only (default: {DEFAULT_MODES})",
     )
     g.add_argument(

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -62,10 +63,16 @@ SERVICE_FAMILIES: dict[str, Callable[[int], dict[str, Any]]] = {
 TREE = "tree"
 
 
-def tree_mode(budget: int, draft_lengths: Sequence[int]) -> Mode:
-    depth = max(1, min(budget, max(draft_lengths, default=4)))
-    request = {"speculation": "fixed", "draft_length": depth, "tree_budget": budget, "pipeline": False}
-    return Mode(f"{TREE}-{budget}", RUNNER_SERVICE, request)  # draft_length None: S(K) is a chain's theory
+_TREE_NAME = re.compile(rf"{TREE}-(\d+)(?:x(\d+))?")  # tree-N, or tree-NxD: N nodes, D levels
+
+
+def tree_mode(budget: int, draft_lengths: Sequence[int], depth: int | None = None) -> Mode:
+    """tree-N: min(N, the largest K) levels deep; tree-NxD: D levels (a shallow, wide tree where a
+    draft pass costs more than a level is likely to return)."""
+    levels = depth if depth is not None else max(1, min(budget, max(draft_lengths, default=4)))
+    request = {"speculation": "fixed", "draft_length": levels, "tree_budget": budget, "pipeline": False}
+    name = f"{TREE}-{budget}" if depth is None else f"{TREE}-{budget}x{depth}"
+    return Mode(name, RUNNER_SERVICE, request)  # draft_length None: S(K) is a chain's theory
 
 
 # The HF baseline: transformers' assisted generation. hf-K: K assistant tokens, constant
@@ -131,13 +138,19 @@ def _expand_mode(raw: str, draft_lengths: Sequence[int]) -> list[Mode]:
         return [Mode(raw, RUNNER_HF, {})]
     if raw == HF_TARGET_ONLY:
         return [Mode(raw, RUNNER_HF, {"assistant": False})]
+    tree = _TREE_NAME.fullmatch(raw)
+    if tree is not None:
+        budget, depth = int(tree.group(1)), None if tree.group(2) is None else int(tree.group(2))
+        if budget < 1 or depth == 0:
+            raise ValueError(f"mode {raw!r}: a tree needs a node budget and a depth >= 1, e.g. tree-16 or tree-16x2")
+        return [tree_mode(budget, draft_lengths, depth)]
     family, _, k_text = raw.rpartition("-") if raw.rpartition("-")[2].isdigit() else (raw, "", "")
     ks = [int(k_text)] if k_text else list(draft_lengths)
     if family in SERVICE_FAMILIES:
         return [Mode(f"{family}-{k}", RUNNER_SERVICE, SERVICE_FAMILIES[family](k), k) for k in ks]
     if family == TREE:
         if not k_text or int(k_text) < 1:
-            raise ValueError(f"mode {raw!r}: a tree mode needs its node budget, e.g. tree-16")
+            raise ValueError(f"mode {raw!r}: a tree mode needs its node budget, e.g. tree-16 or tree-16x2")
         return [tree_mode(int(k_text), draft_lengths)]
     if family == "hf":
         return [Mode(f"hf-{k}", RUNNER_HF, _hf_fixed(k), k) for k in ks]
@@ -147,7 +160,7 @@ def _expand_mode(raw: str, draft_lengths: Sequence[int]) -> list[Mode]:
         [
             *SERVICE_MODES,
             *(f"{f}[-K]" for f in SERVICE_FAMILIES),
-            f"{TREE}-N",
+            f"{TREE}-N[xD]",
             "hf[-K]",
             f"{HF_LOOKUP}[-K]",
             HF_DEFAULT,

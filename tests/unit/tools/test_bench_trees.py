@@ -13,9 +13,12 @@ def test_tree_modes_name_their_budget_and_take_the_fixed_modes_depth() -> None:
     assert modes["tree-2"].request["draft_length"] == 2  # never deeper than its nodes
     assert modes["tree-16"].draft_length is None  # no S(K): that is a chain's theory
     assert parse_modes("tree-16", [2, 8])[1].request["draft_length"] == 8  # the largest --draft-lengths K
-    for bad in ("tree", "tree-0"):
+    for bad in ("tree", "tree-0", "tree-16x0"):
         with pytest.raises(ValueError, match="node budget"):
             parse_modes(bad, [4])
+    shallow = parse_modes("tree-16x2", [4])[1]  # tree-NxD: N nodes, D levels whatever the Ks
+    assert shallow.name == "tree-16x2" and shallow.request["draft_length"] == 2
+    assert shallow.request["tree_budget"] == 16
 
 
 def test_a_tree_record_counts_nodes_as_draft_tokens_and_acceptance_per_depth() -> None:

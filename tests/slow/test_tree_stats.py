@@ -25,6 +25,7 @@ import pytest
 import torch
 from scipy import stats
 
+from specd.core.draft.model_tree import sharpened
 from specd.core.sampling import tree_rejection
 from specd.core.sampling.sampler import SamplingParams, processed_probs, sparse_proposal
 from specd.core.sampling.tree import TreeBatch
@@ -93,6 +94,35 @@ def deterministic_top(q, seeds, positions, slot, k):
     tok = torch.sort(q, dim=-1, descending=True, stable=True)[1][:, :k]
     drawn = q.gather(-1, tok) > 0
     return tok, tok[..., None], torch.ones(*tok.shape, 1), drawn
+
+
+def sharpened_siblings(q, seeds, positions, slot, k):
+    """The model drafter's rule (specd.core.draft.model_tree): the first child from q, the later ones
+    without replacement from q sharpened (half the temperature), the first child's token removed."""
+    ids, wire = sparse_proposal(q, V)
+    tok0, q0, drawn0 = draw_children(ids, wire, 1, seeds, positions, slot)
+    if k == 1:
+        return tok0, ids[:, None], q0, drawn0
+    s_ids, s_w = sharpened(ids, wire)
+    s_w = s_w * (s_ids != tok0)  # [B, W] the first child's token is not drawn again
+    tok, qs, drawn = draw_children(s_ids, s_w, k - 1, seeds, positions, torch.as_tensor(slot) + 1)
+    W = max(ids.shape[-1], s_ids.shape[-1])
+    pad = lambda x: torch.nn.functional.pad(x, (0, W - x.shape[-1]))  # noqa: E731
+    all_ids = torch.cat([pad(ids)[:, None], pad(s_ids)[:, None].expand(-1, k - 1, -1)], 1)
+    all_q = torch.cat([pad(q0[:, 0])[:, None], pad(qs.flatten(0, 1)).view(qs.shape[0], k - 1, W)], 1)
+    return torch.cat([tok0, tok], 1), all_ids, all_q, torch.cat([drawn0, drawn0 & drawn], 1)
+
+
+def sharpened_records_q(q, seeds, positions, slot, k):
+    """BUG: later siblings drawn from the sharpened q, but recorded as drawn from q (less the first)."""
+    tok, ids, qs, drawn = sharpened_siblings(q, seeds, positions, slot, k)
+    plain_ids, wire = sparse_proposal(q, V)
+    W = ids.shape[-1]
+    plain = torch.nn.functional.pad(wire, (0, W - wire.shape[-1]))
+    lying = plain[:, None].expand(-1, k, -1) * (ids != tok[:, :1, None])  # q less the first child's token
+    lying[:, 0] = qs[:, 0]
+    padded_ids = torch.nn.functional.pad(plain_ids, (0, W - plain_ids.shape[-1]))[:, None].expand(-1, k, -1)
+    return tok, padded_ids, lying, drawn
 
 
 def records_full_q(q, seeds, positions, slot, k):
@@ -181,7 +211,12 @@ SETTINGS = {
     "T=1": SamplingParams(temperature=1.0),
     "T=0.8, top-k 4, top-p 0.95": SamplingParams(temperature=0.8, top_k=4, top_p=0.95),
 }
-DRAFTERS = {"without replacement": without_replacement, "i.i.d.": iid, "deterministic, one-hot q": deterministic_top}
+DRAFTERS = {
+    "without replacement": without_replacement,
+    "i.i.d.": iid,
+    "deterministic, one-hot q": deterministic_top,
+    "sharpened siblings": sharpened_siblings,
+}
 
 
 @pytest.mark.parametrize("drafter", list(DRAFTERS))
@@ -216,6 +251,7 @@ def _no_residual(weights, total, q):
         ("residual not renormalised, one-hot candidates", _not_renormalised, deterministic_top),
         ("every sibling checked against p", _no_residual, without_replacement),
         ("drafter records the full q", None, records_full_q),
+        ("sharpened siblings recorded as drawn from q", None, sharpened_records_q),
     ],
 )
 def test_broken_rules_are_caught(monkeypatch, name, residual, drafter, setting):

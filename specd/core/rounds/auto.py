@@ -465,7 +465,11 @@ class AutoChooser:
         if asked > 0:
             self.observe_verdict(cls, asked, accepted, proposal.confidence)
         fresh = drafted if draft_wall_ms > 0 else 0
-        self.observe_calls(cls, arm, len(proposal) + 1, verify_ms, fresh, draft_wall_ms)
+        # A fresh draft that waited in the draft service's queue behind this request's own pre-draft
+        # (a pipeline's miss) measures that wait, not a draft's cost: the cycle model already waits
+        # for the pre-draft (max(v, pre)), so d(K) is fitted without it.
+        queued = proposal.transit.queue_ms if proposal.transit is not None else 0.0
+        self.observe_calls(cls, arm, len(proposal) + 1, verify_ms, fresh, max(draft_wall_ms - queued, 0.0))
 
     @staticmethod
     def observe_calls(cls: ArmCycles, arm: Arm, tokens: int, verify_ms: float, drafted: int, draft_ms: float) -> None:

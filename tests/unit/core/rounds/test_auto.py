@@ -35,6 +35,8 @@ from specd.core.rounds.auto import (
     hit_chance,
 )
 from specd.core.rounds.pipeline import AUTO_PIPELINES
+from specd.core.sampling.proposal import Proposal
+from specd.core.transit import Transit
 
 pytestmark = pytest.mark.unit
 
@@ -264,3 +266,20 @@ def test_the_cut_drops_the_unlikely_tail_where_verifying_costs() -> None:
     assert costly.cut(costly_cls, Arm(OFF, 6), confident_then_not) == 3
     assert costly.cut(costly_cls, Arm(OFF, 6), [0.95] * 6) > 3  # sure all the way: keep more
     assert costly.cut(costly_cls, Arm(OFF, 6), []) == 0  # no confidence: nothing to cut by
+
+
+def test_a_fresh_draft_that_queued_behind_a_pre_draft_is_fitted_without_the_wait() -> None:
+    """On a pipeline's miss the fresh draft may wait in the draft service's queue for this request's
+    own pre-draft; the cycle model already waits for that (max(v, pre)), so d(K) must not include it:
+    a draft of K tokens costing 2 + 5K ms, measured with 10K ms of queue, still fits as 2 + 5K."""
+    policy = AutoPolicy()
+    cls = policy.workload(greedy=True, running=1)
+    chooser = policy.chooser(4, [SPEC_CACHE], target_only=False)
+    for i in range(40):
+        k = 1 + i % 4
+        queued = 10.0 * k  # a longer pre-draft to wait for at a longer K
+        proposal = Proposal(list(range(k)), transit=Transit(queue_ms=queued))
+        chooser.observe_round(cls, Arm(SPEC_CACHE, k), proposal, k, False, k, 20.0, 2.0 + 5.0 * k + queued)
+    fit = cls.draft_ms.fit()
+    assert fit is not None
+    assert fit[0] == pytest.approx(2.0, abs=1e-6) and fit[1] == pytest.approx(5.0, abs=1e-6)

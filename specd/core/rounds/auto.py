@@ -26,7 +26,9 @@ where the tokens are modelled and the cycle is measured:
       model(p, K)   = max(v(K + 1), pre_p(K)) + (1 - h_p(K)) d(K)    (p pipelined)
 
   plus o. v(n): a verify call's wall for n tokens, d(K): a fresh K-token
-  draft call's wall, both fitted online (`LinearCost`); pre_p(K): the
+  draft call's wall less its queue time in the draft service (where a miss
+  waits for the pre-draft, already in max(v, pre)), both fitted online
+  (`LinearCost`); pre_p(K): the
   pipeline's pre-draft, which runs beside the verify, so one longer than the
   verify is waited for even on a hit (d(K + 1) from a guessed bonus, d(K)
   for post-verify); o: what the family's (pipeline's, or target-only's)

@@ -14,6 +14,7 @@ cache's branch call (ModelDrafter.draft_batch with a BranchRequest: --branch-bud
 --branch-k drafts for the --branch-k tokens being verified), which runs beside a verify.
 
     .venv/bin/python scripts/sim_host_cost.py [--profile h100-tp2-70b] [--vocab 4096,32000,128256]
+        [--tree-budgets 16,64 --tree-depth 4]   # also a tree round's table (docs/trees.md)
 """
 
 from __future__ import annotations
@@ -32,8 +33,9 @@ import torch
 from measure_args import floats, ints
 
 from specd.core.draft.model_drafter import ModelDrafter
+from specd.core.draft.trees import propose_trees
 from specd.core.model.sim import parse_sim_spec
-from specd.core.rounds.steps import BranchRequest, ProposeRequest, VerifyRequest
+from specd.core.rounds.steps import BranchRequest, ProposeRequest, TreeProposeRequest, TreeVerifyRequest, VerifyRequest
 from specd.core.sampling.proposal import Proposal
 from specd.core.sampling.sampler import SamplingParams
 from specd.core.target.verifier import Verifier
@@ -130,6 +132,33 @@ def host_branch_ms(spec: str, temperature: float, rounds: int, k: int, budget: i
     return BranchCost(**_medians(cols))
 
 
+def host_tree_ms(spec: str, temperature: float, rounds: int, budget: int, depth: int) -> RoundCost:
+    """A tree round per iteration (the model drafter's tree of `budget` nodes, `depth` levels, then
+    its verify), timed as host_round_ms times a chain round."""
+    s = _Pair(spec, temperature)
+    cols: dict[str, list[float]] = {name: [] for name in RoundCost.__dataclass_fields__}
+    for _ in range(rounds):
+        c = s.committed
+        d0, t0 = s.draft.snapshot().wall_ms, time.perf_counter()
+        request = TreeProposeRequest("s", len(c), s.known, c[s.known :], budget, depth)
+        [tree] = propose_trees(s.drafter, [request])
+        if isinstance(tree, Exception):
+            raise tree
+        v0, t1 = s.target.snapshot().wall_ms, time.perf_counter()
+        [o] = s.verifier.verify_tree_batch([TreeVerifyRequest("s", len(c), tree)])
+        if isinstance(o, Exception):
+            raise o
+        t2 = time.perf_counter()
+        s.known = len(c)  # the tree's nodes never enter the draft's sequence
+        s.committed = c + list(o.tokens) + [o.token_id]
+        d_model, v_model = s.draft.snapshot().wall_ms - d0, s.target.snapshot().wall_ms - v0
+        d_ms, v_ms = (t1 - t0) * 1e3, (t2 - t1) * 1e3
+        row = (d_ms, v_ms, d_ms + v_ms, d_model + v_model, d_ms - d_model, v_ms - v_model)
+        for name, x in zip(cols, (*row, row[2] - row[3])):
+            cols[name].append(x)
+    return RoundCost(**_medians(cols))
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--profile", default="h100-tp2-70b")
@@ -138,6 +167,8 @@ def main() -> int:
     parser.add_argument("--rounds", type=int, default=30)
     parser.add_argument("--branch-budget", type=int, default=8, help="branches per branch call (0: no branch table)")
     parser.add_argument("--branch-k", type=int, default=3, help="pending tokens and drafts per branch")
+    parser.add_argument("--tree-budgets", default="", help="node budgets of a tree-round table (e.g. 16,64)")
+    parser.add_argument("--tree-depth", type=int, default=4, help="levels of those trees")
     args = parser.parse_args()
     torch.set_num_threads(1)
     spec = args.profile if args.profile.startswith("sim:") else "sim:" + args.profile
@@ -155,6 +186,21 @@ def main() -> int:
                 f"| {c.model:.1f} | {c.specd_draft:.2f} | {c.specd_verify:.2f} | {c.specd:.2f} |",
                 flush=True,
             )
+    if args.tree_budgets:
+        print(f"\nhost ms per tree round (the model drafter's tree, {args.tree_depth} levels; median of {args.rounds})")
+        print(
+            "| vocabulary | T | nodes | draft ms | verify ms | round ms | model ms | specd draft ms | specd verify ms |"
+        )
+        print("|---|---|---|---|---|---|---|---|---|")
+        for v in ints(args.vocab):
+            for t in floats(args.temperatures):
+                for n in ints(args.tree_budgets):
+                    c = host_tree_ms(f"{spec},vocab_size={v}", t, args.rounds, n, args.tree_depth)
+                    print(
+                        f"| {v} | {t:g} | {n} | {c.draft:.1f} | {c.verify:.1f} | {c.round:.1f} "
+                        f"| {c.model:.1f} | {c.specd_draft:.2f} | {c.specd_verify:.2f} |",
+                        flush=True,
+                    )
     if args.branch_budget < 1:
         return 0
     print(f"\nhost ms per branch call (budget {args.branch_budget}, K={args.branch_k}; median of {args.rounds})")

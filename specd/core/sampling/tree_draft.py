@@ -95,7 +95,7 @@ def draw_children(
 class TreeBuilder:
     """Grow one draft tree node by node (a drafter's expansion loop), with the right coins and q rows.
 
-    `draw` samples children of a node from its q without replacement; `add` puts
+    `draw_level` samples children of nodes from their q without replacement; `add` puts
     a node the drafter chose without sampling (n-gram, suffix: q one-hot at it,
     exact as any candidate independent of the target's coins). `build` validates.
     """
@@ -126,19 +126,8 @@ class TreeBuilder:
         self._depths.append(self.depth_of(parent) + 1)
         return len(self) - 1
 
-    def draw(self, parent: int, ids: Tensor, wire: Tensor, k: int, *, replacement: bool = False) -> list[int]:
-        """Draw up to k children of `parent` from its q (ids [W], wire [W]); returns their indices."""
-        depth = self.depth_of(parent) + 1
-        slot = self._slots.get(depth, 0)
-        seeds = torch.tensor([self.seed], dtype=torch.int64)
-        pos = torch.tensor([self.start_position + depth - 1], dtype=torch.int64)
-        tokens, qs, drawn = draw_children(ids[None], wire[None], k, seeds, pos, slot, replacement=replacement)
-        n = int(drawn[0].sum())
-        self._slots[depth] = slot + n
-        return [self.add(parent, int(tokens[0, i]), (ids.cpu(), qs[0, i].cpu())) for i in range(n)]
-
     def draw_level(self, parents: Sequence[int], ids: Tensor, wire: Tensor, counts: Sequence[int]) -> list[list[int]]:
-        """`draw` for several parents of one depth at once: counts[r] children of parents[r] from its q
+        """counts[r] children of each parent r (all of one depth) from its q without replacement
         (ids [P, W], wire [P, W]), in ONE batched draw. Parent r's draws take coin slots after the
         counts of parents 0..r-1 (fixed before any value is drawn, so unique whatever is drawn);
         returns each parent's new nodes."""

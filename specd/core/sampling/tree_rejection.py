@@ -138,6 +138,9 @@ def tree_rejection_sample(
 ) -> TreeVerdicts:
     """Verify B draft trees against the target's p (see the module docstring).
 
+    The rule over a dense batch: the chi-square tests run it over 20,000 rows in lockstep, and
+    the verifier's per-tree host walk (`tree_rejection_row`) must give its verdicts, coin for coin.
+
     target_probs:    [B, N+1, V] float p: row 0 after the committed prefix, row 1+i after node i
                      (rows of padded nodes are never read)
     trees:           B trees padded to N nodes (validated here against V)

@@ -138,7 +138,7 @@ def test_one_child_per_node_tree_is_the_chain_drafter():
     for d in range(4):
         tok, ids, wire = draft_token(qs[d : d + 1], 12, 16, torch.tensor([seed]), torch.tensor([start + d]))
         chain.append(int(tok))
-        (node,) = b.draw(node, ids[0], wire[0], 1)
+        [(node,)] = b.draw_level([node], ids, wire, [1])
     tree = b.build(12)
     assert tree.is_chain and list(tree.token_ids) == chain
 
@@ -146,10 +146,9 @@ def test_one_child_per_node_tree_is_the_chain_drafter():
 def test_builder_slots_and_mixed_nodes():
     b = TreeBuilder(seed=5, start_position=10)
     ids, wire = torch.arange(6), torch.tensor([0.3, 0.3, 0.2, 0.1, 0.1, 0.0])
-    kids = b.draw(-1, ids, wire, 3)
+    [kids] = b.draw_level([-1], ids[None], wire[None], [3])
     assert kids == [0, 1, 2] and b._slots == {1: 3}
-    b.draw(0, ids, wire, 2)
-    b.draw(1, ids, wire, 2)
+    b.draw_level([0, 1], ids[None].expand(2, -1), wire[None].expand(2, -1), [2, 2])
     assert b._slots == {1: 3, 2: 4}  # distinct coins for cousins at one depth
     fixed = b.add(2, 4)  # a deterministic candidate: one-hot q
     tree = b.build(6)

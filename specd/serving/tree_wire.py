@@ -19,7 +19,7 @@ from specd.core.rounds import steps
 from specd.core.sampling import compact_q
 from specd.core.sampling.proposal import DEFAULT_MAX_Q_WIDTH
 from specd.core.sampling.tree import DEFAULT_MAX_TREE_DEPTH, DEFAULT_MAX_TREE_NODES, DraftTree
-from specd.serving.wire import compact_rows, q_rows, relayed_tokens, reported_ms, token_ids_from_wire
+from specd.serving.wire import check_row_forms, compact_rows, q_rows, reported_ms, token_ids_from_wire
 from specd.v1 import common_pb2, draft_pb2, target_pb2
 
 
@@ -116,7 +116,7 @@ def draft_tree_from_proto(msg: draft_pb2.DraftTree, vocab_size: int, *, budget: 
         raise InvalidArgument(f"a draft tree of {n} nodes; this request allows at most {budget}")
     if len(msg.q) not in (0, n):
         raise InvalidArgument(f"q has {len(msg.q)} rows for {n} tree nodes; send one per node or none")
-    relayed_tokens(msg.token_ids, msg.q, vocab_size, max(n, 1), DEFAULT_MAX_Q_WIDTH)  # row forms and widths
+    check_row_forms(msg.q, vocab_size, DEFAULT_MAX_Q_WIDTH)
     structure = DraftTree.from_wire(msg.token_ids, list(msg.parents), (), vocab_size, max_nodes=budget, max_depth=depth)
     return dataclasses.replace(structure, wire_q=tuple(msg.q) if len(msg.q) else None)
 

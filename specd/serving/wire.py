@@ -123,7 +123,7 @@ def proposal_from_proto(
     re-encoding them was most of its event-loop time at T > 0).
     """
     if relay:
-        tokens = relayed_tokens(msg.token_ids, msg.q, vocab_size, max_draft_tokens, max_q_width)
+        tokens = _relayed_tokens(msg.token_ids, msg.q, vocab_size, max_draft_tokens, max_q_width)
         return Proposal(
             tokens,
             compute_ms=reported_ms(msg.compute_ms),
@@ -154,7 +154,7 @@ def reported_confidence(values: Sequence[float], k: int) -> tuple[float, ...]:
     return tuple(min(1.0, v) if v > 0.0 else 0.0 for v in values)  # NaN fails v > 0
 
 
-def relayed_tokens(
+def _relayed_tokens(
     token_ids: Sequence[int],
     q: Sequence[common_pb2.SparseDistribution],
     vocab_size: int,
@@ -163,11 +163,16 @@ def relayed_tokens(
 ) -> list[int]:
     """The draft tokens, checked, and q's shape checked from lengths alone (one row per token or none,
     one form per row, no row wider than the limits); q's numbers are the target's to check."""
-    k = len(token_ids)
-    check_sizes(k, len(q), max_draft_tokens)
+    check_sizes(len(token_ids), len(q), max_draft_tokens)
+    check_row_forms(q, vocab_size, max_q_width)
+    return checked_tokens(token_ids, vocab_size)
+
+
+def check_row_forms(q: Sequence[common_pb2.SparseDistribution], vocab_size: int, max_q_width: int) -> None:
+    """Each q row in exactly one form and no wider than the limits, from its lengths alone
+    (InvalidArgument otherwise); what a relay checks of q before passing it on undecoded."""
     for i, d in enumerate(q):
         _is_compact(i, d, min(max_q_width, vocab_size))
-    return checked_tokens(token_ids, vocab_size)
 
 
 def proposal_from_verify(

@@ -69,9 +69,7 @@ def build_drafter(config: DraftConfig) -> tuple[Drafter, common_pb2.ModelInfo]:
         folder = catalog.draft_folder(base, config.target_model, config.cache_path)
         # A draft folder may carry a reduced-vocabulary head (specd distill --vocab N): the
         # drafter then proposes among those N tokens only (q = 0 elsewhere, still exact).
-        loaded, runner, token_map = catalog.load_draft_for_serving(
-            folder, config.device, few_row_linears=config.cpu_linear == "few-row"
-        )
+        loaded, runner, token_map = catalog.load_draft_for_serving(folder, config.device, cpu_linear=config.cpu_linear)
         attach_thread_governor(runner.model, config.torch_threads, config.device)
         model = _model_drafter(runner, config, token_map)
         identity = catalog.model_identity(loaded, runner)

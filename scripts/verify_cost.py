@@ -12,8 +12,9 @@ T(n)/T(1), with the thread and OpenMP settings beside them; --json writes them.
 The settings are the target service's: its OpenMP environment (none of
 specd's own: the runtime's defaults unless the caller set them) and, with
 --threads 0 (the default, as `--torch-threads 0`), the thread governor on
-the model's forward passes (specd.serving.cpu_threads), and few-row linear
-layers (specd.core.model.cpu_linear; --cpu-linear torch for torch's own).
+the model's forward passes (specd.serving.cpu_threads), and its linear
+layers (specd.core.model.cpu_linear: --cpu-linear packed, the default;
+few-row, or torch for torch's own).
 
     .venv/bin/python scripts/verify_cost.py [--tokens 1,2,3,5,9,17] [--samples 40] [--threads 0]
 
@@ -36,6 +37,7 @@ import torch
 from measure_args import ints
 
 from scripts.batch_forward_speed import find_demo_target
+from specd.core.model.cpu_linear import CPU_LINEARS
 from specd.core.model.loading import load_pretrained
 from specd.core.model.runner import CausalLMRunner
 from specd.serving.cpu_budget import service_threads
@@ -53,9 +55,7 @@ def main() -> int:
         help="as the target's --torch-threads (default 0: governed, the services' default)",
     )
     ap.add_argument("--prompt", type=int, default=100, help="prompt tokens in the KV cache")
-    ap.add_argument(
-        "--cpu-linear", default="few-row", choices=["few-row", "torch"], help="as the services' --cpu-linear"
-    )
+    ap.add_argument("--cpu-linear", default=CPU_LINEARS[0], choices=CPU_LINEARS, help="as the services' --cpu-linear")
     ap.add_argument("--json", default="", help="write the figures here")
     args = ap.parse_args()
     counts = sorted(set(ints(args.tokens)))
@@ -64,7 +64,7 @@ def main() -> int:
         return 0
     threads = service_threads(args.threads)
     torch.set_num_threads(threads)
-    runner = CausalLMRunner(load_pretrained(path).model, few_row_linears=args.cpu_linear == "few-row")
+    runner = CausalLMRunner(load_pretrained(path).model, cpu_linear=args.cpu_linear)
     governor = attach_thread_governor(runner.model, args.threads, "cpu")
     settings = describe_threads(threads) + (", governed" if governor else ", fixed")
     settings += f"; --cpu-linear {args.cpu_linear}"

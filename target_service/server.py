@@ -61,7 +61,7 @@ def build_verifier(config: TargetConfig) -> tuple[Verifier, common_pb2.ModelInfo
             exit_on_failure=config.exit_on_worker_failure,
         )
     else:
-        loaded, runner = catalog.load_for_serving(folder, config.device, few_row_linears=config.cpu_linear == "few-row")
+        loaded, runner = catalog.load_for_serving(folder, config.device, cpu_linear=config.cpu_linear)
         attach_thread_governor(runner.model, config.torch_threads, config.device)
     return _verifier(runner, config), common_pb2.ModelInfo(**catalog.model_identity(loaded, runner))
 

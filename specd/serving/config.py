@@ -18,6 +18,7 @@ from typing import Any
 from specd.core.draft.suffix import SuffixSettings
 from specd.core.errors import InvalidArgument
 from specd.core.model.catalog import DEMO, NONE
+from specd.core.model.cpu_linear import CPU_LINEARS
 from specd.core.rounds.auto import PIPELINE_AUTO
 from specd.core.rounds.pipeline import PIPELINES
 from specd.core.rounds.steps import DEFAULT_BRANCH_BUDGET, MAX_BRANCH_BUDGET
@@ -143,9 +144,11 @@ class ModelServiceBase(ServiceBase):
     cache_dir: str = _opt("", "model cache folder (default: SPECD_CACHE_DIR or ~/.cache/specd)")
     device: str = _opt("cpu", "torch device (cpu, cuda, cuda:0, ...)")
     cpu_linear: str = _opt(
-        "few-row",
-        "linear layers on CPU: few-row (1-8 rows as (W @ x.T).T: faster steps and verifies) or torch (torch's own)",
-        choices=["few-row", "torch"],
+        CPU_LINEARS[0],
+        "linear layers on CPU: packed (1-3 rows as (W @ x.T).T, more on a oneDNN-packed copy of the weights: the "
+        "fastest verifies and prefills, twice the linear weights' memory), few-row (1-8 rows as (W @ x.T).T, no "
+        "copy) or torch (torch's own)",
+        choices=list(CPU_LINEARS),
     )
     max_sessions: int = _opt(256, "sessions held at once; more get RESOURCE_EXHAUSTED")
     idle_timeout_s: float = _opt(600.0, "sessions unused this long are dropped")

@@ -18,6 +18,7 @@ from typing import TypedDict
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
+from specd.core.model.cpu_linear import CPU_LINEARS
 from specd.core.model.demo_target import demo_target_path
 from specd.core.model.draft_checkpoint import COMPACT_META, COMPACT_WEIGHTS, assemble, install_reduced_head
 from specd.core.model.loading import LoadedModel, load_pretrained, quiet_transformers, share_readable, vocab_fingerprint
@@ -164,20 +165,22 @@ def load_sim_for_serving(spec: str, role: str, cache_dir: Path) -> tuple[SimRunn
     return runner, identity
 
 
-def load_for_serving(folder: Path, device: str, *, few_row_linears: bool = True) -> tuple[LoadedModel, CausalLMRunner]:
+def load_for_serving(
+    folder: Path, device: str, *, cpu_linear: str = CPU_LINEARS[0]
+) -> tuple[LoadedModel, CausalLMRunner]:
     loaded = load_pretrained(folder)
     torch.nn.Module.to(loaded.model, device)  # PreTrainedModel.to's wrapper confuses type checkers
-    return loaded, CausalLMRunner(loaded.model, few_row_linears=few_row_linears)
+    return loaded, CausalLMRunner(loaded.model, cpu_linear=cpu_linear)
 
 
 def load_draft_for_serving(
-    folder: Path, device: str, *, few_row_linears: bool = True
+    folder: Path, device: str, *, cpu_linear: str = CPU_LINEARS[0]
 ) -> tuple[LoadedModel, CausalLMRunner, torch.Tensor | None]:
     """A draft model folder, with its reduced-vocabulary head if it has one: (model, runner, token_map or None)."""
     loaded = load_pretrained(folder)
     token_map = install_reduced_head(loaded.model, folder)
     torch.nn.Module.to(loaded.model, device)
-    return loaded, CausalLMRunner(loaded.model, few_row_linears=few_row_linears), token_map
+    return loaded, CausalLMRunner(loaded.model, cpu_linear=cpu_linear), token_map
 
 
 def eos_token_ids(loaded: LoadedModel) -> list[int]:

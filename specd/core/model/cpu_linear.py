@@ -1,58 +1,98 @@
-"""Linear layers over a few rows, on CPU, as one GEMM with the rows as its narrow side.
+"""Linear layers over a few rows, on CPU: kernels that stream the weights once per pass.
 
 `F.linear(x, W)` over x of n rows computes x @ W.T. On the CPU BLAS that
-torch ships, for the few rows of a decode step or a verify, that product is
-slow and grows with n, up to several times the time it takes to stream W
-once. The same product as (W @ x.T).T, with a single row doubled so that it
-is a GEMM and not a matrix-vector product, streams the weights once: the
-decode step gets faster, and so does every verify of up to 8 tokens, whose
-cost then grows with its rows only by the arithmetic (measured:
-docs/results/verify-cost.md).
+torch ships (MKL, here on AMD), for the rows of a decode step or a verify
+that product is slow and grows with n, up to several times the time it
+takes to stream W once. Two kernels replace it (measured:
+docs/results/verify-cost.md):
 
-The values are those of the same sums in another order (float rounding
-only); specd's target-only decoding runs the same kernels, so exactness
-within specd is unchanged.
+- 1 to `GEMV_ROWS` rows: (W @ x.T).T, with a single row doubled so that it
+  is a GEMM and not a matrix-vector product; it streams W once, and is the
+  fastest decode step.
+- more rows: oneDNN's linear over a copy of W packed once in its blocked
+  layout (`torch.ops.mkldnn`). Its time grows with the rows only by the
+  arithmetic, which on two cores keeps a 9-token verify near a decode step
+  and a prefill below torch's own kernel. The packed copy doubles the
+  layer's weight memory; it is made on first use and again whenever the
+  weight changes in place.
+
+Without oneDNN (`torch.backends.mkldnn`), or while autograd records, more
+rows take torch's own linear. The values are those of the same sums in
+another order (float rounding only); specd's target-only decoding runs the
+same kernels, so exactness within specd is unchanged.
 """
 
 from __future__ import annotations
 
 import types
+from collections.abc import Callable
 
 import torch
 from torch import Tensor
 
-__all__ = ["SMALL_ROWS", "install_small_row_linears"]
+__all__ = ["CPU_LINEARS", "GEMV_ROWS", "PACKED_GEMV_ROWS", "PACK_ROWS_HINT", "install_small_row_linears"]
 
-# Row counts up to this run as (W @ x.T).T; more rows run as torch's own linear (as fast or faster from 8).
-SMALL_ROWS = 8
-
-
-def _small_row_forward(self: torch.nn.Linear, x: Tensor) -> Tensor:
-    rows = x.reshape(-1, x.shape[-1])
-    n = rows.shape[0]
-    if n > SMALL_ROWS or n == 0:
-        return torch.nn.functional.linear(x, self.weight, self.bias)
-    if n == 1:  # a matrix-vector product would take the slow path: two equal rows, one kept
-        rows = rows.repeat(2, 1)
-    # Contiguous, as F.linear's output is: the model may view() it, and a collective reduces it in place.
-    y = (self.weight @ rows.T).T[:n].contiguous()
-    if self.bias is not None:
-        y += self.bias
-    return y.reshape(*x.shape[:-1], -1)  # the weight's rows: a tensor-parallel shard holds fewer than out_features
+CPU_LINEARS = ("packed", "few-row", "torch")  # the services' --cpu-linear choices; the first is the default
+# Row counts up to these run as (W @ x.T).T: without a packed copy, and with one (fastest at 1-3 rows here).
+GEMV_ROWS = 8
+PACKED_GEMV_ROWS = 3
+# oneDNN packs a weight for a batch-size hint; 8 was as fast as a per-count packing from 3 to 17 rows.
+PACK_ROWS_HINT = 8
 
 
-def install_small_row_linears(model: torch.nn.Module) -> int:
-    """Route every nn.Linear of a CPU model through the few-row GEMM; the number of layers changed.
+def _packed_weight(layer: torch.nn.Linear) -> Tensor:
+    """The layer's weight in oneDNN's layout, packed again if the weight changed since (in place or replaced)."""
+    weight = layer.weight
+    key = (weight.data_ptr(), weight._version)
+    cached: tuple[tuple[int, int], Tensor] | None = getattr(layer, "_specd_packed", None)
+    if cached is None or cached[0] != key:
+        cached = (key, torch.ops.mkldnn._reorder_linear_weight(weight.detach(), PACK_ROWS_HINT))
+        layer._specd_packed = cached  # type: ignore[assignment]  # not a buffer: kept out of state_dict
+    return cached[1]
 
-    A no-op (0) for a model that is not on the CPU: GPU kernels have no such gap.
+
+def _small_row_forward(gemv_rows: int, onednn: bool) -> Callable[[torch.nn.Linear, Tensor], Tensor]:
+    """A Linear's forward: up to gemv_rows rows as (W @ x.T).T; more on the packed weight (onednn) or torch's."""
+
+    def forward(self: torch.nn.Linear, x: Tensor) -> Tensor:
+        rows = x.reshape(-1, x.shape[-1])
+        n = rows.shape[0]
+        if n == 0 or n > gemv_rows:
+            tracked = torch.is_grad_enabled() and (self.weight.requires_grad or x.requires_grad)
+            dense = x.dtype == torch.float32 and self.weight.dtype == torch.float32 and x.device.type == "cpu"
+            if n == 0 or tracked or not (onednn and dense):
+                return torch.nn.functional.linear(x, self.weight, self.bias)
+            packed = _packed_weight(self)
+            y = torch.ops.mkldnn._linear_pointwise(rows.contiguous(), packed, self.bias, "none", [], "")
+            return y.reshape(*x.shape[:-1], -1)
+        if n == 1:  # a matrix-vector product would take the slow path: two equal rows, one kept
+            rows = rows.repeat(2, 1)
+        # Contiguous, as F.linear's output is: the model may view() it, and a collective reduces it in place.
+        y = (self.weight @ rows.T).T[:n].contiguous()
+        if self.bias is not None:
+            y += self.bias
+        return y.reshape(*x.shape[:-1], -1)  # the weight's rows: a tensor-parallel shard holds fewer than out_features
+
+    return forward
+
+
+def install_small_row_linears(model: torch.nn.Module, kind: str = CPU_LINEARS[0]) -> int:
+    """Route every nn.Linear of a CPU model through the `kind` kernels; the number of layers changed.
+
+    A no-op (0) for `torch`, and for a model that is not on the CPU: GPU kernels have no such gap.
     """
+    if kind not in CPU_LINEARS:
+        raise ValueError(f"cpu linear kind must be one of {', '.join(CPU_LINEARS)}, got {kind!r}")
     first = next(model.parameters(), None)
-    if first is None or first.device.type != "cpu":
+    if kind == "torch" or first is None or first.device.type != "cpu":
         return 0
+    onednn = kind == "packed" and torch.backends.mkldnn.is_available()
     count = 0
     for module in model.modules():
         # Plain layers only, not subclasses with a forward of their own; again is a no-op.
         if type(module) is torch.nn.Linear and "forward" not in vars(module):
-            module.forward = types.MethodType(_small_row_forward, module)  # type: ignore[method-assign]
+            packs = onednn and module.weight.layout == torch.strided
+            forward = _small_row_forward(PACKED_GEMV_ROWS if packs else GEMV_ROWS, packs)
+            module.forward = types.MethodType(forward, module)  # type: ignore[method-assign]
             count += 1
     return count

@@ -38,7 +38,7 @@ from transformers.cache_utils import DynamicLayer
 
 from specd.core.errors import InvalidArgument
 from specd.core.model import tree_forward
-from specd.core.model.cpu_linear import install_small_row_linears
+from specd.core.model.cpu_linear import CPU_LINEARS, install_small_row_linears
 from specd.core.model.tree_forward import TreeLogits
 from specd.core.sampling.tree import DraftTree
 
@@ -106,7 +106,9 @@ class CausalLMRunner:
     through one forward. Not thread-safe: callers serialise access.
     """
 
-    def __init__(self, model: PreTrainedModel, *, max_context: int | None = None, few_row_linears: bool = True) -> None:
+    def __init__(
+        self, model: PreTrainedModel, *, max_context: int | None = None, cpu_linear: str = CPU_LINEARS[0]
+    ) -> None:
         if getattr(model.config, "is_encoder_decoder", False):
             raise InvalidArgument(
                 f"{type(model).__name__} is an encoder-decoder model; specd needs a decoder-only causal LM"
@@ -128,8 +130,8 @@ class CausalLMRunner:
                 f"max_context {max_context} exceeds the model's {limit} positions; pass max_context <= {limit}"
             )
         self.model = model.eval()  # no dropout: cached and uncached passes must agree
-        if few_row_linears:  # on CPU: steps and verifies of a few rows as one weight-streaming GEMM
-            install_small_row_linears(model)
+        # On CPU: steps and verifies of a few rows stream the weights once (specd.core.model.cpu_linear).
+        install_small_row_linears(model, cpu_linear)
         # Logits width; may exceed len(tokenizer). A tensor-parallel head states
         # the full width in out_features (its weight holds one shard).
         self.vocab_size: int = int(getattr(head, "out_features", None) or head.weight.shape[0])

@@ -33,7 +33,7 @@ from torch import Tensor
 __all__ = ["CPU_LINEARS", "GEMV_ROWS", "PACKED_GEMV_ROWS", "PACK_ROWS_HINT", "install_small_row_linears"]
 
 CPU_LINEARS = ("packed", "few-row", "torch")  # the services' --cpu-linear choices; the first is the default
-# Row counts up to these run as (W @ x.T).T: without a packed copy, and with one (fastest at 1-3 rows here).
+# Row counts up to these run as (W @ x.T).T: without a packed copy, and with one (in the forward, fastest at 1-3 rows here).
 GEMV_ROWS = 8
 PACKED_GEMV_ROWS = 3
 # oneDNN packs a weight for a batch-size hint; 8 was as fast as a per-count packing from 3 to 17 rows.

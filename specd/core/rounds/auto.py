@@ -38,6 +38,12 @@ where the tokens are modelled and the cycle is measured:
   pipeline. o averages over `horizon` rounds and is shrunk towards 0 by
   `correction_prior` rounds.
 
+A pipelined arm is chosen over the best arm without one only for an
+expected rate `pipeline_margin` (3%) above it: a pipeline's own costs (an
+extra draft call, a staged message, CPU taken from a verify on a shared
+host) are not all in the model, and a draft that costs next to nothing
+leaves a pipeline nothing to hide (docs/performance.md).
+
 **Exploration, and what it can cost.** One round in `explore_every` (counted
 over the whole service) runs a neighbour of the best arm instead, the one
 measured longest ago: K - 1, K + 1, the other pipelines at K, and
@@ -259,6 +265,10 @@ class AutoSettings:
     request_prior_weight: float = 4.0  # the service's acceptance counts as this many of a request's verdicts
     start_k: int = 2  # before anything is measured
     cut_margin: float = 0.01  # a proposal is verified one token longer only for a predicted gain above this
+    # A pipeline is chosen over none only for a predicted gain above this: its costs outside the model (an
+    # extra draft call, a staged message, CPU taken from a verify on a shared host) are real, and a draft
+    # that costs next to nothing (n-gram, suffix) leaves a pipeline nothing to hide.
+    pipeline_margin: float = 0.03
 
 
 class AutoPolicy:
@@ -321,13 +331,22 @@ class AutoChooser:
 
     def best(self, cls: ArmCycles, rates: Sequence[float]) -> Arm:
         """The arm with the best expected rate, among K up to one more than any measured yet
-        (the cost fits do not extrapolate: a longer K is measured before it is trusted)."""
+        (the cost fits do not extrapolate: a longer K is measured before it is trusted); a pipelined
+        arm only if it beats the best without a pipeline by `pipeline_margin`."""
         start = min(self.k_max, max(self.k_min, self.policy.settings.start_k))
         if cls.verify_ms.mean() is None:  # nothing measured yet in this class
             return Arm(self.pipelines[0], start)
         reach = max(start, cls.longest + 1, self.k_min)
         arms = [a for a in self._arms if a.k <= reach]
-        return max(arms, key=lambda a: (self.expected_rate(cls, a, rates), -a.k))
+        best = max(arms, key=lambda a: (self.expected_rate(cls, a, rates), -a.k))
+        plain = [a for a in arms if a.pipeline == OFF or a.k == 0]
+        if best.pipeline == OFF or best.k == 0 or not plain:
+            return best
+        unpiped = max(plain, key=lambda a: (self.expected_rate(cls, a, rates), -a.k))
+        margin = 1.0 + self.policy.settings.pipeline_margin
+        if self.expected_rate(cls, best, rates) > self.expected_rate(cls, unpiped, rates) * margin:
+            return best
+        return unpiped
 
     def expected_rate(self, cls: ArmCycles, arm: Arm, rates: Sequence[float]) -> float:
         """Tokens per ms the arm is expected to give."""

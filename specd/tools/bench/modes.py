@@ -46,6 +46,7 @@ class Mode:
 SERVICE_MODES: dict[str, dict[str, Any]] = {
     BASELINE: {"speculation": "off"},
     "auto": {"speculation": "auto"},  # adaptive K (the coordinator picks K per session); server's pipelining default
+    "auto-off": {"speculation": "auto", "pipeline": False},  # auto's K, never a pipeline
     "auto-pipelined": {"speculation": "auto", "pipeline": True},
     "auto-speccache": {"speculation": "auto", "pipeline": "spec-cache"},
 }

@@ -39,10 +39,12 @@ where the tokens are modelled and the cycle is measured:
   `correction_prior` rounds.
 
 A pipelined arm is chosen over the best arm without one only for an
-expected rate `pipeline_margin` (3%) above it: a pipeline's own costs (an
-extra draft call, a staged message, CPU taken from a verify on a shared
-host) are not all in the model, and a draft that costs next to nothing
-leaves a pipeline nothing to hide (docs/performance.md).
+expected rate `pipeline_margin` (5%) above it, and is neither chosen nor
+explored where the fresh draft's wait d(K), all a pipeline can hide, is
+under that share of the cycle: a pipeline's own costs (an extra draft call,
+a staged message, CPU taken from a verify on a shared host) are not all in
+the model, and a draft that costs next to nothing (n-gram, suffix) leaves a
+pipeline nothing to hide (docs/performance.md).
 
 **Exploration, and what it can cost.** One round in `explore_every` (counted
 over the whole service) runs a neighbour of the best arm instead, the one
@@ -265,10 +267,11 @@ class AutoSettings:
     request_prior_weight: float = 4.0  # the service's acceptance counts as this many of a request's verdicts
     start_k: int = 2  # before anything is measured
     cut_margin: float = 0.01  # a proposal is verified one token longer only for a predicted gain above this
-    # A pipeline is chosen over none only for a predicted gain above this: its costs outside the model (an
+    # A pipeline is chosen over none only for a predicted gain above this share, and only tried where the
+    # fresh draft's wait it could hide is at least this share of the cycle: its costs outside the model (an
     # extra draft call, a staged message, CPU taken from a verify on a shared host) are real, and a draft
     # that costs next to nothing (n-gram, suffix) leaves a pipeline nothing to hide.
-    pipeline_margin: float = 0.03
+    pipeline_margin: float = 0.05
 
 
 class AutoPolicy:
@@ -324,7 +327,7 @@ class AutoChooser:
         rates = self.rates(cls)
         best = self.best(cls, rates)
         if self.policy.explore_now():
-            neighbours = self.neighbours(best)
+            neighbours = self.neighbours(best, cls)
             if neighbours:
                 return min(neighbours, key=lambda a: (cls.last_seen.get(a, -1), a))
         return best
@@ -337,7 +340,7 @@ class AutoChooser:
         if cls.verify_ms.mean() is None:  # nothing measured yet in this class
             return Arm(self.pipelines[0], start)
         reach = max(start, cls.longest + 1, self.k_min)
-        arms = [a for a in self._arms if a.k <= reach]
+        arms = [a for a in self._arms if a.k <= reach and self._may_run(cls, a)]
         best = max(arms, key=lambda a: (self.expected_rate(cls, a, rates), -a.k))
         plain = [a for a in arms if a.pipeline == OFF or a.k == 0]
         if best.pipeline == OFF or best.k == 0 or not plain:
@@ -347,6 +350,16 @@ class AutoChooser:
         if self.expected_rate(cls, best, rates) > self.expected_rate(cls, unpiped, rates) * margin:
             return best
         return unpiped
+
+    def _may_run(self, cls: ArmCycles, arm: Arm) -> bool:
+        """False for a pipelined arm that cannot gain pipeline_margin, where running without one is allowed:
+        a pipeline hides at most the fresh draft's wait d(K), so a draft that costs less than that share of
+        the cycle (n-gram, suffix) leaves it nothing worth its own costs."""
+        if arm.k == 0 or arm.pipeline == OFF or OFF not in self.pipelines:
+            return True
+        verify = _predict(cls.verify_ms, arm.k + 1) or 0.0
+        draft = self._draft_ms(cls, arm.k, verify)
+        return draft >= self.policy.settings.pipeline_margin * (verify + draft)
 
     def expected_rate(self, cls: ArmCycles, arm: Arm, rates: Sequence[float]) -> float:
         """Tokens per ms the arm is expected to give."""
@@ -401,15 +414,17 @@ class AutoChooser:
         """The expected cycle in ms: the model plus what its family's rounds measured beyond it."""
         return max(0.0, self.model_cycle(cls, arm, rates) + self.correction(cls, arm))
 
-    def neighbours(self, arm: Arm) -> list[Arm]:
-        """The arms the best could move to next: K +- 1, the other pipelines at K, target-only."""
+    def neighbours(self, arm: Arm, cls: ArmCycles | None = None) -> list[Arm]:
+        """The arms the best could move to next: K +- 1, the other pipelines at K, target-only
+        (with cls: only those `_may_run` allows)."""
         if arm.k == 0:
-            return [Arm(p, self.k_min) for p in self.pipelines]
-        out = [Arm(arm.pipeline, k) for k in (arm.k - 1, arm.k + 1) if self.k_min <= k <= self.k_max]
-        out += [Arm(p, arm.k) for p in self.pipelines if p != arm.pipeline]
-        if self.target_only:
-            out.append(TARGET_ONLY)
-        return out
+            out = [Arm(p, self.k_min) for p in self.pipelines]
+        else:
+            out = [Arm(arm.pipeline, k) for k in (arm.k - 1, arm.k + 1) if self.k_min <= k <= self.k_max]
+            out += [Arm(p, arm.k) for p in self.pipelines if p != arm.pipeline]
+            if self.target_only:
+                out.append(TARGET_ONLY)
+        return out if cls is None else [a for a in out if self._may_run(cls, a)]
 
     def cut(self, cls: ArmCycles, arm: Arm, confidence: Sequence[float]) -> int:
         """How many of a proposal's tokens to verify: the n >= 1 with the best expected rate.

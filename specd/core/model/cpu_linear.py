@@ -3,23 +3,27 @@
 `F.linear(x, W)` over x of n rows computes x @ W.T. On the CPU BLAS that
 torch ships (MKL, here on AMD), for the rows of a decode step or a verify
 that product is slow and grows with n, up to several times the time it
-takes to stream W once. Two kernels replace it (measured:
+takes to stream W once. By `CPU_LINEARS` kind (measured:
 docs/results/verify-cost.md):
 
-- 1 to `GEMV_ROWS` rows: (W @ x.T).T, with a single row doubled so that it
-  is a GEMM and not a matrix-vector product; it streams W once, and is the
-  fastest decode step.
-- more rows: oneDNN's linear over a copy of W packed once in its blocked
-  layout (`torch.ops.mkldnn`). Its time grows with the rows only by the
-  arithmetic, which on two cores keeps a 9-token verify near a decode step
-  and a prefill below torch's own kernel. The packed copy doubles the
-  layer's weight memory; it is made on first use and again whenever the
-  weight changes in place.
+- `packed` (the default): 1 to `PACKED_GEMV_ROWS` rows as (W @ x.T).T,
+  with a single row doubled so that it is a GEMM and not a matrix-vector
+  product; it streams W once, and is the fastest decode step. More rows run
+  oneDNN's linear over a copy of W packed once in its blocked layout
+  (`torch.ops.mkldnn`), whose time grows with the rows only by the
+  arithmetic: on two cores a 9-token verify costs 1.5 decode steps (2.5
+  with `few-row`), and a prefill is faster than torch's kernel. The copy
+  holds the layer's weight a second time; it is made on first use and
+  again whenever the weight changes (in place or replaced).
+- `few-row`: 1 to `GEMV_ROWS` rows as (W @ x.T).T, no copy; more rows run
+  torch's own linear.
+- `torch`: torch's own linear throughout (nothing installed).
 
-Without oneDNN (`torch.backends.mkldnn`), or while autograd records, more
-rows take torch's own linear. The values are those of the same sums in
-another order (float rounding only); specd's target-only decoding runs the
-same kernels, so exactness within specd is unchanged.
+Without oneDNN (`torch.backends.mkldnn`), or while autograd records, the
+rows `packed` would send to oneDNN run torch's own linear. The values are
+those of the same sums in another order (float rounding only); specd's
+target-only decoding runs the same kernels, so exactness within specd is
+unchanged.
 """
 
 from __future__ import annotations
@@ -29,6 +33,8 @@ from collections.abc import Callable
 
 import torch
 from torch import Tensor
+
+from specd.core.errors import InvalidArgument
 
 __all__ = ["CPU_LINEARS", "GEMV_ROWS", "PACKED_GEMV_ROWS", "PACK_ROWS_HINT", "install_small_row_linears"]
 
@@ -82,7 +88,7 @@ def install_small_row_linears(model: torch.nn.Module, kind: str = CPU_LINEARS[0]
     A no-op (0) for `torch`, and for a model that is not on the CPU: GPU kernels have no such gap.
     """
     if kind not in CPU_LINEARS:
-        raise ValueError(f"cpu linear kind must be one of {', '.join(CPU_LINEARS)}, got {kind!r}")
+        raise InvalidArgument(f"--cpu-linear must be one of {', '.join(CPU_LINEARS)}, got {kind!r}")
     first = next(model.parameters(), None)
     if kind == "torch" or first is None or first.device.type != "cpu":
         return 0

@@ -7,6 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from specd.core.errors import InvalidArgument
 from specd.core.model.catalog import load_draft_for_serving, load_for_serving
 from specd.core.model.cpu_linear import (
     CPU_LINEARS,
@@ -84,7 +85,7 @@ def test_only_packed_makes_a_packed_copy() -> None:
 
 
 def test_an_unknown_kind_is_refused() -> None:
-    with pytest.raises(ValueError, match="packed, few-row, torch"):
+    with pytest.raises(InvalidArgument, match="packed, few-row, torch"):
         install_small_row_linears(torch.nn.Linear(2, 2), "fast")
 
 

@@ -94,6 +94,13 @@ def _medians(cols: dict[str, list[float]]) -> dict[str, float]:
     return {name: statistics.median(xs) for name, xs in cols.items()}
 
 
+def _add_round(cols: dict[str, list[float]], d_ms: float, v_ms: float, d_model: float, v_model: float) -> None:
+    """One round's RoundCost columns, in field order, from its draft and verify walls and their model times."""
+    row = (d_ms, v_ms, d_ms + v_ms, d_model + v_model, d_ms - d_model, v_ms - v_model)
+    for name, x in zip(cols, (*row, row[2] - row[3])):
+        cols[name].append(x)
+
+
 def host_round_ms(spec: str, temperature: float, rounds: int) -> RoundCost:
     """A K=4 round (propose, verify) per iteration, timed around each call and inside the forwards."""
     s = _Pair(spec, temperature)
@@ -105,10 +112,7 @@ def host_round_ms(spec: str, temperature: float, rounds: int) -> RoundCost:
         s.verify(p)
         t2 = time.perf_counter()
         d_model, v_model = s.draft.snapshot().wall_ms - d0, s.target.snapshot().wall_ms - v0
-        d_ms, v_ms = (t1 - t0) * 1e3, (t2 - t1) * 1e3
-        row = (d_ms, v_ms, d_ms + v_ms, d_model + v_model, d_ms - d_model, v_ms - v_model)
-        for name, x in zip(cols, (*row, row[2] - row[3])):
-            cols[name].append(x)
+        _add_round(cols, (t1 - t0) * 1e3, (t2 - t1) * 1e3, d_model, v_model)
     return RoundCost(**_medians(cols))
 
 
@@ -152,10 +156,7 @@ def host_tree_ms(spec: str, temperature: float, rounds: int, budget: int, depth:
         s.known = len(c)  # the tree's nodes never enter the draft's sequence
         s.committed = c + list(o.tokens) + [o.token_id]
         d_model, v_model = s.draft.snapshot().wall_ms - d0, s.target.snapshot().wall_ms - v0
-        d_ms, v_ms = (t1 - t0) * 1e3, (t2 - t1) * 1e3
-        row = (d_ms, v_ms, d_ms + v_ms, d_model + v_model, d_ms - d_model, v_ms - v_model)
-        for name, x in zip(cols, (*row, row[2] - row[3])):
-            cols[name].append(x)
+        _add_round(cols, (t1 - t0) * 1e3, (t2 - t1) * 1e3, d_model, v_model)
     return RoundCost(**_medians(cols))
 
 

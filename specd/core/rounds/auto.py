@@ -42,8 +42,8 @@ A pipelined arm is chosen over the best arm without one only for an
 expected rate `pipeline_margin` (5%) above it, and is neither chosen nor
 explored where the fresh draft's wait d(K), all a pipeline can hide, is
 under that share of the cycle: a pipeline's own costs (an extra draft call,
-a staged message, CPU taken from a verify on a shared host) are not all in
-the model, and a draft that costs next to nothing (n-gram, suffix) leaves a
+a staged message, the CPU those take on a shared host) are not in the
+model, and a draft that costs next to nothing (n-gram, suffix) leaves a
 pipeline nothing to hide (docs/performance.md).
 
 **Exploration, and what it can cost.** One round in `explore_every` (counted
@@ -269,7 +269,7 @@ class AutoSettings:
     cut_margin: float = 0.01  # a proposal is verified one token longer only for a predicted gain above this
     # A pipeline is chosen over none only for a predicted gain above this share, and only tried where the
     # fresh draft's wait it could hide is at least this share of the cycle: its costs outside the model (an
-    # extra draft call, a staged message, CPU taken from a verify on a shared host) are real, and a draft
+    # extra draft call, a staged message, the CPU those take on a shared host) are real, and a draft
     # that costs next to nothing (n-gram, suffix) leaves a pipeline nothing to hide.
     pipeline_margin: float = 0.05
 
@@ -340,16 +340,13 @@ class AutoChooser:
         if cls.verify_ms.mean() is None:  # nothing measured yet in this class
             return Arm(self.pipelines[0], start)
         reach = max(start, cls.longest + 1, self.k_min)
-        arms = [a for a in self._arms if a.k <= reach and self._may_run(cls, a)]
-        best = max(arms, key=lambda a: (self.expected_rate(cls, a, rates), -a.k))
-        plain = [a for a in arms if a.pipeline == OFF or a.k == 0]
+        rated = {a: self.expected_rate(cls, a, rates) for a in self._arms if a.k <= reach and self._may_run(cls, a)}
+        best = max(rated, key=lambda a: (rated[a], -a.k))
+        plain = [a for a in rated if a.pipeline == OFF or a.k == 0]
         if best.pipeline == OFF or best.k == 0 or not plain:
             return best
-        unpiped = max(plain, key=lambda a: (self.expected_rate(cls, a, rates), -a.k))
-        margin = 1.0 + self.policy.settings.pipeline_margin
-        if self.expected_rate(cls, best, rates) > self.expected_rate(cls, unpiped, rates) * margin:
-            return best
-        return unpiped
+        unpiped = max(plain, key=lambda a: (rated[a], -a.k))
+        return best if rated[best] > rated[unpiped] * (1.0 + self.policy.settings.pipeline_margin) else unpiped
 
     def _may_run(self, cls: ArmCycles, arm: Arm) -> bool:
         """False for a pipelined arm that cannot gain pipeline_margin, where running without one is allowed:

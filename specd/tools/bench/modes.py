@@ -64,7 +64,7 @@ SERVICE_FAMILIES: dict[str, Callable[[int], dict[str, Any]]] = {
 TREE = "tree"
 
 
-_TREE_NAME = re.compile(rf"{TREE}-(\d+)(?:x(\d+))?")  # tree-N, or tree-NxD: N nodes, D levels
+_TREE_NAME = re.compile(rf"{TREE}(?:-(\d+)(?:x(\d+))?)?")  # tree-N, or tree-NxD: N nodes, D levels
 
 
 def tree_mode(budget: int, draft_lengths: Sequence[int], depth: int | None = None) -> Mode:
@@ -141,7 +141,7 @@ def _expand_mode(raw: str, draft_lengths: Sequence[int]) -> list[Mode]:
         return [Mode(raw, RUNNER_HF, {"assistant": False})]
     tree = _TREE_NAME.fullmatch(raw)
     if tree is not None:
-        budget, depth = int(tree.group(1)), None if tree.group(2) is None else int(tree.group(2))
+        budget, depth = int(tree.group(1) or 0), None if tree.group(2) is None else int(tree.group(2))
         if budget < 1 or depth == 0:
             raise ValueError(f"mode {raw!r}: a tree needs a node budget and a depth >= 1, e.g. tree-16 or tree-16x2")
         return [tree_mode(budget, draft_lengths, depth)]
@@ -149,10 +149,6 @@ def _expand_mode(raw: str, draft_lengths: Sequence[int]) -> list[Mode]:
     ks = [int(k_text)] if k_text else list(draft_lengths)
     if family in SERVICE_FAMILIES:
         return [Mode(f"{family}-{k}", RUNNER_SERVICE, SERVICE_FAMILIES[family](k), k) for k in ks]
-    if family == TREE:
-        if not k_text or int(k_text) < 1:
-            raise ValueError(f"mode {raw!r}: a tree mode needs its node budget, e.g. tree-16 or tree-16x2")
-        return [tree_mode(int(k_text), draft_lengths)]
     if family == "hf":
         return [Mode(f"hf-{k}", RUNNER_HF, _hf_fixed(k), k) for k in ks]
     if family == HF_LOOKUP:  # no draft model: the target alone, drafting by prompt lookup

@@ -95,6 +95,12 @@ class LinearCost:
         if var < self.min_variance or var < 1e-4 * mx * mx:  # (near) constant token counts: slope unknown now
             return self._last
         slope = max(0.0, (self._xy / self._w - mx * my) / var)
+        if my - slope * mx < 0.0:
+            # A slope too steep for the data (a few slow calls at the rarer count): a cost has no negative
+            # base, so fit it through the origin, which stays near the measured mean. Clamping the base to
+            # 0 and keeping the slope overstates every count above the mean (emulated h100-tp2-70b: K = 1
+            # drafts at 9 ms fitted as 12.3 ms per token, so auto never ran K = 2).
+            slope = (self._xy / self._w) / (self._xx / self._w)
         self._last = (max(0.0, my - slope * mx), slope)
         return self._last
 

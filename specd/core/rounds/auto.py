@@ -11,8 +11,9 @@ where the tokens are modelled and the cycle is measured:
 - **E[tokens | K]** = 1 + sum_{i=1..K} prod_{j<i} a_j, with a_j the
   acceptance at draft position j given the ones before it were accepted:
   this request's verdicts, shrunk towards the service's (`AcceptanceModel`).
-  Post-verify loses the bonus on an all-accepted round (it becomes the next
-  round's first draft position): minus P(all K accepted) (1 - a_K).
+  Post-verify commits no bonus on an all-accepted round: the bonus position
+  becomes the next round's first draft token, counted in that round's K, so
+  such a round commits K tokens: minus P(all K accepted).
 - **cycle(arm)**: the wall time from one round's verify going out to the
   next round's, as the loop sees it: the verify with its hops and the
   target's batch, the pipeline's settle, the next round's wait for its draft
@@ -60,6 +61,7 @@ text became predictable speculates again within a few exploration rounds
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -100,10 +102,7 @@ class AcceptanceModel:
         """One verdict: `accepted` of `drafted` draft tokens (accepted before the first rejection)."""
         if drafted <= 0:
             return
-        f = self.forget
-        if f < 1.0:
-            self.reached = [f * n for n in self.reached]
-            self.accepted = [f * n for n in self.accepted]
+        self.age()
         if drafted > len(self.reached):
             grow = drafted - len(self.reached)
             self.reached.extend([0.0] * grow)
@@ -111,6 +110,13 @@ class AcceptanceModel:
         for i in range(min(drafted, accepted + 1)):
             self.reached[i] += 1.0
             self.accepted[i] += float(i < accepted)
+
+    def age(self) -> None:
+        """What was seen so far loses one verdict's weight (`forget`)."""
+        f = self.forget
+        if f < 1.0:
+            self.reached = [f * n for n in self.reached]
+            self.accepted = [f * n for n in self.accepted]
 
     def pooled(self, prior: float, prior_weight: float) -> float:
         """The rate over every position, shrunk towards prior by prior_weight trials."""
@@ -126,6 +132,16 @@ class AcceptanceModel:
             hits = self.accepted[i] if i < len(self.accepted) else 0.0
             out.append((hits + pooled * w) / (n + w))
         return out
+
+
+def upper_bound(rate: float, trials: float, z: float) -> float:
+    """The upper end of Wilson's score interval for a rate measured over `trials` (z: its width in sigmas)."""
+    if trials <= 0:
+        return 1.0
+    z2 = z * z
+    centre = rate + z2 / (2.0 * trials)
+    spread = z * math.sqrt(max(rate * (1.0 - rate), 0.0) / trials + z2 / (4.0 * trials * trials))
+    return min(1.0, (centre + spread) / (1.0 + z2 / trials))
 
 
 def expected_tokens(rates: Sequence[float], k: int) -> float:
@@ -146,10 +162,36 @@ def all_accepted(rates: Sequence[float], k: int) -> float:
 
 
 # Per pipeline: (P(hit | every draft accepted), P(hit | a rejection)) before any is measured. Post-verify
-# hits exactly when all were accepted; bonus-match also needs its guess of the bonus; the speculation
-# cache covers the all-accepted verdict with its bonus guesses and the likeliest rejections too.
-HIT_PRIORS = {OFF: (0.0, 0.0), POST_VERIFY: (1.0, 0.0), BONUS_MATCH: (0.5, 0.0), SPEC_CACHE: (1.0, 0.5)}
+# hits exactly when all were accepted; bonus-match also needs its guess of the bonus (None here: the
+# acceptance of draft position K + 1, see `bonus_guess_prior`); the speculation cache covers the
+# all-accepted verdict with its bonus guesses and the likeliest rejections too.
+HIT_PRIORS: dict[str, tuple[float | None, float]] = {
+    OFF: (0.0, 0.0),
+    POST_VERIFY: (1.0, 0.0),
+    BONUS_MATCH: (None, 0.0),
+    SPEC_CACHE: (1.0, 0.5),
+}
+
+
+def bonus_guess_prior(rates: Sequence[float], k: int) -> float:
+    """Before any is measured, P(the draft's guess of the bonus is the target's bonus | all k accepted):
+    the acceptance of draft position k + 1 (the guess is that position's draft token). At T = 0 it is
+    that event; at T > 0 the guess and the bonus are drawn with independent coins, so it is an upper
+    bound, which is the safe side: an arm rated too high is run, and its measured hits correct it; one
+    rated too low is rarely run and stays unmeasured (0.5 here cost auto 0.82 of pipelined-4 on
+    emulated h100-8b at agreement 0.95)."""
+    if not rates:
+        return 0.5
+    return rates[k] if k < len(rates) else rates[-1]
+
+
 _STRUCTURAL = {POST_VERIFY: (False, True), BONUS_MATCH: (True, True)}  # parts fixed by how the strategy works
+
+
+def prior_hits(pipeline: str, rates: Sequence[float], k: int) -> tuple[float, float]:
+    """The pipeline's (P(hit | all k accepted), P(hit | a rejection)) before any is measured."""
+    h_all, h_rejected = HIT_PRIORS.get(pipeline, (0.0, 0.0))
+    return (bonus_guess_prior(rates, k) if h_all is None else h_all), h_rejected
 
 
 def hit_chance(pipeline: str, rates: Sequence[float], k: int, given: tuple[float, float] | None = None) -> float:
@@ -157,7 +199,10 @@ def hit_chance(pipeline: str, rates: Sequence[float], k: int, given: tuple[float
     P(all k accepted) h_all + (1 - P(all k accepted)) h_rejected, with (h_all, h_rejected) = given or the prior."""
     if k <= 0 or pipeline == OFF:
         return 0.0
-    h_all, h_rejected = given if given is not None else HIT_PRIORS.get(pipeline, (0.0, 0.0))
+    if given is None:
+        h_all, h_rejected = prior_hits(pipeline, rates, k)
+    else:
+        h_all, h_rejected = given
     p_all = all_accepted(rates, k)
     return p_all * h_all + (1.0 - p_all) * h_rejected
 
@@ -166,7 +211,7 @@ def arm_tokens(arm: Arm, rates: Sequence[float]) -> float:
     """E[tokens | arm] (see the module docstring)."""
     tokens = expected_tokens(rates, arm.k)
     if arm.pipeline == POST_VERIFY and arm.k > 0:
-        tokens -= all_accepted(rates, arm.k) * (1.0 - rates[arm.k - 1])
+        tokens -= all_accepted(rates, arm.k)
     return tokens
 
 
@@ -240,7 +285,11 @@ class ArmCycles:
     """What one workload class measured: call costs, per-pipeline corrections, acceptance."""
 
     verify_ms: LinearCost = field(default_factory=LinearCost)  # verify call wall against its tokens
-    draft_ms: LinearCost = field(default_factory=LinearCost)  # fresh draft call wall against K
+    # A fresh draft call: its compute against K (the draft's own figure; the call's wall where it reports
+    # none), and its wall beyond that, less its queue (hops, batch and reply: the same whatever K). Apart,
+    # because K barely varies while auto settles: a wall fitted against K then put the hops into the slope.
+    draft_ms: LinearCost = field(default_factory=LinearCost)
+    draft_hops_ms: Estimate = field(default_factory=lambda: Estimate(0.0))
     residual_ms: dict[str, Estimate] = field(default_factory=dict)  # per family: measured cycle - model
     hits: dict[tuple[str, bool], Estimate] = field(default_factory=dict)  # (pipeline, all accepted) -> P(hit)
     last_seen: dict[Arm, int] = field(default_factory=dict)  # the class's round count at the arm's last cycle
@@ -266,6 +315,7 @@ class AutoSettings:
     service_prior_weight: float = 2.0  # the 0.5 starting guess counts as this many verdicts service-wide
     request_prior_weight: float = 4.0  # the service's acceptance counts as this many of a request's verdicts
     start_k: int = 2  # before anything is measured
+    probe_z: float = 2.0  # target-only is chosen only if it wins at the service acceptance's Wilson upper bound
     cut_margin: float = 0.01  # a proposal is verified one token longer only for a predicted gain above this
     # A pipeline is chosen over none only for a predicted gain above this share, and only tried where the
     # fresh draft's wait it could hide is at least this share of the cycle: its costs outside the model (an
@@ -317,10 +367,11 @@ class AutoChooser:
             self._arms.append(TARGET_ONLY)
 
     def rates(self, cls: ArmCycles) -> list[float]:
-        """This request's acceptance per position, shrunk towards the service's."""
+        """This request's acceptance per position 1 .. k_max + 1 (the last: a bonus guess's, at k_max),
+        shrunk towards the service's."""
         s = self.policy.settings
         service = cls.acceptance.pooled(0.5, s.service_prior_weight)
-        return self.acceptance.rates(self.k_max, service, s.request_prior_weight)
+        return self.acceptance.rates(self.k_max + 1, service, s.request_prior_weight)
 
     def choose(self, cls: ArmCycles) -> Arm:
         """The arm for the next round (the best, or a neighbour of it on an exploration round)."""
@@ -330,6 +381,12 @@ class AutoChooser:
             neighbours = self.neighbours(best, cls)
             if neighbours:
                 return min(neighbours, key=lambda a: (cls.last_seen.get(a, -1), a))
+        if best.k == 0:
+            # No verdict will come from this round: the request's own acceptance still ages, so a bad
+            # stretch that stopped it drafting fades towards the service's rate in rounds, not only in
+            # the rare exploration verdicts (a request at 0.45 after 4 unlucky tokens, the service at
+            # 0.7, stayed target-only for the rest of its 48 tokens on emulated h100-8b, T = 0.7).
+            self.acceptance.age()
         return best
 
     def best(self, cls: ArmCycles, rates: Sequence[float]) -> Arm:
@@ -342,11 +399,36 @@ class AutoChooser:
         reach = max(start, cls.longest + 1, self.k_min)
         rated = {a: self.expected_rate(cls, a, rates) for a in self._arms if a.k <= reach and self._may_run(cls, a)}
         best = max(rated, key=lambda a: (rated[a], -a.k))
+        if best.k == 0:
+            probe = self.probe(cls, rated[best])
+            if probe is not None:
+                return probe
         plain = [a for a in rated if a.pipeline == OFF or a.k == 0]
         if best.pipeline == OFF or best.k == 0 or not plain:
             return best
         unpiped = max(plain, key=lambda a: (rated[a], -a.k))
         return best if rated[best] > rated[unpiped] * (1.0 + self.policy.settings.pipeline_margin) else unpiped
+
+    def probe(self, cls: ArmCycles, target_only_rate: float) -> Arm | None:
+        """The drafting arm to run instead of target-only while the service's acceptance is too uncertain to
+        rule drafting out: the best of target-only's neighbours (K = k_min) with the service's rate at its Wilson upper bound (`probe_z`) as
+        this request's prior (its own verdicts as they are), if that beats target-only; else None.
+
+        A target-only round brings no verdict, so an estimate that fell below break-even on a few unlucky
+        verdicts would stay there (the service at 0.25 after two rejections, with 0.72 true, stayed
+        target-only for 160 rounds on emulated h100-8b, T = 0.7). Each probe adds verdicts, so the bound
+        closes: with a useless draft it falls under a K = 1 round's break-even within a few verdicts, and
+        no verdict is forgotten while none come. K itself is still chosen at the plain estimate."""
+        s = self.policy.settings
+        trials = sum(cls.acceptance.reached) + s.service_prior_weight
+        prior = upper_bound(cls.acceptance.pooled(0.5, s.service_prior_weight), trials, s.probe_z)
+        optimistic = self.acceptance.rates(self.k_max + 1, prior, s.request_prior_weight)
+        probes = [Arm(pipeline, self.k_min) for pipeline in self.pipelines]  # target-only's neighbours
+        rated = {a: self.expected_rate(cls, a, optimistic) for a in probes if self._may_run(cls, a)}
+        if not rated:
+            return None
+        arm = max(rated, key=lambda a: (rated[a], -a.k))
+        return arm if rated[arm] > target_only_rate else None
 
     def _may_run(self, cls: ArmCycles, arm: Arm) -> bool:
         """False for a pipelined arm that cannot gain pipeline_margin, where running without one is allowed:
@@ -366,7 +448,7 @@ class AutoChooser:
         """The arm's chance of a pipeline hit: the model's, corrected by what its pipeline measured."""
         if arm.k == 0 or arm.pipeline == OFF:
             return 0.0
-        prior = HIT_PRIORS.get(arm.pipeline, (0.0, 0.0))
+        prior = prior_hits(arm.pipeline, rates, arm.k)
         given = tuple(
             self._shrunk(cls.hits.get((arm.pipeline, all_in)), prior[i]) for i, all_in in enumerate((True, False))
         )
@@ -395,13 +477,14 @@ class AutoChooser:
 
     @staticmethod
     def _draft_ms(cls: ArmCycles, k: int, verify: float) -> float:
-        """d(k): the fit; before the slope is known, proportional to the steps (a draft step per token)."""
+        """d(k): the call's hops plus its compute, fitted; before the slope is known, the compute
+        proportional to the steps (a draft step per token)."""
         if cls.draft_ms.fit() is not None:
-            return _predict(cls.draft_ms, k) or 0.0
+            return cls.draft_hops_ms.value + (_predict(cls.draft_ms, k) or 0.0)
         mean, tokens = cls.draft_ms.mean(), cls.draft_ms.mean_tokens()
         if mean is None or not tokens:
             return 0.2 * verify * k  # unmeasured: a cheap-ish draft
-        return mean * k / tokens
+        return cls.draft_hops_ms.value + mean * k / tokens
 
     def correction(self, cls: ArmCycles, arm: Arm) -> float:
         """What the arm's family's (pipeline's, or target-only's) cycles exceeded their model by, shrunk towards none."""
@@ -437,7 +520,7 @@ class AutoChooser:
             return n
         s = self.policy.settings
         rates = self.calibrated(cls, confidence)
-        draft = _predict(cls.draft_ms, arm.k) or 0.0
+        draft = self._draft_ms(cls, arm.k, _predict(cls.verify_ms, arm.k + 1) or 0.0)
         residual = self.correction(cls, arm)
         best_n, best_rate = n, -1.0
         for i in range(1, n + 1):
@@ -502,12 +585,24 @@ class AutoChooser:
         # (a pipeline's miss) measures that wait, not a draft's cost: the cycle model already waits
         # for the pre-draft (max(v, pre)), so d(K) is fitted without it.
         queued = proposal.transit.queue_ms if proposal.transit is not None else 0.0
-        self.observe_calls(cls, arm, len(proposal) + 1, verify_ms, fresh, max(draft_wall_ms - queued, 0.0))
+        wall = max(draft_wall_ms - queued, 0.0)
+        self.observe_calls(cls, arm, len(proposal) + 1, verify_ms, fresh, wall, proposal.compute_ms)
 
-    @staticmethod
-    def observe_calls(cls: ArmCycles, arm: Arm, tokens: int, verify_ms: float, drafted: int, draft_ms: float) -> None:
-        """The round's verify call (tokens verified, wall) and fresh draft call (tokens drafted, wall; 0: none)."""
+    def observe_calls(
+        self,
+        cls: ArmCycles,
+        arm: Arm,
+        tokens: int,
+        verify_ms: float,
+        drafted: int,
+        draft_ms: float,
+        draft_compute_ms: float = 0.0,
+    ) -> None:
+        """The round's verify call (tokens verified, wall) and fresh draft call (tokens drafted, wall less
+        its queue, and the draft's own compute within it; drafted 0: none)."""
         cls.verify_ms.observe(tokens, verify_ms)
         cls.longest = max(cls.longest, arm.k)
         if drafted > 0 and draft_ms > 0:
-            cls.draft_ms.observe(drafted, draft_ms)
+            compute = draft_compute_ms if 0.0 < draft_compute_ms <= draft_ms else draft_ms
+            cls.draft_ms.observe(drafted, compute)
+            cls.draft_hops_ms.update(draft_ms - compute, horizon=self.policy.settings.horizon)

@@ -43,6 +43,20 @@ def test_linear_cost_recovers_base_and_slope_and_waits_for_spread() -> None:
     assert cost.share(32) == pytest.approx(16 / 26, rel=0.1)
 
 
+def test_a_slope_steeper_than_the_data_allows_is_fitted_through_the_origin() -> None:
+    """Mostly 1-token calls at 9 ms and a few slow 2-token ones: the free fit's slope (21 ms per token)
+    puts the base below 0. The fit goes through the origin instead and stays near what was measured."""
+    cost = LinearCost()
+    for i in range(200):
+        cost.observe(2, 30.0) if i % 10 == 0 else cost.observe(1, 9.0)
+    fitted = cost.fit()
+    assert fitted is not None
+    base, per_token = fitted
+    assert base == 0.0
+    assert base + per_token * 1.1 == pytest.approx(9.0 * 0.9 + 30.0 * 0.1, rel=0.1)  # the mean call
+    assert base + per_token * 2 < 30.0  # not the 2-token outliers' steepness extrapolated
+
+
 def test_a_drafting_rounds_fixed_overhead_lowers_s_whatever_k() -> None:
     assert expected_speedup(0.5, 0.0, 1, overhead=0.25) == pytest.approx(1.5 / 1.25)
     # a cheap, rarely right drafter: free it would pay, with a 5% hop and a 13% extra token it does not

@@ -26,10 +26,11 @@ where the tokens are modelled and the cycle is measured:
       model(off, K) = v(K + 1) + d(K)
       model(p, K)   = max(v(K + 1), pre_p(K)) + (1 - h_p(K)) d(K)    (p pipelined)
 
-  plus o. v(n): a verify call's wall for n tokens, d(K): a fresh K-token
-  draft call's wall less its queue time in the draft service (where a miss
-  waits for the pre-draft, already in max(v, pre)), both fitted online
-  (`LinearCost`); pre_p(K): the
+  plus o. v(n): a verify call's wall for n tokens, fitted online
+  (`LinearCost`); d(K): a fresh K-token draft call's hops (its wall less the
+  draft's compute and less its queue time in the draft service, where a miss
+  waits for the pre-draft, already in max(v, pre)) plus that compute, fitted
+  against K; pre_p(K): the
   pipeline's pre-draft, which runs beside the verify, so one longer than the
   verify is waited for even on a hit (d(K + 1) from a guessed bonus, d(K)
   for post-verify); o: what the family's (pipeline's, or target-only's)
@@ -46,6 +47,13 @@ under that share of the cycle: a pipeline's own costs (an extra draft call,
 a staged message, the CPU those take on a shared host) are not in the
 model, and a draft that costs next to nothing (n-gram, suffix) leaves a
 pipeline nothing to hide (docs/performance.md).
+
+**Probing a target-only choice.** A target-only round brings no verdict, so
+where target-only rates best, target-only's neighbours are rated again with
+the service's acceptance at its Wilson upper bound (`probe_z`), and the best
+of them runs if it beats target-only (`AutoChooser.probe`): a few unlucky
+verdicts cannot stop speculation for good, and a useless draft closes the
+bound within a few verdicts.
 
 **Exploration, and what it can cost.** One round in `explore_every` (counted
 over the whole service) runs a neighbour of the best arm instead, the one
@@ -122,16 +130,32 @@ class AcceptanceModel:
         """The rate over every position, shrunk towards prior by prior_weight trials."""
         return (sum(self.accepted) + prior * prior_weight) / (sum(self.reached) + prior_weight)
 
-    def rates(self, k: int, prior: float, prior_weight: float) -> list[float]:
-        """a_0 .. a_{k-1}: each position shrunk towards the pooled rate, which is shrunk towards prior."""
+    def rates(self, k: int, prior: float, prior_weight: float, shape: Sequence[float] = ()) -> list[float]:
+        """a_0 .. a_{k-1}: each position shrunk towards the pooled rate, which is shrunk towards prior.
+
+        With `shape` (a rate per position whose pooled rate is `prior`: the service's), position i is
+        shrunk instead towards shape[i] moved by this model's pooled level in log-odds: a drafter whose
+        acceptance rises with depth (a suffix match that holds once it starts) keeps that profile in a
+        request that has few verdicts at the deep positions of its own."""
         pooled = self.pooled(prior, prior_weight)
+        shift = _logit(pooled) - _logit(prior)
         w = self.position_weight
         out = []
         for i in range(k):
             n = self.reached[i] if i < len(self.reached) else 0.0
             hits = self.accepted[i] if i < len(self.accepted) else 0.0
-            out.append((hits + pooled * w) / (n + w))
+            base = _expit(_logit(shape[i]) + shift) if i < len(shape) else pooled
+            out.append((hits + base * w) / (n + w))
         return out
+
+
+def _logit(p: float) -> float:
+    p = min(max(p, 1e-4), 1.0 - 1e-4)
+    return math.log(p / (1.0 - p))
+
+
+def _expit(x: float) -> float:
+    return 1.0 / (1.0 + math.exp(-x))
 
 
 def upper_bound(rate: float, trials: float, z: float) -> float:
@@ -248,6 +272,10 @@ class ConfidenceCalibration:
             b = self._bin(c)
             self.reached[b] += 1.0
             self.accepted[b] += float(i < accepted)
+
+    def pooled(self, prior: float) -> float:
+        """The acceptance over every bin, shrunk towards prior."""
+        return (sum(self.accepted) + prior * self.prior_weight) / (sum(self.reached) + self.prior_weight)
 
     def calibrated(self, confidence: Sequence[float], prior: float) -> list[float]:
         """Per token: the acceptance its confidence's bin measured, shrunk towards prior."""
@@ -368,10 +396,12 @@ class AutoChooser:
 
     def rates(self, cls: ArmCycles) -> list[float]:
         """This request's acceptance per position 1 .. k_max + 1 (the last: a bonus guess's, at k_max),
-        shrunk towards the service's."""
+        shrunk towards the service's at that position, moved to this request's level."""
         s = self.policy.settings
+        k = self.k_max + 1
         service = cls.acceptance.pooled(0.5, s.service_prior_weight)
-        return self.acceptance.rates(self.k_max + 1, service, s.request_prior_weight)
+        shape = cls.acceptance.rates(k, 0.5, s.service_prior_weight)  # the service's rate per position
+        return self.acceptance.rates(k, service, s.request_prior_weight, shape)
 
     def choose(self, cls: ArmCycles) -> Arm:
         """The arm for the next round (the best, or a neighbour of it on an exploration round)."""
@@ -411,8 +441,9 @@ class AutoChooser:
 
     def probe(self, cls: ArmCycles, target_only_rate: float) -> Arm | None:
         """The drafting arm to run instead of target-only while the service's acceptance is too uncertain to
-        rule drafting out: the best of target-only's neighbours (K = k_min) with the service's rate at its Wilson upper bound (`probe_z`) as
-        this request's prior (its own verdicts as they are), if that beats target-only; else None.
+        rule drafting out: the best of target-only's neighbours (K = k_min) with the service's rate at its
+        Wilson upper bound (`probe_z`) as this request's prior (its own verdicts as they are), if that
+        beats target-only; else None.
 
         A target-only round brings no verdict, so an estimate that fell below break-even on a few unlucky
         verdicts would stay there (the service at 0.25 after two rejections, with 0.72 true, stayed
@@ -533,9 +564,19 @@ class AutoChooser:
         return best_n
 
     def calibrated(self, cls: ArmCycles, confidence: Sequence[float]) -> list[float]:
-        """The tokens' acceptance from their confidences (the service's pooled acceptance as the prior)."""
+        """The tokens' acceptance: this request's rate at each position (`rates`), moved in log-odds by how
+        far the token's confidence bin measured above or below the calibration's pooled rate.
+
+        A confidence that says nothing (a suffix match's: 1.0 on nearly every token) leaves the position
+        profile as it is. The bins alone rated every such token at the pooled rate (0.8), so the cut
+        dropped deep tokens that the repetitive set accepts at 0.85-0.9 once the ones before were."""
         prior = self.acceptance.pooled(cls.acceptance.pooled(0.5, 2.0), self.policy.settings.request_prior_weight)
-        return cls.calibration.calibrated(confidence, prior)
+        bins = cls.calibration.calibrated(confidence, prior)
+        level = _logit(cls.calibration.pooled(prior))
+        positions = self.rates(cls)
+        return [
+            _expit(_logit(positions[min(i, len(positions) - 1)]) + _logit(rate) - level) for i, rate in enumerate(bins)
+        ]
 
     # ---- what rounds report -----------------------------------------------------
 

@@ -160,6 +160,30 @@ def test_post_verify_rounds_yield_what_the_model_says() -> None:
         assert arm_tokens(Arm(POST_VERIFY, k), [0.9] * k) == pytest.approx(measured, rel=0.02)
 
 
+def test_a_new_request_keeps_the_services_acceptance_profile_over_depth() -> None:
+    """A suffix drafter's acceptance rises with depth once its match holds (0.6 at the first position,
+    0.9 from the fourth; fixed-16 on the repetitive set). A request with no verdicts of its own rates the
+    deep positions as the service measured them, not at the pooled rate; one whose own verdicts run higher
+    moves the whole profile up."""
+    policy = AutoPolicy()
+    cls = policy.workload(greedy=True, running=1)
+    profile = [0.6, 0.75, 0.85] + [0.9] * 9
+    rng = random.Random(3)
+    for _ in range(400):
+        accepted = 0
+        while accepted < len(profile) and rng.random() < profile[accepted]:
+            accepted += 1
+        cls.acceptance.observe(len(profile), accepted)
+    fresh = policy.chooser(11, [OFF], target_only=True).rates(cls)
+    assert fresh[0] == pytest.approx(0.6, abs=0.06) and fresh[6] == pytest.approx(0.9, abs=0.05)
+    assert fresh[6] - fresh[0] > 0.2
+    lucky = policy.chooser(11, [OFF], target_only=True)
+    for _ in range(10):
+        lucky.observe_verdict(cls, 2, 2)  # cls sees them too; the request's own level is what moves
+    rates = lucky.rates(cls)
+    assert rates[0] > fresh[0] and rates[6] > fresh[6] and rates[6] > rates[0]
+
+
 def test_acceptance_per_position_forgets_and_shrinks_towards_its_prior() -> None:
     m = AcceptanceModel(forget=0.5, position_weight=4.0)
     assert m.rates(2, 0.3, 2.0) == pytest.approx([0.3, 0.3])  # nothing seen: the prior
@@ -310,6 +334,28 @@ def _measured(k_max: int, verify_per_token_ms: float) -> tuple[AutoChooser, ArmC
         chooser.observe_verdict(cls, k, accepted, conf)
         chooser.observe_calls(cls, Arm(OFF, k), k + 1, 20.0 + verify_per_token_ms * (k + 1), k, 1.0 + 0.5 * k)
     return chooser, cls
+
+
+def test_a_confidence_that_says_nothing_leaves_the_depth_profile_to_the_cut() -> None:
+    """A suffix drafter sends confidence 1.0 on nearly every token, so its bin's rate is the pooled one;
+    the tokens' acceptance is then the request's per-position profile (rising with depth), not one flat
+    rate. An informative confidence still moves a token: a low one's rate falls below its position's."""
+    policy = AutoPolicy()
+    cls = policy.workload(greedy=True, running=1)
+    chooser = policy.chooser(8, [OFF], target_only=True)
+    profile = [0.6, 0.75, 0.85] + [0.9] * 5
+    rng = random.Random(5)
+    for _ in range(400):
+        accepted = 0
+        while accepted < len(profile) and rng.random() < profile[accepted]:
+            accepted += 1
+        chooser.observe_verdict(cls, len(profile), accepted, [1.0] * len(profile))
+    flat = chooser.calibrated(cls, [1.0] * 8)
+    assert flat == pytest.approx(chooser.rates(cls)[:8], abs=0.02)
+    assert flat[6] - flat[0] > 0.2
+    for _ in range(100):  # other requests' low-confidence tokens were rejected
+        cls.calibration.observe([0.1], 0)
+    assert chooser.calibrated(cls, [0.1, 0.1, 0.1])[2] < chooser.rates(cls)[2] - 0.3
 
 
 def test_the_cut_drops_the_unlikely_tail_where_verifying_costs() -> None:

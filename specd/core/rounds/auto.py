@@ -202,8 +202,7 @@ def bonus_guess_prior(rates: Sequence[float], k: int) -> float:
     the acceptance of draft position k + 1 (the guess is that position's draft token). At T = 0 it is
     that event; at T > 0 the guess and the bonus are drawn with independent coins, so it is an upper
     bound, which is the safe side: an arm rated too high is run, and its measured hits correct it; one
-    rated too low is rarely run and stays unmeasured (0.5 here cost auto 0.82 of pipelined-4 on
-    emulated h100-8b at agreement 0.95)."""
+    rated too low (the 0.5 used before) is rarely run and stays unmeasured."""
     if not rates:
         return 0.5
     return rates[k] if k < len(rates) else rates[-1]
@@ -223,10 +222,7 @@ def hit_chance(pipeline: str, rates: Sequence[float], k: int, given: tuple[float
     P(all k accepted) h_all + (1 - P(all k accepted)) h_rejected, with (h_all, h_rejected) = given or the prior."""
     if k <= 0 or pipeline == OFF:
         return 0.0
-    if given is None:
-        h_all, h_rejected = prior_hits(pipeline, rates, k)
-    else:
-        h_all, h_rejected = given
+    h_all, h_rejected = given if given is not None else prior_hits(pipeline, rates, k)
     p_all = all_accepted(rates, k)
     return p_all * h_all + (1.0 - p_all) * h_rejected
 
@@ -415,7 +411,7 @@ class AutoChooser:
             # No verdict will come from this round: the request's own acceptance still ages, so a bad
             # stretch that stopped it drafting fades towards the service's rate in rounds, not only in
             # the rare exploration verdicts (a request at 0.45 after 4 unlucky tokens, the service at
-            # 0.7, stayed target-only for the rest of its 48 tokens on emulated h100-8b, T = 0.7).
+            # 0.7, stayed target-only for 20 rounds on emulated h100-8b, T = 0.7).
             self.acceptance.age()
         return best
 
@@ -453,8 +449,9 @@ class AutoChooser:
         s = self.policy.settings
         trials = sum(cls.acceptance.reached) + s.service_prior_weight
         prior = upper_bound(cls.acceptance.pooled(0.5, s.service_prior_weight), trials, s.probe_z)
-        optimistic = self.acceptance.rates(self.k_max + 1, prior, s.request_prior_weight)
-        probes = [Arm(pipeline, self.k_min) for pipeline in self.pipelines]  # target-only's neighbours
+        # target-only's neighbours read positions 1 .. k_min + 1 (the last: a bonus guess's)
+        optimistic = self.acceptance.rates(self.k_min + 1, prior, s.request_prior_weight)
+        probes = [Arm(pipeline, self.k_min) for pipeline in self.pipelines]
         rated = {a: self.expected_rate(cls, a, optimistic) for a in probes if self._may_run(cls, a)}
         if not rated:
             return None

@@ -128,6 +128,18 @@ def best_rate(service: Service, chooser: AutoChooser) -> tuple[Arm, float]:
     return best, rates[best]
 
 
+def depth_verdicts(profile: list[float], rounds: int, rng: random.Random) -> list[int]:
+    """Accepted counts of `rounds` verdicts on len(profile) drafts, position i accepted with profile[i]
+    once the ones before it were (a suffix drafter's acceptance rises with depth)."""
+    out = []
+    for _ in range(rounds):
+        accepted = 0
+        while accepted < len(profile) and rng.random() < profile[accepted]:
+            accepted += 1
+        out.append(accepted)
+    return out
+
+
 def new_chooser(k_max: int = 8, pipelines: tuple[str, ...] = AUTO_PIPELINES) -> AutoChooser:
     return AutoPolicy().chooser(k_max, pipelines, target_only=True)
 
@@ -168,11 +180,7 @@ def test_a_new_request_keeps_the_services_acceptance_profile_over_depth() -> Non
     policy = AutoPolicy()
     cls = policy.workload(greedy=True, running=1)
     profile = [0.6, 0.75, 0.85] + [0.9] * 9
-    rng = random.Random(3)
-    for _ in range(400):
-        accepted = 0
-        while accepted < len(profile) and rng.random() < profile[accepted]:
-            accepted += 1
+    for accepted in depth_verdicts(profile, 400, random.Random(3)):
         cls.acceptance.observe(len(profile), accepted)
     fresh = policy.chooser(11, [OFF], target_only=True).rates(cls)
     assert fresh[0] == pytest.approx(0.6, abs=0.06) and fresh[6] == pytest.approx(0.9, abs=0.05)
@@ -344,11 +352,7 @@ def test_a_confidence_that_says_nothing_leaves_the_depth_profile_to_the_cut() ->
     cls = policy.workload(greedy=True, running=1)
     chooser = policy.chooser(8, [OFF], target_only=True)
     profile = [0.6, 0.75, 0.85] + [0.9] * 5
-    rng = random.Random(5)
-    for _ in range(400):
-        accepted = 0
-        while accepted < len(profile) and rng.random() < profile[accepted]:
-            accepted += 1
+    for accepted in depth_verdicts(profile, 400, random.Random(5)):
         chooser.observe_verdict(cls, len(profile), accepted, [1.0] * len(profile))
     flat = chooser.calibrated(cls, [1.0] * 8)
     assert flat == pytest.approx(chooser.rates(cls)[:8], abs=0.02)

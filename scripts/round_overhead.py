@@ -71,21 +71,34 @@ def summary(records: list[RoundRecord]) -> dict[str, dict[str, float]]:
 
 
 async def run_streams(
-    stub: coordinator_pb2_grpc.CoordinatorStub, streams: int, tokens: int, k: int, t: float, pipeline: str = "off"
+    stub: coordinator_pb2_grpc.CoordinatorStub,
+    streams: int,
+    tokens: int,
+    k: int,
+    t: float,
+    pipeline: str = "off",
+    speculation: str = "fixed",
+    request_tokens: int = 0,
 ) -> None:
+    """Each stream generates `tokens` tokens: one request, or requests of `request_tokens` one after another."""
+
     async def one(i: int) -> None:
-        await stub.Generate(
-            build_request(
-                f"stream {i}: the quick brown fox",
-                max_new_tokens=tokens,
-                temperature=t,
-                seed=i,
-                ignore_eos=True,
-                speculation="fixed" if k else "off",
-                draft_length=k or 4,
-                pipeline=pipeline,
+        left, n = tokens, 0
+        while left > 0:
+            size = min(left, request_tokens or left)
+            await stub.Generate(
+                build_request(
+                    f"stream {i}, request {n}: the quick brown fox",
+                    max_new_tokens=size,
+                    temperature=t,
+                    seed=None if speculation == "auto" else i,  # a seeded request pins auto's K (reproducible)
+                    ignore_eos=True,
+                    speculation=speculation if k else "off",
+                    draft_length=k or 4,
+                    pipeline=pipeline,
+                )
             )
-        )
+            left, n = left - size, n + 1
 
     await asyncio.gather(*(one(i) for i in range(streams)))
 
@@ -138,7 +151,9 @@ async def measure(args: argparse.Namespace) -> list[dict[str, object]]:
         await handle.server.start()
         async with grpc.aio.insecure_channel(f"127.0.0.1:{handle.port}") as channel:
             stub = coordinator_pb2_grpc.CoordinatorStub(channel)
-            await run_streams(stub, 1, 16, args.draft_length, args.temperature, args.pipeline)  # warm-up
+            await run_streams(
+                stub, 1, 16, args.draft_length, args.temperature, args.pipeline, args.speculation
+            )  # warm-up
             for streams in args.streams:
                 tokens = max(8, args.rounds * max(1, args.draft_length) // streams)
                 engine.round_records.clear()
@@ -147,7 +162,16 @@ async def measure(args: argparse.Namespace) -> list[dict[str, object]]:
                     pids = {"coordinator": os.getpid(), "draft": peers[1].pid, "target": peers[0].pid}
                     profiler = Profiler(args, {k: v for k, v in pids.items() if v is not None}, streams)
                 cpu0, wall0 = time.thread_time(), time.perf_counter()
-                await run_streams(stub, streams, tokens, args.draft_length, args.temperature, args.pipeline)
+                await run_streams(
+                    stub,
+                    streams,
+                    tokens,
+                    args.draft_length,
+                    args.temperature,
+                    args.pipeline,
+                    args.speculation,
+                    args.request_tokens,
+                )
                 cpu, wall = time.thread_time() - cpu0, time.perf_counter() - wall0
                 if profiler is not None:
                     profiler.stop(f"{args.target} K={args.draft_length} T={args.temperature} streams={streams}")
@@ -189,6 +213,12 @@ def main() -> None:
     parser.add_argument("--streams", default="1,32", help="concurrent streams, comma-separated")
     parser.add_argument("--rounds", type=int, default=300, help="about this many rounds per setting")
     parser.add_argument("--draft-length", type=int, default=4, help="fixed K (0: target-only rounds)")
+    parser.add_argument(
+        "--speculation", default="fixed", choices=["fixed", "auto"], help="fixed K, or auto with K up to --draft-length"
+    )
+    parser.add_argument(
+        "--request-tokens", type=int, default=0, help="each stream's requests' length (0: one request per stream)"
+    )
     parser.add_argument("--temperature", type=float, default=0.0)
     parser.add_argument(
         "--pipeline", default="off", help="the requests' pipeline: off, bonus-match, post-verify, spec-cache, auto"

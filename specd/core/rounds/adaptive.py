@@ -70,10 +70,12 @@ class LinearCost:
     _y: float = 0.0
     _xx: float = 0.0
     _xy: float = 0.0
+    _fitted: bool = False  # fit() is read many times a round (auto rates every arm) and changes only here
 
     def observe(self, tokens: float, ms: float) -> None:
         if tokens <= 0 or ms <= 0:
             return
+        self._fitted = False
         f = self.forget
         self._w = f * self._w + 1.0
         self._x = f * self._x + tokens
@@ -88,12 +90,19 @@ class LinearCost:
         controller that stopped drafting sees one-token steps only): the
         slope is the hardware's, it does not vanish when nobody drafts.
         """
+        if not self._fitted:
+            self._refit()
+            self._fitted = True
+        return self._last
+
+    def _refit(self) -> None:
+        """Bring `_last` up to date with the observations (kept as it is while they cannot identify a slope)."""
         if self._w < 8:
-            return self._last
+            return
         mx, my = self._x / self._w, self._y / self._w
         var = self._xx / self._w - mx * mx
         if var < self.min_variance or var < 1e-4 * mx * mx:  # (near) constant token counts: slope unknown now
-            return self._last
+            return
         slope = max(0.0, (self._xy / self._w - mx * my) / var)
         if my - slope * mx < 0.0:
             # A slope too steep for the data (a few slow calls at the rarer count): a cost has no negative
@@ -102,7 +111,6 @@ class LinearCost:
             # drafts at 9 ms fitted as 12.3 ms per token, so auto never ran K = 2).
             slope = (self._xy / self._w) / (self._xx / self._w)
         self._last = (max(0.0, my - slope * mx), slope)
-        return self._last
 
     def mean(self) -> float | None:
         """The (forgetting) mean time observed, or None before any observation."""

@@ -61,10 +61,15 @@ measured longest ago: K - 1, K + 1, the other pipelines at K, and
 target-only (or K = 1 from target-only). That keeps every arm the best could
 move to measured under today's load, and bounds the loss to
 (1 / explore_every) x (1 - the worst neighbour's rate / the best's): at 24
-and a neighbour at 0.7x, 1.25%. After a bad stretch the acceptance of the
-request's own exploration rounds brings speculation back: a request whose
-text became predictable speculates again within a few exploration rounds
-(tests/unit/core/rounds/test_auto.py bounds it).
+and a neighbour at 0.7x, 1.25%. Where target-only is the best, one round in
+`explore_target_only_every` (72): such a round pays a whole fresh draft for
+one verdict, and while the evidence is too thin to rule drafting out the
+probe drafts anyway; at a neighbour at 0.7x, 0.4% (with a useless draft on
+emulated h100-8b, auto's drafting rounds went from 30 to 15 of 576). After a
+bad stretch the acceptance of the request's own exploration rounds brings
+speculation back: a request whose text became predictable speculates again
+within a few exploration rounds (tests/unit/core/rounds/test_auto.py bounds
+it).
 """
 
 from __future__ import annotations
@@ -105,6 +110,7 @@ class AcceptanceModel:
     position_weight: float = 16.0  # the pooled rate counts as this many verdicts at each position
     reached: list[float] = field(default_factory=list)
     accepted: list[float] = field(default_factory=list)
+    version: int = 0  # changes with every verdict or aging: what readers cache their rates against
 
     def observe(self, drafted: int, accepted: int) -> None:
         """One verdict: `accepted` of `drafted` draft tokens (accepted before the first rejection)."""
@@ -121,6 +127,7 @@ class AcceptanceModel:
 
     def age(self) -> None:
         """What was seen so far loses one verdict's weight (`forget`)."""
+        self.version += 1
         f = self.forget
         if f < 1.0:
             self.reached = [f * n for n in self.reached]
@@ -321,6 +328,16 @@ class ArmCycles:
     calibration: ConfidenceCalibration = field(default_factory=ConfidenceCalibration)  # the drafter's confidence
     rounds: int = 0
     longest: int = 0  # the most draft tokens a verify of this class carried: K grows from there one at a time
+    version: int = 0  # changes with every call observed (the fits): what a chooser caches its cost table against
+
+
+@dataclass(frozen=True)
+class _CostTable:
+    """One class's predicted walls at one moment, by token count."""
+
+    verify: list[float]  # [n]: v(n), a verify call of n tokens (K drafts: n = K + 1)
+    draft: list[float]  # [k]: d(k), a fresh k-token draft call
+    pre_draft: list[float]  # [k]: d(k + 1) with d's fallback at v(k + 1), as a pipeline's pre-draft is rated
 
 
 def _predict(cost: LinearCost, x: float) -> float | None:
@@ -334,6 +351,9 @@ def _predict(cost: LinearCost, x: float) -> float | None:
 @dataclass(frozen=True)
 class AutoSettings:
     explore_every: int = 24  # one round in this many (service-wide) runs a neighbour of the best arm
+    # ... and where target-only is the best: each such round pays a fresh draft for one verdict, and the
+    # probe (`probe_z`) already drafts while the evidence is too thin to rule drafting out
+    explore_target_only_every: int = 72
     horizon: float = 32.0  # rounds a family's correction averages over
     correction_prior: float = 4.0  # a family's correction is shrunk towards 0 (the model) by this many rounds
     service_prior_weight: float = 2.0  # the 0.5 starting guess counts as this many verdicts service-wide
@@ -364,10 +384,10 @@ class AutoPolicy:
             cls = self._classes[key] = ArmCycles()
         return cls
 
-    def explore_now(self) -> bool:
-        """Count a round; True once every explore_every rounds."""
+    def explore_now(self, every: int) -> bool:
+        """Count a round; True once every `every` rounds."""
         self._rounds += 1
-        return self._rounds % self.settings.explore_every == 0
+        return self._rounds % every == 0
 
     def chooser(self, k_max: int, pipelines: Sequence[str], *, target_only: bool, k_min: int = 1) -> AutoChooser:
         """A request's chooser: K in k_min..k_max (and 0 if target_only) over these pipelines."""
@@ -389,10 +409,20 @@ class AutoChooser:
         self._arms = [Arm(p, k) for p in pipelines for k in range(self.k_min, self.k_max + 1)]
         if target_only:
             self._arms.append(TARGET_ONLY)
+        # A round rates every arm, and the rates and costs they share change only with what is observed:
+        # computed once per change (the rating was 0.2 ms of a round's coordinator CPU, emulated h100-8b).
+        self._rates: tuple[tuple[int, int, int], list[float]] | None = None
+        self._costs: tuple[tuple[int, int], _CostTable] | None = None
 
     def rates(self, cls: ArmCycles) -> list[float]:
         """This request's acceptance per position 1 .. k_max + 1 (the last: a bonus guess's, at k_max),
         shrunk towards the service's at that position, moved to this request's level."""
+        key = (id(cls), cls.acceptance.version, self.acceptance.version)
+        if self._rates is None or self._rates[0] != key:
+            self._rates = key, self._rates_now(cls)
+        return self._rates[1]
+
+    def _rates_now(self, cls: ArmCycles) -> list[float]:
         s = self.policy.settings
         k = self.k_max + 1
         service = cls.acceptance.pooled(0.5, s.service_prior_weight)
@@ -403,7 +433,8 @@ class AutoChooser:
         """The arm for the next round (the best, or a neighbour of it on an exploration round)."""
         rates = self.rates(cls)
         best = self.best(cls, rates)
-        if self.policy.explore_now():
+        s = self.policy.settings
+        if self.policy.explore_now(s.explore_target_only_every if best.k == 0 else s.explore_every):
             neighbours = self.neighbours(best, cls)
             if neighbours:
                 return min(neighbours, key=lambda a: (cls.last_seen.get(a, -1), a))
@@ -464,8 +495,8 @@ class AutoChooser:
         the cycle (n-gram, suffix) leaves it nothing worth its own costs."""
         if arm.k == 0 or arm.pipeline == OFF or OFF not in self.pipelines:
             return True
-        verify = _predict(cls.verify_ms, arm.k + 1) or 0.0
-        draft = self._draft_ms(cls, arm.k, verify)
+        costs = self._cost_table(cls)
+        verify, draft = costs.verify[arm.k + 1], costs.draft[arm.k]
         return draft >= self.policy.settings.pipeline_margin * (verify + draft)
 
     def expected_rate(self, cls: ArmCycles, arm: Arm, rates: Sequence[float]) -> float:
@@ -497,11 +528,22 @@ class AutoChooser:
 
     def model_cycle(self, cls: ArmCycles, arm: Arm, rates: Sequence[float]) -> float:
         """The cycle in ms before its family's measured correction (see `waited`)."""
-        verify = _predict(cls.verify_ms, arm.k + 1) or 0.0
+        costs = self._cost_table(cls)
         if arm.k == 0:
-            return verify
-        draft = self._draft_ms(cls, arm.k, verify)
-        return waited(arm.pipeline, verify, draft, self._draft_ms(cls, arm.k + 1, verify), self.hit(cls, arm, rates))
+            return costs.verify[1]
+        verify = costs.verify[arm.k + 1]
+        return waited(arm.pipeline, verify, costs.draft[arm.k], costs.pre_draft[arm.k], self.hit(cls, arm, rates))
+
+    def _cost_table(self, cls: ArmCycles) -> _CostTable:
+        """v(K + 1), d(K) and d(K + 1) for every K the chooser rates, as `cls` measured them now."""
+        key = (id(cls), cls.version)
+        if self._costs is None or self._costs[0] != key:
+            ks = range(self.k_max + 2)
+            verify = [_predict(cls.verify_ms, k) or 0.0 for k in range(self.k_max + 3)]
+            draft = [self._draft_ms(cls, k, verify[k + 1]) for k in ks]
+            pre_draft = [self._draft_ms(cls, k + 1, verify[k + 1]) for k in ks]
+            self._costs = key, _CostTable(verify, draft, pre_draft)
+        return self._costs[1]
 
     @staticmethod
     def _draft_ms(cls: ArmCycles, k: int, verify: float) -> float:
@@ -638,6 +680,7 @@ class AutoChooser:
     ) -> None:
         """The round's verify call (tokens verified, wall) and fresh draft call (tokens drafted, wall less
         its queue, and the draft's own compute within it; drafted 0: none)."""
+        cls.version += 1
         cls.verify_ms.observe(tokens, verify_ms)
         cls.longest = max(cls.longest, arm.k)
         if drafted > 0 and draft_ms > 0:

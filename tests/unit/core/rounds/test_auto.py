@@ -266,13 +266,13 @@ def test_a_pipeline_that_hides_a_costly_draft_is_still_chosen() -> None:
 def test_it_speculates_again_soon_after_a_bad_stretch() -> None:
     settings = AutoSettings()
     chooser = AutoPolicy(settings).chooser(6, AUTO_PIPELINES, target_only=True)
-    service = Service(a=0.0)
+    service = Service(a=0.0, cache_hit_all=0.0, cache_hit_rejected=0.0)  # a useless draft's cache holds nothing
     _, arms = drive(chooser, service, 400)
-    assert arms[-100:].count(TARGET_ONLY) >= 90  # switched off
-    service.a = 0.9  # the text became predictable
+    assert arms[-100:].count(TARGET_ONLY) >= 95  # switched off
+    service.a, service.cache_hit_all, service.cache_hit_rejected = 0.9, 0.9, 0.6  # the text became predictable
     _, arms = drive(chooser, service, 16 * settings.explore_every)
     first = next(i for i, a in enumerate(arms) if a.k > 0 and all(b.k > 0 for b in arms[i : i + 20]))
-    assert first <= 10 * settings.explore_every, f"speculating steadily only from round {first}"
+    assert first <= 4 * settings.explore_target_only_every, f"speculating steadily only from round {first}"
 
 
 @pytest.mark.parametrize("probe_z", [AutoSettings().probe_z, 0.0])
@@ -299,12 +299,44 @@ def test_an_unlucky_start_does_not_stop_speculation_for_good(probe_z: float) -> 
 
 
 def test_exploration_costs_at_most_its_share() -> None:
-    """The bound the module docstring states: one round in explore_every runs a neighbour."""
+    """The bound the module docstring states: where target-only is best, one round in
+    explore_target_only_every runs a neighbour, once the probes have ruled drafting out (before that,
+    explorations and probes together stay under the one-in-explore_every of other arms)."""
     chooser = new_chooser(pipelines=(OFF,))
-    service = Service(a=0.0)
-    _, arms = drive(chooser, service, 1200)
-    explored = sum(a != TARGET_ONLY for a in arms[200:])
-    assert explored <= 1000 / chooser.policy.settings.explore_every + 2
+    settings = chooser.policy.settings
+    _, arms = drive(chooser, Service(a=0.0), 2200)
+    assert sum(a != TARGET_ONLY for a in arms[200:1200]) <= 1000 / settings.explore_every
+    assert sum(a != TARGET_ONLY for a in arms[1200:]) <= 1000 / settings.explore_target_only_every + 1
+
+
+def test_the_cached_rates_and_costs_follow_every_observation() -> None:
+    """A chooser rates every arm from rates and a cost table it computes once per change: after each
+    observation it rates as a chooser with nothing cached does."""
+    policy = AutoPolicy()
+    service = Service(a=0.7)
+    chooser = policy.chooser(6, AUTO_PIPELINES, target_only=True)
+    cls = policy.workload(greedy=True, running=1)
+    rng = random.Random(5)
+
+    def rates_as_fresh(arm: Arm) -> None:
+        fresh = policy.chooser(6, AUTO_PIPELINES, target_only=True)
+        fresh.acceptance = chooser.acceptance
+        rates = fresh.rates(cls)
+        assert chooser.rates(cls) == rates
+        for a in [*chooser.neighbours(arm), arm]:
+            assert chooser.expected_rate(cls, a, rates) == fresh.expected_rate(cls, a, rates)
+
+    for _ in range(60):
+        arm = chooser.choose(cls)
+        rates_as_fresh(arm)
+        accepted, _, cycle, hit = service.round(arm)
+        if arm.k:
+            chooser.observe_verdict(cls, arm.k, accepted)
+            rates_as_fresh(arm)
+        draft_ms = service.draft(arm.k) * rng.uniform(0.8, 1.2)
+        chooser.observe_calls(cls, arm, arm.k + 1, service.verify(arm.k) * rng.uniform(0.8, 1.2), arm.k, draft_ms)
+        rates_as_fresh(arm)
+        chooser.observe_cycle(cls, arm, cycle, hit, all_in=arm.k > 0 and accepted == arm.k)
 
 
 def test_a_fixed_k_request_chooses_the_pipeline_only() -> None:

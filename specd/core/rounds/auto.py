@@ -79,6 +79,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from specd.core.rounds.adaptive import Estimate, LinearCost
+from specd.core.rounds.request_spread import RequestSpread
 from specd.core.sampling.proposal import Proposal
 
 OFF, BONUS_MATCH, POST_VERIFY, SPEC_CACHE = "off", "bonus-match", "post-verify", "spec-cache"
@@ -137,16 +138,19 @@ class AcceptanceModel:
         """The rate over every position, shrunk towards prior by prior_weight trials."""
         return (sum(self.accepted) + prior * prior_weight) / (sum(self.reached) + prior_weight)
 
-    def rates(self, k: int, prior: float, prior_weight: float, shape: Sequence[float] = ()) -> list[float]:
+    def rates(
+        self, k: int, prior: float, prior_weight: float, shape: Sequence[float] = (), position_weight: float = 0.0
+    ) -> list[float]:
         """a_0 .. a_{k-1}: each position shrunk towards the pooled rate, which is shrunk towards prior.
 
         With `shape` (a rate per position whose pooled rate is `prior`: the service's), position i is
         shrunk instead towards shape[i] moved by this model's pooled level in log-odds: a drafter whose
         acceptance rises with depth (a suffix match that holds once it starts) keeps that profile in a
-        request that has few verdicts at the deep positions of its own."""
+        request that has few verdicts at the deep positions of its own. position_weight: the pooled rate's
+        weight at each position where it is to count for more than `self.position_weight`."""
         pooled = self.pooled(prior, prior_weight)
         shift = _logit(pooled) - _logit(prior)
-        w = self.position_weight
+        w = max(self.position_weight, position_weight)
         out = []
         for i in range(k):
             n = self.reached[i] if i < len(self.reached) else 0.0
@@ -326,6 +330,7 @@ class ArmCycles:
     last_seen: dict[Arm, int] = field(default_factory=dict)  # the class's round count at the arm's last cycle
     acceptance: AcceptanceModel = field(default_factory=AcceptanceModel)  # every request's verdicts
     calibration: ConfidenceCalibration = field(default_factory=ConfidenceCalibration)  # the drafter's confidence
+    spread: RequestSpread = field(default_factory=RequestSpread)  # finished requests: a request's prior weight
     rounds: int = 0
     longest: int = 0  # the most draft tokens a verify of this class carried: K grows from there one at a time
     version: int = 0  # changes with every call observed (the fits): what a chooser caches its cost table against
@@ -357,7 +362,10 @@ class AutoSettings:
     horizon: float = 32.0  # rounds a family's correction averages over
     correction_prior: float = 4.0  # a family's correction is shrunk towards 0 (the model) by this many rounds
     service_prior_weight: float = 2.0  # the 0.5 starting guess counts as this many verdicts service-wide
-    request_prior_weight: float = 4.0  # the service's acceptance counts as this many of a request's verdicts
+    # The service's acceptance counts as this many of a request's verdicts: estimated from how much finished
+    # requests differed (`RequestSpread`), within these bounds; the first value until a few have finished.
+    request_prior_weight: float = 4.0
+    request_prior_max: float = 64.0
     start_k: int = 2  # before anything is measured
     probe_z: float = 2.0  # target-only is chosen only if it wins at the service acceptance's Wilson upper bound
     cut_margin: float = 0.01  # a proposal is verified one token longer only for a predicted gain above this
@@ -381,7 +389,9 @@ class AutoPolicy:
         key = (greedy, max(0, int(running)).bit_length())
         cls = self._classes.get(key)
         if cls is None:
-            cls = self._classes[key] = ArmCycles()
+            s = self.settings
+            spread = RequestSpread(default=s.request_prior_weight, largest=s.request_prior_max)
+            cls = self._classes[key] = ArmCycles(spread=spread)
         return cls
 
     def explore_now(self, every: int) -> bool:
@@ -411,13 +421,15 @@ class AutoChooser:
             self._arms.append(TARGET_ONLY)
         # A round rates every arm, and the rates and costs they share change only with what is observed:
         # computed once per change (the rating was 0.2 ms of a round's coordinator CPU, emulated h100-8b).
-        self._rates: tuple[tuple[int, int, int], list[float]] | None = None
+        self._rates: tuple[tuple[int, int, int, float], list[float]] | None = None
         self._costs: tuple[tuple[int, int], _CostTable] | None = None
+        self._verdicts = self._accepted = 0.0  # this request's, unforgotten: for its class's RequestSpread
+        self._cls: ArmCycles | None = None  # the class of its last verdict
 
     def rates(self, cls: ArmCycles) -> list[float]:
         """This request's acceptance per position 1 .. k_max + 1 (the last: a bonus guess's, at k_max),
         shrunk towards the service's at that position, moved to this request's level."""
-        key = (id(cls), cls.acceptance.version, self.acceptance.version)
+        key = (id(cls), cls.acceptance.version, self.acceptance.version, cls.spread.weight())
         if self._rates is None or self._rates[0] != key:
             self._rates = key, self._rates_now(cls)
         return self._rates[1]
@@ -427,7 +439,9 @@ class AutoChooser:
         k = self.k_max + 1
         service = cls.acceptance.pooled(0.5, s.service_prior_weight)
         shape = cls.acceptance.rates(k, 0.5, s.service_prior_weight)  # the service's rate per position
-        return self.acceptance.rates(k, service, s.request_prior_weight, shape)
+        # requests that differ no more than their coins (a large weight) share the service's profile too
+        weight = cls.spread.weight()
+        return self.acceptance.rates(k, service, weight, shape, position_weight=weight)
 
     def choose(self, cls: ArmCycles) -> Arm:
         """The arm for the next round (the best, or a neighbour of it on an exploration round)."""
@@ -481,7 +495,7 @@ class AutoChooser:
         trials = sum(cls.acceptance.reached) + s.service_prior_weight
         prior = upper_bound(cls.acceptance.pooled(0.5, s.service_prior_weight), trials, s.probe_z)
         # target-only's neighbours read positions 1 .. k_min + 1 (the last: a bonus guess's)
-        optimistic = self.acceptance.rates(self.k_min + 1, prior, s.request_prior_weight)
+        optimistic = self.acceptance.rates(self.k_min + 1, prior, cls.spread.weight())
         probes = [Arm(pipeline, self.k_min) for pipeline in self.pipelines]
         rated = {a: self.expected_rate(cls, a, optimistic) for a in probes if self._may_run(cls, a)}
         if not rated:
@@ -609,7 +623,7 @@ class AutoChooser:
         A confidence that says nothing (a suffix match's: 1.0 on nearly every token) leaves the position
         profile as it is. The bins alone rated every such token at the pooled rate (0.8), so the cut
         dropped deep tokens that the repetitive set accepts at 0.85-0.9 once the ones before were."""
-        prior = self.acceptance.pooled(cls.acceptance.pooled(0.5, 2.0), self.policy.settings.request_prior_weight)
+        prior = self.acceptance.pooled(cls.acceptance.pooled(0.5, 2.0), cls.spread.weight())
         bins = cls.calibration.calibrated(confidence, prior)
         level = _logit(cls.calibration.pooled(prior))
         positions = self.rates(cls)
@@ -621,9 +635,19 @@ class AutoChooser:
 
     def observe_verdict(self, cls: ArmCycles, drafted: int, accepted: int, confidence: Sequence[float] = ()) -> None:
         """A verdict: `accepted` of the `drafted` tokens asked for; confidence: of the tokens verified."""
+        if drafted > 0:
+            self._verdicts += min(drafted, accepted + 1)  # the positions reached, as AcceptanceModel counts them
+            self._accepted += min(drafted, accepted)
+            self._cls = cls
         self.acceptance.observe(drafted, accepted)
         cls.acceptance.observe(drafted, accepted)
         cls.calibration.observe(confidence, accepted)
+
+    def finish(self) -> None:
+        """The request ended: its acceptance joins its class's spread of requests."""
+        if self._cls is not None:
+            self._cls.spread.observe(self._verdicts, self._accepted)
+            self._cls = None
 
     def observe_cycle(self, cls: ArmCycles, arm: Arm, cycle_ms: float, hit: bool = False, all_in: bool = False) -> None:
         """A round of `arm` took cycle_ms (its verify out to the next verify out); hit: the next

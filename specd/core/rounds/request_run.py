@@ -151,6 +151,8 @@ class RequestRun:
                 yield record
         finally:
             self._loop.running -= 1
+            if self._chooser is not None:
+                self._chooser.finish()
             if self._ready is not None and self._ready.staged is not None:
                 _drop(self._ready.staged)
             self._loop.close_later(

@@ -6,11 +6,15 @@ the target's own compute (as they report it). Draft and target run as their
 own processes (`specd serve`); the coordinator runs in this process, so its
 round records (with each call's hops, specd.core.transit) and the CPU time of
 its event-loop thread can be read directly. Every stream runs fixed-K rounds
-(or target-only with --draft-length 0) at the given temperature.
+(auto's, K up to --draft-length, with --speculation auto; target-only with
+--draft-length 0) at the given temperature, as one request or as requests of
+--request-tokens tokens one after another.
 
     .venv/bin/python scripts/round_overhead.py                       # emulated h100-tp2-70b, 1 and 32 streams
     .venv/bin/python scripts/round_overhead.py --model sim:h100-8b --streams 1 --rounds 400
     .venv/bin/python scripts/round_overhead.py --target DIR --draft DIR   # real models
+    .venv/bin/python scripts/round_overhead.py --model 'sim:h100-8b,agreement=0' --streams 1 \
+        --speculation auto --pipeline auto --request-tokens 48     # auto's rounds, 48-token requests
     .venv/bin/python scripts/round_overhead.py --streams 1 --profile docs/results/round-profile/t0
 
 --profile DIR attaches py-spy (`--profile-rate` Hz; non-blocking, or pausing the process for

@@ -37,9 +37,8 @@ where the tokens are modelled and the cycle is measured:
   measured cycles exceed their model by; h_p: the pipeline's hit chance from the
   acceptance model (off 0, post-verify P(all K), bonus-match P(all K) a_K,
   spec-cache the mean of P(all K) and 1), corrected by the hits measured per
-  pipeline. o averages over `horizon` rounds and is shrunk by
-  `correction_prior` rounds towards what the drafting families measured
-  together (target-only's towards 0).
+  pipeline. o averages over `horizon` rounds and is shrunk towards 0 by
+  `correction_prior` rounds.
 
 A pipelined arm is chosen over the best arm without one only for an
 expected rate `pipeline_margin` (5%) above it, and is neither chosen nor
@@ -311,12 +310,9 @@ def waited(pipeline: str, verify: float, draft: float, pre_draft: float, hit: fl
     return max(verify, pre) + (1.0 - hit) * draft
 
 
-_TARGET_ONLY_FAMILY = "target-only"
-
-
 def _family(arm: Arm) -> str:
     """What an arm's residual and hit rate are pooled over: its pipeline, or target-only."""
-    return _TARGET_ONLY_FAMILY if arm.k == 0 else arm.pipeline
+    return "target-only" if arm.k == 0 else arm.pipeline
 
 
 @dataclass
@@ -538,21 +534,11 @@ class AutoChooser:
         w = self.policy.settings.correction_prior
         return (measured.value * measured.weight + prior * w) / (measured.weight + w)
 
-    def _correction(self, measured: Estimate | None, prior: float = 0.0) -> float:
-        """A measured correction shrunk towards `prior`: one unlucky round does not condemn a pipeline."""
+    def _correction(self, measured: Estimate | None) -> float:
+        """A measured correction shrunk towards none: one unlucky round does not condemn a pipeline."""
         if measured is None:
-            return prior
-        w = self.policy.settings.correction_prior
-        return (measured.value * measured.weight + prior * w) / (measured.weight + w)
-
-    def _drafting_residual(self, cls: ArmCycles) -> float:
-        """What the drafting families' cycles exceeded their models by, pooled over them, shrunk towards none."""
-        total = weight = 0.0
-        for family, measured in cls.residual_ms.items():
-            if family != _TARGET_ONLY_FAMILY:
-                total += measured.value * measured.weight
-                weight += measured.weight
-        return total / (weight + self.policy.settings.correction_prior)
+            return 0.0
+        return measured.value * measured.weight / (measured.weight + self.policy.settings.correction_prior)
 
     def model_cycle(self, cls: ArmCycles, arm: Arm, rates: Sequence[float]) -> float:
         """The cycle in ms before its family's measured correction (see `waited`)."""
@@ -585,15 +571,8 @@ class AutoChooser:
         return cls.draft_hops_ms.value + mean * k / tokens
 
     def correction(self, cls: ArmCycles, arm: Arm) -> float:
-        """What the arm's family's (pipeline's, or target-only's) cycles exceeded their model by, shrunk towards
-        what the drafting families measured together (target-only's towards none).
-
-        Most of what the model misses (hops, host work) is common to every drafting family: shrunk towards
-        none, a family measured in a few rounds only was rated at its bare model while the others paid their
-        excess, and every exploration of it was followed by a stint of it at a loss (emulated h100-8b,
-        agreement 0.95, T = 0: 13-20 of 65 rounds of post-verify at K = 4, where bonus-match was best)."""
-        prior = 0.0 if arm.k == 0 else self._drafting_residual(cls)
-        return self._correction(cls.residual_ms.get(_family(arm)), prior)
+        """What the arm's family's (pipeline's, or target-only's) cycles exceeded their model by, shrunk towards none."""
+        return self._correction(cls.residual_ms.get(_family(arm)))
 
     def cycle(self, cls: ArmCycles, arm: Arm, rates: Sequence[float]) -> float:
         """The expected cycle in ms: the model plus what its family's rounds measured beyond it."""

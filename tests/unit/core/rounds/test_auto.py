@@ -433,26 +433,3 @@ def test_a_drafts_hops_are_counted_once_whatever_k() -> None:
     rates = chooser.rates(cls)
     assert chooser.model_cycle(cls, Arm(OFF, 1), rates) == pytest.approx(20.0 + 8.0)
     assert chooser.model_cycle(cls, Arm(OFF, 3), rates) == pytest.approx(20.0 + 5.0 + 3 * 3.0)
-
-
-def test_a_family_not_yet_measured_pays_what_the_others_measured() -> None:
-    """What the model misses (hops, host work) is mostly common to the drafting families: one measured in
-    few rounds is shrunk towards their pooled excess, not towards none, so it is not rated at its bare
-    model while the others pay theirs (that ran post-verify in stints after each exploration of it)."""
-    policy = AutoPolicy()
-    chooser = policy.chooser(4, AUTO_PIPELINES, target_only=True)
-    cls = policy.workload(greedy=True, running=1)
-    service = Service(a=0.9)
-    chooser.observe_calls(cls, Arm(BONUS_MATCH, 3), 4, service.verify(3), 3, service.draft(3), 6.0)
-    rates = chooser.rates(cls)
-    for _ in range(40):
-        arm = Arm(BONUS_MATCH, 3)
-        chooser.observe_cycle(cls, arm, chooser.model_cycle(cls, arm, rates) + 2.0)
-    for _ in range(40):
-        chooser.observe_cycle(cls, TARGET_ONLY, chooser.model_cycle(cls, TARGET_ONLY, rates))
-    assert chooser.correction(cls, Arm(BONUS_MATCH, 3)) == pytest.approx(2.0, abs=0.3)
-    assert chooser.correction(cls, Arm(POST_VERIFY, 3)) == pytest.approx(2.0, abs=0.3)  # never measured
-    assert chooser.correction(cls, TARGET_ONLY) == pytest.approx(0.0, abs=0.05)  # its own family only
-    arm = Arm(POST_VERIFY, 3)  # one round of it at its model: shrunk towards the others', not to its one round
-    chooser.observe_cycle(cls, arm, chooser.model_cycle(cls, arm, rates))
-    assert 1.0 < chooser.correction(cls, arm) < 2.0

@@ -548,12 +548,13 @@ class AutoChooser:
         verify = costs.verify[arm.k + 1]
         return waited(arm.pipeline, verify, costs.draft[arm.k], costs.pre_draft[arm.k], self.hit(cls, arm, rates))
 
-    def _cost_table(self, cls: ArmCycles) -> _CostTable:
-        """v(K + 1), d(K) and d(K + 1) for every K the chooser rates, as `cls` measured them now."""
+    def _cost_table(self, cls: ArmCycles, k_top: int = 0) -> _CostTable:
+        """v(K + 1), d(K) and d(K + 1) for every K the chooser rates (and up to k_top), as `cls` measured them now."""
         key = (id(cls), cls.version)
-        if self._costs is None or self._costs[0] != key:
-            ks = range(self.k_max + 2)
-            verify = [_predict(cls.verify_ms, k) or 0.0 for k in range(self.k_max + 3)]
+        k_top = max(self.k_max, k_top)
+        if self._costs is None or self._costs[0] != key or len(self._costs[1].draft) < k_top + 2:
+            ks = range(k_top + 2)
+            verify = [_predict(cls.verify_ms, k) or 0.0 for k in range(k_top + 3)]
             draft = [self._draft_ms(cls, k, verify[k + 1]) for k in ks]
             pre_draft = [self._draft_ms(cls, k + 1, verify[k + 1]) for k in ks]
             self._costs = key, _CostTable(verify, draft, pre_draft)
@@ -604,13 +605,13 @@ class AutoChooser:
             return n
         s = self.policy.settings
         rates = self.calibrated(cls, confidence)
-        draft = self._draft_ms(cls, arm.k, _predict(cls.verify_ms, arm.k + 1) or 0.0)
+        costs = self._cost_table(cls, max(n, arm.k))
+        draft = costs.draft[arm.k]
         residual = self.correction(cls, arm)
         best_n, best_rate = n, -1.0
         for i in range(1, n + 1):
             hit = self.hit(cls, Arm(arm.pipeline, i), rates)
-            verify = _predict(cls.verify_ms, i + 1) or 0.0
-            cycle = waited(arm.pipeline, verify, draft, self._draft_ms(cls, i + 1, verify), hit) + residual
+            cycle = waited(arm.pipeline, costs.verify[i + 1], draft, costs.pre_draft[i], hit) + residual
             rate = arm_tokens(Arm(arm.pipeline, i), rates) / max(cycle, 1e-6)
             if rate > best_rate * (1.0 + s.cut_margin):  # a longer proposal must pay clearly
                 best_n, best_rate = i, rate

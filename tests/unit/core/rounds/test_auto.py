@@ -325,6 +325,8 @@ def test_the_cached_rates_and_costs_follow_every_observation() -> None:
         assert chooser.rates(cls) == rates
         for a in [*chooser.neighbours(arm), arm]:
             assert chooser.expected_rate(cls, a, rates) == fresh.expected_rate(cls, a, rates)
+            confidence = [0.9, 0.4, 0.8, 0.3, 0.7, 0.5][: a.k]
+            assert chooser.cut(cls, a, confidence) == fresh.cut(cls, a, confidence)
 
     for _ in range(60):
         arm = chooser.choose(cls)

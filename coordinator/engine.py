@@ -111,6 +111,7 @@ class RoundEngine:
                 target_timeout_s=config.target_timeout_s,
                 draft_retry_s=config.draft_retry_s,
                 branch_budget=config.branch_budget,
+                adapt_branch_budget=config.adapt_branch_budget,
             ),
         )
         self.target_info: common_pb2.ModelInfo | None = None

@@ -46,6 +46,7 @@ from measure_args import ints
 from coordinator.client import build_request
 from coordinator.server import create_server
 from specd.core.rounds.record import RoundRecord
+from specd.core.rounds.steps import DEFAULT_BRANCH_BUDGET
 from specd.core.transit import HOPS
 from specd.serving.config import CoordinatorConfig
 from specd.serving.server import run_event_loop
@@ -150,7 +151,14 @@ async def measure(args: argparse.Namespace) -> list[dict[str, object]]:
     out: list[dict[str, object]] = []
     try:
         addresses = [p.wait_ready(300) for p in peers]
-        config = CoordinatorConfig(target=addresses[0], draft=addresses[1], tokenizer=args.target, port=0)
+        config = CoordinatorConfig(
+            target=addresses[0],
+            draft=addresses[1],
+            tokenizer=args.target,
+            port=0,
+            branch_budget=args.branch_budget,
+            adapt_branch_budget=not args.fixed_branch_budget,
+        )
         handle, engine = await create_server(config)
         await handle.server.start()
         async with grpc.aio.insecure_channel(f"127.0.0.1:{handle.port}") as channel:
@@ -226,6 +234,15 @@ def main() -> None:
     parser.add_argument("--temperature", type=float, default=0.0)
     parser.add_argument(
         "--pipeline", default="off", help="the requests' pipeline: off, bonus-match, post-verify, spec-cache, auto"
+    )
+    parser.add_argument(
+        "--branch-budget",
+        type=int,
+        default=DEFAULT_BRANCH_BUDGET,
+        help="spec-cache: the most verdicts pre-drafted per round",
+    )
+    parser.add_argument(
+        "--fixed-branch-budget", action="store_true", help="spec-cache: always --branch-budget verdicts (no adapting)"
     )
     parser.add_argument("--json", default="", help="also write the figures here")
     parser.add_argument("--profile", default="", help="py-spy each process into this folder (see above)")

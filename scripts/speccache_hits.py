@@ -44,6 +44,7 @@ def run(spec: str, temperature: float, k: int, pipeline: str, budget: int, reque
         max_new_tokens=new_tokens,
         pipeline=pipeline,
         branch_budget=max(1, budget),
+        adapt_branch_budget=False,  # the hits of exactly this budget
     )
     drafts = sum(r.stats.drafts for r in results)
     hits = sum(r.stats.pipeline_hits for r in results)

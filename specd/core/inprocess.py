@@ -177,6 +177,7 @@ def speculative_generate(
     speculation: str = "fixed",
     pipeline: str = "off",
     branch_budget: int = DEFAULT_BRANCH_BUDGET,
+    adapt_branch_budget: bool = True,
     tenant: str = "",
     tree_budget: int = 0,
 ) -> GenerationResult:
@@ -187,7 +188,8 @@ def speculative_generate(
 
     speculation: fixed (K = draft_length) or auto (adaptive K up to draft_length);
     pipeline: off | bonus-match | post-verify | spec-cache (specd.core.rounds.pipeline), the
-    latter with branch_budget branches per round. tenant: whose learned draft state the
+    latter with at most branch_budget branches per round (always that many without
+    adapt_branch_budget: specd.core.rounds.branch_budget). tenant: whose learned draft state the
     request may use (specd.core.draft.tenant_index; "": none).
     """
     return speculative_generate_batch(
@@ -202,6 +204,7 @@ def speculative_generate(
         speculation=speculation,
         pipeline=pipeline,
         branch_budget=branch_budget,
+        adapt_branch_budget=adapt_branch_budget,
         tenant=tenant,
         tree_budget=tree_budget,
     )[0]
@@ -220,6 +223,7 @@ def speculative_generate_batch(
     speculation: str = "fixed",
     pipeline: str = "off",
     branch_budget: int = DEFAULT_BRANCH_BUDGET,
+    adapt_branch_budget: bool = True,
     tenant: str = "",
     tree_budget: int = 0,
 ) -> list[GenerationResult]:
@@ -255,7 +259,7 @@ def speculative_generate_batch(
         )
 
     async def run_all() -> list[GenerationResult]:
-        settings = LoopSettings(branch_budget=branch_budget)
+        settings = LoopSettings(branch_budget=branch_budget, adapt_branch_budget=adapt_branch_budget)
         loop = RoundLoop(LocalTarget(verifier), LocalDraft(drafter) if drafter is not None else None, settings)
         runs = [loop.run(s, max_context=verifier.runner.max_context, session_id=sid) for s, sid in zip(specs, ids)]
         t0 = time.perf_counter()

@@ -340,7 +340,12 @@ class CoordinatorConfig(ServiceBase):
     branch_budget: int = _opt(
         DEFAULT_BRANCH_BUDGET,
         "spec-cache pipelining: the likeliest verdicts of each round the draft pre-drafts the next round for "
-        f"(one batched pass; 1..{MAX_BRANCH_BUDGET})",
+        f"(one batched pass; 1..{MAX_BRANCH_BUDGET}); the most, with --adapt-branch-budget",
+    )
+    adapt_branch_budget: bool = _opt(
+        True,
+        "spec-cache pipelining: per round, as few branches as pay (measured: the branch call's and the "
+        "verify's latency, the hits; --no-adapt-branch-budget: always --branch-budget)",
     )
     default_max_new_tokens: int = _opt(128, "max_new_tokens when a request sets none")
     max_new_tokens_limit: int = _opt(4096, "largest max_new_tokens a request may ask for")

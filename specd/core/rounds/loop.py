@@ -30,6 +30,7 @@ import time
 from collections.abc import Sequence
 
 from specd.core.rounds.auto import AutoPolicy
+from specd.core.rounds.branch_budget import BranchBudgets
 from specd.core.rounds.port_sessions import DraftSession, TargetSession
 from specd.core.rounds.ports import DraftPort, NoObserver, RoundObserver, TargetPort
 from specd.core.rounds.request_run import RequestRun
@@ -54,6 +55,7 @@ class RoundLoop:
         self.draft = draft
         self.settings = settings or LoopSettings()
         self.auto = AutoPolicy()
+        self.branch_budgets = BranchBudgets()  # spec-cache's measurements per workload class
         self.running = 0  # requests whose rounds are running (auto's workload class)
         self._draft_down_until = 0.0
         self._background: set[asyncio.Task[None]] = set()

@@ -35,12 +35,14 @@ drafts all of them in one batched pass (SpecCache, specd.core.draft.branching).
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
 from specd.core.errors import InvalidArgument
 from specd.core.rounds.adaptive import PositionAcceptance
+from specd.core.rounds.branch_budget import BranchBudgets
 from specd.core.rounds.steps import DEFAULT_BRANCH_BUDGET, MAX_BRANCH_BUDGET, VerifyOutcome
 from specd.core.sampling.proposal import Proposal
 
@@ -209,32 +211,44 @@ class SpecCache:
 
     name = "spec-cache"
 
-    def __init__(self, budget: int = DEFAULT_BRANCH_BUDGET) -> None:
+    def __init__(
+        self, budget: int = DEFAULT_BRANCH_BUDGET, budgets: BranchBudgets | None = None, greedy: bool = True
+    ) -> None:
         if not 1 <= budget <= MAX_BRANCH_BUDGET:
             raise InvalidArgument(f"the branch budget must be in 1..{MAX_BRANCH_BUDGET}, got {budget}")
-        self.budget = budget
+        self.budget = budget  # the most branches a call asks for; `budgets` may choose fewer per round
         self.acceptance = PositionAcceptance()
+        self._budgets = budgets  # the service's measurements (specd.core.rounds.branch_budget); None: always `budget`
+        self._greedy = greedy
         self._task: asyncio.Task[list[PreDraft]] | None = None
         self._drafted = 0  # draft tokens of the round whose verdict settle will see
+        self._asked = 0  # branches the round's call asked for
+        self._sent_at = 0.0  # perf_counter() when the call went out
+        self._replied_ms: float | None = None  # its latency, once it answered
 
     def defers_bonus(self, rnd: PipelineRound) -> bool:
         return False
 
     def launch(self, rnd: PipelineRound) -> int:
-        """One branch call; returns the budget (the draft decides how many of them it drafts)."""
+        """One branch call; returns its budget (the draft decides how many of them it drafts)."""
         self._drafted = len(rnd.proposal)
         if not self._drafted or rnd.next_k <= 0:
             return 0
         rates = self.acceptance.rates(self._drafted)
-        self._task = asyncio.ensure_future(self._branches(rnd, rates))
-        return self.budget
+        cls = self._budgets.workload(self._greedy, self._drafted) if self._budgets is not None else None
+        self._asked = cls.choose(self.budget) if cls is not None else self.budget
+        self._sent_at, self._replied_ms = time.perf_counter(), None
+        self._task = asyncio.ensure_future(self._branches(rnd, rates, self._asked))
+        return self._asked
 
-    async def _branches(self, rnd: PipelineRound, rates: Sequence[float]) -> list[PreDraft]:
-        pre_drafts = await rnd.draft_branches(self.budget, rates, rnd.next_k)
+    async def _branches(self, rnd: PipelineRound, rates: Sequence[float], budget: int) -> list[PreDraft]:
+        pre_drafts = await rnd.draft_branches(budget, rates, rnd.next_k)
+        self._replied_ms = (time.perf_counter() - self._sent_at) * 1e3
         rnd.stage(pre_drafts)
         return pre_drafts
 
     async def settle(self, verdict: VerifyOutcome | None) -> list[PreDraft]:
+        verify_ms = (time.perf_counter() - self._sent_at) * 1e3
         if verdict is not None and self._drafted:
             self.acceptance.observe(self._drafted, verdict.accepted)
         task, self._task = self._task, None
@@ -245,16 +259,30 @@ class SpecCache:
             await asyncio.gather(task, return_exceptions=True)
             return []
         try:
-            return await task
+            pre_drafts = await task
         finally:
             task.cancel()  # no-op once done; a request cancelled meanwhile cancels its branch call
+        self._measured(verdict, verify_ms, pre_drafts)
+        return pre_drafts
+
+    def _measured(self, verdict: VerifyOutcome, verify_ms: float, pre_drafts: list[PreDraft]) -> None:
+        """The round's latencies and which branch held its verdict, to the service's budget measurements."""
+        if self._budgets is None:
+            return
+        branches = [(len(p.extension) - 1, p.extension[-1]) for p in pre_drafts if p.extension]
+        held = None if verdict.deferred else (verdict.accepted, verdict.token_id)
+        replied = self._replied_ms if pre_drafts else None  # an empty answer: the draft failed or had no room
+        cls = self._budgets.workload(self._greedy, self._drafted)
+        cls.observe(self._asked, verify_ms, replied, branches, held, self._drafted)
 
 
 @dataclass(frozen=True)
 class PipelineSettings:
     """What strategies are built with (the coordinator's settings)."""
 
-    branch_budget: int = DEFAULT_BRANCH_BUDGET  # spec-cache: branches per round
+    branch_budget: int = DEFAULT_BRANCH_BUDGET  # spec-cache: the most branches per round
+    budgets: BranchBudgets | None = None  # spec-cache: the service's budget measurements (None: always the most)
+    greedy: bool = True  # the request's sampling (its budget's workload class)
 
 
 # Name (as requests and the coordinator's --pipeline say it) -> a factory of fresh strategies.
@@ -262,7 +290,7 @@ PIPELINES: dict[str, Callable[[PipelineSettings], PipelineStrategy]] = {
     Off.name: lambda _: Off(),
     BonusMatch.name: lambda _: BonusMatch(),
     PostVerify.name: lambda _: PostVerify(),
-    SpecCache.name: lambda settings: SpecCache(settings.branch_budget),
+    SpecCache.name: lambda settings: SpecCache(settings.branch_budget, settings.budgets, settings.greedy),
 }
 
 

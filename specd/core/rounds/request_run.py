@@ -19,6 +19,7 @@ from typing import Any, Protocol, TypeVar
 
 from specd.core.errors import REQUEST_ERRORS, DeadlineExceeded, ProposalRefused, ResourceExhausted, SpecdError
 from specd.core.rounds.auto import PIPELINE_AUTO, Arm, ArmCycles, AutoChooser, AutoPolicy
+from specd.core.rounds.branch_budget import BranchBudgets
 from specd.core.rounds.generation import FinishReason, Generation, StopRule
 from specd.core.rounds.pipeline import (
     AUTO_PIPELINES,
@@ -51,6 +52,7 @@ class RoundService(Protocol):
     draft: DraftPort | None
     settings: LoopSettings
     auto: AutoPolicy
+    branch_budgets: BranchBudgets
     running: int  # requests whose rounds are running (auto's workload class)
 
     async def draft_usable(self) -> bool: ...
@@ -104,7 +106,11 @@ class RequestRun:
         self._stop = stop
         self._observer = observer
         speculating = spec.speculation != "off"
-        self._pipeline_settings = PipelineSettings(branch_budget=loop.settings.branch_budget)
+        self._pipeline_settings = PipelineSettings(
+            branch_budget=loop.settings.branch_budget,
+            budgets=loop.branch_budgets if loop.settings.adapt_branch_budget else None,
+            greedy=spec.params.is_greedy,
+        )
         self._strategies: dict[str, PipelineStrategy] = {}  # by name: each holds this request's pre-draft state
         auto_pipeline = spec.pipeline == PIPELINE_AUTO
         self._chooser: AutoChooser | None = None

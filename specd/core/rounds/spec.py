@@ -35,4 +35,6 @@ class LoopSettings:
     target_timeout_s: float = 30.0  # per target call, and the retry budget after a first failure
     draft_retry_s: float = 2.0  # after a draft failure, rounds are target-only this long
     close_timeout_s: float = 2.0
-    branch_budget: int = DEFAULT_BRANCH_BUDGET  # spec-cache pipelining: verdicts pre-drafted per round
+    branch_budget: int = DEFAULT_BRANCH_BUDGET  # spec-cache pipelining: the most verdicts pre-drafted per round
+    # Fewer when more would not pay (specd.core.rounds.branch_budget); False: always branch_budget.
+    adapt_branch_budget: bool = True

@@ -23,7 +23,10 @@ def spec_cache_run(
     n: int, branches: int, draft: FakeDraft | None = None, **settings
 ) -> tuple[RequestRun, list[RoundRecord], FakeTarget, FakeDraft]:
     target, draft = FakeTarget(), draft or FakeDraft()
-    loop_settings = LoopSettings(**{"draft_retry_s": 0.0, "branch_budget": branches, **settings})
+    # Exactly `branches` per call unless a test asks for the adapted budget (test_branch_budget.py).
+    loop_settings = LoopSettings(
+        **{"draft_retry_s": 0.0, "branch_budget": branches, "adapt_branch_budget": False, **settings}
+    )
     r, records, _ = run(spec(n, pipeline="spec-cache"), target, draft, settings=loop_settings)
     return r, records, target, draft
 

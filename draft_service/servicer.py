@@ -73,6 +73,8 @@ class DraftServicer(
             drafter, executor, info, tracing=tracing, metrics=metrics, max_batch=max_batch, batch_wait_s=batch_wait_s
         )
         self.max_draft_tokens = max_draft_tokens
+        # A model drafter keeps its next branch call's ranking rows ready while nothing is queued.
+        self.batcher.idle = getattr(drafter, "idle", None)
 
     def step_request(self, req: draft_pb2.DraftRequest) -> Work:
         if req.WhichOneof("op") == "tree":  # a tree's nodes are its draft tokens: the same limit

@@ -13,6 +13,11 @@ request waits for another session longer than one batch's run (the bound).
 
 `max_batch = 1` turns batching off (one request per call, as before).
 
+`idle` (optional): called on the model thread when the queue is empty, again
+while it returns True and nothing has arrived (the draft's head start on its
+next branch call, specd.core.draft.model_drafter.ModelDrafter.idle). A request
+arriving meanwhile waits for the call under way, then runs.
+
 handle_batch may answer a request with LATER: it keeps the request and answers
 it itself, through the request's Deliver, once it can (the target's staged
 verifies wait for a verdict this way).
@@ -66,6 +71,7 @@ class MicroBatcher(Generic[Req, Resp]):
         max_batch: int = 32,
         max_wait_s: float = 0.0,
         expected: Callable[[], int] | None = None,
+        idle: Callable[[], bool] | None = None,
     ) -> None:
         if max_batch < 1:
             raise ValueError(f"max_batch must be >= 1 (got {max_batch})")
@@ -76,6 +82,7 @@ class MicroBatcher(Generic[Req, Resp]):
         self.max_batch = max_batch
         self.max_wait_s = max_wait_s
         self._expected = expected
+        self.idle = idle  # work for the model thread when nothing is queued; True: it did some, ask again
         self._lock = threading.Lock()
         self._arrived = threading.Condition(self._lock)
         self._queue: deque[tuple[Req, Deliver[Req, Resp]]] = deque()
@@ -141,15 +148,23 @@ class MicroBatcher(Generic[Req, Resp]):
             return len(self._queue)
 
     def _drain(self) -> None:
-        """Run batches until the queue is empty (on the model thread)."""
+        """Run batches until the queue is empty, then the idle work until it has none (on the model thread)."""
+        idle_done = False
         while True:
             with self._lock:
                 if not self._queue:
-                    self._scheduled = False
-                    return
-                self._wait_for_more()
-                n = min(len(self._queue), self.max_batch)
-                batch = [self._queue.popleft() for _ in range(n)]
+                    if self.idle is None or idle_done:
+                        self._scheduled = False
+                        return
+                    batch = []
+                else:
+                    self._wait_for_more()
+                    n = min(len(self._queue), self.max_batch)
+                    batch = [self._queue.popleft() for _ in range(n)]
+            if not batch:
+                idle_done = not self._run_idle()
+                continue
+            idle_done = False
             requests = [r for r, _ in batch]
             results: Sequence[Resp | Later | BaseException]
             try:
@@ -160,6 +175,15 @@ class MicroBatcher(Generic[Req, Resp]):
                 log.exception("batch of %d failed", len(requests))
                 results = [exc] * len(requests)
             self._deliver([(r, d, result) for (r, d), result in zip(batch, results) if result is not LATER])
+
+    def _run_idle(self) -> bool:
+        """One call of the idle work; False when it had none (or failed: it is only a head start)."""
+        assert self.idle is not None
+        try:
+            return bool(self.idle())
+        except Exception:  # the model thread goes on serving
+            log.exception("idle work failed")
+            return False
 
     @staticmethod
     def _deliver(answered: Sequence[tuple[Req, Deliver[Req, Resp], Any]]) -> None:

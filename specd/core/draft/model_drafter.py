@@ -9,6 +9,7 @@ fork of the session's cache, all of them rows of the same forward passes.
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -22,6 +23,7 @@ from specd.core import phases as ph
 from specd.core.draft.branching import BranchChoice, Ranking, calibrated_greedy, select_branches, top_ranking
 from specd.core.draft.growing_draft import GrowingDraft
 from specd.core.draft.protocol import propose_one
+from specd.core.draft.ranking_rows import RankingRows
 from specd.core.errors import Internal, InvalidArgument, SessionNotFound
 from specd.core.model.pool import BatchRun, PooledModel, PoolLimits, Ready
 from specd.core.model.reduced_head import check_token_map
@@ -45,6 +47,11 @@ from specd.core.sampling.proposal import Proposal
 from specd.core.sampling.sampler import UNUSABLE_LOGITS, SamplingParams
 from specd.core.sampling.sparse_q import QSettings
 
+log = logging.getLogger(__name__)
+
+_IDLE_ROWS = 32  # sequences per idle pass: what a request arriving meanwhile may wait behind
+_BRANCHING_PROPOSES = 2  # proposes after a branch call during which idle() keeps the bonus row ready
+
 
 def _common(a: Sequence[int], b: Sequence[int]) -> int:
     """Length of the common prefix of a and b."""
@@ -64,6 +71,10 @@ class _ModelDraftSession:
     # A branch call's forks (each a sequence of its own), kept until the session's next call:
     branches: list[_ModelDraftSession] = field(default_factory=list)
     fork_at: int = 0  # tokens kv and every branch share (the committed prefix of the branch call)
+    # The rows it drafted from, for its next branch call's ranking (specd.core.draft.ranking_rows);
+    # with `branching` > 0 (a branch call lately) the draft adds the bonus row when idle.
+    rows: RankingRows = field(default_factory=RankingRows)
+    branching: int = 0  # proposes left during which idle() keeps the bonus row ready (a branch call sets it)
 
 
 _Key = tuple[int, ...]  # a drafting row: (request index,) for a propose, (request index, branch) for a branch
@@ -75,6 +86,7 @@ class _BranchPass:
 
     request: BranchRequest
     steps: int  # draft tokens per branch
+    ranked: bool = False  # chosen from kept rows before the first pass (no step reading the pending positions)
     choices: list[BranchChoice] = field(default_factory=list)
     forks: list[_ModelDraftSession] = field(default_factory=list)  # parallel to choices
 
@@ -110,6 +122,7 @@ class ModelDrafter(PooledModel[_ModelDraftSession]):
             raise InvalidArgument(f"wire_top_k must be >= 0 (0: q by mass), got {wire_top_k}")
         self.q = (q or QSettings()).validate()
         self.default_q = QSettings.top_k(wire_top_k, self.q.bits) if wire_top_k else self.q
+        self._ranked: dict[int, Tensor] = {}  # id(session) -> its branch call's ranking rows, read from kept rows
 
     def open(
         self, session_id: str, token_ids: Sequence[int], params: SamplingParams, wire_top_k: int = 0, tenant: str = ""
@@ -141,6 +154,33 @@ class ModelDrafter(PooledModel[_ModelDraftSession]):
         return self._pool.kv_bytes() + sum(self.runner.kv_bytes(b.kv) for s in self._pool.values() for b in s.branches)
 
     @torch.inference_mode()
+    def idle(self) -> bool:
+        """While nothing is queued: the bonus row of sequences a branch call may rank next; True if it ran a pass.
+
+        A session that made a branch call lately, and each of its branches, has the rows of the
+        tokens it drafted (specd.core.draft.ranking_rows); one forward over their last tokens adds
+        the row after them, so the next branch call ranks without reading the pending positions
+        again. At most _IDLE_ROWS sequences a pass; the caller asks again while nothing else waits.
+        """
+        due: list[_ModelDraftSession] = []
+        for s in self._pool.values():
+            if s.branching > 0:
+                due.extend(q for q in (s, *s.branches) if q.rows.rows and q.rows.end == len(q.kv.tokens))
+        if not due:
+            return False
+        due = due[:_IDLE_ROWS]
+        try:
+            out = self.runner.logits_batch([q.kv for q in due], [1] * len(due))
+        except Exception:  # noqa: BLE001 - only a head start: the branch call reads the rows itself then
+            log.debug("the idle pass for branch rows failed", exc_info=True)
+            for q in due:
+                q.rows.rewound(-1)
+            return True
+        for q, logits in zip(due, out):
+            q.rows.keep(len(q.kv.tokens), logits[-1])
+        return True
+
+    @torch.inference_mode()
     def draft_batch(self, requests: Sequence[DraftWork]) -> list[DraftResult | Exception]:
         """Draft for many sessions at once: step i runs one forward over every row still drafting.
 
@@ -159,6 +199,7 @@ class ModelDrafter(PooledModel[_ModelDraftSession]):
         """
         drafted: dict[_Key, GrowingDraft] = {}
         branched: dict[int, _BranchPass] = {}
+        self._ranked.clear()
         run = self._pool.run_batch(
             requests,
             self._prepare_any,
@@ -196,6 +237,7 @@ class ModelDrafter(PooledModel[_ModelDraftSession]):
         check_num_tokens(req.num_tokens)
         s = self._pool.get(req.session_id)
         self._sync(s, req.committed_length, req.start, req.tail)
+        s.branching = max(0, s.branching - 1)
         n = min(req.num_tokens, self.runner.max_context - req.committed_length)
         if n < 1:
             raise InvalidArgument("the session fills the draft model's context; nothing left to draft")
@@ -217,8 +259,16 @@ class ModelDrafter(PooledModel[_ModelDraftSession]):
             raise InvalidArgument(f"acceptance needs {req.pending} rates in [0, 1], one per pending token, or none")
         s = self._pool.get(req.session_id)
         self._sync(s, req.committed_length, req.start, req.tail)
+        s.branching = _BRANCHING_PROPOSES
         n = min(req.num_tokens, self.runner.max_context - req.committed_length - 1)  # the bonus branch is longest
-        return s, (n + 1 if n >= 1 else 0)
+        if n < 1:
+            return s, 0
+        # The pending positions' rows and the bonus row, if the sequence kept them: no reading step.
+        rows = s.rows.span(req.committed_length - req.pending, req.pending + 1)
+        if rows is None:
+            return s, n + 1
+        self._ranked[id(s)] = rows
+        return s, n
 
     def _sync(self, s: _ModelDraftSession, committed_length: int, start: int, tail: Sequence[int]) -> None:
         """Bring the session to its prefix, adopting the branch that holds the most of it (no recompute).
@@ -239,7 +289,9 @@ class ModelDrafter(PooledModel[_ModelDraftSession]):
             if kept is not s.kv:
                 self.runner.release(s.kv)
                 s.kv = kept
+                s.rows = next(b.rows for b in s.branches if b.kv is kept)  # the rows it drafted from
             self._drop_branches(s, keep=kept)
+        s.rows.rewound(start + _common(s.kv.tokens[start:], tail))  # rows after a changed token are stale
         self.runner.splice(s.kv, start, tail)
 
     def _drop_branches(self, s: _ModelDraftSession, keep: KVSession | None = None) -> None:
@@ -275,13 +327,21 @@ class ModelDrafter(PooledModel[_ModelDraftSession]):
 
         Returns {request index: error} for the requests that could not be sampled: they drop out alone.
         """
+        failed: dict[int, Exception] = {}
         for r in part:
             req = requests[r.index]
-            if isinstance(req, BranchRequest):
-                branched[r.index] = _BranchPass(req, max(0, r.extra - 1))
-            else:
+            if not isinstance(req, BranchRequest):
                 drafted[(r.index,)] = GrowingDraft()
-        failed: dict[int, Exception] = {}
+                continue
+            kept = self._ranked.pop(id(r.session), None)
+            if kept is None:  # step 0 reads the pending positions, then the branches draft
+                branched[r.index] = _BranchPass(req, max(0, r.extra - 1))
+                continue
+            ranked = branched[r.index] = _BranchPass(req, r.extra, ranked=True)  # ranked from kept rows now
+            try:
+                self._choose_branches(r.index, r.session, kept, ranked, drafted)
+            except Exception as exc:  # noqa: BLE001 - this request's rows could not be ranked: it alone fails
+                failed[r.index] = exc
         for step in range(max((r.extra for r in part), default=0)):
             rows: list[tuple[_Key, _ModelDraftSession]] = []
             parents: list[tuple[int, _ModelDraftSession]] = []
@@ -291,7 +351,7 @@ class ModelDrafter(PooledModel[_ModelDraftSession]):
                 bp = branched.get(r.index)
                 if bp is None:
                     rows.append(((r.index,), r.session))
-                elif step == 0:
+                elif step == 0 and not bp.ranked:
                     parents.append((r.index, r.session))
                 else:
                     rows.extend(((r.index, b), fork) for b, fork in enumerate(bp.forks))
@@ -315,6 +375,10 @@ class ModelDrafter(PooledModel[_ModelDraftSession]):
         t0 = time.time_ns()
         num_last = [1] * len(active) + [branched[i].request.pending + 1 for i, _ in parents]
         out = self.runner.logits_batch([s.kv for _, s in active] + [s.kv for _, s in parents], num_last)
+        for (_, s), logits in zip(active, out):  # [1, V]: the row this step's token is drawn from
+            s.rows.keep(len(s.kv.tokens), logits[-1])
+        for (i, s), logits in zip(parents, out[len(active) :]):  # [pending + 1, V]
+            s.rows.keep_all(len(s.kv.tokens) - branched[i].request.pending, logits)
         t1 = time.time_ns()
         failed = self._sample_step(active, out[: len(active)], drafted) if active else {}
         for (i, s), logits in zip(parents, out[len(active) :]):  # logits [pending + 1, V]

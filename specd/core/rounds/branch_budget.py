@@ -49,6 +49,7 @@ class BranchBudgetSettings:
     explore_every: int = 16  # then one round in this many runs twice the choice (half of it at the budget)
     forget: float = 0.98  # per round: the hit counts' and the call fit's memory (~50 rounds)
     verify_horizon: float = 32.0  # the verify latency's running mean (Estimate horizon)
+    held_prior: float = 2.0  # rounds a budget's hit share is shrunk towards the next smaller budget's by
 
 
 def would_hold(index: int, budget: int, first_all_accepted: int | None) -> bool:
@@ -109,12 +110,14 @@ class BranchBudgetClass:
     def held(self, budget: int) -> float:
         """h(budget): the share of verdicts `budget` branches held, over the rounds that tell.
 
-        A budget above every one run lately takes the largest measured share below it (its
-        extra branches unproven); never less than a smaller budget's share."""
+        Each budget's share is shrunk towards the one below it by `held_prior` rounds, so a
+        budget run in few rounds (an exploration or two) is not taken at its luckiest; a
+        budget above every one run lately takes the share below it (its extra branches
+        unproven). Never less than a smaller budget's share."""
         share = 0.0
+        m = self.settings.held_prior
         for b in range(1, min(budget, MAX_BRANCH_BUDGET) + 1):
-            if self._seen[b] >= 0.5:
-                share = max(share, self._held[b] / self._seen[b])
+            share = max(share, (self._held[b] + m * share) / (self._seen[b] + m))
         return share
 
     def observe(

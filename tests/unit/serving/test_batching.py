@@ -151,6 +151,43 @@ def test_micro_batcher_batches_what_waits_in_order() -> None:
     assert seen == [[0], [1, 2, 3], [4, 5]]
 
 
+def test_micro_batcher_runs_idle_work_between_batches_and_requests_wait_only_for_one_call() -> None:
+    """With the queue empty the model thread calls idle() while it has work; a request arriving meanwhile
+    runs right after the call under way; a failing idle() is logged and serving goes on."""
+    events: list[str] = []
+    left = [3]  # idle calls with work before it has none
+    in_idle = threading.Event()
+    release = threading.Event()
+
+    def idle() -> bool:
+        events.append("idle")
+        if left[0] == 3:
+            in_idle.set()
+            release.wait(5)  # a request arrives during this call
+        left[0] -= 1
+        if left[0] < 0:
+            raise RuntimeError("idle broke")
+        return left[0] > 0
+
+    def handle(batch: list[int]) -> list[int]:
+        events.append(f"batch {batch}")
+        return [x * 10 for x in batch]
+
+    with ThreadPoolExecutor(max_workers=1) as pool:
+        batcher: MicroBatcher[int, int] = MicroBatcher(handle, pool, idle=idle)
+        assert batcher.submit_one(1).result(5) == 10
+        assert in_idle.wait(5)
+        second = batcher.submit_one(2)
+        release.set()
+        assert second.result(5) == 20
+        pool.submit(lambda: None).result(5)  # the drain has finished
+        assert batcher.submit_one(3).result(5) == 30
+        pool.submit(lambda: None).result(5)
+    # after batch [1]: the first idle call (holding [2] up), then [2], then idle until it has none;
+    # after [3]: idle() raises, which ends that drain (logged)
+    assert events == ["batch [1]", "idle", "batch [2]", "idle", "idle", "batch [3]", "idle"]
+
+
 def test_micro_batcher_fails_every_request_of_a_failed_batch() -> None:
     def handle(batch: list[int]) -> list[int]:
         raise RuntimeError("model thread fell over")

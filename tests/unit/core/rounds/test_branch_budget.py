@@ -90,10 +90,11 @@ def test_the_budget_follows_what_a_branch_costs_against_the_verify(
 
 def test_a_class_warms_up_on_two_budgets_then_explores_around_its_choice() -> None:
     cls = BranchBudgetClass(BranchBudgetSettings(warmup=8, explore_every=16))
-    chosen = _simulate(cls, 8, 9.0, 6.8, 1.15, rounds=64)
+    chosen = _simulate(cls, 8, 9.0, 6.8, 1.15, rounds=63)
     assert chosen[:8] == [8, 4] * 4  # two branch counts identify the call's slope
     best = cls.best(8)
-    assert best is not None and chosen[63] == min(8, 2 * best)  # round 64: an exploration above the choice
+    assert best is not None and best < 8
+    assert cls.choose(8) == min(8, 2 * best)  # round 64: an exploration above the choice
     assert cls.choose(1) == 1  # a budget of one is no choice
 
 

@@ -1,0 +1,65 @@
+"""The logits rows a draft sequence already computed, kept for its next branch call's ranking.
+
+A speculation cache's branch call ranks the verdicts of the K tokens being
+verified by the draft's rows at their positions and at the one after them
+(specd.core.draft.branching). The first K are the rows the draft sampled those
+very tokens from; only the last (the bonus position, after the last pending
+token) is new. So a sequence keeps the rows of the tokens it drafts, the draft
+computes the bonus row while it is idle (the target is verifying), and the
+branch call then ranks without a forward pass: K draft passes instead of
+K + 1, which is what lets its branches reach the target before the verdict on
+the emulated 70B pair (docs/results/round-profile.md).
+
+Row i predicts the token at position `start + i` and depends on the tokens
+before it only, so rows stay valid while the sequence keeps those tokens:
+`rewound(position)` drops the rows after the first position a sync changed.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor
+
+
+@dataclass
+class RankingRows:
+    """Consecutive logits rows of one sequence: rows[i] [V] predicts the token at position start + i."""
+
+    start: int = 0
+    rows: list[Tensor] = field(default_factory=list)
+
+    @property
+    def end(self) -> int:
+        """One past the last position a row predicts."""
+        return self.start + len(self.rows)
+
+    def keep(self, position: int, row: Tensor) -> None:
+        """The row predicting `position` (its predecessors' rows stay if they are consecutive with it)."""
+        if not self.rows or position != self.end:
+            if self.start <= position < self.end:
+                del self.rows[position - self.start :]
+            else:
+                self.start, self.rows = position, []
+        self.rows.append(row)
+
+    def keep_all(self, position: int, rows: Tensor) -> None:
+        """Rows [n, V] predicting positions position .. position + n - 1."""
+        for i in range(rows.shape[0]):
+            self.keep(position + i, rows[i])
+
+    def rewound(self, unchanged: int) -> None:
+        """The sequence's first `unchanged` tokens are as before, the rest may not be: keep the rows that
+        predict positions <= unchanged (each depends only on the tokens before its position)."""
+        keep = unchanged - self.start + 1
+        if keep <= 0:
+            self.rows = []
+        elif keep < len(self.rows):
+            del self.rows[keep:]
+
+    def span(self, first: int, count: int) -> Tensor | None:
+        """Rows predicting positions first .. first + count - 1 as [count, V], or None if any is missing."""
+        if count < 1 or first < self.start or first + count > self.end:
+            return None
+        return torch.stack(self.rows[first - self.start : first - self.start + count])

@@ -376,7 +376,8 @@ class ModelDrafter(PooledModel[_ModelDraftSession]):
         num_last = [1] * len(active) + [branched[i].request.pending + 1 for i, _ in parents]
         out = self.runner.logits_batch([s.kv for _, s in active] + [s.kv for _, s in parents], num_last)
         for (_, s), logits in zip(active, out):  # [1, V]: the row this step's token is drawn from
-            s.rows.keep(len(s.kv.tokens), logits[-1])
+            if s.branching > 0:  # a sequence a branch call may rank next: keep it
+                s.rows.keep(len(s.kv.tokens), logits[-1])
         for (i, s), logits in zip(parents, out[len(active) :]):  # [pending + 1, V]
             s.rows.keep_all(len(s.kv.tokens) - branched[i].request.pending, logits)
         t1 = time.time_ns()
@@ -498,7 +499,7 @@ class ModelDrafter(PooledModel[_ModelDraftSession]):
             self.runner.truncate(kv, base + choice.accepted)
             self.runner.append(kv, [choice.token_id])
             self._pool.reserve(kv, len(kv) + bp.steps)  # the drafts it will grow by, for the next _branch_room
-            bp.forks.append(_ModelDraftSession(kv, s.params, s.q))
+            bp.forks.append(_ModelDraftSession(kv, s.params, s.q, branching=_BRANCHING_PROPOSES))
             drafted[(i, b)] = GrowingDraft()
         s.branches, s.fork_at = list(bp.forks), base
 

@@ -13,6 +13,9 @@ the emulated 70B pair (docs/results/round-profile.md).
 Row i predicts the token at position `start + i` and depends on the tokens
 before it only, so rows stay valid while the sequence keeps those tokens:
 `rewound(position)` drops the rows after the first position a sync changed.
+Rows are copies (a forward's output tensor is not pinned by one kept row), at
+most `KEEP` per sequence: a branch call of up to 32 pending tokens (the draft's
+default --max-draft-tokens) and its bonus row; a longer one reads its rows again.
 """
 
 from __future__ import annotations
@@ -21,6 +24,8 @@ from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor
+
+KEEP = 33  # rows per sequence at most (32 pending tokens and the bonus row)
 
 
 @dataclass
@@ -42,7 +47,10 @@ class RankingRows:
                 del self.rows[position - self.start :]
             else:
                 self.start, self.rows = position, []
-        self.rows.append(row)
+        self.rows.append(row.clone())
+        if len(self.rows) > KEEP:  # the oldest rows are no branch call's any more
+            del self.rows[: len(self.rows) - KEEP]
+            self.start = position + 1 - KEEP
 
     def keep_all(self, position: int, rows: Tensor) -> None:
         """Rows [n, V] predicting positions position .. position + n - 1."""

@@ -9,7 +9,7 @@ import torch
 
 from specd.core.draft.model_drafter import ModelDrafter
 from specd.core.draft.protocol import draft_work
-from specd.core.draft.ranking_rows import RankingRows
+from specd.core.draft.ranking_rows import KEEP, RankingRows
 from specd.core.model.sim import parse_sim_spec
 from specd.core.rounds.steps import Branches, BranchRequest, ProposeRequest
 from specd.core.sampling.sampler import SamplingParams
@@ -56,6 +56,19 @@ def test_rows_are_consecutive_and_dropped_after_a_changed_token() -> None:
     assert (rows.start, rows.end) == (20, 21)
     rows.rewound(3)
     assert rows.span(20, 1) is None
+
+
+def test_rows_are_copies_and_at_most_keep_per_sequence() -> None:
+    rows = RankingRows()
+    out = torch.zeros(2, 4)  # a forward's output: one kept row must not pin or follow it
+    rows.keep(0, out[0])
+    out[0] += 1
+    assert torch.equal(rows.span(0, 1)[0], torch.zeros(4))
+    for position in range(1, 50):
+        rows.keep(position, torch.full((4,), float(position)))
+    assert len(rows.rows) == KEEP and rows.end == 50
+    assert rows.span(50 - KEEP, KEEP) is not None and rows.span(49 - KEEP, 1) is None
+    assert torch.equal(rows.span(49, 1)[0], torch.full((4,), 49.0))
 
 
 @pytest.mark.parametrize("params", [GREEDY, SAMPLED], ids=["greedy", "sampled"])

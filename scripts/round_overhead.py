@@ -15,6 +15,8 @@ its event-loop thread can be read directly. Every stream runs fixed-K rounds
     .venv/bin/python scripts/round_overhead.py --target DIR --draft DIR   # real models
     .venv/bin/python scripts/round_overhead.py --model 'sim:h100-8b,agreement=0' --streams 1 \
         --speculation auto --pipeline auto --request-tokens 48     # auto's rounds, 48-token requests
+    .venv/bin/python scripts/round_overhead.py --model sim:h100-8b --streams 1 --draft-length 2 \
+        --pipeline spec-cache --branch-budget 8 [--fixed-branch-budget]  # the speculation cache's budget
     .venv/bin/python scripts/round_overhead.py --streams 1 --profile docs/results/round-profile/t0
 
 --profile DIR attaches py-spy (`--profile-rate` Hz; non-blocking, or pausing the process for

@@ -11,7 +11,7 @@ way), and on a miss the fresh draft starts only then. With, per workload class,
     r(B)  the branch call's latency (call out -> reply), fitted as base + per_branch x B
     h(B)  the share of verdicts one of B branches covers
     f     a fresh draft's latency, taken as r(1): a one-branch call is a fresh draft
-          plus the ranking pass
+          (plus a ranking pass when the draft kept no rows, specd.core.draft.ranking_rows)
 
 the next round's drafts are ready, after the verify went out, at about
 

@@ -158,3 +158,17 @@ def test_sessions_that_do_not_branch_get_no_idle_pass() -> None:
         d.idle()
     assert not d.idle()
     assert d._pool.get("s").branching == 0
+
+
+def test_no_idle_pass_while_more_sessions_branch_than_the_draft_serves_idle() -> None:
+    """With many sessions branching the model thread is rarely idle for long: a pass started in a gap
+    would hold their calls up by a whole draft step, so none runs (their calls read the rows themselves)."""
+    d = drafter()
+    for sid in ("a", "b", "c"):
+        d.open(sid, PROMPT, GREEDY)
+        pending = d.propose(ProposeRequest(sid, len(PROMPT), len(PROMPT), [], 2)).token_ids
+        req = BranchRequest(sid, len(PROMPT) + 2, len(PROMPT) + 2, [], 2, 2, 4, (0.8, 0.8))
+        assert isinstance(draft_work(d, [req])[0], Branches) and pending
+    assert not d.idle()  # three sessions branch
+    d.close("c")
+    assert d.idle()  # two: the idle pass runs

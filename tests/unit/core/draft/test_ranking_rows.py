@@ -32,6 +32,21 @@ def branch(d: ModelDrafter, prefix: list[int], pending: int, start: int | None =
     return result
 
 
+def proposed_after_a_branch_call(params: SamplingParams, k: int) -> tuple[ModelDrafter, ModelDrafter]:
+    """Two drafters, each with session "s" that made a branch call lately (so the idle pass serves it)
+    and then proposed k tokens after PROMPT + [9]: one left alone, one after its idle pass."""
+    plain, kept = drafter(), drafter()
+    for d in (plain, kept):
+        d.open("s", PROMPT, params)
+        branch(d, PROMPT + [1, 2, 3], 3, start=len(PROMPT))
+        d.propose(ProposeRequest("s", len(PROMPT) + 1, len(PROMPT), [9], k))
+    assert plain._pool.get("s").kv.tokens == kept._pool.get("s").kv.tokens
+    forwards = kept.runner.stats.forwards
+    assert kept.idle() and not kept.idle()  # one pass: the bonus row; then nothing is due
+    assert kept.runner.stats.forwards - forwards == 1
+    return plain, kept
+
+
 def same(a: Branches, b: Branches) -> None:
     assert [(x.accepted, x.token_id, x.proposal.token_ids) for x in a.branches] == [
         (x.accepted, x.token_id, x.proposal.token_ids) for x in b.branches
@@ -75,20 +90,8 @@ def test_rows_are_copies_and_at_most_keep_per_sequence() -> None:
 def test_after_a_propose_and_the_idle_pass_a_branch_call_skips_reading_the_pending_positions(
     params: SamplingParams,
 ) -> None:
-    plain, kept = drafter(), drafter()
-    for d in (plain, kept):
-        d.open("s", PROMPT, params)
-        branch(
-            d, PROMPT + [1, 2, 3], 3, start=len(PROMPT)
-        )  # a branch call lately: the session is one the idle pass serves
-    pendings = []
-    for d in (plain, kept):
-        pendings.append(d.propose(ProposeRequest("s", len(PROMPT) + 1, len(PROMPT), [9], 3)).token_ids)
-    assert pendings[0] == pendings[1]
-    prefix = [*PROMPT, 9, *pendings[0]]
-    forwards = kept.runner.stats.forwards
-    assert kept.idle() and not kept.idle()  # one pass: the bonus row; then nothing is due
-    assert kept.runner.stats.forwards - forwards == 1
+    plain, kept = proposed_after_a_branch_call(params, 3)
+    prefix = kept._pool.get("s").kv.tokens[:]  # PROMPT, 9 and the three drafts
     before = (plain.runner.stats.forwards, kept.runner.stats.forwards)
     want, got = branch(plain, prefix, 3), branch(kept, prefix, 3)
     assert plain.runner.stats.forwards - before[0] == 1 + 3  # reads the pending positions, then 3 steps
@@ -118,12 +121,7 @@ def test_after_a_hit_the_adopted_branch_is_ranked_from_its_own_rows(params: Samp
 
 def test_a_cut_proposal_is_ranked_from_the_rows_it_was_drafted_from() -> None:
     """A proposal the coordinator cut to K' tokens: the row after them is the draft's own row there."""
-    plain, kept = drafter(), drafter()
-    for d in (plain, kept):
-        d.open("s", PROMPT, GREEDY)
-        branch(d, PROMPT + [1, 2, 3], 3, start=len(PROMPT))
-        d.propose(ProposeRequest("s", len(PROMPT) + 1, len(PROMPT), [9], 4))
-    kept.idle()
+    plain, kept = proposed_after_a_branch_call(GREEDY, 4)
     pending = kept._pool.get("s").kv.tokens[len(PROMPT) + 1 :][:2]  # two of the four drafts sent
     prefix = [*PROMPT, 9, *pending]
     before = kept.runner.stats.forwards
@@ -133,12 +131,7 @@ def test_a_cut_proposal_is_ranked_from_the_rows_it_was_drafted_from() -> None:
 
 
 def test_a_changed_token_makes_the_call_read_the_pending_positions_again() -> None:
-    plain, kept = drafter(), drafter()
-    for d in (plain, kept):
-        d.open("s", PROMPT, GREEDY)
-        branch(d, PROMPT + [1, 2, 3], 3, start=len(PROMPT))
-        d.propose(ProposeRequest("s", len(PROMPT) + 1, len(PROMPT), [9], 3))
-    kept.idle()
+    plain, kept = proposed_after_a_branch_call(GREEDY, 3)
     prefix = [*PROMPT, 8, 5, 6, 7]  # another token where the kept rows' context had 9
     before = kept.runner.stats.forwards
     want, got = branch(plain, prefix, 3, start=len(PROMPT)), branch(kept, prefix, 3, start=len(PROMPT))
@@ -152,11 +145,12 @@ def test_sessions_that_do_not_branch_get_no_idle_pass() -> None:
     d.propose(ProposeRequest("s", len(PROMPT), len(PROMPT), [], 3))
     assert not d.idle()  # pipelining off or bonus-match: the draft stays free for their next call
     branch(d, d._pool.get("s").kv.tokens[:], 3)
+    ran = []
     for extra in ([4], [5], [6]):  # after a branch call, two proposes keep the bonus row ready; then no more
         n = len(d._pool.get("s").kv.tokens)
         d.propose(ProposeRequest("s", n + 1, n, extra, 2))
-        d.idle()
-    assert not d.idle()
+        ran.append(d.idle())
+    assert ran == [True, False, False]  # the second propose used up the branch call's head start
     assert d._pool.get("s").branching == 0
 
 
@@ -166,9 +160,9 @@ def test_no_idle_pass_while_more_sessions_branch_than_the_draft_serves_idle() ->
     d = drafter()
     for sid in ("a", "b", "c"):
         d.open(sid, PROMPT, GREEDY)
-        pending = d.propose(ProposeRequest(sid, len(PROMPT), len(PROMPT), [], 2)).token_ids
+        d.propose(ProposeRequest(sid, len(PROMPT), len(PROMPT), [], 2))
         req = BranchRequest(sid, len(PROMPT) + 2, len(PROMPT) + 2, [], 2, 2, 4, (0.8, 0.8))
-        assert isinstance(draft_work(d, [req])[0], Branches) and pending
+        assert isinstance(draft_work(d, [req])[0], Branches)
     assert not d.idle()  # three sessions branch
     d.close("c")
     assert d.idle()  # two: the idle pass runs

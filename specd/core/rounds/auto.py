@@ -33,12 +33,17 @@ where the tokens are modelled and the cycle is measured:
   against K; pre_p(K): the
   pipeline's pre-draft, which runs beside the verify, so one longer than the
   verify is waited for even on a hit (d(K + 1) from a guessed bonus, d(K)
-  for post-verify); o: what the family's (pipeline's, or target-only's)
-  measured cycles exceed their model by; h_p: the pipeline's hit chance from the
-  acceptance model (off 0, post-verify P(all K), bonus-match P(all K) a_K,
-  spec-cache the mean of P(all K) and 1), corrected by the hits measured per
-  pipeline. o averages over `horizon` rounds and is shrunk towards 0 by
-  `correction_prior` rounds.
+  for post-verify); o: what the arm's measured cycles exceed their model by,
+  shrunk towards what its family's (pipeline's, or target-only's) did by
+  `arm_correction_prior` rounds, that shrunk towards 0 by `correction_prior`;
+  h_p: the pipeline's hit chance from the acceptance model (off 0,
+  post-verify P(all K), bonus-match P(all K) a_K, spec-cache the mean of
+  P(all K) and 1), corrected by the hits measured per pipeline. Both excesses
+  average over `horizon` rounds. Per arm, because the excess depends on K: on
+  emulated h100-tp2-70b (agreement 0.8, T = 0) spec-cache's was -3 ms pooled,
+  its K = 1 rounds staged nearly always and its K = 2 rounds seldom, and the
+  pooled figure rated K = 1 level with K = 2 (auto alternated; speccache-2
+  gave 2.23x target-only, auto 1.96x).
 
 A pipelined arm is chosen over the best arm without one only for an
 expected rate `pipeline_margin` (5%) above it, and is neither chosen nor
@@ -302,12 +307,10 @@ def waited(pipeline: str, verify: float, draft: float, pre_draft: float, hit: fl
     The pre-draft runs beside the verify, so the next round waits for the longer of the two (one
     longer than the verify is on the critical path even when it hits: in the first issue-30 grid,
     emulated h100-tp2-70b, auto's pipelined rounds at mean K 3.0 had 16.5 ms of round overhead, spec-cache-2's 3.8),
-    then, on a miss, for a fresh draft. Bonus-match and spec-cache pre-draft from a guessed bonus:
-    pre = d(K + 1); post-verify's pre-draft starts at the deferred bonus: pre = d(K)."""
+    then, on a miss, for a fresh draft (`AutoChooser.pre_draft` rates pre per pipeline)."""
     if pipeline == OFF:
         return verify + draft
-    pre = draft if pipeline == POST_VERIFY else pre_draft
-    return max(verify, pre) + (1.0 - hit) * draft
+    return max(verify, pre_draft) + (1.0 - hit) * draft
 
 
 def _family(arm: Arm) -> str:
@@ -326,7 +329,10 @@ class ArmCycles:
     draft_ms: LinearCost = field(default_factory=LinearCost)
     draft_hops_ms: Estimate = field(default_factory=lambda: Estimate(0.0))
     residual_ms: dict[str, Estimate] = field(default_factory=dict)  # per family: measured cycle - model
+    arm_residual_ms: dict[Arm, Estimate] = field(default_factory=dict)  # per arm: the same, its own rounds only
     hits: dict[tuple[str, bool], Estimate] = field(default_factory=dict)  # (pipeline, all accepted) -> P(hit)
+    # per pipeline: its pre-draft call's wall (out beside the verify -> answer) less the fresh draft it stands for
+    pre_draft_excess_ms: dict[str, Estimate] = field(default_factory=dict)
     last_seen: dict[Arm, int] = field(default_factory=dict)  # the class's round count at the arm's last cycle
     acceptance: AcceptanceModel = field(default_factory=AcceptanceModel)  # every request's verdicts
     calibration: ConfidenceCalibration = field(default_factory=ConfidenceCalibration)  # the drafter's confidence
@@ -361,6 +367,9 @@ class AutoSettings:
     explore_target_only_every: int = 72
     horizon: float = 32.0  # rounds a family's correction averages over
     correction_prior: float = 4.0  # a family's correction is shrunk towards 0 (the model) by this many rounds
+    # ... and an arm's towards its family's by this many: how far a pipeline's cycles exceed the model depends
+    # on K (spec-cache K = 1 stages nearly every round, K = 2 where the branch call outlasts the verify seldom)
+    arm_correction_prior: float = 8.0
     service_prior_weight: float = 2.0  # the 0.5 starting guess counts as this many verdicts service-wide
     # The service's acceptance counts as this many of a request's verdicts: estimated from how much finished
     # requests differed (`RequestSpread`), within these bounds; the first value until a few have finished.
@@ -470,15 +479,18 @@ class AutoChooser:
         reach = max(start, cls.longest + 1, self.k_min)
         rated = {a: self.expected_rate(cls, a, rates) for a in self._arms if a.k <= reach and self._may_run(cls, a)}
         best = max(rated, key=lambda a: (rated[a], -a.k))
+        plain = [a for a in rated if a.pipeline == OFF or a.k == 0]
+        if best.pipeline != OFF and best.k > 0 and plain:
+            unpiped = max(plain, key=lambda a: (rated[a], -a.k))
+            if rated[best] <= rated[unpiped] * (1.0 + self.policy.settings.pipeline_margin):
+                best = unpiped
         if best.k == 0:
+            # also where a pipelined arm rated above target-only but within the margin: that fell back
+            # to target-only without a probe, and a request whose few verdicts were unlucky stayed there
             probe = self.probe(cls, rated[best])
             if probe is not None:
                 return probe
-        plain = [a for a in rated if a.pipeline == OFF or a.k == 0]
-        if best.pipeline == OFF or best.k == 0 or not plain:
-            return best
-        unpiped = max(plain, key=lambda a: (rated[a], -a.k))
-        return best if rated[best] > rated[unpiped] * (1.0 + self.policy.settings.pipeline_margin) else unpiped
+        return best
 
     def probe(self, cls: ArmCycles, target_only_rate: float) -> Arm | None:
         """The drafting arm to run instead of target-only while the service's acceptance is too uncertain to
@@ -546,7 +558,22 @@ class AutoChooser:
         if arm.k == 0:
             return costs.verify[1]
         verify = costs.verify[arm.k + 1]
-        return waited(arm.pipeline, verify, costs.draft[arm.k], costs.pre_draft[arm.k], self.hit(cls, arm, rates))
+        pre = self.pre_draft(cls, arm.pipeline, arm.k)
+        return waited(arm.pipeline, verify, costs.draft[arm.k], pre, self.hit(cls, arm, rates))
+
+    def pre_draft(self, cls: ArmCycles, pipeline: str, k: int) -> float:
+        """pre_p(K): the pipeline's pre-draft call as the next round waits for it, in ms: the fresh draft it
+        stands for (d(K + 1) from a guessed bonus, d(K) for post-verify's, which starts at the deferred
+        bonus) plus what the pipeline's calls measured beyond that, shrunk towards none.
+
+        A branch call drafts K + 1 tokens for several verdicts at once: its rows' host work makes it
+        longer than a fresh draft of K + 1 (emulated h100-8b, K = 4, agreement 0.95, T = 0: 10.7 ms
+        against 9.0), and at a K whose pre-draft already outlasts the verify that decides the
+        cycle: speccache-4 gave 2.9x target-only where bonus-match's pipelined-4 gave 3.4x, and
+        auto, rating both pre-drafts at d(K + 1), ran spec-cache."""
+        costs = self._cost_table(cls, k)
+        base = costs.draft[k] if pipeline == POST_VERIFY else costs.pre_draft[k]
+        return max(0.0, base + self._correction(cls.pre_draft_excess_ms.get(pipeline)))
 
     def _cost_table(self, cls: ArmCycles, k_top: int = 0) -> _CostTable:
         """v(K + 1), d(K) and d(K + 1) for every K the chooser rates (and up to k_top), as `cls` measured them now."""
@@ -572,8 +599,14 @@ class AutoChooser:
         return cls.draft_hops_ms.value + mean * k / tokens
 
     def correction(self, cls: ArmCycles, arm: Arm) -> float:
-        """What the arm's family's (pipeline's, or target-only's) cycles exceeded their model by, shrunk towards none."""
-        return self._correction(cls.residual_ms.get(_family(arm)))
+        """What the arm's cycles exceeded their model by: its own rounds' excess, shrunk towards its family's
+        (pipeline's, or target-only's), which is shrunk towards none."""
+        family = self._correction(cls.residual_ms.get(_family(arm)))
+        own = cls.arm_residual_ms.get(arm)
+        if own is None:
+            return family
+        w = self.policy.settings.arm_correction_prior
+        return (own.value * own.weight + family * w) / (own.weight + w)
 
     def cycle(self, cls: ArmCycles, arm: Arm, rates: Sequence[float]) -> float:
         """The expected cycle in ms: the model plus what its family's rounds measured beyond it."""
@@ -597,7 +630,11 @@ class AutoChooser:
         The draft is paid for; what one more verified token still costs is its
         share of the verify (v(n + 2) - v(n + 1)), and what it is worth is
         P(it and those before it accepted), from the calibrated confidences. For a
-        pipeline that needs every token accepted, a shorter proposal also hits more.
+        pipeline that needs every token accepted, a shorter proposal also hits more;
+        its pre-draft is the arm's whatever n (the next round asks for K again):
+        rated at n, it favoured cuts that verified less and waited as long (emulated
+        h100-8b, agreement 0.95, T = 0: 23% of K = 3 proposals cut, 3.32 tokens a
+        round against 3.52 uncut at the same wall).
         Exact: which tokens are verified depends on the draft alone (as when it
         drafts fewer), never on the target's coins."""
         n = len(confidence)
@@ -607,11 +644,12 @@ class AutoChooser:
         rates = self.calibrated(cls, confidence)
         costs = self._cost_table(cls, max(n, arm.k))
         draft = costs.draft[arm.k]
+        pre = self.pre_draft(cls, arm.pipeline, arm.k)
         residual = self.correction(cls, arm)
         best_n, best_rate = n, -1.0
         for i in range(1, n + 1):
             hit = self.hit(cls, Arm(arm.pipeline, i), rates)
-            cycle = waited(arm.pipeline, costs.verify[i + 1], draft, costs.pre_draft[i], hit) + residual
+            cycle = waited(arm.pipeline, costs.verify[i + 1], draft, pre, hit) + residual
             rate = arm_tokens(Arm(arm.pipeline, i), rates) / max(cycle, 1e-6)
             if rate > best_rate * (1.0 + s.cut_margin):  # a longer proposal must pay clearly
                 best_n, best_rate = i, rate
@@ -665,6 +703,7 @@ class AutoChooser:
             measured.update(float(hit), horizon=horizon)
         excess = cycle_ms - self.model_cycle(cls, arm, rates)
         cls.residual_ms.setdefault(_family(arm), Estimate(0.0)).update(excess, horizon=horizon)
+        cls.arm_residual_ms.setdefault(arm, Estimate(0.0)).update(excess, horizon=horizon)
 
     def observe_round(
         self,
@@ -692,6 +731,15 @@ class AutoChooser:
         queued = proposal.transit.queue_ms if proposal.transit is not None else 0.0
         wall = max(draft_wall_ms - queued, 0.0)
         self.observe_calls(cls, arm, len(proposal) + 1, verify_ms, fresh, wall, proposal.compute_ms)
+
+    def observe_pre_draft(self, cls: ArmCycles, pipeline: str, k: int, wall_ms: float) -> None:
+        """A pipeline's pre-draft call for a next round of k draft tokens answered wall_ms after it went out."""
+        if pipeline == OFF or k <= 0 or not wall_ms > 0:
+            return
+        costs = self._cost_table(cls, k)
+        base = costs.draft[k] if pipeline == POST_VERIFY else costs.pre_draft[k]
+        excess = cls.pre_draft_excess_ms.setdefault(pipeline, Estimate(0.0))
+        excess.update(wall_ms - base, horizon=self.policy.settings.horizon)
 
     def observe_calls(
         self,

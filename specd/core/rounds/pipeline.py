@@ -85,6 +85,11 @@ class PipelineStrategy(Protocol):
         """Start pre-drafts for this round's outcomes; returns how many."""
         ...
 
+    @property
+    def pre_draft_ms(self) -> float | None:
+        """The last round's pre-draft call: out (beside the verify) -> answer, in ms; None: none answered."""
+        ...
+
     async def settle(self, verdict: VerifyOutcome | None) -> list[PreDraft]:
         """The finished pre-drafts. verdict None: the round failed or was cancelled; cancel them, return none."""
         ...
@@ -104,6 +109,10 @@ class Off:
     async def settle(self, verdict: VerifyOutcome | None) -> list[PreDraft]:
         return []
 
+    @property
+    def pre_draft_ms(self) -> float | None:
+        return None
+
 
 class _AllAccepted:
     """One pre-draft, after the prefix with every draft token of this round accepted.
@@ -119,19 +128,29 @@ class _AllAccepted:
     def __init__(self) -> None:
         self._task: asyncio.Task[Proposal] | None = None
         self._assumed: tuple[int, ...] = ()
+        self._sent_at = 0.0  # perf_counter() when the pre-draft went out
+        self._replied_ms: float | None = None  # its latency, once it answered
+
+    @property
+    def pre_draft_ms(self) -> float | None:
+        return self._replied_ms
 
     def _applies(self, rnd: PipelineRound) -> bool:
         return 0 < len(rnd.proposal) == rnd.budget and rnd.next_k > 0
 
     def launch(self, rnd: PipelineRound) -> int:
+        self._replied_ms = None
         if not self._applies(rnd):
             return 0
         self._assumed = tuple(rnd.proposal.token_ids)
+        self._sent_at = time.perf_counter()
         self._task = asyncio.ensure_future(self._pre_draft(rnd))
         return 1
 
     async def _pre_draft(self, rnd: PipelineRound) -> Proposal:
         pre = await rnd.draft_after(self._assumed, rnd.next_k + self.extra)
+        if len(pre):  # an empty answer: the draft failed
+            self._replied_ms = (time.perf_counter() - self._sent_at) * 1e3
         rnd.stage(self._shape(pre))  # the loop stages none for a round that defers its bonus (post-verify)
         return pre
 
@@ -229,21 +248,26 @@ class SpecCache:
     def defers_bonus(self, rnd: PipelineRound) -> bool:
         return False
 
+    @property
+    def pre_draft_ms(self) -> float | None:
+        return self._replied_ms
+
     def launch(self, rnd: PipelineRound) -> int:
         """One branch call; returns its budget (the draft decides how many of them it drafts)."""
-        self._drafted = len(rnd.proposal)
+        self._drafted, self._replied_ms = len(rnd.proposal), None
         if not self._drafted or rnd.next_k <= 0:
             return 0
         rates = self.acceptance.rates(self._drafted)
         cls = self._budgets.workload(self._greedy, self._drafted) if self._budgets is not None else None
         self._asked = cls.choose(self.budget) if cls is not None else self.budget
-        self._sent_at, self._replied_ms = time.perf_counter(), None
+        self._sent_at = time.perf_counter()
         self._task = asyncio.ensure_future(self._branches(rnd, rates, self._asked))
         return self._asked
 
     async def _branches(self, rnd: PipelineRound, rates: Sequence[float], budget: int) -> list[PreDraft]:
         pre_drafts = await rnd.draft_branches(budget, rates, rnd.next_k)
-        self._replied_ms = (time.perf_counter() - self._sent_at) * 1e3
+        if pre_drafts:  # none: the draft failed or had no room
+            self._replied_ms = (time.perf_counter() - self._sent_at) * 1e3
         rnd.stage(pre_drafts)
         return pre_drafts
 
@@ -271,9 +295,8 @@ class SpecCache:
             return
         branches = [(len(p.extension) - 1, p.extension[-1]) for p in pre_drafts if p.extension]
         held = None if verdict.deferred else (verdict.accepted, verdict.token_id)
-        replied = self._replied_ms if pre_drafts else None  # an empty answer: the draft failed or had no room
         cls = self._budgets.workload(self._greedy, self._drafted)
-        cls.observe(self._asked, verify_ms, replied, branches, held, self._drafted)
+        cls.observe(self._asked, verify_ms, self._replied_ms, branches, held, self._drafted)
 
 
 @dataclass(frozen=True)

@@ -275,6 +275,8 @@ class RequestRun:
             self._chooser.observe_round(
                 cls, arm, proposal, drafted, hit is not None, outcome.accepted, verify_ms, draft_wall_ms
             )
+            if launched and (pre_ms := self._pipeline.pre_draft_ms) is not None:
+                self._chooser.observe_pre_draft(cls, self._pipeline.name, wanted, pre_ms)
         new = gen.commit(proposal.token_ids, outcome.accepted, token)
         if self._stop is not None:
             keep = self._stop(new)

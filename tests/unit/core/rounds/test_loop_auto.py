@@ -29,6 +29,9 @@ def test_the_auto_pipeline_tries_the_strategies_and_stays_exact(speculation: str
     assert lengths == {4} if speculation == "fixed" else len(lengths) > 1
     cls = loop.auto.workload(greedy=True, running=1)
     assert cls.verify_ms.mean() is not None and cls.residual_ms  # the loop fed auto its cycles and calls
+    assert len(cls.arm_residual_ms) >= 2 and {a.pipeline for a in cls.arm_residual_ms if a.k} <= ran  # per arm too
+    # ... and each pipeline's pre-draft calls, as they answered beside the verify
+    assert cls.pre_draft_excess_ms and set(cls.pre_draft_excess_ms) <= ran - {"off"}
 
 
 def test_auto_cuts_proposals_by_their_confidence_and_stays_exact() -> None:
@@ -64,7 +67,9 @@ def test_a_staged_window_is_cut_as_auto_would_and_the_next_round_verifies_exactl
     monkeypatch.setattr(AutoChooser, "cut", lambda self, cls, arm, confidence: 1)  # every proposal: one token
     target = FakeTarget(Script(latency_s=0.02))  # the verify is the slow side: pre-drafts are staged
     draft = FakeDraft(confidence=(0.99, 0.9, 0.2, 0.1))
-    r, records, _ = run(spec(200, speculation="auto", pipeline="auto", draft_length=4), target, draft)
+    # auto's K and cut over a staging pipeline (with --pipeline auto a free fake draft leaves auto no
+    # reason to pipeline, and only an exploration round might stage)
+    r, records, _ = run(spec(200, speculation="auto", pipeline="spec-cache", draft_length=4), target, draft)
     assert r.generation.generated == expected(200) and target.violations == []
     check_records(r, records)
     assert target.stages and all(len(c.proposal) == 1 for st in target.stages for c in st.candidates)

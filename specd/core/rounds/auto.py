@@ -117,11 +117,13 @@ class AcceptanceModel:
     reached: list[float] = field(default_factory=list)
     accepted: list[float] = field(default_factory=list)
     version: int = 0  # changes with every verdict or aging: what readers cache their rates against
+    verdicts: int = 0  # verdicts observed, never forgotten
 
     def observe(self, drafted: int, accepted: int) -> None:
         """One verdict: `accepted` of `drafted` draft tokens (accepted before the first rejection)."""
         if drafted <= 0:
             return
+        self.verdicts += 1
         self.age()
         if drafted > len(self.reached):
             grow = drafted - len(self.reached)
@@ -377,7 +379,18 @@ class AutoSettings:
     request_prior_max: float = 64.0
     start_k: int = 2  # before anything is measured
     probe_z: float = 2.0  # target-only is chosen only if it wins at the service acceptance's Wilson upper bound
+    # ... by this share: a probe is one drafting round between target-only ones, dearer than the steady
+    # arm it rates (its fresh draft catches up on the tokens since the last; its pre-draft goes unused).
+    # Where the cache hides the draft, K = 1 rated level with target-only even at a useless draft's
+    # bound: the probes kept one round in seven drafting (emulated h100-tp2-70b, agreement 0, T = 0.7:
+    # 30.6 ms such a round against 21.2 target-only; auto 0.93x target-only).
+    probe_margin: float = 0.1
+    probe_margin_after: float = 8.0  # verdicts: before, a cold start's few unlucky ones are all there is
     cut_margin: float = 0.01  # a proposal is verified one token longer only for a predicted gain above this
+    # Target-only, once chosen, holds for up to this many rounds while no verdict arrives (from any request
+    # of the class): only the costs move meanwhile, slowly, and rating every arm was 0.25 ms of each such
+    # round on the coordinator (emulated h100-tp2-70b, agreement 0: auto's rounds 0.5 ms longer).
+    target_only_hold: int = 8
     # A pipeline is chosen over none only for a predicted gain above this share, and only tried where the
     # fresh draft's wait it could hide is at least this share of the cycle: its costs outside the model (an
     # extra draft call, a staged message, the CPU those take on a shared host) are real, and a draft
@@ -433,6 +446,7 @@ class AutoChooser:
         self._rates: tuple[tuple[int, int, int, float], list[float]] | None = None
         self._costs: tuple[tuple[int, int], _CostTable] | None = None
         self._verdicts = self._accepted = 0.0  # this request's, unforgotten: for its class's RequestSpread
+        self._held: tuple[tuple[int, int], int] | None = None  # target-only's hold: (class, its verdicts), rounds left
         self._cls: ArmCycles | None = None  # the class of its last verdict
 
     def rates(self, cls: ArmCycles) -> list[float]:
@@ -454,9 +468,13 @@ class AutoChooser:
 
     def choose(self, cls: ArmCycles) -> Arm:
         """The arm for the next round (the best, or a neighbour of it on an exploration round)."""
-        rates = self.rates(cls)
-        best = self.best(cls, rates)
         s = self.policy.settings
+        key = (id(cls), cls.acceptance.verdicts)
+        if self._held is not None and self._held[0] == key and self._held[1] > 0:
+            best, self._held = TARGET_ONLY, (key, self._held[1] - 1)
+        else:
+            best = self.best(cls, self.rates(cls))
+            self._held = (key, s.target_only_hold - 1) if best == TARGET_ONLY else None
         if self.policy.explore_now(s.explore_target_only_every if best.k == 0 else s.explore_every):
             neighbours = self.neighbours(best, cls)
             if neighbours:
@@ -504,7 +522,8 @@ class AutoChooser:
         closes: with a useless draft it falls under a K = 1 round's break-even within a few verdicts, and
         no verdict is forgotten while none come. K itself is still chosen at the plain estimate."""
         s = self.policy.settings
-        trials = sum(cls.acceptance.reached) + s.service_prior_weight
+        seen = sum(cls.acceptance.reached)
+        trials = seen + s.service_prior_weight
         prior = upper_bound(cls.acceptance.pooled(0.5, s.service_prior_weight), trials, s.probe_z)
         # target-only's neighbours read positions 1 .. k_min + 1 (the last: a bonus guess's)
         optimistic = self.acceptance.rates(self.k_min + 1, prior, cls.spread.weight())
@@ -513,7 +532,8 @@ class AutoChooser:
         if not rated:
             return None
         arm = max(rated, key=lambda a: (rated[a], -a.k))
-        return arm if rated[arm] > target_only_rate else None
+        margin = s.probe_margin if seen >= s.probe_margin_after else 0.0
+        return arm if rated[arm] > target_only_rate * (1.0 + margin) else None
 
     def _may_run(self, cls: ArmCycles, arm: Arm) -> bool:
         """False for a pipelined arm that cannot gain pipeline_margin, where running without one is allowed:
@@ -554,9 +574,9 @@ class AutoChooser:
 
     def model_cycle(self, cls: ArmCycles, arm: Arm, rates: Sequence[float]) -> float:
         """The cycle in ms before its family's measured correction (see `waited`)."""
+        if arm.k == 0:  # v(1) alone: not the whole table, which every call observed changes
+            return _predict(cls.verify_ms, 1) or 0.0
         costs = self._cost_table(cls)
-        if arm.k == 0:
-            return costs.verify[1]
         verify = costs.verify[arm.k + 1]
         pre = self.pre_draft(cls, arm.pipeline, arm.k)
         return waited(arm.pipeline, verify, costs.draft[arm.k], pre, self.hit(cls, arm, rates))
@@ -693,7 +713,6 @@ class AutoChooser:
         round drafted nothing itself, it used this round's pre-draft; all_in: every draft was accepted."""
         if not cycle_ms > 0:
             return
-        rates = self.rates(cls)
         horizon = self.policy.settings.horizon
         cls.rounds += 1
         cls.last_seen[arm] = cls.rounds
@@ -701,7 +720,7 @@ class AutoChooser:
         if arm.k > 0 and arm.pipeline != OFF and structural[0 if all_in else 1]:
             measured = cls.hits.setdefault((arm.pipeline, all_in), Estimate(0.0))
             measured.update(float(hit), horizon=horizon)
-        excess = cycle_ms - self.model_cycle(cls, arm, rates)
+        excess = cycle_ms - self.model_cycle(cls, arm, self.rates(cls) if arm.k else ())  # target-only's: no rates
         cls.residual_ms.setdefault(_family(arm), Estimate(0.0)).update(excess, horizon=horizon)
         cls.arm_residual_ms.setdefault(arm, Estimate(0.0)).update(excess, horizon=horizon)
 

@@ -284,31 +284,61 @@ def test_it_speculates_again_soon_after_a_bad_stretch() -> None:
     assert first <= 4 * settings.explore_target_only_every, f"speculating steadily only from round {first}"
 
 
-@pytest.mark.parametrize("seed", range(6))
 @pytest.mark.parametrize("probe_z", [AutoSettings().probe_z, 0.0])
-def test_an_unlucky_start_does_not_stop_speculation_for_good(probe_z: float, seed: int) -> None:
+def test_an_unlucky_start_does_not_stop_speculation_for_good(probe_z: float) -> None:
     """Drafting pays at the true acceptance (0.72; emulated h100-8b at T = 0.7, agreement 0.8) but not at
     the 0.25 two early rejections leave. Target-only rounds bring no verdict, so without the probe
     (probe_z = 0: the plain estimate) the service waits target-only for an exploration round (here 23
     rounds; on the emulator, where each request starts from the service's estimate, 160); with it, it
-    drafts again at once. Several seeds: where a pipelined arm rated above target-only but within
-    pipeline_margin, the choice fell back to target-only without the probe, and seeds 0 and 5 stayed there."""
-    policy = AutoPolicy(AutoSettings(probe_z=probe_z))
-    service = Service(
-        a=0.72, verify_ms=8.0, verify_per_token_ms=0.05, draft_ms=2.5, draft_per_token_ms=1.4, rng=random.Random(seed)
-    )
-    chooser = policy.chooser(6, AUTO_PIPELINES, target_only=True)
-    cls = policy.workload(greedy=True, running=1)
-    chooser.observe_calls(cls, Arm(OFF, 2), 3, service.verify(2), 2, service.draft(2), 2.8)
-    chooser.observe_verdict(cls, 2, 0)
-    chooser.observe_verdict(cls, 2, 0)
-    _, arms = drive(chooser, service, 200)
-    drafting = sum(a.k > 0 for a in arms[:20])
+    drafts again at once, in all but the unluckiest of 12 seeded runs, and in every one within 200 rounds.
+    (Seed 0 drew 4 accepted of the next 12 verdicts, 1% at 0.72: from 8 verdicts a probe must clear
+    probe_margin, and it waited 12 rounds. Where a pipelined arm rated above target-only but within
+    pipeline_margin, the choice fell back to target-only without the probe: two seeds stayed there.)"""
+    starts, settled = [], []
+    for seed in range(12):
+        policy = AutoPolicy(AutoSettings(probe_z=probe_z))
+        service = Service(
+            a=0.72, verify_ms=8.0, verify_per_token_ms=0.05, draft_ms=2.5, draft_per_token_ms=1.4,
+            rng=random.Random(seed),
+        )  # fmt: skip
+        chooser = policy.chooser(6, AUTO_PIPELINES, target_only=True)
+        cls = policy.workload(greedy=True, running=1)
+        chooser.observe_calls(cls, Arm(OFF, 2), 3, service.verify(2), 2, service.draft(2), 2.8)
+        chooser.observe_verdict(cls, 2, 0)
+        chooser.observe_verdict(cls, 2, 0)
+        _, arms = drive(chooser, service, 200)
+        starts.append(sum(a.k > 0 for a in arms[:20]))
+        settled.append(sum(a.k > 0 for a in arms[-150:]))
     if probe_z > 0:
-        assert drafting >= 18, f"drafted in {drafting} of the first 20 rounds"
-        assert sum(a.k > 0 for a in arms[-150:]) >= 0.9 * 150
+        assert sum(n >= 18 for n in starts) >= 11, f"drafting rounds of the first 20, per seed: {starts}"
+        assert min(settled) >= 0.9 * 150, settled
     else:  # the failure the probe is for (this test's power)
-        assert drafting <= 2
+        assert max(starts) <= 2, starts
+
+
+def test_a_probe_must_clear_its_margin_once_verdicts_are_in() -> None:
+    """A probe is one drafting round between target-only ones: its fresh draft is waited for, its
+    pre-draft unused. Where the cache hides the draft (K = 1's branches also cover the recovered token),
+    a steady K = 1 run rates about level with target-only even at a useless draft's upper bound, so
+    without probe_margin every request's first round probed and the probe's verdicts kept it drafting
+    (383 of the 480 rounds here; emulated h100-tp2-70b, agreement 0, T = 0.7: auto 0.93x target-only)."""
+
+    def drafting_rounds(margin: float) -> list[int]:
+        policy = AutoPolicy(AutoSettings(probe_margin=margin))
+        service = Service(
+            a=0.0, verify_ms=20.0, verify_per_token_ms=0.4, draft_ms=1.6, draft_per_token_ms=6.2,
+            cache_hit_all=0.9, cache_hit_rejected=0.9, arm_extra_ms={Arm(SPEC_CACHE, 1): -1.5},
+        )  # fmt: skip
+        per_request = []
+        for _ in range(12):  # requests of 48 rounds, one after another
+            chooser = policy.chooser(6, AUTO_PIPELINES, target_only=True)
+            _, arms = drive(chooser, service, 48)
+            chooser.finish()
+            per_request.append(sum(a.k > 0 for a in arms))
+        return per_request
+
+    assert sum(drafting_rounds(AutoSettings().probe_margin)[2:]) <= 0.06 * 480
+    assert sum(drafting_rounds(0.0)[2:]) >= 0.5 * 480  # the test's power
 
 
 def test_exploration_costs_at_most_its_share() -> None:
@@ -505,3 +535,28 @@ def test_the_cut_rates_the_next_pre_draft_at_the_arms_length() -> None:
         for accepted in depth_verdicts([0.95] * k, 200, random.Random(1)):  # confidences that mean what they say
             chooser.observe_verdict(cls, k, accepted, (0.95,) * k)
         assert chooser.cut(cls, Arm(BONUS_MATCH, k), (0.95,) * k) == k
+
+
+def test_target_only_holds_without_rating_until_a_verdict_arrives(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Rating every arm was 0.25 ms of each target-only round on the coordinator; with no verdict in, only
+    the costs move, so the choice holds for target_only_hold rounds, and any verdict of the class ends it."""
+    settings = AutoSettings(explore_target_only_every=10**6)
+    chooser = AutoPolicy(settings).chooser(6, AUTO_PIPELINES, target_only=True)
+    service = Service(a=0.0)
+    drive(chooser, service, 300)
+    cls = chooser.policy.workload(greedy=True, running=1)
+    rated: list[Arm] = []
+    real_best = AutoChooser.best
+
+    def best(self: AutoChooser, c: ArmCycles, r: list[float]) -> Arm:
+        rated.append(real_best(self, c, r))
+        return rated[-1]
+
+    monkeypatch.setattr(AutoChooser, "best", best)
+    chooser._held = None
+    arms = [chooser.choose(cls) for _ in range(2 * settings.target_only_hold)]
+    assert arms == [TARGET_ONLY] * len(arms) and len(rated) == 2
+    other = chooser.policy.chooser(6, AUTO_PIPELINES, target_only=True)
+    other.observe_verdict(cls, 1, 0)  # another request's verdict in the class
+    chooser.choose(cls)
+    assert len(rated) == 3

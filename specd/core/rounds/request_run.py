@@ -125,6 +125,7 @@ class RequestRun:
             )
         self._pipeline = self._strategy(spec.pipeline if speculating and not auto_pipeline else Off.name)
         self._last_send: tuple[Arm, float, ArmCycles] | None = None  # the previous auto round's arm and verify time
+        self._all_in = False  # the previous round accepted every draft token it verified
         self._verified_at = 0.0  # perf_counter() when the last verify call answered
         self._target = TargetSession(loop.target, session_id, spec.params, loop.settings.target_timeout_s)
         self._draft = DraftSession(loop.draft, session_id, spec.params, spec.tenant) if loop.draft is not None else None
@@ -242,7 +243,7 @@ class RequestRun:
         rnd = PipelineRound(committed, proposal, budget, wanted, draft_after, draft_branches, stage)
         defer_bonus = staged is None and self._pipeline.defers_bonus(rnd)
         if arm is not None and cls is not None:
-            self._cycle(arm, cls, budget, why, draft_wall_ms)
+            self._cycle(arm, cls, budget, why, draft_wall_ms, hit is not None)
         t_verify = time.perf_counter()
         if staged is not None:
             verify = self._staged_verify(staged, committed, proposal, carrier)
@@ -256,6 +257,7 @@ class RequestRun:
         if refused:  # the target refused the draft's proposal: this round ran target-only
             proposal, hit, why = Proposal([]), None, TargetOnly.DRAFT_FAILED
         was_staged, self._used_staged = self._used_staged, False
+        self._all_in = len(proposal) > 0 and outcome.accepted >= len(proposal)
         kind = _kind(outcome)
         token = None if outcome.deferred else outcome.token_id
         extension = (*proposal.token_ids[: outcome.accepted], *(() if token is None else (token,)))
@@ -412,8 +414,11 @@ class RequestRun:
             return (arm.k, None) if arm.k > 0 else (0, TargetOnly.ADAPTIVE)
         return self.spec.draft_length, None
 
-    def _cycle(self, arm: Arm, cls: ArmCycles, budget: int, why: TargetOnly | None, draft_wall_ms: float) -> None:
-        """At a verify going out: the previous auto round's cycle (its verify out to this one), to its arm.
+    def _cycle(
+        self, arm: Arm, cls: ArmCycles, budget: int, why: TargetOnly | None, draft_wall_ms: float, hit: bool
+    ) -> None:
+        """At a verify going out: the previous auto round's cycle (its verify out to this one), to its arm,
+        with whether this round's drafts were its pipeline's (hit) and its verdict accepted them all.
 
         It includes this round's wait for its draft, which the previous round's pipeline
         may have saved; a fresh draft of another K is rescaled to the previous arm's K,
@@ -428,7 +433,7 @@ class RequestRun:
                 cycle_ms += draft_wall_ms * ((prev.k / budget if budget else 0.0) - 1.0)
             if prev_cls is cls and (prev.k == 0 or budget > 0):
                 assert self._chooser is not None
-                self._chooser.observe_cycle(cls, prev, cycle_ms)
+                self._chooser.observe_cycle(cls, prev, cycle_ms, hit, self._all_in)
         if normal and budget == arm.k:
             self._last_send = (arm, now, cls)
 

@@ -22,9 +22,14 @@ the least E, the smaller on ties. h(B) for every B up to the budget a round ran
 with is known from that round alone: the branches come back likeliest first,
 so the hit's index says which smaller budgets would have held it
 (`would_hold`). Budgets above the ones run are learnt by exploring: the first
-`warmup` rounds of a class alternate the budget and half of it (two branch
-counts fit r's slope), then one round in `explore_every` runs twice the
-choice (or half of it, at the budget).
+`warmup` rounds of a class alternate half the budget and a quarter of it (two
+branch counts fit r's slope), then one round in `explore_every` runs twice the
+choice (or half of it, at the budget). The warm-up starts below the budget
+because auto (specd.core.rounds.auto) may run the cache only in its rare
+explorations, whose cost it measures: warmed up on 8 and 4 branches at T = 0.7
+the cache's pre-draft read 5.2-5.8 ms over a fresh draft's and auto ran
+without it (emulated h100-8b, agreement 0.8: 0.15 tokens/ms against
+speccache-2's 0.17-0.18); on 4 and 2, 1.4-3 ms.
 
 Measured (emulated h100-8b, K = 2, one stream, `scripts/round_overhead.py
 --pipeline spec-cache --branch-budget B`): at T = 0.7, B = 8 rounds took
@@ -45,7 +50,7 @@ from specd.core.rounds.steps import MAX_BRANCH_BUDGET
 
 @dataclass(frozen=True)
 class BranchBudgetSettings:
-    warmup: int = 8  # a class's first rounds alternate the budget and half of it
+    warmup: int = 8  # a class's first rounds alternate half the budget and a quarter of it
     explore_every: int = 16  # then one round in this many runs twice the choice (half of it at the budget)
     forget: float = 0.98  # per round: the hit counts' and the call fit's memory (~50 rounds)
     verify_horizon: float = 32.0  # the verify latency's running mean (Estimate horizon)
@@ -84,11 +89,12 @@ class BranchBudgetClass:
         if most <= 1:
             return most
         s = self.settings
+        high, low = max(1, most // 2), max(1, most // 4)
         if self.rounds <= s.warmup:
-            return most if self.rounds % 2 else max(1, most // 2)
+            return high if self.rounds % 2 else low
         best = self.best(most)
         if best is None:  # r's slope not identified yet: keep alternating
-            return most if self.rounds % 2 else max(1, most // 2)
+            return high if self.rounds % 2 else low
         if self.rounds % s.explore_every == 0:
             return min(most, 2 * best) if best < most else max(1, most // 2)
         return best

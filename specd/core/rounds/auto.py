@@ -33,13 +33,14 @@ where the tokens are modelled and the cycle is measured:
   against K; pre_p(K): the
   pipeline's pre-draft, which runs beside the verify, so one longer than the
   verify is waited for even on a hit (d(K + 1) from a guessed bonus, d(K)
-  for post-verify); o: what the arm's measured cycles exceed their model by,
-  shrunk towards what its family's (pipeline's, or target-only's) did by
-  `arm_correction_prior` rounds, that shrunk towards 0 by `correction_prior`;
+  for post-verify, plus what that pipeline's calls measured beyond it); o: what
+  the arm's family's (pipeline's, or target-only's) measured cycles exceed
+  their model by, shrunk towards 0 by `correction_prior`, and for a pipelined
+  arm its own excess shrunk towards that by `arm_correction_prior` rounds;
   h_p: the pipeline's hit chance from the acceptance model (off 0,
   post-verify P(all K), bonus-match P(all K) a_K, spec-cache the mean of
   P(all K) and 1), corrected by the hits measured per pipeline. Both excesses
-  average over `horizon` rounds. Per arm, because the excess depends on K: on
+  average over `horizon` rounds. Per pipelined arm, because the excess depends on K: on
   emulated h100-tp2-70b (agreement 0.8, T = 0) spec-cache's was -3 ms pooled,
   its K = 1 rounds staged nearly always and its K = 2 rounds seldom, and the
   pooled figure rated K = 1 level with K = 2 (auto alternated; speccache-2
@@ -643,11 +644,17 @@ class AutoChooser:
         return cls.draft_hops_ms.value + mean * k / tokens
 
     def correction(self, cls: ArmCycles, arm: Arm) -> float:
-        """What the arm's cycles exceeded their model by: its own rounds' excess, shrunk towards its family's
-        (pipeline's, or target-only's), which is shrunk towards none."""
+        """What the arm's cycles exceeded their model by: a pipelined arm's own rounds' excess, shrunk towards
+        its pipeline's, which is shrunk towards none; other arms take their family's (off's, target-only's).
+
+        Per arm only where a pipeline runs: how much of a pre-draft the verify hides and how often a round
+        stages depend on K in ways the model does not follow. Without a pipeline v(K + 1) + d(K) does,
+        and per-arm excesses there cost the suffix drafter on the repetitive set (real demo target, CPU)
+        1.45-1.70x target-only against 2.00-2.05x: an arm of K = 16 whose proposals the cut shortens
+        reads a cycle its K never had."""
         family = self._correction(cls.residual_ms.get(_family(arm)))
-        own = cls.arm_residual_ms.get(arm)
-        if own is None:
+        own = cls.arm_residual_ms.get(arm) if arm.k > 0 and arm.pipeline != OFF else None
+        if own is None:  # target-only, and rounds without a pipeline: v(K + 1) + d(K) already follows K
             return family
         w = self.policy.settings.arm_correction_prior
         return (own.value * own.weight + family * w) / (own.weight + w)

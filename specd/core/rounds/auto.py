@@ -336,7 +336,7 @@ class ArmCycles:
     draft_ms: LinearCost = field(default_factory=LinearCost)
     draft_hops_ms: Estimate = field(default_factory=lambda: Estimate(0.0))
     residual_ms: dict[str, Estimate] = field(default_factory=dict)  # per family: measured cycle - model
-    arm_residual_ms: dict[Arm, Estimate] = field(default_factory=dict)  # per arm: the same, its own rounds only
+    arm_residual_ms: dict[Arm, Estimate] = field(default_factory=dict)  # per arm (read for pipelined arms)
     hits: dict[tuple[str, bool], Estimate] = field(default_factory=dict)  # (pipeline, all accepted) -> P(hit)
     # per pipeline: its pre-draft call's wall (out beside the verify -> answer) less the fresh draft it stands for
     pre_draft_excess_ms: dict[str, Estimate] = field(default_factory=dict)
@@ -393,8 +393,8 @@ class AutoSettings:
     # ... by this share: a probe is one drafting round between target-only ones, dearer than the steady
     # arm it rates (its fresh draft catches up on the tokens since the last; its pre-draft goes unused).
     # Where the cache hides the draft, K = 1 rated level with target-only even at a useless draft's
-    # bound: the probes kept one round in seven drafting (emulated h100-tp2-70b, agreement 0, T = 0.7:
-    # 30.6 ms such a round against 21.2 target-only; auto 0.93x target-only).
+    # bound: every request's first round probed (emulated h100-tp2-70b, agreement 0, T = 0.7: such a
+    # round 30.6 ms against 21.2 target-only, TTFT 36.7 ms against 23.2; auto 0.93x target-only).
     probe_margin: float = 0.1
     probe_margin_after: float = 8.0  # verdicts: before, a cold start's few unlucky ones are all there is
     cut_margin: float = 0.01  # a proposal is verified one token longer only for a predicted gain above this

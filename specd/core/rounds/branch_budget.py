@@ -89,7 +89,8 @@ class BranchBudgetClass:
         if most <= 1:
             return most
         s = self.settings
-        high, low = max(1, most // 2), max(1, most // 4)
+        high = min(most, max(2, most // 2))  # two different counts, whatever the budget: the slope needs them
+        low = max(1, high // 2)
         if self.rounds <= s.warmup:
             return high if self.rounds % 2 else low
         best = self.best(most)

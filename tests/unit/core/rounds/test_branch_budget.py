@@ -96,6 +96,9 @@ def test_a_class_warms_up_on_two_budgets_then_explores_around_its_choice() -> No
     assert best is not None and best < 8
     assert cls.choose(8) == min(8, 2 * best)  # round 64: an exploration above the choice
     assert cls.choose(1) == 1  # a budget of one is no choice
+    for most, pair in ((2, [2, 1]), (3, [2, 1]), (4, [2, 1]), (16, [8, 4])):  # two counts at every budget
+        small = BranchBudgetClass(BranchBudgetSettings(warmup=4))
+        assert [small.choose(most) for _ in range(4)] == pair * 2
 
 
 def test_classes_are_per_sampling_and_pending_tokens() -> None:

@@ -179,7 +179,7 @@ class ModelDrafter(PooledModel[_ModelDraftSession]):
         except Exception:  # noqa: BLE001 - only a head start: the branch call reads the rows itself then
             log.debug("the idle pass for branch rows failed", exc_info=True)
             for q in due:
-                q.rows.rewound(-1)
+                q.rows = RankingRows()
             return True
         for q, logits in zip(due, out):
             q.rows.keep(len(q.kv.tokens), logits[-1])

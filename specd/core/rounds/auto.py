@@ -616,9 +616,13 @@ class AutoChooser:
         against 9.0), and at a K whose pre-draft already outlasts the verify that decides the
         cycle: speccache-4 gave 2.9x target-only where bonus-match's pipelined-4 gave 3.4x, and
         auto, rating both pre-drafts at d(K + 1), ran spec-cache."""
+        return max(0.0, self._stands_for(cls, pipeline, k) + self._correction(cls.pre_draft_excess_ms.get(pipeline)))
+
+    def _stands_for(self, cls: ArmCycles, pipeline: str, k: int) -> float:
+        """The fresh draft a pipeline's pre-draft for a next round of k tokens stands for: d(k + 1), or d(k)
+        for post-verify's."""
         costs = self._cost_table(cls, k)
-        base = costs.draft[k] if pipeline == POST_VERIFY else costs.pre_draft[k]
-        return max(0.0, base + self._correction(cls.pre_draft_excess_ms.get(pipeline)))
+        return costs.draft[k] if pipeline == POST_VERIFY else costs.pre_draft[k]
 
     def _cost_table(self, cls: ArmCycles, k_top: int = 0) -> _CostTable:
         """v(K + 1), d(K) and d(K + 1) for every K the chooser rates (and up to k_top), as `cls` measured them now."""
@@ -786,10 +790,8 @@ class AutoChooser:
         """A pipeline's pre-draft call for a next round of k draft tokens answered wall_ms after it went out."""
         if pipeline == OFF or k <= 0 or not wall_ms > 0:
             return
-        costs = self._cost_table(cls, k)
-        base = costs.draft[k] if pipeline == POST_VERIFY else costs.pre_draft[k]
         excess = cls.pre_draft_excess_ms.setdefault(pipeline, Estimate(0.0))
-        excess.update(wall_ms - base, horizon=self.policy.settings.horizon)
+        excess.update(wall_ms - self._stands_for(cls, pipeline, k), horizon=self.policy.settings.horizon)
 
     def observe_calls(
         self,

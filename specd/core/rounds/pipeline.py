@@ -114,7 +114,25 @@ class Off:
         return None
 
 
-class _AllAccepted:
+class _TimedPreDraft:
+    """A strategy's last pre-draft call: when it went out (beside the verify) and how long it took."""
+
+    def __init__(self) -> None:
+        self._sent_at = 0.0  # perf_counter() when the call went out
+        self._replied_ms: float | None = None  # its latency, once it answered with drafts
+
+    @property
+    def pre_draft_ms(self) -> float | None:
+        return self._replied_ms
+
+    def _sent(self) -> None:
+        self._sent_at = time.perf_counter()
+
+    def _answered(self) -> None:
+        self._replied_ms = (time.perf_counter() - self._sent_at) * 1e3
+
+
+class _AllAccepted(_TimedPreDraft):
     """One pre-draft, after the prefix with every draft token of this round accepted.
 
     Only for a full proposal (a draft that ran short is unlikely to be all accepted
@@ -126,14 +144,9 @@ class _AllAccepted:
     extra = 0  # draft tokens beyond next_k
 
     def __init__(self) -> None:
+        super().__init__()
         self._task: asyncio.Task[Proposal] | None = None
         self._assumed: tuple[int, ...] = ()
-        self._sent_at = 0.0  # perf_counter() when the pre-draft went out
-        self._replied_ms: float | None = None  # its latency, once it answered
-
-    @property
-    def pre_draft_ms(self) -> float | None:
-        return self._replied_ms
 
     def _applies(self, rnd: PipelineRound) -> bool:
         return 0 < len(rnd.proposal) == rnd.budget and rnd.next_k > 0
@@ -143,14 +156,14 @@ class _AllAccepted:
         if not self._applies(rnd):
             return 0
         self._assumed = tuple(rnd.proposal.token_ids)
-        self._sent_at = time.perf_counter()
+        self._sent()
         self._task = asyncio.ensure_future(self._pre_draft(rnd))
         return 1
 
     async def _pre_draft(self, rnd: PipelineRound) -> Proposal:
         pre = await rnd.draft_after(self._assumed, rnd.next_k + self.extra)
         if len(pre):  # an empty answer: the draft failed
-            self._replied_ms = (time.perf_counter() - self._sent_at) * 1e3
+            self._answered()
         rnd.stage(self._shape(pre))  # the loop stages none for a round that defers its bonus (post-verify)
         return pre
 
@@ -210,7 +223,7 @@ class PostVerify(_AllAccepted):
         return [PreDraft(self._assumed, pre.window(0))]
 
 
-class SpecCache:
+class SpecCache(_TimedPreDraft):
     """A speculation cache (SSD / Saguaro): pre-draft the next round for the likeliest verdicts.
 
     While the target verifies, one branch call has the draft choose up to
@@ -235,6 +248,7 @@ class SpecCache:
     ) -> None:
         if not 1 <= budget <= MAX_BRANCH_BUDGET:
             raise InvalidArgument(f"the branch budget must be in 1..{MAX_BRANCH_BUDGET}, got {budget}")
+        super().__init__()
         self.budget = budget  # the most branches a call asks for; `budgets` may choose fewer per round
         self.acceptance = PositionAcceptance()
         self._budgets = budgets  # the service's measurements (specd.core.rounds.branch_budget); None: always `budget`
@@ -242,15 +256,9 @@ class SpecCache:
         self._task: asyncio.Task[list[PreDraft]] | None = None
         self._drafted = 0  # draft tokens of the round whose verdict settle will see
         self._asked = 0  # branches the round's call asked for
-        self._sent_at = 0.0  # perf_counter() when the call went out
-        self._replied_ms: float | None = None  # its latency, once it answered
 
     def defers_bonus(self, rnd: PipelineRound) -> bool:
         return False
-
-    @property
-    def pre_draft_ms(self) -> float | None:
-        return self._replied_ms
 
     def launch(self, rnd: PipelineRound) -> int:
         """One branch call; returns its budget (the draft decides how many of them it drafts)."""
@@ -260,14 +268,14 @@ class SpecCache:
         rates = self.acceptance.rates(self._drafted)
         cls = self._budgets.workload(self._greedy, self._drafted) if self._budgets is not None else None
         self._asked = cls.choose(self.budget) if cls is not None else self.budget
-        self._sent_at = time.perf_counter()
+        self._sent()
         self._task = asyncio.ensure_future(self._branches(rnd, rates, self._asked))
         return self._asked
 
     async def _branches(self, rnd: PipelineRound, rates: Sequence[float], budget: int) -> list[PreDraft]:
         pre_drafts = await rnd.draft_branches(budget, rates, rnd.next_k)
         if pre_drafts:  # none: the draft failed or had no room
-            self._replied_ms = (time.perf_counter() - self._sent_at) * 1e3
+            self._answered()
         rnd.stage(pre_drafts)
         return pre_drafts
 

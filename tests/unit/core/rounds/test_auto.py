@@ -498,10 +498,11 @@ def test_a_pre_draft_slower_than_the_fresh_draft_it_stands_for_is_rated_as_measu
     assert chooser.pre_draft(cls, SPEC_CACHE, 4) == pytest.approx(service.pre_draft(Arm(SPEC_CACHE, 4)), abs=0.5)
     assert chooser.pre_draft(cls, BONUS_MATCH, 4) == pytest.approx(service.pre_draft(Arm(BONUS_MATCH, 4)), abs=0.5)
     assert rate_of(service, [Arm(SPEC_CACHE, 4)]) < 0.95 * rate_of(service, [Arm(BONUS_MATCH, 4)])
-    # ... and the cycle waits for it: at d(K + 1) it rated spec-cache-4 level with bonus-match-4 (0.419 and
-    # 0.422 tokens/ms) where spec-cache-4 is 0.88x
+    # ... and the cycle waits for it: the cache's K = 4 round is modelled longer than bonus-match's, as it is
+    # (12.2 ms against 10.7 here); at d(K + 1) both, the cache's read 9.7 ms against 11.5
     rates = chooser.rates(cls)
-    assert chooser.model_cycle(cls, Arm(SPEC_CACHE, 4), rates) >= chooser.pre_draft(cls, SPEC_CACHE, 4)
+    cycles = {p: chooser.model_cycle(cls, Arm(p, 4), rates) for p in (SPEC_CACHE, BONUS_MATCH)}
+    assert cycles[SPEC_CACHE] > cycles[BONUS_MATCH]
 
 
 def test_a_pipelines_excess_is_measured_per_draft_length() -> None:

@@ -58,7 +58,7 @@ import torch
 from torch import Tensor
 
 from specd.core.rounds.steps import Branch, Branches
-from specd.core.sampling import host_select
+from specd.core.sampling.greedy import row_logsumexp
 from specd.core.sampling.proposal import Proposal
 
 
@@ -82,7 +82,7 @@ def top_ranking(probs: Tensor, pending: Sequence[int], width: int) -> Ranking:
     """[K+1, V] distributions -> their `width` likeliest tokens per row, and the pending tokens' own mass."""
     k = len(pending)
     assert probs.dim() == 2 and probs.shape[0] == k + 1, f"probs must be [K+1, V] for K={k}, got {tuple(probs.shape)}"
-    top_p, top_i = host_select.topk(probs.float(), min(width, int(probs.shape[1])))  # [K+1, W] each
+    top_p, top_i = torch.topk(probs.float(), min(width, int(probs.shape[1])), dim=-1)  # [K+1, W] each
     own = probs[torch.arange(k), torch.tensor(list(pending), dtype=torch.int64)].tolist() if k else []
     return Ranking(top_i, top_p, tuple(float(x) for x in own))
 
@@ -154,14 +154,14 @@ def calibrated_greedy(
     k = len(pending)
     assert logits.dim() == 2 and logits.shape[0] == k + 1 and k >= 1, f"logits must be [K+1, V], K={k}"
     x = logits.float()
-    top, ids = host_select.topk(x, min(max(width, _FIT_WIDTH), int(x.shape[1])))  # [K+1, W'] each
+    top, ids = torch.topk(x, min(max(width, _FIT_WIDTH), int(x.shape[1])), dim=-1)  # [K+1, W'] each
     mine = x[torch.arange(k), torch.tensor(list(pending), dtype=torch.int64)]  # [K]
     grid = torch.logspace(-2.0, 4.0, 49, base=2.0)  # [G] inverse temperatures 1/4 .. 16, steps of 2^(1/8)
     g_top = grid[:, None, None] * top[None, :k]  # [G, K, W']
     conf = torch.exp(grid[:, None] * mine[None] - torch.logsumexp(g_top, dim=-1)).mean(-1)  # [G]
     reached = (conf >= sum(acceptance) / k).nonzero()
     g = float(grid[int(reached[0, 0])] if len(reached) else grid[-1])
-    lse = torch.logsumexp(g * x, dim=-1)  # [K+1] over the whole rows
+    lse = row_logsumexp(g * x)  # [K+1] over the whole rows (the tail of a large g is 100+ below the max)
     probs = torch.exp(g * top[:, :width] - lse[:, None])  # [K+1, W]
     own = torch.exp(g * mine - lse[:k]).tolist()
     ranking = Ranking(ids[:, :width], probs, tuple(own))

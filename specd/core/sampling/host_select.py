@@ -1,11 +1,14 @@
 """The largest values of a row on the host, without a top-k over the whole vocabulary.
 
 torch.topk on the CPU copies the row into (value, index) pairs and partially
-sorts them: ~70-240 us per 32,000-token row on the 2-core host (more for a
-cold row), for each row of every draft step. The rows specd selects from are
-skewed (a few hundred tokens carry the mass), so one pass can find a small
-candidate set that provably holds the answer, and only the candidates are
-sorted:
+sorts them; for the sparse q's budget (up to 1,792 of a 32,000-token row, or
+whatever carries the mass) that cost grows with k. The rows specd selects
+from are skewed (a few hundred tokens carry the mass), so one pass can find a
+small candidate set that provably holds the answer, and only the candidates
+are sorted. (For a small k over a few rows, torch.topk is the faster one: the
+draft's branch rankings, top 5-64 of 3 rows, took 0.20-0.29 ms with it
+against 0.45-0.57 ms through these bins, measured in the draft service on
+2026-12-05; specd.core.draft.branching uses torch.topk.)
 
 - A float32's bits, read as an integer and made monotone for negatives,
   order the values; their top 12 bits (sign, exponent, 3 mantissa bits) put
@@ -29,7 +32,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-__all__ = ["bins", "candidates", "mass_candidates", "top_sorted", "topk"]
+__all__ = ["bins", "candidates", "mass_candidates", "top_sorted"]
 
 _SHIFT = 20  # bits dropped: 32 - 20 = 12 bits of bin index
 _HALF = 1 << (31 - _SHIFT)  # bins below this hold negative values
@@ -114,24 +117,3 @@ def top_sorted(a: np.ndarray, ids: np.ndarray, k: int, *, nonneg: bool = False) 
         keys = np.partition(keys, k - 1)[:k]  # the k largest values, unordered
     at = (np.sort(keys) & np.uint64(0xFFFFFFFF)).astype(np.intp)  # [m] positions, most likely first
     return vals[at], ids[at]
-
-
-def topk(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """torch.topk(x, k, dim=-1) for rows x [R, V]: (values [R, k], ids [R, k] int64), most likely first.
-
-    float32 rows on the host without NaN go through the candidates; others through torch.topk.
-    """
-    assert x.dim() == 2 and 1 <= k <= x.shape[-1], f"need [R, V] rows and 1 <= k <= V, got {tuple(x.shape)}, {k}"
-    if x.device.type != "cpu" or x.dtype != torch.float32:
-        top = torch.topk(x, k, dim=-1)
-        return top.values, top.indices
-    a = x.detach().numpy()  # [R, V]
-    vals = np.empty((a.shape[0], k), dtype=np.float32)
-    ids = np.empty((a.shape[0], k), dtype=np.int64)
-    for r in range(a.shape[0]):
-        if np.isnan(a[r]).any():  # NaN has no place in the bins' order: torch's answer
-            top = torch.topk(x[r], k)
-            vals[r], ids[r] = top.values.numpy(), top.indices.numpy()
-        else:
-            vals[r], ids[r] = top_sorted(a[r], candidates(a[r], k), k)
-    return torch.from_numpy(vals), torch.from_numpy(ids)

@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from specd.core.sampling.greedy import greedy_tokens, greedy_verdict, top_probability
+from specd.core.sampling.greedy import greedy_tokens, greedy_verdict, row_logsumexp, top_probability
 from specd.core.sampling.rejection import rejection_sample
 from specd.core.sampling.sampler import SamplingParams, processed_probs, unusable_rows
 
@@ -94,3 +94,22 @@ def test_the_greedy_confidence_is_the_softmax_top_probability() -> None:
     best, _ = greedy_tokens(logits)
     want = torch.exp(logits.max(-1).values - torch.logsumexp(logits, -1))
     assert torch.allclose(top_probability(logits, best), want, rtol=1e-5, atol=0)
+
+
+@pytest.mark.parametrize("scale", [1.0, 48.0, 400.0])
+def test_row_logsumexp_equals_torch_logsumexp(scale: float) -> None:
+    # scale 48 and 400: most of each row lies far below its max (where exp's slow path was)
+    g = torch.Generator().manual_seed(int(scale))
+    x = torch.randn(5, 32000, generator=g) * scale
+    torch.testing.assert_close(row_logsumexp(x), torch.logsumexp(x, -1), rtol=1e-6, atol=1e-5)
+    assert row_logsumexp(x[0]).shape == ()
+
+
+def test_row_logsumexp_of_rows_that_cannot_be_sampled_is_torchs() -> None:
+    x = torch.randn(4, 50)
+    x[1] = float("-inf")
+    x[2, 7] = float("nan")
+    x[3, 9] = float("inf")
+    got, want = row_logsumexp(x), torch.logsumexp(x, -1)
+    assert torch.equal(got.isnan(), want.isnan())
+    torch.testing.assert_close(got[~want.isnan()], want[~want.isnan()])

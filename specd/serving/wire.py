@@ -9,6 +9,8 @@ import math
 from collections.abc import Mapping, Sequence
 from typing import TypeVar
 
+from torch import Tensor
+
 from specd.core.errors import InvalidArgument, Unavailable
 from specd.core.phases import PhaseLog
 from specd.core.rounds import steps
@@ -52,14 +54,27 @@ def params_to_proto(params: SamplingParams) -> common_pb2.SamplingParams:
 
 def sparse_to_proto(proposal: Proposal) -> list[common_pb2.SparseDistribution]:
     """Per draft position, q as sent: compact when the weights are integers (a model draft's), else plain."""
-    if proposal.wire_q is not None:  # relayed as the draft sent it: the target validates it
-        return list(proposal.wire_q)
-    if proposal.q_ids is None or proposal.q_probs is None:
-        return []
-    if compact_q.is_integral(proposal.q_probs):
-        rows = compact_q.to_compact(proposal.q_ids, proposal.q_probs)
-        return [common_pb2.SparseDistribution(id_gaps=gaps, weights=ints) for gaps, ints in rows]
-    return [common_pb2.SparseDistribution(token_ids=ids, probs=probs) for ids, probs in proposal.to_wire()]
+    return sparse_rows_to_proto([proposal])[0]
+
+
+def sparse_rows_to_proto(proposals: Sequence[Proposal]) -> list[list[common_pb2.SparseDistribution]]:
+    """sparse_to_proto of each proposal; the compact ones (a branch call's) encoded in one pass over all rows."""
+    out: list[list[common_pb2.SparseDistribution]] = [[] for _ in proposals]
+    compact: list[int] = []
+    qs: list[tuple[Tensor, Tensor]] = []  # the compact ones' (q_ids, q_probs)
+    for i, proposal in enumerate(proposals):
+        if proposal.wire_q is not None:  # relayed as the draft sent it: the target validates it
+            out[i] = list(proposal.wire_q)
+        elif proposal.q_ids is None or proposal.q_probs is None:
+            continue
+        elif compact_q.is_integral(proposal.q_probs):
+            compact.append(i)
+            qs.append((proposal.q_ids, proposal.q_probs))
+        else:
+            out[i] = [common_pb2.SparseDistribution(token_ids=ids, probs=probs) for ids, probs in proposal.to_wire()]
+    for i, rows in zip(compact, compact_q.to_compact_each(qs)):
+        out[i] = [common_pb2.SparseDistribution(id_gaps=gaps, weights=ints) for gaps, ints in rows]
+    return out
 
 
 def q_wire_bytes(msg: draft_pb2.DraftProposal) -> list[int]:
@@ -71,10 +86,13 @@ def _varint_bytes(n: int) -> int:
     return max(1, (n.bit_length() + 6) // 7)
 
 
-def proposal_to_proto(proposal: Proposal) -> draft_pb2.DraftProposal:
+def proposal_to_proto(
+    proposal: Proposal, q: Sequence[common_pb2.SparseDistribution] | None = None
+) -> draft_pb2.DraftProposal:
+    """The proposal's message; q: its rows already encoded (sparse_rows_to_proto), or None to encode them."""
     return draft_pb2.DraftProposal(
         token_ids=proposal.token_ids,
-        q=sparse_to_proto(proposal),
+        q=sparse_to_proto(proposal) if q is None else q,
         compute_ms=proposal.compute_ms,
         batch_size=proposal.phases.batch_size,
         confidence=proposal.confidence,
@@ -259,10 +277,11 @@ def branch_request_from_proto(req: draft_pb2.DraftRequest) -> steps.BranchReques
 
 
 def branches_to_proto(result: steps.Branches) -> draft_pb2.DraftBranchSet:
+    qs = sparse_rows_to_proto([b.proposal for b in result.branches])  # every branch's q rows in one pass
     return draft_pb2.DraftBranchSet(
         branches=[
-            draft_pb2.DraftBranch(accepted=b.accepted, token_id=b.token_id, proposal=proposal_to_proto(b.proposal))
-            for b in result.branches
+            draft_pb2.DraftBranch(accepted=b.accepted, token_id=b.token_id, proposal=proposal_to_proto(b.proposal, q))
+            for b, q in zip(result.branches, qs)
         ],
         compute_ms=result.compute_ms,
         batch_size=result.phases.batch_size,

@@ -25,6 +25,9 @@ from specd.core.sampling.sparse_q import MAX_WEIGHT
 
 CompactRow = tuple[bytes, bytes]  # (id gaps, weights), packed varints
 
+_WEIGHT_BITS = np.uint64(MAX_WEIGHT.bit_length())  # a weight (<= MAX_WEIGHT) fits these low bits of a sort key
+_WEIGHT_MASK = np.uint64((1 << MAX_WEIGHT.bit_length()) - 1)
+
 
 def is_integral(weights: Tensor) -> bool:
     """True if every weight is an integer in [0, MAX_WEIGHT] (the compact form can carry them exactly)."""
@@ -41,13 +44,16 @@ def to_compact(ids: Tensor, weights: Tensor) -> list[CompactRow]:
     A, W = ids.shape
     if A == 0:
         return []
-    w = weights.numpy().astype(np.int64)  # [A, W]
+    w = weights.numpy().astype(np.uint64)  # [A, W]
     live = w > 0
-    # Sort each row by id with its dead slots last (keyed past any id), then keep the live prefix.
-    keyed = np.where(live, ids.numpy(), np.iinfo(np.int64).max)  # [A, W]
-    order = np.argsort(keyed, axis=-1, kind="stable")  # [A, W]
-    sorted_ids = np.take_along_axis(keyed, order, -1)
-    sorted_w = np.take_along_axis(w, order, -1)
+    # Sort each row by id with its dead slots last, then keep the live prefix: one sort of 64-bit
+    # keys (id above the weight's 25 bits; a dead slot past any id), ~10x a stable argsort here.
+    raw = ids.numpy()
+    assert raw.size == 0 or (int(raw.min()) >= 0 and int(raw.max()) < 1 << 38), "token ids out of range"
+    keys = np.where(live, raw.astype(np.uint64) << _WEIGHT_BITS | w, np.uint64(np.iinfo(np.uint64).max))
+    keys.sort(axis=-1)  # [A, W]
+    sorted_ids = (keys >> _WEIGHT_BITS).astype(np.int64)
+    sorted_w = (keys & _WEIGHT_MASK).astype(np.int64)
     counts = live.sum(-1)  # [A] kept entries per row
     kept = np.arange(W)[None, :] < counts[:, None]  # [A, W] the live prefix of each sorted row
     repeated = kept[:, 1:] & (sorted_ids[:, 1:] == sorted_ids[:, :-1])  # [A, W - 1]
@@ -59,6 +65,22 @@ def to_compact(ids: Tensor, weights: Tensor) -> list[CompactRow]:
         gap_rows[a] = np.diff(unique, prepend=0)
         weight_rows[a] = np.bincount(inverse, weights=sorted_w[a, : counts[a]]).astype(np.int64)
     return list(zip(varint.encode_rows(gap_rows), varint.encode_rows(weight_rows)))
+
+
+def to_compact_each(qs: Sequence[tuple[Tensor, Tensor]]) -> list[list[CompactRow]]:
+    """to_compact of each (ids [K_i, W_i], weights [K_i, W_i]), all rows encoded in one pass.
+
+    A branch call's proposals have different widths: their rows are padded with dead slots
+    (weight 0, dropped by to_compact) to the widest, stacked, encoded once and split again.
+    """
+    if not qs:
+        return []
+    width = max(int(ids.shape[1]) for ids, _ in qs)
+    ids = torch.cat([torch.nn.functional.pad(i, (0, width - i.shape[1])) for i, _ in qs])  # [sum K_i, W]
+    weights = torch.cat([torch.nn.functional.pad(w, (0, width - w.shape[1])) for _, w in qs])
+    rows = to_compact(ids, weights)
+    ends = np.cumsum([int(i.shape[0]) for i, _ in qs])
+    return [rows[end - int(i.shape[0]) : end] for end, (i, _) in zip(ends, qs)]
 
 
 def compact_entries(gaps: bytes, weights: bytes) -> tuple[int, int]:

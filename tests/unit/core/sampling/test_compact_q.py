@@ -27,6 +27,25 @@ def test_compact_form_round_trips_and_merges_duplicates() -> None:
     assert (ids.tolist(), weights.tolist()) == ([3, 9, 17, 40], [3.0, 7.0, 1000.0, 5.0])
 
 
+def test_the_rows_of_many_proposals_encode_as_each_alone() -> None:
+    g = torch.Generator().manual_seed(5)
+    qs = []
+    for k, width in ((2, 1792), (1, 7), (3, 300)):  # a branch call's proposals: different K and widths
+        probs = torch.softmax(torch.randn(k, 32000, generator=g) * 3, -1)
+        qs.append(sparse_q.build(probs, QSettings()))
+    qs.append((torch.tensor([[7, 7, 2, 0]]), torch.tensor([[3.0, 4.0, 9.0, 0.0]])))  # a repeated id, a dead slot
+    assert compact_q.to_compact_each(qs) == [compact_q.to_compact(ids, w) for ids, w in qs]
+    assert compact_q.to_compact_each([]) == []
+
+
+def test_large_ids_and_weights_keep_their_order_in_the_sort_keys() -> None:
+    ids = torch.tensor([[2**31 - 1, 0, 2**20]])
+    w = torch.tensor([[float(MAX_WEIGHT), 1.0, float(MAX_WEIGHT - 1)]])
+    ((gaps, ints),) = compact_q.to_compact(ids, w)
+    assert varint.decode(gaps, "g").tolist() == [0, 2**20, 2**31 - 1 - 2**20]
+    assert varint.decode(ints, "w").tolist() == [1, MAX_WEIGHT - 1, MAX_WEIGHT]
+
+
 @pytest.mark.parametrize(
     "gaps, weights, match",
     [

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import Executor
 from dataclasses import dataclass
 from typing import Any
@@ -14,6 +14,7 @@ from specd.core.draft.trees import propose_trees
 from specd.core.errors import InvalidArgument
 from specd.core.phases import PhaseLog
 from specd.core.rounds.steps import MAX_BRANCH_BUDGET, Branches, DraftResult, DraftWork, TreeProposeRequest
+from specd.core.sampling.proposal import Proposal
 from specd.core.sampling.tree import DraftTree
 from specd.serving import trace_names
 from specd.serving import tracing as tr
@@ -27,6 +28,7 @@ from specd.serving.wire import (
     proposal_to_proto,
     propose_request_from_proto,
     q_wire_bytes,
+    sparse_rows_to_proto,
 )
 from specd.v1 import common_pb2, draft_pb2, draft_pb2_grpc
 
@@ -114,13 +116,33 @@ class DraftServicer(
         if isinstance(result, TimedTree):
             resp.tree.CopyFrom(draft_tree_to_proto(result.tree, result.compute_ms, result.batch_size))
             return PhaseLog(batch_size=result.batch_size)
-        if isinstance(result, Branches):
-            resp.branches.CopyFrom(branches_to_proto(result))
+        if isinstance(result, Branches):  # each branch's q: late_fill
+            resp.branches.CopyFrom(branches_to_proto(result, with_q=False))
             return result.phases
-        resp.proposal.CopyFrom(proposal_to_proto(result))
-        if self.metrics is not None and resp.proposal.q:
-            self.metrics.observe_q(q_wire_bytes(resp.proposal), result.q_ms)
+        resp.proposal.CopyFrom(proposal_to_proto(result, ()))  # its q: late_fill
         return result.phases
+
+    def late_fill(self, resp: draft_pb2.DraftResponse, result: Result) -> Callable[[], None] | None:
+        """The q rows of a proposal or of a branch call's branches, encoded by the stream (all rows in one pass)."""
+        if isinstance(result, Branches):
+            proposals = [b.proposal for b in result.branches]
+            messages = [b.proposal for b in resp.branches.branches]
+        elif isinstance(result, Proposal):
+            proposals, messages = [result], [resp.proposal]
+        else:
+            return None
+        if all(p.q_ids is None and p.wire_q is None for p in proposals):  # greedy, n-gram, suffix: no q
+            return None
+        metrics = self.metrics if isinstance(result, Proposal) else None  # q's bytes: a propose's
+        q_ms = result.q_ms if isinstance(result, Proposal) else 0.0
+
+        def fill() -> None:
+            for msg, q in zip(messages, sparse_rows_to_proto(proposals)):
+                msg.q.extend(q)
+            if metrics is not None and resp.proposal.q:
+                metrics.observe_q(q_wire_bytes(resp.proposal), q_ms)
+
+        return fill
 
     def close_session(self, req: draft_pb2.DraftRequest) -> None:
         # A learning drafter (suffix) indexes the session's answer: the close carries the

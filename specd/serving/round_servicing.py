@@ -124,6 +124,14 @@ class BatchedRoundServicer(abc.ABC, Generic[Req, Resp, Work, Result]):
     def fill_step(self, response: Resp, result: Result) -> PhaseLog:
         """Put a step's result in its response; return where the core's time went."""
 
+    def late_fill(self, response: Resp, result: Result) -> Callable[[], None] | None:
+        """The part of a step's response the stream builds, off the model thread (the draft's q rows), or None.
+
+        Run by the stream's event loop just before the response is sent (Stamped.finish), so the
+        model thread goes on to its next batch meanwhile; run at once where no stream sends it.
+        """
+        return None
+
     @abc.abstractmethod
     def open_session(self, request: Req) -> None:
         """An open message: its own checks, then the engine's open."""
@@ -148,8 +156,12 @@ class BatchedRoundServicer(abc.ABC, Generic[Req, Resp, Work, Result]):
             request_id=req.request_id, session_id=req.session_id, committed_length=req.committed_length
         )
 
-    def run_steps(self, requests: Sequence[Req]) -> list[Handled]:
-        """Step messages of different sessions: one batched core call (model thread)."""
+    def run_steps(self, requests: Sequence[Req], late: dict[int, Callable[[], None]] | None = None) -> list[Handled]:
+        """Step messages of different sessions: one batched core call (model thread).
+
+        late: where each response's late_fill goes, by its index in `requests` (the stream runs
+        them); None: they run here, and the responses come back whole.
+        """
         out: list[Handled | None] = [None] * len(requests)
         work: list[tuple[int, Work]] = []
         for i, req in enumerate(requests):
@@ -164,6 +176,13 @@ class BatchedRoundServicer(abc.ABC, Generic[Req, Resp, Work, Result]):
             else:
                 resp = self._response(requests[i])
                 out[i] = (resp, self.fill_step(resp, result))
+                fill = self.late_fill(resp, result)
+                if fill is not None:
+                    fill = self._guarded(requests[i], resp, fill)
+                    if late is None:
+                        fill()
+                    else:
+                        late[i] = fill
         handled = [h for h in out if h is not None]
         if len(handled) != len(requests):
             raise RuntimeError(f"the core answered {len(results)} of {len(work)} {self.step_op} requests")
@@ -201,7 +220,10 @@ class BatchedRoundServicer(abc.ABC, Generic[Req, Resp, Work, Result]):
         started = time.perf_counter_ns()
         held = self.hold(items)
         run = [item for item in items if id(item) not in held] if held else list(items)
-        out = self.handle_batch([item.request for item in run])
+        late: dict[int, Callable[[], None]] = {}
+        out = self.handle_batch([item.request for item in run], late)
+        for i, fill in late.items():
+            run[i].finish = fill
         self.after_batch(run, out)
         ended = time.perf_counter_ns()
         for item in items:
@@ -218,7 +240,8 @@ class BatchedRoundServicer(abc.ABC, Generic[Req, Resp, Work, Result]):
     def after_batch(self, items: Sequence[Stamped[Req]], responses: Sequence[Resp]) -> None:
         """Sees each message the batch ran, with its response (model thread)."""
 
-    def handle_batch(self, requests: Sequence[Req]) -> list[Resp]:
+    def handle_batch(self, requests: Sequence[Req], late: dict[int, Callable[[], None]] | None = None) -> list[Resp]:
+        """One model-thread batch of stream messages -> their responses (late: as in run_steps)."""
         spans = [self._start_span(r) for r in requests]
         handled: list[Handled | None] = [None] * len(requests)
         group: list[int] = []  # indices of gathered step messages
@@ -226,10 +249,13 @@ class BatchedRoundServicer(abc.ABC, Generic[Req, Resp, Work, Result]):
 
         def flush() -> None:
             if group:
+                fills: dict[int, Callable[[], None]] | None = None if late is None else {}
                 try:
-                    results = self.run_steps([requests[i] for i in group])
+                    results = self.run_steps([requests[i] for i in group], fills)
                 except Exception as exc:  # noqa: BLE001 - a bug in the batch path must not break the stream
-                    results = [(self._error(requests[i], exc), None) for i in group]
+                    results, fills = [(self._error(requests[i], exc), None) for i in group], None
+                if late is not None and fills:
+                    late.update((group[j], fill) for j, fill in fills.items())
                 for i, h in zip(group, results):
                     handled[i] = h
             group.clear()
@@ -262,6 +288,17 @@ class BatchedRoundServicer(abc.ABC, Generic[Req, Resp, Work, Result]):
 
     def _is_step(self, op: str | None) -> bool:
         return op == self.step_op or op in self.extra_step_ops
+
+    def _guarded(self, req: Any, resp: Any, fill: Callable[[], None]) -> Callable[[], None]:
+        """`fill`, whose failure answers the message in-band with the error (as a failing step would)."""
+
+        def run() -> None:
+            try:
+                fill()
+            except Exception as exc:  # noqa: BLE001 - this message's error, in-band; logged by session_error
+                resp.CopyFrom(self._error(req, exc))
+
+        return run
 
     def _error(self, req: Any, exc: BaseException) -> Any:
         resp: Any = self._response(req)

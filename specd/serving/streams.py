@@ -50,6 +50,7 @@ class Stamped(Generic[Req]):
     ended_ns: int = 0
     deliver: Deliver[Stamped[Req], Any] | None = None  # its stream's, set when it is submitted
     staged_candidate: int = 0  # a target's staged verify (1 + the candidate it runs), 0 for a stream message
+    finish: Callable[[], None] | None = None  # what of its response the stream builds before sending it
 
 
 SCOPE_SEPARATOR = "/"
@@ -173,6 +174,10 @@ async def serve_round_stream(
             for stamped, result in answered:
                 if isinstance(result, BaseException):
                     raise result  # the batch itself failed (a bug): the stream ends, its sessions heal
+                if stamped.finish is not None:  # built here, off the model thread (late_fill)
+                    stamped.finish()
+                    stamped.finish = None
+                    now = clock()
                 _fill_timing(result.timing, stamped, now)
                 responses.append(scope.outbound(result) if scope is not None else result)
             unanswered -= len(answered)

@@ -276,8 +276,9 @@ def branch_request_from_proto(req: draft_pb2.DraftRequest) -> steps.BranchReques
     )
 
 
-def branches_to_proto(result: steps.Branches) -> draft_pb2.DraftBranchSet:
-    qs = sparse_rows_to_proto([b.proposal for b in result.branches])  # every branch's q rows in one pass
+def branches_to_proto(result: steps.Branches, *, with_q: bool = True) -> draft_pb2.DraftBranchSet:
+    """A branch call's message; with_q=False leaves every q out (the draft service's stream adds them)."""
+    qs = sparse_rows_to_proto([b.proposal for b in result.branches]) if with_q else [[] for _ in result.branches]
     return draft_pb2.DraftBranchSet(
         branches=[
             draft_pb2.DraftBranch(accepted=b.accepted, token_id=b.token_id, proposal=proposal_to_proto(b.proposal, q))

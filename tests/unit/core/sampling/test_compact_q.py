@@ -32,7 +32,7 @@ def test_the_rows_of_many_proposals_encode_as_each_alone() -> None:
     qs = []
     for k, width in ((2, 1792), (1, 7), (3, 300)):  # a branch call's proposals: different K and widths
         probs = torch.softmax(torch.randn(k, 32000, generator=g) * 3, -1)
-        qs.append(sparse_q.build(probs, QSettings()))
+        qs.append(sparse_q.build(probs, QSettings(max_tokens=width)))
     qs.append((torch.tensor([[7, 7, 2, 0]]), torch.tensor([[3.0, 4.0, 9.0, 0.0]])))  # a repeated id, a dead slot
     assert compact_q.to_compact_each(qs) == [compact_q.to_compact(ids, w) for ids, w in qs]
     assert compact_q.to_compact_each([]) == []

@@ -44,8 +44,9 @@ def to_compact(ids: Tensor, weights: Tensor) -> list[CompactRow]:
     A, W = ids.shape
     if A == 0:
         return []
-    live = weights.numpy() > 0  # [A, W]
-    w = np.where(live, weights.numpy(), 0).astype(np.uint64)  # (a negative weight is a dead slot, as before)
+    raw_w = weights.numpy()  # [A, W]
+    live = raw_w > 0
+    w = np.where(live, raw_w, 0).astype(np.uint64)  # (a negative weight is a dead slot, as before)
     # Sort each row by id with its dead slots last, then keep the live prefix: one sort of 64-bit
     # keys (id above the weight's 25 bits; a dead slot past any id), ~10x a stable argsort here.
     raw = ids.numpy()

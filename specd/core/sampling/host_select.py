@@ -7,8 +7,8 @@ from are skewed (a few hundred tokens carry the mass), so one pass can find a
 small candidate set that provably holds the answer, and only the candidates
 are sorted. (For a small k over a few rows, torch.topk is the faster one: the
 draft's branch rankings, top 5-64 of 3 rows, took 0.20-0.29 ms with it
-against 0.45-0.57 ms through these bins, measured in the draft service on
-2026-12-05; specd.core.draft.branching uses torch.topk.)
+against 0.45-0.57 ms through these bins, host time measured in the draft
+service of an emulated run on 2026-12-05; specd.core.draft.branching uses torch.topk.)
 
 - A float32's bits, read as an integer and made monotone for negatives,
   order the values; their top 12 bits (sign, exponent, 3 mantissa bits) put

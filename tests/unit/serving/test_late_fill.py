@@ -74,6 +74,8 @@ def _untimed(resp: draft_pb2.DraftResponse) -> bytes:
 @pytest.mark.parametrize("temperature", [0.0, 0.8])
 def test_a_stream_gets_the_same_responses_as_a_direct_call(temperature: float) -> None:
     direct, streamed = _run(False, temperature), _run(True, temperature)
+    assert [r.WhichOneof("result") for r in direct] == ["proposal", "branches"]  # no error stands in for them
+    assert len(direct[1].branches.branches) >= 2
     assert [_untimed(r) for r in direct] == [_untimed(r) for r in streamed]
     if temperature > 0:
         assert direct[0].proposal.q and all(b.proposal.q for b in direct[1].branches.branches)

@@ -170,6 +170,7 @@ class ModelDrafter(PooledModel[_ModelDraftSession]):
         branching = [s for s in self._pool.values() if s.branching > 0]
         if len(branching) > _IDLE_SESSIONS:
             return False
+        forks = {id(b) for s in branching for b in s.branches}  # their rows may be views (ranking_rows)
         due = [q for s in branching for q in (s, *s.branches) if q.rows.rows and q.rows.end == len(q.kv.tokens)]
         if not due:
             return False
@@ -182,7 +183,7 @@ class ModelDrafter(PooledModel[_ModelDraftSession]):
                 q.rows = RankingRows()
             return True
         for q, logits in zip(due, out):
-            q.rows.keep(len(q.kv.tokens), logits[-1])
+            q.rows.keep(len(q.kv.tokens), logits[-1], view=id(q) in forks)
         return True
 
     @torch.inference_mode()
@@ -294,7 +295,7 @@ class ModelDrafter(PooledModel[_ModelDraftSession]):
             if kept is not s.kv:
                 self.runner.release(s.kv)
                 s.kv = kept
-                s.rows = next(b.rows for b in s.branches if b.kv is kept)  # the rows it drafted from
+                s.rows = next(b.rows for b in s.branches if b.kv is kept).owned()  # the rows it drafted from
             self._drop_branches(s, keep=kept)
         s.rows.rewound(start + _common(s.kv.tokens[start:], tail))  # rows after a changed token are stale
         self.runner.splice(s.kv, start, tail)
@@ -380,13 +381,14 @@ class ModelDrafter(PooledModel[_ModelDraftSession]):
         t0 = time.time_ns()
         num_last = [1] * len(active) + [branched[i].request.pending + 1 for i, _ in parents]
         out = self.runner.logits_batch([s.kv for _, s in active] + [s.kv for _, s in parents], num_last)
-        for (_, s), logits in zip(active, out):  # [1, V]: the row this step's token is drawn from
-            if s.branching > 0:  # a sequence a branch call may rank next: keep it
-                s.rows.keep(len(s.kv.tokens), logits[-1])
+        sampled = _stacked(out[: len(active)]) if active else None  # [A, V]: each row this step's token is drawn from
+        for a, (key, s) in enumerate(active):
+            if s.branching > 0 and sampled is not None:  # a sequence a branch call may rank next: keep it
+                s.rows.keep(len(s.kv.tokens), sampled[a], view=len(key) > 1)  # a branch's: a view (ranking_rows)
         for (i, s), logits in zip(parents, out[len(active) :]):  # [pending + 1, V]
             s.rows.keep_all(len(s.kv.tokens) - branched[i].request.pending, logits)
         t1 = time.time_ns()
-        failed = self._sample_step(active, out[: len(active)], drafted) if active else {}
+        failed = self._sample_step(active, sampled, drafted) if sampled is not None else {}
         for (i, s), logits in zip(parents, out[len(active) :]):  # logits [pending + 1, V]
             try:
                 self._choose_branches(i, s, logits, branched[i], drafted)
@@ -399,10 +401,9 @@ class ModelDrafter(PooledModel[_ModelDraftSession]):
         return failed
 
     def _sample_step(
-        self, active: list[tuple[_Key, _ModelDraftSession]], rows: list[Tensor], drafted: dict[_Key, GrowingDraft]
+        self, active: list[tuple[_Key, _ModelDraftSession]], logits: Tensor, drafted: dict[_Key, GrowingDraft]
     ) -> dict[int, Exception]:
-        """Sample one token per active row from its logits (A x [1, V]) and append it; {request: error}."""
-        logits = rows[0] if len(rows) == 1 else torch.cat(rows)  # [A, V]
+        """Sample one token per active row from its logits [A, V] and append it; {request: error}."""
         if self.token_map is not None:
             logits = logits[:, self.token_map]  # [A, N]: the reduced head's own rows
         failed: dict[int, Exception] = {}
@@ -558,6 +559,27 @@ class ModelDrafter(PooledModel[_ModelDraftSession]):
     def _target_id(self, index: Tensor | int) -> int:
         """A logit column index -> the target token id it stands for."""
         return int(index) if self.token_map is None else int(self.token_map[int(index)])
+
+
+def _stacked(rows: Sequence[Tensor]) -> Tensor:
+    """A x [1, V] -> [A, V]: a view when they are consecutive rows of one tensor (a batched forward's
+    split output, as both runners return it), else one copy."""
+    first = rows[0]
+    step = first.stride(0)
+    if (
+        first.dim() == 2
+        and first.stride(1) == 1
+        and all(
+            r.shape == first.shape
+            and r.stride() == first.stride()
+            and r.untyped_storage().data_ptr() == first.untyped_storage().data_ptr()
+            and r.storage_offset() == first.storage_offset() + i * step
+            for i, r in enumerate(rows)
+        )
+        and all(r.shape[0] == 1 for r in rows)
+    ):
+        return first.as_strided((len(rows), first.shape[1]), (step, 1))
+    return torch.cat(list(rows))
 
 
 def _rows(x: Tensor, rows: list[int]) -> Tensor:

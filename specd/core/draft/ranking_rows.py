@@ -13,9 +13,14 @@ the emulated 70B pair (docs/results/round-profile.md).
 Row i predicts the token at position `start + i` and depends on the tokens
 before it only, so rows stay valid while the sequence keeps those tokens:
 `rewound(position)` drops the rows after the first position a sync changed.
-Rows are copies (a forward's output tensor is not pinned by one kept row), at
-most `KEEP` per sequence: a branch call of up to 32 pending tokens (the draft's
-default --max-draft-tokens) and its bonus row; a longer one reads its rows again.
+Rows are copies (a forward's output tensor is not pinned by one kept row), but
+a branch's rows are views: a branch call keeps a row for every branch at every
+step (B x K copies of V floats were ~0.4 ms of a K = 2, B = 8 call at V = 32,000
+on this machine), and its branches live only until the session's next call,
+which drops all of them but the one it adopts and copies that one's rows
+(`owned()`). So views pin one call's outputs at most. At most `KEEP` rows per
+sequence: a branch call of up to 32 pending tokens (the draft's default
+--max-draft-tokens) and its bonus row; a longer one reads its rows again.
 """
 
 from __future__ import annotations
@@ -40,14 +45,15 @@ class RankingRows:
         """One past the last position a row predicts."""
         return self.start + len(self.rows)
 
-    def keep(self, position: int, row: Tensor) -> None:
-        """The row predicting `position` (its predecessors' rows stay if they are consecutive with it)."""
+    def keep(self, position: int, row: Tensor, *, view: bool = False) -> None:
+        """The row predicting `position` (its predecessors' rows stay if they are consecutive with it);
+        a copy, or with `view` the row itself (a branch's: module docstring)."""
         if not self.rows or position != self.end:
             if self.start <= position < self.end:
                 del self.rows[position - self.start :]
             else:
                 self.start, self.rows = position, []
-        self.rows.append(row.clone())
+        self.rows.append(row if view else row.clone())
         if len(self.rows) > KEEP:  # the oldest rows are no branch call's any more
             del self.rows[: len(self.rows) - KEEP]
             self.start = position + 1 - KEEP
@@ -56,6 +62,11 @@ class RankingRows:
         """Rows [n, V] predicting positions position .. position + n - 1."""
         for i in range(rows.shape[0]):
             self.keep(position + i, rows[i])
+
+    def owned(self) -> RankingRows:
+        """These rows as copies of their own (the forward outputs they viewed may then be freed)."""
+        self.rows = [r.clone() for r in self.rows]
+        return self
 
     def rewound(self, unchanged: int) -> None:
         """The sequence's first `unchanged` tokens are as before, the rest may not be: keep the rows that

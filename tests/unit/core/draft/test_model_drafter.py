@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from specd.core.draft.model_drafter import ModelDrafter
+from specd.core.draft.model_drafter import ModelDrafter, _stacked
 from specd.core.model.sim import parse_sim_spec
 from specd.core.rounds.steps import ProposeRequest
 from specd.core.sampling.proposal import Proposal
@@ -85,3 +85,15 @@ def test_the_greedy_confidence_is_the_softmax_probability_of_the_argmax() -> Non
         logits = runner.lm.logits([tokens[: len(PROMPT) + i]])[0]  # [V] the row that drafted token i
         assert int(logits.argmax()) == got.token_ids[i]
         assert abs(conf - float(torch.softmax(logits, -1).max())) < 1e-6
+
+
+def test_a_steps_rows_are_stacked_as_a_view_of_the_forward_output_when_they_are_its_consecutive_rows() -> None:
+    flat = torch.arange(12.0).reshape(4, 3)  # a batched forward's output, split per session as the runners do
+    parts = list(flat.split([1, 1, 1, 1]))
+    view = _stacked(parts[:3])
+    assert torch.equal(view, flat[:3]) and view.data_ptr() == flat.data_ptr()
+    for rows in ([parts[0], parts[2]], [parts[1], parts[0]], [torch.ones(1, 3), torch.zeros(1, 3)]):
+        copy = _stacked(rows)  # not consecutive rows of one tensor: one copy
+        assert torch.equal(copy, torch.cat(rows)) and copy.data_ptr() != flat.data_ptr()
+    rows = list(flat.split([2, 1, 1]))  # a parent's [pending + 1, V] rows are never a sampled row
+    assert torch.equal(_stacked(rows[1:]), flat[2:])

@@ -73,12 +73,18 @@ def test_rows_are_consecutive_and_dropped_after_a_changed_token() -> None:
     assert rows.span(20, 1) is None
 
 
-def test_rows_are_copies_and_at_most_keep_per_sequence() -> None:
-    rows = RankingRows()
+def test_rows_are_copies_or_views_until_owned_and_at_most_keep_per_sequence() -> None:
     out = torch.zeros(2, 4)  # a forward's output: one kept row must not pin or follow it
+    rows = RankingRows()
     rows.keep(0, out[0])
     out[0] += 1
     assert torch.equal(rows.span(0, 1)[0], torch.zeros(4))
+    branch = RankingRows()
+    branch.keep(0, out[1], view=True)  # a branch's row views the step's output until it is adopted
+    assert branch.rows[0].data_ptr() == out[1].data_ptr()
+    assert branch.owned() is branch
+    out[1] += 1
+    assert torch.equal(branch.span(0, 1)[0], torch.zeros(4))
     for position in range(1, 50):
         rows.keep(position, torch.full((4,), float(position)))
     assert len(rows.rows) == KEEP and rows.end == 50
@@ -166,3 +172,25 @@ def test_no_idle_pass_while_more_sessions_branch_than_the_draft_serves_idle() ->
     assert not d.idle()  # three sessions branch
     d.close("c")
     assert d.idle()  # two: the idle pass runs
+
+
+def _viewed(row: torch.Tensor) -> bool:
+    """Whether the row is part of a larger tensor's storage (inference mode keeps no view's _base)."""
+    return row.untyped_storage().nbytes() > row.numel() * row.element_size()
+
+
+def test_a_branch_keeps_views_of_its_call_and_the_adopted_branch_owns_its_rows() -> None:
+    d = drafter()
+    d.open("s", PROMPT, GREEDY)
+    result = branch(d, PROMPT + [1, 2, 3], 3, start=len(PROMPT))
+    s = d._pool.get("s")
+    assert len(s.branches) > 1 and all(_viewed(r) for b in s.branches for r in b.rows.rows)  # no copy per row
+    assert d.idle()  # the bonus rows: the branches' are views too
+    assert all(_viewed(r) for b in s.branches for r in b.rows.rows)
+    hit = result.branches[0]
+    prefix = PROMPT + [1, 2, 3][: hit.accepted] + [hit.token_id] + list(hit.proposal.token_ids)
+    forwards = d.runner.stats.forwards
+    branch(d, prefix, len(hit.proposal), start=len(PROMPT), k=2)  # adopts that branch, ranks from its rows
+    assert d.runner.stats.forwards - forwards == 2  # no pass reading the pending positions: the kept rows served
+    rows = d._pool.get("s").rows.rows
+    assert len(rows) == len(hit.proposal) + 1 and not any(map(_viewed, rows))  # copies: the outputs may go

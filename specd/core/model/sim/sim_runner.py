@@ -154,16 +154,7 @@ class SimRunner(CausalLMRunner):
         """SimLM's logits for `contexts` -> [R, V], returned `started` + the pass's modelled time."""
         modelled_ms = self.cost.forward_ms(news, lengths)
         logits = self.lm.logits(contexts)  # [R, V]
-        deadline = started + modelled_ms / 1e3
-        # Wake up early by the recent oversleep: on a loaded host a sleeping thread
-        # is woken milliseconds late (run-queue wait); the pass should end on time.
-        now = self._clock()
-        remaining = deadline - now - self._oversleep
-        if remaining > 0:
-            self._sleep(remaining)
-            woke = self._clock()
-            late_by = max(0.0, woke - now - remaining)
-            self._oversleep = min(_OVERSLEEP_ALPHA * late_by + (1 - _OVERSLEEP_ALPHA) * self._oversleep, _OVERSLEEP_MAX)
+        self._wait_until(started + modelled_ms / 1e3)
         wall_ms = (self._clock() - started) * 1e3
         with self._stats_lock:
             st = self.stats
@@ -176,6 +167,29 @@ class SimRunner(CausalLMRunner):
                 st.late += 1
                 st.late_ms += wall_ms - modelled_ms
         return logits
+
+    def _wait_until(self, deadline: float) -> None:
+        """Sleep until `deadline`, never returning before it.
+
+        On a loaded host a sleeping thread is woken late (run-queue wait), so the first sleep ends
+        early by the recent oversleep and a second one sleeps what is left. Every wait measures a
+        sleep's lateness, so the estimate follows the host: before, a pass shorter than the estimate
+        skipped its sleep, ended early and measured nothing, so one late wake-up (up to the 10 ms
+        cap) could make every later short pass end early for the rest of the process (an emulated
+        8B draft pass of 1.75 ms then cost nothing).
+        """
+        now = self._clock()
+        if deadline <= now:
+            return
+        first = deadline - now - self._oversleep
+        if first <= 0:  # the whole wait is within the estimate: one sleep, measured
+            first = deadline - now
+        self._sleep(first)
+        woke = self._clock()
+        late_by = max(0.0, woke - now - first)
+        self._oversleep = min(_OVERSLEEP_ALPHA * late_by + (1 - _OVERSLEEP_ALPHA) * self._oversleep, _OVERSLEEP_MAX)
+        if woke < deadline:  # woke early by design: the rest
+            self._sleep(deadline - woke)
 
     # ---- memory ------------------------------------------------------------
 

@@ -319,3 +319,36 @@ def test_spec_overrides_and_errors():
 
 
 # ---- the demo pair reproduction --------------------------------------------------------------------------
+
+
+class _FakeTime:
+    """A clock and a sleep() that wakes `late` seconds late once, on the first call, then on time."""
+
+    def __init__(self, late_first: float) -> None:
+        self.now, self.late = 0.0, late_first
+        self.sleeps: list[float] = []
+
+    def clock(self) -> float:
+        return self.now
+
+    def sleep(self, seconds: float) -> None:
+        self.sleeps.append(seconds)
+        self.now += seconds + self.late
+        self.late = 0.0
+
+
+def test_a_pass_never_ends_before_its_modelled_time_after_a_late_wake_up():
+    """One wake-up 10 ms late must not make later short passes end early (and stay so for the process:
+    a pass shorter than the lateness estimate used to skip its sleep and never measure it again)."""
+    t = _FakeTime(late_first=0.050)
+    runner = SimRunner(
+        SimLM(SMALL), CostModel(fixed_ms=2.0), max_context=64, kv_bytes_per_token=1, clock=t.clock, sleep=t.sleep
+    )
+    session = runner.new_session([1, 2])
+    runner.logits(session, 1)  # its sleep wakes 50 ms late: the estimate jumps
+    for _ in range(30):
+        started = t.now
+        session.tokens.append(3)
+        runner.logits(session, 1)
+        assert t.now - started >= 0.002 - 1e-12  # never before the modelled 2 ms
+    assert runner._oversleep < 1e-4  # measured again on every pass: it decays to the host's lateness (0 here)

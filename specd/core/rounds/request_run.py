@@ -122,6 +122,7 @@ class RequestRun:
                 AUTO_PIPELINES if auto_pipeline else (spec.pipeline,),
                 target_only=not fixed,
                 k_min=spec.draft_length if fixed else 1,
+                shadow=spec.params.is_greedy,
             )
         self._pipeline = self._strategy(spec.pipeline if speculating and not auto_pipeline else Off.name)
         self._last_send: tuple[Arm, float, ArmCycles] | None = None  # the previous auto round's arm and verify time
@@ -133,6 +134,8 @@ class RequestRun:
         self._verifying: asyncio.Future[Any] | None = None  # this round's verify while it is out (pipelined)
         self._used_staged = False  # this round's verdict is the one the previous round staged
         self._draft_refused = False  # the draft refused this request alone: target-only rounds for it
+        # A shadow guess in flight (AutoChooser.choose): the position of the token it guesses, its class, its call.
+        self._shadow: tuple[int, ArmCycles, asyncio.Future[Proposal | TargetOnly]] | None = None
         self._tree: TreeRounds | None = None  # a tree request's rounds (specd.core.rounds.tree_rounds)
         if speculating and spec.tree_budget > 0:
             check_tree_request(spec.tree_budget, spec.speculation, spec.pipeline, spec.draft_length)
@@ -162,6 +165,9 @@ class RequestRun:
                 self._chooser.finish()
             if self._ready is not None and self._ready.staged is not None:
                 _drop(self._ready.staged)
+            if self._shadow is not None:  # its message is out: the draft answers it before the close
+                _drop(self._shadow[2])
+                self._shadow = None
             self._loop.close_later(
                 self._target, self._draft, list(self.generation.committed), abandoned=not self.generation.done
             )
@@ -176,6 +182,8 @@ class RequestRun:
         if self._tree is not None:
             return self._recorded(await self._tree.round(index, carrier))
         arm, cls = self._choose()
+        if cls is not None and self._chooser is not None and self._chooser.shadow_due:
+            self._guess_beside(committed, cls, carrier)
         wanted, why = self._wanted(arm)
         budget = gen.draft_budget(wanted)
         if why is None and budget == 0:
@@ -280,6 +288,8 @@ class RequestRun:
             if launched and (pre_ms := self._pipeline.pre_draft_ms) is not None:
                 self._chooser.observe_pre_draft(cls, self._pipeline.name, wanted, pre_ms)
         new = gen.commit(proposal.token_ids, outcome.accepted, token)
+        if self._shadow is not None:
+            self._settle_shadow()
         if self._stop is not None:
             keep = self._stop(new)
             if keep is not None:
@@ -306,6 +316,36 @@ class RequestRun:
             staged=was_staged,
         )
         return self._recorded(record)
+
+    def _guess_beside(self, committed: Sequence[int], cls: ArmCycles, carrier: Carrier) -> None:
+        """A shadow guess (AutoChooser.choose): the draft's next token after `committed`, asked beside this
+        target-only round's verify and never waited for; `_settle_shadow` compares it with the token the
+        round commits. One at a time; none while the draft is paused or refused this request."""
+        if self._shadow is not None or self._draft is None or self._draft_refused:
+            return
+
+        async def guess() -> Proposal | TargetOnly:
+            if not await self._loop.draft_usable():
+                return TargetOnly.DRAFT_UNAVAILABLE
+            return await self._draft_call(
+                lambda draft, timeout: draft.propose(committed, (), 1, timeout=timeout, carrier=carrier)
+            )
+
+        self._shadow = (len(committed), cls, asyncio.ensure_future(guess()))
+
+    def _settle_shadow(self) -> None:
+        """The shadow guess, once its call answered and its token is committed: a K = 1 verdict to auto."""
+        assert self._shadow is not None
+        position, cls, call = self._shadow
+        if not call.done():
+            return  # the draft is slower than the round: the next rounds look again
+        self._shadow = None
+        committed = self.generation.committed
+        if call.cancelled() or call.exception() is not None or self._chooser is None:
+            return
+        guess = call.result()
+        if isinstance(guess, Proposal) and len(guess) and position < len(committed):
+            self._chooser.observe_shadow(cls, guess.token_ids[0] == committed[position], guess.confidence)
 
     def _recorded(self, record: RoundRecord) -> RoundRecord:
         self.stats.add(record)

@@ -112,6 +112,8 @@ def drive(chooser: AutoChooser, service: Service, rounds: int) -> tuple[float, l
     for _ in range(rounds):
         arm = chooser.choose(cls)
         arms.append(arm)
+        if chooser.shadow_due:  # the draft's guess beside a target-only round: right with the acceptance's chance
+            chooser.observe_shadow(cls, service.rng.random() < service.a)
         accepted, t, cycle, hit = service.round(arm)
         if arm.k:
             chooser.observe_verdict(cls, arm.k, accepted)
@@ -280,6 +282,42 @@ def test_it_speculates_again_soon_after_a_bad_stretch() -> None:
     _, arms = drive(chooser, service, 400)
     assert arms[-100:].count(TARGET_ONLY) >= 95  # switched off
     service.a, service.cache_hit_all, service.cache_hit_rejected = 0.9, 0.9, 0.6  # the text became predictable
+    _, arms = drive(chooser, service, 16 * settings.explore_every)
+    first = next(i for i, a in enumerate(arms) if a.k > 0 and all(b.k > 0 for b in arms[i : i + 20]))
+    assert first <= 4 * settings.explore_target_only_every, f"speculating steadily only from round {first}"
+
+
+def test_a_greedy_requests_explorations_from_target_only_are_shadow_guesses() -> None:
+    """With a useless draft a greedy request explores by shadow guesses (a target-only round with the
+    draft's guess beside it): once the probes have ruled drafting out, it never drafts, and guesses one
+    round in explore_target_only_every. Without shadows those rounds draft (the test's power)."""
+    settings = AutoSettings()
+    for shadow in (True, False):
+        chooser = AutoPolicy(settings).chooser(6, AUTO_PIPELINES, target_only=True, shadow=shadow)
+        cls = chooser.policy.workload(greedy=True, running=1)
+        drive(chooser, Service(a=0.0, cache_hit_all=0.0, cache_hit_rejected=0.0), 400)
+        guesses, arms = 0, []
+        for _ in range(1000):
+            arms.append(chooser.choose(cls))
+            if chooser.shadow_due:
+                guesses += 1
+                chooser.observe_shadow(cls, False)
+        drafting = sum(a.k > 0 for a in arms)
+        if shadow:
+            assert drafting == 0 and 1000 // settings.explore_target_only_every <= guesses <= 1000 // 60
+        else:
+            assert drafting >= 1000 // settings.explore_target_only_every and guesses == 0
+
+
+def test_shadow_guesses_bring_speculation_back_soon_after_a_bad_stretch() -> None:
+    """test_it_speculates_again_soon_after_a_bad_stretch for a greedy request, whose explorations from
+    target-only are shadow guesses: their verdicts bring drafting back within the same bound."""
+    settings = AutoSettings()
+    chooser = AutoPolicy(settings).chooser(6, AUTO_PIPELINES, target_only=True, shadow=True)
+    service = Service(a=0.0, cache_hit_all=0.0, cache_hit_rejected=0.0)
+    _, arms = drive(chooser, service, 400)
+    assert arms[-100:].count(TARGET_ONLY) == 100  # switched off, and no drafting exploration
+    service.a, service.cache_hit_all, service.cache_hit_rejected = 0.9, 0.9, 0.6
     _, arms = drive(chooser, service, 16 * settings.explore_every)
     first = next(i for i, a in enumerate(arms) if a.k > 0 and all(b.k > 0 for b in arms[i : i + 20]))
     assert first <= 4 * settings.explore_target_only_every, f"speculating steadily only from round {first}"

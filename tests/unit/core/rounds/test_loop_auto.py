@@ -10,8 +10,8 @@ import pytest
 from specd.core.rounds.auto import AutoChooser
 from specd.core.rounds.generation import FinishReason
 from specd.core.rounds.pipeline import PIPELINES
-from tests.loop_fakes import FakeDraft, FakeTarget, Script
-from tests.unit.core.rounds.test_loop import check_records, expected, run, spec
+from tests.loop_fakes import FakeDraft, FakeTarget, Script, target_next
+from tests.unit.core.rounds.test_loop import PROMPT, check_records, expected, run, spec
 
 
 @pytest.mark.parametrize("speculation", ["fixed", "auto"])
@@ -78,3 +78,29 @@ def test_a_staged_window_is_cut_as_auto_would_and_the_next_round_verifies_exactl
     assert target.stages and all(len(c.proposal) == 1 for st in target.stages for c in st.candidates)
     assert all(rec.draft_tokens <= 1 for rec in records)
     assert any(rec.staged for rec in records) and target.staged_runs >= sum(rec.staged for rec in records)
+
+
+def test_a_greedy_request_explores_from_target_only_by_shadow_guesses_and_comes_back_on_them() -> None:
+    """A greedy request that stopped drafting explores by shadow guesses: target-only rounds with the
+    draft's next token asked beside the verify, its match with the committed token a K = 1 verdict. A
+    draft wrong for the first 250 tokens and right after: no drafting round once drafting is ruled out,
+    guesses meanwhile, and drafting again after the draft turns right (which only guesses compared with
+    the right committed position can show; a right guess makes the next round a drafting exploration).
+    Here that was from token 729; with drafting explorations instead of guesses, 800. The output is the
+    target's own chain throughout."""
+
+    def step(prefix: list[int]) -> int:
+        right = target_next(prefix)
+        return right if len(prefix) >= len(PROMPT) + 250 else (right + 1) % 61
+
+    draft = FakeDraft(step=step)
+    r, records, _ = run(spec(900, speculation="auto", pipeline="off", draft_length=4), FakeTarget(), draft)
+    assert r.generation.generated == expected(900)
+    check_records(r, records)
+    done = list(itertools.accumulate(len(rec.committed) for rec in records))
+    wrong = [rec for rec, n in zip(records, done) if 80 <= n < 250]
+    drafting = sum(1 for rec in records if rec.draft_tokens)
+    assert wrong and not any(rec.draft_tokens for rec in wrong)  # ruled out: no drafting round, no probe
+    assert len(draft.prefixes) > drafting  # ... but guesses beside target-only rounds
+    right = [rec for rec, n in zip(records, done) if n >= 800]
+    assert right and all(rec.draft_tokens for rec in right[:-2])  # drafting again once the guesses matched

@@ -568,6 +568,7 @@ def _stacked(rows: Sequence[Tensor]) -> Tensor:
     step = first.stride(0)
     if (
         first.dim() == 2
+        and first.shape[0] == 1
         and first.stride(1) == 1
         and all(
             r.shape == first.shape
@@ -576,7 +577,6 @@ def _stacked(rows: Sequence[Tensor]) -> Tensor:
             and r.storage_offset() == first.storage_offset() + i * step
             for i, r in enumerate(rows)
         )
-        and all(r.shape[0] == 1 for r in rows)
     ):
         return first.as_strided((len(rows), first.shape[1]), (step, 1))
     return torch.cat(list(rows))

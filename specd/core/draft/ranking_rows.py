@@ -15,8 +15,8 @@ before it only, so rows stay valid while the sequence keeps those tokens:
 `rewound(position)` drops the rows after the first position a sync changed.
 Rows are copies (a forward's output tensor is not pinned by one kept row), but
 a branch's rows are views: a branch call keeps a row for every branch at every
-step (B x K copies of V floats were ~0.4 ms of a K = 2, B = 8 call at V = 32,000
-on this machine), and its branches live only until the session's next call,
+step (B x K copies of V floats were ~0.4 ms of a K = 2, B = 8 call at V = 32,000,
+in-process over an emulated draft on this machine), and its branches live only until the session's next call,
 which drops all of them but the one it adopts and copies that one's rows
 (`owned()`). So views pin one call's outputs at most. At most `KEEP` rows per
 sequence: a branch call of up to 32 pending tokens (the draft's default

@@ -520,9 +520,7 @@ class AutoChooser:
             # drafting exploration waited for its draft call: 10.6-14.0 ms against 7.5 a round
             # (emulated h100-8b, agreement 0), ~0.8% of the rate at one round in 72. A guess measures no
             # arm's cost, so a right one makes the next round a drafting exploration (observe_shadow).
-            self.shadow_due = True
-            self.acceptance.age()
-            return best
+            self.shadow_due, explore = True, False
         if explore:
             neighbours = self.neighbours(best, cls)
             if best.k > 0 and not self.policy.explore_far():

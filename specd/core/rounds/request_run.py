@@ -340,12 +340,12 @@ class RequestRun:
         if not call.done():
             return  # the draft is slower than the round: the next rounds look again
         self._shadow = None
-        committed = self.generation.committed
         if call.cancelled() or call.exception() is not None or self._chooser is None:
             return
-        guess = call.result()
-        if isinstance(guess, Proposal) and len(guess) and position < len(committed):
-            self._chooser.observe_shadow(cls, guess.token_ids[0] == committed[position], guess.confidence)
+        guess, gen = call.result(), self.generation
+        at = position - len(gen.prompt)  # the guessed token's index in gen.generated (no copy of the prefix)
+        if isinstance(guess, Proposal) and len(guess) and 0 <= at < len(gen.generated):
+            self._chooser.observe_shadow(cls, guess.token_ids[0] == gen.generated[at], guess.confidence)
 
     def _recorded(self, record: RoundRecord) -> RoundRecord:
         self.stats.add(record)

@@ -27,6 +27,7 @@ CompactRow = tuple[bytes, bytes]  # (id gaps, weights), packed varints
 
 _WEIGHT_BITS = np.uint64(MAX_WEIGHT.bit_length())  # a weight (<= MAX_WEIGHT) fits these low bits of a sort key
 _WEIGHT_MASK = np.uint64((1 << MAX_WEIGHT.bit_length()) - 1)
+_ID_LIMIT = 1 << (63 - MAX_WEIGHT.bit_length())  # ids below this leave every live key under a dead slot's (max)
 
 
 def is_integral(weights: Tensor) -> bool:
@@ -50,7 +51,7 @@ def to_compact(ids: Tensor, weights: Tensor) -> list[CompactRow]:
     # Sort each row by id with its dead slots last, then keep the live prefix: one sort of 64-bit
     # keys (id above the weight's 25 bits; a dead slot past any id), ~10x a stable argsort here.
     raw = ids.numpy()
-    assert raw.size == 0 or (int(raw.min()) >= 0 and int(raw.max()) < 1 << 38), "token ids out of range"
+    assert raw.size == 0 or (int(raw.min()) >= 0 and int(raw.max()) < _ID_LIMIT), "token ids out of range"
     keys = np.where(live, raw.astype(np.uint64) << _WEIGHT_BITS | w, np.uint64(np.iinfo(np.uint64).max))
     keys.sort(axis=-1)  # [A, W]
     sorted_ids = (keys >> _WEIGHT_BITS).astype(np.int64)

@@ -98,19 +98,13 @@ def deterministic_top(q, seeds, positions, slot, k):
 
 def sharpened_siblings(q, seeds, positions, slot, k):
     """The model drafter's rule (specd.core.draft.model_tree): the first child from q, the later ones
-    without replacement from q sharpened (half the temperature), the first child's token removed."""
+    without replacement from q sharpened (half the temperature), the tokens before them removed, in
+    the one draw the drafter makes (draw_children's `later`)."""
     ids, wire = sparse_proposal(q, V)
-    tok0, q0, drawn0 = draw_children(ids, wire, 1, seeds, positions, slot)
-    if k == 1:
-        return tok0, ids[:, None], q0, drawn0
     s_ids, s_w = sharpened(ids, wire)
-    s_w = s_w * (s_ids != tok0)  # [B, W] the first child's token is not drawn again
-    tok, qs, drawn = draw_children(s_ids, s_w, k - 1, seeds, positions, torch.as_tensor(slot) + 1)
-    W = max(ids.shape[-1], s_ids.shape[-1])
-    pad = lambda x: torch.nn.functional.pad(x, (0, W - x.shape[-1]))  # noqa: E731
-    all_ids = torch.cat([pad(ids)[:, None], pad(s_ids)[:, None].expand(-1, k - 1, -1)], 1)
-    all_q = torch.cat([pad(q0[:, 0])[:, None], pad(qs.flatten(0, 1)).view(qs.shape[0], k - 1, W)], 1)
-    return torch.cat([tok0, tok], 1), all_ids, all_q, torch.cat([drawn0, drawn0 & drawn], 1)
+    assert torch.equal(s_ids, ids)  # the same slots: `later` is read against ids
+    tok, qs, drawn = draw_children(ids, wire, k, seeds, positions, slot, later=s_w if k > 1 else None)
+    return tok, ids[:, None].expand(-1, k, -1), qs, drawn
 
 
 def sharpened_records_q(q, seeds, positions, slot, k):

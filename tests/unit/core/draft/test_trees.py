@@ -3,12 +3,15 @@ replacement) and the n-gram and suffix drafters' candidates as one-hot tries."""
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
 from specd.core.draft.model_drafter import ModelDrafter
+from specd.core.draft.model_tree import children_counts
 from specd.core.draft.ngram import NgramDrafter
 from specd.core.draft.suffix import SuffixDrafter
 from specd.core.draft.trees import candidate_tree, propose_trees
@@ -112,3 +115,16 @@ def test_ngram_and_suffix_trees_hold_several_continuations() -> None:
     assert not isinstance(tree, Exception) and {3, 4} <= {tree.token_ids[c] for c in tree.children[0]}
     bad = propose_trees(suffix, [TreeProposeRequest("s", len(seq), len(seq), [], 0, 2)])[0]
     assert isinstance(bad, InvalidArgument)
+
+
+def test_a_sampled_levels_children_go_where_they_add_the_most_acceptance() -> None:
+    """One child at a time to the parent whose next child is worth most: path probability x the q mass
+    of its next-likeliest token. The likelier parent's sure q gives its first child, then the second
+    parent's first two beat the first parent's second (0.2 x 0.6 and 0.2 x 0.4 against 0.7 x 0.05)."""
+    scores = [math.log(0.7), math.log(0.2)]
+    weights = np.array([[90.0, 5.0, 5.0], [60.0, 40.0, 0.0]], dtype=np.float32)  # slots by decreasing weight
+    assert children_counts(scores, weights, width=6, allowance=3) == [1, 2]
+    assert children_counts(scores, weights, width=6, allowance=4) == [2, 2]
+    assert children_counts(scores, weights, width=6, allowance=9) == [3, 2]  # no more than a row's tokens
+    assert children_counts(scores, weights, width=1, allowance=9) == [1, 1]  # nor than width
+    assert children_counts(scores, weights, width=6, allowance=1) == [1, 0]

@@ -104,6 +104,8 @@ def summarise(profile: str, agreement: float, temperature: float, records: list[
         "auto_over_best_fixed": auto["speedup"] / fixed[best_mode]["speedup"],
         "auto_mean_draft_length": auto.get("mean_draft_length"),
         "overhead_ms_p50": {m: r.get("round_overhead_ms_p50") for m, r in by_mode.items()},
+        # T = 0: the modes whose greedy output was not target-only's, token for token (should be none)
+        "greedy_differs": sorted(m for m, r in by_mode.items() if r.get("greedy_identical") is False),
     }
 
 
@@ -154,6 +156,17 @@ def markdown(rows: list[dict[str, Any]], args: argparse.Namespace, seconds: floa
                 else ""
             )
         )
+    greedy = [r for r in rows if r["temperature"] == 0]
+    differs = [
+        f"{r['profile']} {r['agreement']}: {', '.join(r['greedy_differs'])}" for r in greedy if r["greedy_differs"]
+    ]
+    if greedy:
+        out += [
+            "",
+            "Greedy output differs from target-only's in " + "; ".join(differs) + "."
+            if differs
+            else "Greedy output equals target-only's in every T = 0 cell (every mode's `greedy_identical`).",
+        ]
     return "\n".join(out) + "\n"
 
 

@@ -18,12 +18,13 @@ with `width` children each:
 - sampled (T > 0): up to beam x width new nodes a level while the budget
   lasts, leaving one node for each level still to come, handed to the
   `beam` likeliest frontier nodes one at a time where a child adds the most
-  expected acceptance (`children_counts`, at most `width` each); each node's
-  first child from the sparse q the chain drafter would send there, the
-  others without replacement from that q at half its temperature
-  (`sharpened`), one batched draw per level (TreeBuilder.draw_level). Where to draw and how many
-  is decided from what was drawn before, and every drawn child is kept, so
-  no rerank here (docs/trees.md, "The drafter's duty").
+  expected acceptance (`children_counts`, at most `width` each); each
+  node's first child from the sparse q the chain drafter would send there,
+  the others without replacement from that q at half its temperature
+  (`sharpened`), one batched draw per level (TreeBuilder.draw_level).
+  Where to draw and how many is decided from what was drawn before, and
+  every drawn child is kept, so no rerank here (docs/trees.md, "The
+  drafter's duty").
 
 A tree with width 1 is the chain drafter's proposal, token for token.
 """

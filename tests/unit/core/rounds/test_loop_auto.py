@@ -86,21 +86,27 @@ def test_a_greedy_request_explores_from_target_only_by_shadow_guesses_and_comes_
     draft wrong for the first 250 tokens and right after: no drafting round once drafting is ruled out,
     guesses meanwhile, and drafting again after the draft turns right (which only guesses compared with
     the right committed position can show; a right guess makes the next round a drafting exploration).
-    Here that was from token 729; with drafting explorations instead of guesses, 800. The output is the
-    target's own chain throughout."""
+    Here that was from token 729 (a 1 ms target); with drafting explorations instead of guesses, 800.
+    Auto rates arms from measured walls: with a 1 ms target a loaded host's event-loop delays made
+    drafting look dear (a CI run was still target-only at 800, one under three processes on two cores
+    to the end), so the target takes 2 ms here (the last target-only round at token 753-828 under the
+    same load; at 4 ms a cheap-looking draft is still probed while wrong), the check is from 900, and
+    an exploration round or two either way is allowed. The output is the target's own chain throughout."""
 
     def step(prefix: list[int]) -> int:
         right = target_next(prefix)
         return right if len(prefix) >= len(PROMPT) + 250 else (right + 1) % 61
 
     draft = FakeDraft(step=step)
-    r, records, _ = run(spec(900, speculation="auto", pipeline="off", draft_length=4), FakeTarget(), draft)
-    assert r.generation.generated == expected(900)
+    target = FakeTarget(Script(latency_s=0.002))
+    r, records, _ = run(spec(1100, speculation="auto", pipeline="off", draft_length=4), target, draft)
+    assert r.generation.generated == expected(1100)
     check_records(r, records)
     done = list(itertools.accumulate(len(rec.committed) for rec in records))
     wrong = [rec for rec, n in zip(records, done) if 80 <= n < 250]
     drafting = sum(1 for rec in records if rec.draft_tokens)
-    assert wrong and not any(rec.draft_tokens for rec in wrong)  # ruled out: no drafting round, no probe
+    # ruled out: no drafting round bar an exploration or two (auto's costs are measured walls)
+    assert wrong and sum(1 for rec in wrong if rec.draft_tokens) <= 2
     assert len(draft.prefixes) > drafting  # ... but guesses beside target-only rounds
-    right = [rec for rec, n in zip(records, done) if n >= 800]
-    assert right and all(rec.draft_tokens for rec in right[:-2])  # drafting again once the guesses matched
+    right = [rec for rec, n in zip(records, done) if n >= 900]
+    assert right and sum(1 for rec in right if rec.draft_tokens) >= 0.9 * len(right)  # drafting again

@@ -80,6 +80,7 @@ def test_a_staged_window_is_cut_as_auto_would_and_the_next_round_verifies_exactl
     assert any(rec.staged for rec in records) and target.staged_runs >= sum(rec.staged for rec in records)
 
 
+@pytest.mark.alone  # auto rates arms from measured walls: a neighbour's load moves where it recovers
 def test_a_greedy_request_explores_from_target_only_by_shadow_guesses_and_comes_back_on_them() -> None:
     """A greedy request that stopped drafting explores by shadow guesses: target-only rounds with the
     draft's next token asked beside the verify, its match with the committed token a K = 1 verdict. A

@@ -38,6 +38,7 @@ from specd.core.model.sim import parse_sim_spec
 from specd.core.rounds.steps import BranchRequest, ProposeRequest, TreeProposeRequest, TreeVerifyRequest, VerifyRequest
 from specd.core.sampling.proposal import Proposal
 from specd.core.sampling.sampler import SamplingParams
+from specd.core.sampling.tree import DraftTree
 from specd.core.target.verifier import Verifier
 
 
@@ -88,6 +89,24 @@ class _Pair:
         o = self.verifier.verify(VerifyRequest("s", len(self.committed), p))
         self.known = len(self.committed) + (0 if branched else o.accepted)
         self.committed += p.token_ids[: o.accepted] + [o.token_id]
+
+    def propose_tree(self, budget: int, depth: int) -> DraftTree:
+        """The model drafter's tree of `budget` nodes, `depth` levels, after the committed prefix."""
+        c = self.committed
+        [tree] = propose_trees(
+            self.drafter, [TreeProposeRequest("s", len(c), self.known, c[self.known :], budget, depth)]
+        )
+        if isinstance(tree, Exception):
+            raise tree
+        return tree
+
+    def verify_tree(self, tree: DraftTree) -> None:
+        """Verify the tree after the committed prefix and commit its path and one more token."""
+        [o] = self.verifier.verify_tree_batch([TreeVerifyRequest("s", len(self.committed), tree)])
+        if isinstance(o, Exception):
+            raise o
+        self.known = len(self.committed)  # the tree's nodes never enter the draft's sequence
+        self.committed = self.committed + list(o.tokens) + [o.token_id]
 
 
 def _medians(cols: dict[str, list[float]]) -> dict[str, float]:
@@ -142,19 +161,11 @@ def host_tree_ms(spec: str, temperature: float, rounds: int, budget: int, depth:
     s = _Pair(spec, temperature)
     cols: dict[str, list[float]] = {name: [] for name in RoundCost.__dataclass_fields__}
     for _ in range(rounds):
-        c = s.committed
         d0, t0 = s.draft.snapshot().wall_ms, time.perf_counter()
-        request = TreeProposeRequest("s", len(c), s.known, c[s.known :], budget, depth)
-        [tree] = propose_trees(s.drafter, [request])
-        if isinstance(tree, Exception):
-            raise tree
+        tree = s.propose_tree(budget, depth)
         v0, t1 = s.target.snapshot().wall_ms, time.perf_counter()
-        [o] = s.verifier.verify_tree_batch([TreeVerifyRequest("s", len(c), tree)])
-        if isinstance(o, Exception):
-            raise o
+        s.verify_tree(tree)
         t2 = time.perf_counter()
-        s.known = len(c)  # the tree's nodes never enter the draft's sequence
-        s.committed = c + list(o.tokens) + [o.token_id]
         d_model, v_model = s.draft.snapshot().wall_ms - d0, s.target.snapshot().wall_ms - v0
         _add_round(cols, (t1 - t0) * 1e3, (t2 - t1) * 1e3, d_model, v_model)
     return RoundCost(**_medians(cols))

@@ -22,9 +22,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from measure_args import floats, names
 from sim_host_cost import _Pair
 
-from specd.core.draft.trees import propose_trees
-from specd.core.rounds.steps import TreeProposeRequest, TreeVerifyRequest
-
 
 def tokens_per_round(spec: str, temperature: float, shape: str, rounds: int) -> float:
     """Mean tokens committed per round; shape 'K' (a chain) or 'NxD' (a tree)."""
@@ -36,17 +33,7 @@ def tokens_per_round(spec: str, temperature: float, shape: str, rounds: int) -> 
             pair.verify(pair.propose(int(shape)))
         else:
             budget, depth = (int(x) for x in shape.split("x"))
-            c = pair.committed
-            [tree] = propose_trees(
-                pair.drafter, [TreeProposeRequest("s", len(c), pair.known, c[pair.known :], budget, depth)]
-            )
-            if isinstance(tree, Exception):
-                raise tree
-            [o] = pair.verifier.verify_tree_batch([TreeVerifyRequest("s", len(c), tree)])
-            if isinstance(o, Exception):
-                raise o
-            pair.known = len(c)  # the tree's nodes never enter the draft's sequence
-            pair.committed = c + list(o.tokens) + [o.token_id]
+            pair.verify_tree(pair.propose_tree(budget, depth))
         total += len(pair.committed) - before
     return total / rounds
 

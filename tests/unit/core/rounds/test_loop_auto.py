@@ -84,8 +84,8 @@ def test_a_staged_window_is_cut_as_auto_would_and_the_next_round_verifies_exactl
 def test_a_greedy_request_explores_from_target_only_by_shadow_guesses_and_comes_back_on_them() -> None:
     """A greedy request that stopped drafting explores by shadow guesses: target-only rounds with the
     draft's next token asked beside the verify, its match with the committed token a K = 1 verdict. A
-    draft wrong for the first 250 tokens and right after: no drafting round once drafting is ruled out,
-    guesses meanwhile, and drafting again after the draft turns right (which only guesses compared with
+    draft wrong for the first 250 tokens and right after: no drafting round once drafting is ruled out
+    (bar an exploration or two, below), guesses meanwhile, and drafting again after the draft turns right (which only guesses compared with
     the right committed position can show; a right guess makes the next round a drafting exploration).
     Here that was from token 729 (a 1 ms target); with drafting explorations instead of guesses, 800.
     Auto rates arms from measured walls: with a 1 ms target a loaded host's event-loop delays made

@@ -18,27 +18,18 @@ from specd.core.target.verifier import Verifier
 GREEDY = SamplingParams(temperature=0.0)
 
 
+# Eight prompts of different lengths and kinds (prose, code, SQL, a letter): batched rounds pad and
+# roll back each one differently. Each reference is target-only decoding, one token per forward
+# (0.13 s a forward on one thread: twenty prompts took 27 s of set-up).
 DEMO_PROMPTS = [
     "The capital of France is",
     "def fibonacci(n):",
     "Once upon a time",
     "import numpy as np\n",
-    "The three primary colors are",
-    "To make a cup of tea, first",
     "class Stack:\n    def __init__(self):",
-    "The quick brown fox",
-    "In 1492, Columbus",
-    "Water boils at",
     "SELECT * FROM users WHERE",
-    "My favourite book is",
-    "for i in range(10):",
-    "The sun rises in the",
     "Dear Sir or Madam,",
-    "Photosynthesis is the process",
-    "A haiku about autumn:",
-    "The Pythagorean theorem states",
     "#include <stdio.h>\nint main() {",
-    "Once there was a little robot who",
 ]
 
 

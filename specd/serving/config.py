@@ -145,9 +145,10 @@ class ModelServiceBase(ServiceBase):
     device: str = _opt("cpu", "torch device (cpu, cuda, cuda:0, ...)")
     cpu_linear: str = _opt(
         CPU_LINEARS[0],
-        "linear layers on CPU: packed (1-3 rows as (W @ x.T).T, more on a oneDNN-packed copy of the weights: the "
-        "fastest verifies and prefills, twice the linear weights' memory), few-row (1-8 rows as (W @ x.T).T, no "
-        "copy) or torch (torch's own)",
+        "linear layers on CPU: packed (1-3 rows by the few-row kernel, more on a oneDNN-packed copy of the weights: "
+        "the fastest verifies and prefills, twice the linear weights' memory), few-row (1-8 rows by the few-row "
+        "kernel, no copy) or torch (torch's own); the few-row kernel is (W @ x.T).T, or torch's own on an Intel CPU, "
+        "where MKL's is the faster",
         choices=list(CPU_LINEARS),
     )
     max_sessions: int = _opt(256, "sessions held at once; more get RESOURCE_EXHAUSTED")

@@ -11,9 +11,11 @@ from specd.core.errors import InvalidArgument
 from specd.core.model.catalog import load_draft_for_serving, load_for_serving
 from specd.core.model.cpu_linear import (
     CPU_LINEARS,
+    FEW_ROW_KERNELS,
     GEMV_ROWS,
     PACK_ROWS_HINT,
     PACKED_GEMV_ROWS,
+    few_row_kernel,
     install_small_row_linears,
 )
 
@@ -25,6 +27,7 @@ class Shard(torch.nn.Linear):
         return super().forward(x) * 0
 
 
+@pytest.mark.parametrize("few_rows", FEW_ROW_KERNELS)
 @pytest.mark.parametrize("kind", ["packed", "few-row"])
 @pytest.mark.parametrize("bias", [True, False])
 @pytest.mark.parametrize(
@@ -41,15 +44,31 @@ class Shard(torch.nn.Linear):
         (0, 24),
     ],
 )
-def test_same_values_as_torch_linear(kind: str, bias: bool, shape: tuple[int, ...]) -> None:
+def test_same_values_as_torch_linear(kind: str, bias: bool, shape: tuple[int, ...], few_rows: str) -> None:
     torch.manual_seed(0)
     layer = torch.nn.Linear(24, 40, bias=bias)
     x = torch.randn(*shape)
     expected = torch.nn.functional.linear(x, layer.weight, layer.bias)
-    assert install_small_row_linears(layer, kind) == 1
+    assert install_small_row_linears(layer, kind, few_rows) == 1
     got = layer(x)
     assert got.shape == expected.shape
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize(
+    "vendor, kernel", [("GenuineIntel", "torch"), ("AuthenticAMD", "transposed"), (None, "transposed")]
+)
+def test_the_few_row_kernel_follows_the_cpu_vendor(tmp_path: Path, vendor: str | None, kernel: str) -> None:
+    """MKL's few-row linear is the fast kernel on Intel CPUs and a slow path elsewhere (cpu_linear's docstring)."""
+    cpuinfo = tmp_path / "cpuinfo"
+    if vendor is not None:  # None: no such file (not Linux)
+        cpuinfo.write_text(f"processor\t: 0\nvendor_id\t: {vendor}\nflags\t\t: fpu avx512f\n")
+    assert few_row_kernel(cpuinfo) == kernel
+
+
+def test_an_unknown_few_row_kernel_is_refused() -> None:
+    with pytest.raises(InvalidArgument, match="few-row kernel"):
+        install_small_row_linears(torch.nn.Linear(4, 4), "packed", "gemv")
 
 
 def test_the_packed_weight_follows_in_place_changes() -> None:

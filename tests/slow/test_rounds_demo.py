@@ -20,7 +20,7 @@ GREEDY = SamplingParams(temperature=0.0)
 
 # Eight prompts of different lengths and kinds (prose, code, SQL, a letter): batched rounds pad and
 # roll back each one differently. Each reference is target-only decoding, one token per forward
-# (0.13 s a forward on one thread: twenty prompts took 27 s of set-up).
+# (twenty prompts took 27 s of set-up).
 DEMO_PROMPTS = [
     "The capital of France is",
     "def fibonacci(n):",

@@ -3,15 +3,16 @@
 `F.linear(x, W)` over x of n rows computes x @ W.T. On the CPU BLAS that
 torch ships (MKL) on an AMD CPU, for the rows of a decode step or a verify
 that product is slow and grows with n, up to several times the time it
-takes to stream W once; on an Intel CPU only past a few rows. By `CPU_LINEARS` kind (measured:
-docs/results/verify-cost.md):
+takes to stream W once; on an Intel CPU, only past a few rows. By
+`CPU_LINEARS` kind (measured: docs/results/verify-cost.md):
 
 - `packed` (the default): 1 to `PACKED_GEMV_ROWS` rows by the few-row
   kernel below, the fastest decode step. More rows run
   oneDNN's linear over a copy of W packed once in its blocked layout
   (`torch.ops.mkldnn`), whose time grows with the rows only by the
-  arithmetic: on two cores a 9-token verify costs 1.5 decode steps (2.5
-  with `few-row`), and a prefill is faster than torch's kernel. The copy
+  arithmetic: on two cores of an AMD EPYC a 9-token verify costs 1.5
+  decode steps (2.5 with `few-row`; 1.8 on an Intel Xeon), and a prefill
+  is faster than torch's kernel. The copy
   holds the layer's weight a second time; it is made on first use and
   again whenever the weight changes (in place or replaced).
 - `few-row`: 1 to `GEMV_ROWS` rows by the few-row kernel, no copy; more
@@ -56,7 +57,7 @@ __all__ = [
 ]
 
 CPU_LINEARS = ("packed", "few-row", "torch")  # the services' --cpu-linear choices; the first is the default
-# Row counts up to these run as (W @ x.T).T: without a packed copy, and with one (in the forward, fastest at 1-3 rows here).
+# Row counts up to these run by the few-row kernel: without a packed copy, and with one (fastest at 1-3 rows, in the forward).
 GEMV_ROWS = 8
 PACKED_GEMV_ROWS = 3
 # oneDNN packs a weight for a batch-size hint; 8 was as fast as a per-count packing from 3 to 17 rows.

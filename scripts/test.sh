@@ -4,8 +4,9 @@
 #
 #   scripts/test.sh            what CI runs (.ci/run): set-up, lint, every tier (the tests
 #                              marked `alone` last, by themselves)
-#   scripts/test.sh --unit     the fast loop: tests/unit only, no lint; set-up only when
-#                              pyproject.toml or scripts/setup.sh changed since the last one
+#   scripts/test.sh --unit     the fast loop: tests/unit only (its `alone` tests last, by
+#                              themselves), no lint; set-up only when pyproject.toml or
+#                              scripts/setup.sh changed since the last one
 #
 # Both run pytest on SPECD_TEST_WORKERS worker processes (pytest-xdist; default 2, 0: one
 # process, no workers), each test file whole on one worker (--dist loadfile), so a module's
@@ -35,16 +36,23 @@ compile_sources() { .venv/bin/python -m compileall -q -j 0 specd coordinator dra
 # 6.5 s rewriting, 2.5 s with the cache).
 unset PYTHONDONTWRITEBYTECODE
 
-run_pytest() {
-  set +e
-  .venv/bin/python -m pytest -n "$WORKERS" --dist loadfile --no-loadscope-reorder "$@"
-  local status=$?
-  set -e
-  if [ "$status" -eq 5 ]; then
+# Two passes over the tests that marker expression $1 selects ("" for all; the rest of the
+# arguments go to pytest): all but those marked `alone` on the workers, then those in one process
+# with nothing beside them (their assertions are about how their own load spreads; a neighbour's
+# load on the same two cores skews that). One pass may select nothing, not both.
+run_passes() {
+  local only=${1:+($1) and } shared=0 alone=0
+  shift
+  .venv/bin/python -m pytest -n "$WORKERS" --dist loadfile --no-loadscope-reorder -q -ra --durations=15 \
+    -m "${only}not alone" "$@" || shared=$?
+  .venv/bin/python -m pytest -q -ra --durations=5 -m "${only}alone" "$@" || alone=$?
+  if [ "$shared" -eq 5 ] && [ "$alone" -eq 5 ]; then
     echo "test.sh: pytest collected no tests; that is a failure" >&2
     return 1
   fi
-  return "$status"
+  for status in "$shared" "$alone"; do
+    if [ "$status" -ne 0 ] && [ "$status" -ne 5 ]; then return "$status"; fi
+  done
 }
 
 if [ "${1:-}" = "--unit" ]; then
@@ -53,7 +61,7 @@ if [ "${1:-}" = "--unit" ]; then
     set_up
   fi
   compile_sources
-  run_pytest -q -ra --durations=10 -m unit tests/unit "$@"
+  run_passes unit tests/unit "$@"
   exit
 fi
 
@@ -62,20 +70,7 @@ set_up
 compile_sources
 echo "test.sh: set-up done in $((SECONDS - started)) s"
 bash scripts/lint.sh
-# Two passes: every test but those marked `alone` on the workers, then those in one process with
-# nothing beside them (their assertions are about how their own load spreads over replicas; a
-# neighbour's load on the same two cores skews that). One pass may select nothing, not both.
-set +e
-.venv/bin/python -m pytest -n "$WORKERS" --dist loadfile --no-loadscope-reorder -q -ra --durations=15 -m "not alone" "$@"
-shared=$?
-.venv/bin/python -m pytest -q -ra --durations=5 -m alone "$@"
-alone=$?
-set -e
+status=0
+run_passes "" "$@" || status=$?
 echo "test.sh: done in $((SECONDS - started)) s"
-if [ "$shared" -eq 5 ] && [ "$alone" -eq 5 ]; then
-  echo "test.sh: pytest collected no tests; that is a failure" >&2
-  exit 1
-fi
-for status in "$shared" "$alone"; do
-  if [ "$status" -ne 0 ] && [ "$status" -ne 5 ]; then exit "$status"; fi
-done
+exit "$status"

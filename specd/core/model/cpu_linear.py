@@ -127,19 +127,19 @@ def install_small_row_linears(model: torch.nn.Module, kind: str = CPU_LINEARS[0]
     """
     if kind not in CPU_LINEARS:
         raise InvalidArgument(f"--cpu-linear must be one of {', '.join(CPU_LINEARS)}, got {kind!r}")
-    few_rows = few_rows or few_row_kernel()
-    if few_rows not in FEW_ROW_KERNELS:
+    if few_rows is not None and few_rows not in FEW_ROW_KERNELS:
         raise InvalidArgument(f"the few-row kernel must be one of {', '.join(FEW_ROW_KERNELS)}, got {few_rows!r}")
     first = next(model.parameters(), None)
     if kind == "torch" or first is None or first.device.type != "cpu":
         return 0
+    transposed = (few_rows or few_row_kernel()) == "transposed"  # the CPU is read only for a CPU model
     onednn = kind == "packed" and torch.backends.mkldnn.is_available()
     count = 0
     for module in model.modules():
         # Plain layers only, not subclasses with a forward of their own; again is a no-op.
         if type(module) is torch.nn.Linear and "forward" not in vars(module):
             packs = onednn and module.weight.layout == torch.strided
-            forward = _small_row_forward(PACKED_GEMV_ROWS if packs else GEMV_ROWS, packs, few_rows == "transposed")
+            forward = _small_row_forward(PACKED_GEMV_ROWS if packs else GEMV_ROWS, packs, transposed)
             module.forward = types.MethodType(forward, module)  # type: ignore[method-assign]
             count += 1
     return count

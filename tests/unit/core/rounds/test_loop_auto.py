@@ -85,8 +85,9 @@ def test_a_greedy_request_explores_from_target_only_by_shadow_guesses_and_comes_
     """A greedy request that stopped drafting explores by shadow guesses: target-only rounds with the
     draft's next token asked beside the verify, its match with the committed token a K = 1 verdict. A
     draft wrong for the first 250 tokens and right after: no drafting round once drafting is ruled out
-    (bar an exploration or two, below), guesses meanwhile, and drafting again after the draft turns right (which only guesses compared with
-    the right committed position can show; a right guess makes the next round a drafting exploration).
+    (bar an exploration or two, below), guesses meanwhile, and drafting again after the draft turns
+    right (which only guesses compared with the right committed position can show; a right guess makes
+    the next round a drafting exploration).
     Here that was from token 729 (a 1 ms target); with drafting explorations instead of guesses, 800.
     Auto rates arms from measured walls: with a 1 ms target a loaded host's event-loop delays made
     drafting look dear (a CI run was still target-only at 800, one under three processes on two cores

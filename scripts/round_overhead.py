@@ -77,6 +77,24 @@ def summary(records: list[RoundRecord]) -> dict[str, dict[str, float]]:
     return {name: {"p50": quantile(v, 0.5), "p99": quantile(v, 0.99), "n": len(v)} for name, v in series.items()}
 
 
+def arms(records: list[RoundRecord]) -> list[dict[str, object]]:
+    """The rounds per arm (pipeline, K asked): how many, their tokens and wall, and pipeline hits: what auto ran."""
+    groups: dict[tuple[str, int], list[RoundRecord]] = {}
+    for r in records:
+        groups.setdefault((r.pipeline if r.draft_length else "target-only", r.draft_length), []).append(r)
+    return [
+        {
+            "pipeline": pipeline,
+            "k": k,
+            "rounds": len(rs),
+            "tokens_per_round": sum(r.tokens for r in rs) / len(rs),
+            "wall_ms_p50": quantile([r.wall_ms for r in rs], 0.5),
+            "pipeline_hits": sum(r.pipeline_hit is not None for r in rs),
+        }
+        for (pipeline, k), rs in sorted(groups.items(), key=lambda kv: -len(kv[1]))
+    ]
+
+
 async def run_streams(
     stub: coordinator_pb2_grpc.CoordinatorStub,
     streams: int,
@@ -199,14 +217,25 @@ async def measure(args: argparse.Namespace) -> list[dict[str, object]]:
                         "pipeline_hits": sum(r.pipeline_hit is not None for r in records),
                         "staged": sum(r.staged for r in records),
                         "wall_s": wall,
+                        "tokens_per_s": sum(r.tokens for r in engine.round_records) / wall,
                         "ms": stats,
+                        "arms": arms(records),
                     }
                 )
                 print(
                     f"\n{args.target} K={args.draft_length} pipeline {args.pipeline} T={args.temperature} streams={streams} "
                     f"event loop {args.event_loop}, GIL switch {args.gil_switch_ms} ms: "
                     f"{len(records)} rounds ({out[-1]['pipeline_hits']} pipeline hits, {out[-1]['staged']} staged), "
-                    f"coordinator event-loop CPU {out[-1]['loop_cpu_ms_per_round']:.3f} ms per round"
+                    f"coordinator event-loop CPU {out[-1]['loop_cpu_ms_per_round']:.3f} ms per round, "
+                    f"{out[-1]['tokens_per_s']:.1f} tokens/s"
+                )
+                print(
+                    "arms run (pipeline K: rounds, tokens a round, wall p50 ms, pipeline hits): "
+                    + "; ".join(
+                        f"{a['pipeline']} {a['k']}: {a['rounds']}, {a['tokens_per_round']:.2f}, {a['wall_ms_p50']:.2f}, "
+                        f"{a['pipeline_hits']}"
+                        for a in arms(records)
+                    )
                 )
                 print(f"{'':18s} {'p50 ms':>9s} {'p99 ms':>9s}")
                 for name, s in stats.items():

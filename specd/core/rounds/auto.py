@@ -20,7 +20,9 @@ where the tokens are modelled and the cycle is measured:
   (none on a pipeline hit) and the loop's own work. Host costs, wire, queues
   and batching are in it as they are, not as a model thinks they are. It is
   measured per workload class (greedy or sampled; the number of requests
-  running, in powers of two) and predicted as a model of it plus what the
+  running, in powers of two; the classes of one kind share their acceptance,
+  and a class with no call measured yet is rated with the costs of the
+  nearest one that has) and predicted as a model of it plus what the
   arm's family measured beyond that model:
 
       model(off, K) = v(K + 1) + d(K)
@@ -59,7 +61,8 @@ where target-only rates best, target-only's neighbours are rated again with
 the service's acceptance at its Wilson upper bound (`probe_z`), and the best
 of them runs if it beats target-only (`AutoChooser.probe`): a few unlucky
 verdicts cannot stop speculation for good, and a useless draft closes the
-bound within a few verdicts.
+bound within a few verdicts. One probe goes out at a time per class (the
+next waits for a verdict): requests that start together learn it once.
 
 **Exploration, and what it can cost.** One round in `explore_every` (counted
 over the whole service) runs a neighbour of the best arm instead, the one
@@ -128,12 +131,14 @@ class AcceptanceModel:
     accepted: list[float] = field(default_factory=list)
     version: int = 0  # changes with every verdict or aging: what readers cache their rates against
     verdicts: int = 0  # verdicts observed, never forgotten
+    accepting: int = 0  # ... of which accepted a draft token: the only ones that can speak for drafting
 
     def observe(self, drafted: int, accepted: int) -> None:
         """One verdict: `accepted` of `drafted` draft tokens (accepted before the first rejection)."""
         if drafted <= 0:
             return
         self.verdicts += 1
+        self.accepting += accepted > 0
         self.age()
         if drafted > len(self.reached):
             grow = drafted - len(self.reached)
@@ -352,6 +357,18 @@ class ArmCycles:
     rounds: int = 0
     longest: int = 0  # the most draft tokens a verify of this class carried: K grows from there one at a time
     version: int = 0  # changes with every call observed (the fits): what a chooser caches its cost table against
+    # The last probe (AutoChooser.probe): the acceptance's verdict count and the class's rounds when it went out.
+    # Another waits for a verdict since (or `probe_hold` rounds): requests that start together probe once.
+    probe_verdicts: int = -1
+    probe_round: int = 0
+
+    def may_probe(self, hold: int) -> bool:
+        """True once a verdict arrived since the last probe went out, or `hold` rounds passed without one."""
+        return self.acceptance.verdicts > self.probe_verdicts or self.rounds - self.probe_round >= hold
+
+    def probed(self) -> None:
+        """A probe goes out now."""
+        self.probe_verdicts, self.probe_round = self.acceptance.verdicts, self.rounds
 
 
 @dataclass(frozen=True)
@@ -402,9 +419,13 @@ class AutoSettings:
     # round 30.6 ms against 21.2 target-only, TTFT 36.7 ms against 23.2; auto 0.93x target-only).
     probe_margin: float = 0.1
     probe_margin_after: float = 8.0  # verdicts: before, a cold start's few unlucky ones are all there is
+    # One probe at a time per class: the next waits for a verdict, or this many of the class's rounds (a probe
+    # whose request ended unanswered). Requests that start together all probed at once: 32 streams with a
+    # useless draft, each request's first round drafting, gave 0.66x target-only (emulated h100-8b).
+    probe_hold: int = 64
     cut_margin: float = 0.01  # a proposal is verified one token longer only for a predicted gain above this
-    # Target-only, once chosen, holds for up to this many rounds while no verdict arrives (from any request
-    # of the class): only the costs move meanwhile, slowly, and rating every arm was 0.25 ms of each such
+    # Target-only, once chosen, holds for up to this many rounds while no verdict that accepted a token
+    # arrives (from any request of its kind): only the costs move meanwhile, slowly, and rating every arm was 0.25 ms of each such
     # round on the coordinator (emulated h100-tp2-70b, agreement 0: auto's rounds 0.5 ms longer).
     target_only_hold: int = 8
     # A pipeline is chosen over none only for a predicted gain above this share, and only tried where the
@@ -424,14 +445,36 @@ class AutoPolicy:
         self._explorations = 0
 
     def workload(self, greedy: bool, running: int) -> ArmCycles:
-        """The measurements of a workload class: greedy or sampled, and log2 of the requests running."""
+        """The measurements of a workload class: greedy or sampled, and log2 of the requests running.
+
+        Costs are the class's own (a batched pass costs what its load makes it cost); what the draft's
+        proposals are worth is not a matter of load, so the classes of one kind (greedy or sampled) share
+        their acceptance, confidence calibration and request spread: a class that opens when the load
+        rises starts with every verdict seen at lower loads."""
         key = (greedy, max(0, int(running)).bit_length())
         cls = self._classes.get(key)
         if cls is None:
-            s = self.settings
-            spread = RequestSpread(default=s.request_prior_weight, largest=s.request_prior_max)
-            cls = self._classes[key] = ArmCycles(spread=spread)
+            kin = next((c for (g, _), c in self._classes.items() if g == greedy), None)
+            if kin is not None:
+                cls = ArmCycles(acceptance=kin.acceptance, calibration=kin.calibration, spread=kin.spread)
+            else:
+                s = self.settings
+                cls = ArmCycles(spread=RequestSpread(default=s.request_prior_weight, largest=s.request_prior_max))
+            self._classes[key] = cls
         return cls
+
+    def measured_near(self, cls: ArmCycles) -> ArmCycles | None:
+        """cls, or where it has measured no call yet, the measured class of its kind nearest in load (None:
+        none is): a class that opens rates its arms with a neighbour's costs until it has its own, instead of
+        drafting blind (every request of a new load drafting its first round)."""
+        if cls.verify_ms.mean() is not None:
+            return cls
+        key = next((k for k, c in self._classes.items() if c is cls), None)
+        if key is None:
+            return None
+        near = [(abs(k[1] - key[1]), k[1], c) for k, c in self._classes.items() if k[0] == key[0] and c is not cls]
+        near = [n for n in near if n[2].verify_ms.mean() is not None]
+        return min(near, key=lambda n: (n[0], n[1]))[2] if near else None
 
     def explore_now(self, every: int) -> bool:
         """Count a round; True once every `every` rounds."""
@@ -480,7 +523,7 @@ class AutoChooser:
         self._rates: tuple[tuple[int, int, int, float], list[float]] | None = None
         self._costs: tuple[tuple[int, int], _CostTable] | None = None
         self._verdicts = self._accepted = 0.0  # this request's, unforgotten: for its class's RequestSpread
-        self._held: tuple[tuple[int, int], int] | None = None  # target-only's hold: (class, its verdicts), rounds left
+        self._held: tuple[tuple[int, int], int] | None = None  # target-only's hold: (its kind, verdicts), rounds left
         self._cls: ArmCycles | None = None  # the class of its last verdict
 
     def rates(self, cls: ArmCycles) -> list[float]:
@@ -503,7 +546,11 @@ class AutoChooser:
     def choose(self, cls: ArmCycles) -> Arm:
         """The arm for the next round (the best, or a neighbour of it on an exploration round)."""
         s = self.policy.settings
-        key = (id(cls), cls.acceptance.verdicts)
+        # Target-only holds until a verdict that accepted something (a rejection only argues for it more),
+        # whichever class of its kind the load puts the request in: at 32 streams, requests starting and
+        # ending moved it between classes, and every verdict re-rated all of them (auto's rounds
+        # 0.33 ms of the coordinator's CPU against target-only's 0.19; emulated h100-8b, agreement 0).
+        key = (id(cls.acceptance), cls.acceptance.accepting)
         if self._held is not None and self._held[0] == key and self._held[1] > 0:
             best, self._held = TARGET_ONLY, (key, self._held[1] - 1)
         else:
@@ -546,10 +593,13 @@ class AutoChooser:
         (the cost fits do not extrapolate: a longer K is measured before it is trusted); a pipelined
         arm only if it beats the best without a pipeline by `pipeline_margin`."""
         start = min(self.k_max, max(self.k_min, self.policy.settings.start_k))
-        if cls.verify_ms.mean() is None:  # nothing measured yet in this class
+        costs = self.policy.measured_near(cls)
+        if costs is None:  # nothing measured yet in this class or any of its kind
             return Arm(self.pipelines[0], start)
-        reach = max(start, cls.longest + 1, self.k_min)
-        rated = {a: self.expected_rate(cls, a, rates) for a in self._arms if a.k <= reach and self._may_run(cls, a)}
+        if costs is not cls:  # rated with a neighbour's costs, probed (and measured) in this class
+            rates = self.rates(costs)
+        reach = max(start, costs.longest + 1, self.k_min)
+        rated = {a: self.expected_rate(costs, a, rates) for a in self._arms if a.k <= reach and self._may_run(costs, a)}
         best = max(rated, key=lambda a: (rated[a], -a.k))
         plain = [a for a in rated if a.pipeline == OFF or a.k == 0]
         if best.pipeline != OFF and best.k > 0 and plain:
@@ -559,12 +609,12 @@ class AutoChooser:
         if best.k == 0:
             # also where a pipelined arm rated above target-only but within the margin: that fell back
             # to target-only without a probe, and a request whose few verdicts were unlucky stayed there
-            probe = self.probe(cls, rated[best])
+            probe = self.probe(costs, rated[best], gate=cls)
             if probe is not None:
                 return probe
         return best
 
-    def probe(self, cls: ArmCycles, target_only_rate: float) -> Arm | None:
+    def probe(self, cls: ArmCycles, target_only_rate: float, gate: ArmCycles | None = None) -> Arm | None:
         """The drafting arm to run instead of target-only while the service's acceptance is too uncertain to
         rule drafting out: the best of target-only's neighbours (K = k_min) with the service's rate at its
         Wilson upper bound (`probe_z`) as this request's prior (its own verdicts as they are), if that
@@ -574,8 +624,14 @@ class AutoChooser:
         verdicts would stay there (the service at 0.25 after two rejections, with 0.72 true, stayed
         target-only for 160 rounds on emulated h100-8b, T = 0.7). Each probe adds verdicts, so the bound
         closes: with a useless draft it falls under a K = 1 round's break-even within a few verdicts, and
-        no verdict is forgotten while none come. K itself is still chosen at the plain estimate."""
+        no verdict is forgotten while none come. K itself is still chosen at the plain estimate.
+
+        One probe at a time per class (`gate`, cls if None; `AutoSettings.probe_hold`): the next waits for a
+        verdict, so requests that start together do not all draft to learn one thing."""
         s = self.policy.settings
+        gate = cls if gate is None else gate
+        if not gate.may_probe(s.probe_hold):
+            return None
         seen = sum(cls.acceptance.reached)
         trials = seen + s.service_prior_weight
         prior = upper_bound(cls.acceptance.pooled(0.5, s.service_prior_weight), trials, s.probe_z)
@@ -587,7 +643,10 @@ class AutoChooser:
             return None
         arm = max(rated, key=lambda a: (rated[a], -a.k))
         margin = s.probe_margin if seen >= s.probe_margin_after else 0.0
-        return arm if rated[arm] > target_only_rate * (1.0 + margin) else None
+        if rated[arm] <= target_only_rate * (1.0 + margin):
+            return None
+        gate.probed()
+        return arm
 
     def _may_run(self, cls: ArmCycles, arm: Arm) -> bool:
         """False for a pipelined arm that cannot gain pipeline_margin, where running without one is allowed:

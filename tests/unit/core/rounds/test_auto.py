@@ -676,3 +676,32 @@ def test_exploration_measures_arms_rated_far_below_the_best_seldom() -> None:
     every, _ = explored(10.0)  # every neighbour is close
     assert close[TARGET_ONLY] <= 0.7 * every[TARGET_ONLY]  # 9 against 17
     assert reached >= 0.95
+
+
+def test_a_new_request_takes_another_new_requests_target_only_rating(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A request with no verdict of its own rates what any such request of the same settings rates: a new
+    request takes the last new request's target-only rating for `fresh_hold` of the class's rounds instead of
+    rating every arm again (at 32 streams of 8-token requests that was every request's first round)."""
+    settings = AutoSettings(explore_target_only_every=10**6, probe_z=0.0)
+    policy = AutoPolicy(settings)
+    drive(policy.chooser(6, AUTO_PIPELINES, target_only=True), Service(a=0.0), 300)
+    cls = policy.workload(greedy=True, running=1)
+    rated: list[Arm] = []
+    real_best = AutoChooser.best
+
+    def best(self: AutoChooser, c: ArmCycles, r: list[float]) -> Arm:
+        rated.append(real_best(self, c, r))
+        return rated[-1]
+
+    monkeypatch.setattr(AutoChooser, "best", best)
+    firsts = [policy.chooser(6, AUTO_PIPELINES, target_only=True).choose(cls) for _ in range(5)]
+    assert firsts == [TARGET_ONLY] * 5 and len(rated) == 1
+    policy.chooser(4, AUTO_PIPELINES, target_only=True).choose(cls)  # other settings: rated on their own
+    assert len(rated) == 2
+    seasoned = policy.chooser(6, AUTO_PIPELINES, target_only=True)
+    seasoned.observe_verdict(cls, 2, 0)  # a verdict of its own: its rates are its own
+    seasoned.choose(cls)
+    assert len(rated) == 3
+    cls.rounds += settings.fresh_hold  # the rating has aged out
+    policy.chooser(6, AUTO_PIPELINES, target_only=True).choose(cls)
+    assert len(rated) == 4

@@ -579,16 +579,13 @@ def test_the_cut_rates_the_next_pre_draft_at_the_arms_length() -> None:
         assert chooser.cut(cls, Arm(BONUS_MATCH, k), (0.95,) * k) == k
 
 
-def test_target_only_holds_without_rating_until_a_verdict_accepts(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Rating every arm was 0.25 ms of each target-only round on the coordinator; with no verdict in, only
-    the costs move, so the choice holds for target_only_hold rounds. A rejection only argues for target-only
-    more and keeps it; a verdict that accepted a token (any request's, at any load) ends it. (No probes here:
-    with probe_z = 0 a rating that picks target-only holds it.)"""
-    settings = AutoSettings(explore_target_only_every=10**6, probe_z=0.0)
+def useless_draft_with_ratings_counted(
+    settings: AutoSettings, monkeypatch: pytest.MonkeyPatch
+) -> tuple[AutoChooser, ArmCycles, list[Arm]]:
+    """A chooser that ran 300 rounds of a useless draft, its class, and the list every later rating
+    (`AutoChooser.best`, any chooser's) is appended to. No probes (probe_z = 0): a target-only rating holds."""
     chooser = AutoPolicy(settings).chooser(6, AUTO_PIPELINES, target_only=True)
-    service = Service(a=0.0)
-    drive(chooser, service, 300)
-    cls = chooser.policy.workload(greedy=True, running=1)
+    drive(chooser, Service(a=0.0), 300)
     rated: list[Arm] = []
     real_best = AutoChooser.best
 
@@ -597,6 +594,15 @@ def test_target_only_holds_without_rating_until_a_verdict_accepts(monkeypatch: p
         return rated[-1]
 
     monkeypatch.setattr(AutoChooser, "best", best)
+    return chooser, chooser.policy.workload(greedy=True, running=1), rated
+
+
+def test_target_only_holds_without_rating_until_a_verdict_accepts(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Rating every arm was 0.25 ms of each target-only round on the coordinator; with no verdict in, only
+    the costs move, so the choice holds for target_only_hold rounds. A rejection only argues for target-only
+    more and keeps it; a verdict that accepted a token (any request's, at any load) ends it."""
+    settings = AutoSettings(explore_target_only_every=10**6, probe_z=0.0)
+    chooser, cls, rated = useless_draft_with_ratings_counted(settings, monkeypatch)
     chooser._held = None
     arms = [chooser.choose(cls) for _ in range(2 * settings.target_only_hold)]
     assert arms == [TARGET_ONLY] * len(arms) and len(rated) == 2
@@ -683,17 +689,8 @@ def test_a_new_request_takes_another_new_requests_target_only_rating(monkeypatch
     request takes the last new request's target-only rating for `fresh_hold` of the class's rounds instead of
     rating every arm again (at 32 streams of 8-token requests that was every request's first round)."""
     settings = AutoSettings(explore_target_only_every=10**6, probe_z=0.0)
-    policy = AutoPolicy(settings)
-    drive(policy.chooser(6, AUTO_PIPELINES, target_only=True), Service(a=0.0), 300)
-    cls = policy.workload(greedy=True, running=1)
-    rated: list[Arm] = []
-    real_best = AutoChooser.best
-
-    def best(self: AutoChooser, c: ArmCycles, r: list[float]) -> Arm:
-        rated.append(real_best(self, c, r))
-        return rated[-1]
-
-    monkeypatch.setattr(AutoChooser, "best", best)
+    chooser, cls, rated = useless_draft_with_ratings_counted(settings, monkeypatch)
+    policy = chooser.policy
     firsts = [policy.chooser(6, AUTO_PIPELINES, target_only=True).choose(cls) for _ in range(5)]
     assert firsts == [TARGET_ONLY] * 5 and len(rated) == 1
     policy.chooser(4, AUTO_PIPELINES, target_only=True).choose(cls)  # other settings: rated on their own

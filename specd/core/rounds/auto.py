@@ -425,13 +425,14 @@ class AutoSettings:
     probe_margin: float = 0.1
     probe_margin_after: float = 8.0  # verdicts: before, a cold start's few unlucky ones are all there is
     # One probe at a time per class: the next waits for a verdict, or this many of the class's rounds (a probe
-    # whose request ended unanswered). Requests that start together all probed at once: 32 streams with a
-    # useless draft, each request's first round drafting, gave 0.66x target-only (emulated h100-8b).
+    # whose request ended unanswered). Requests that start together all probed at once (with a useless draft,
+    # 32 streams of 8-token requests: auto 0.83-0.85x target-only on emulated h100-8b, 0.94-0.98x after).
     probe_hold: int = 64
     cut_margin: float = 0.01  # a proposal is verified one token longer only for a predicted gain above this
     # Target-only, once chosen, holds for up to this many rounds while no verdict that accepted a token
-    # arrives (from any request of its kind): only the costs move meanwhile, slowly, and rating every arm was 0.25 ms of each such
-    # round on the coordinator (emulated h100-tp2-70b, agreement 0: auto's rounds 0.5 ms longer).
+    # arrives (from any request of its kind): only the costs move meanwhile, slowly, and rating every arm
+    # was 0.25 ms of each such round on the coordinator (emulated h100-tp2-70b, agreement 0: auto's rounds
+    # 0.5 ms longer).
     target_only_hold: int = 8
     # ... and a new request (no verdict of its own) takes another new request's target-only rating for this
     # many of the class's rounds (every request's: two steps of a 32-stream batch)
@@ -557,7 +558,7 @@ class AutoChooser:
         # Target-only holds until a verdict that accepted something (a rejection only argues for it more),
         # whichever class of its kind the load puts the request in: at 32 streams, requests starting and
         # ending moved it between classes, and every verdict re-rated all of them (auto's rounds
-        # 0.33 ms of the coordinator's CPU against target-only's 0.19; emulated h100-8b, agreement 0).
+        # 0.29-0.31 ms of the coordinator's CPU against target-only's 0.16-0.17; emulated h100-8b, agreement 0).
         key = (id(cls.acceptance), cls.acceptance.accepting)
         fresh = (
             (self.k_min, self.k_max, self.pipelines, self.target_only, *key) if not self.acceptance.verdicts else None

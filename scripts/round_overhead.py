@@ -8,7 +8,9 @@ round records (with each call's hops, specd.core.transit) and the CPU time of
 its event-loop thread can be read directly. Every stream runs fixed-K rounds
 (auto's, K up to --draft-length, with --speculation auto; target-only with
 --draft-length 0) at the given temperature, as one request or as requests of
---request-tokens tokens one after another.
+--request-tokens tokens one after another. Each setting also prints its tokens/s
+and the rounds it ran per arm (pipeline, K asked): what auto chose, beside a fixed
+mode's run of the same tokens.
 
     .venv/bin/python scripts/round_overhead.py                       # emulated h100-tp2-70b, 1 and 32 streams
     .venv/bin/python scripts/round_overhead.py --model sim:h100-8b --streams 1 --rounds 400
@@ -18,6 +20,8 @@ its event-loop thread can be read directly. Every stream runs fixed-K rounds
     .venv/bin/python scripts/round_overhead.py --model sim:h100-8b --streams 1 --draft-length 2 \
         --pipeline spec-cache --branch-budget 8 [--fixed-branch-budget]  # the speculation cache's budget
     .venv/bin/python scripts/round_overhead.py --streams 1 --profile docs/results/round-profile/t0
+    .venv/bin/python scripts/round_overhead.py --model 'sim:h100-8b,agreement=0' --streams 32 \
+        --request-tokens 8 --draft-length 4 --speculation auto --pipeline auto --rounds 512  # auto at 32 streams
 
 --profile DIR attaches py-spy (`--profile-rate` Hz; non-blocking, or pausing the process for
 each sample with --profile-native, which adds C frames; --profile-gil: only GIL-holding samples) to the coordinator (this process) and to both services

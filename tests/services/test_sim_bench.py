@@ -83,6 +83,7 @@ def test_bench_on_an_emulated_pair_writes_the_contract_records(tmp_path: Path, r
     assert md.startswith("# specd bench (emulated: h100-8b)") and "Every figure below is emulated" in md
     assert "overhead p50 ms" in md
     cache = [r for r in records if r["mode"] == "speccache-4"]
-    assert all(sum(r["pipeline_hits_by_outcome"].values()) == r["pipeline_hits"] for r in cache)
+    # a cell without a hit (2 prompts of 12 tokens can miss every time) reports no table: None
+    assert all(sum((r["pipeline_hits_by_outcome"] or {}).values()) == r["pipeline_hits"] for r in cache)
     assert any(r["pipeline_hits"] for r in cache) and "Pipeline hits by the verdict" in md
     assert out.with_suffix(".png").stat().st_size > 0

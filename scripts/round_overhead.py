@@ -212,7 +212,7 @@ async def measure(args: argparse.Namespace) -> list[dict[str, object]]:
                 if profiler is not None:
                     profiler.stop(f"{args.target} K={args.draft_length} T={args.temperature} streams={streams}")
                 records = [r for r in engine.round_records if r.index > 0]  # the first round opens sessions
-                stats = summary(records)
+                stats, ran = summary(records), arms(records)
                 out.append(
                     {
                         "streams": streams,
@@ -223,7 +223,7 @@ async def measure(args: argparse.Namespace) -> list[dict[str, object]]:
                         "wall_s": wall,
                         "tokens_per_s": sum(r.tokens for r in engine.round_records) / wall,
                         "ms": stats,
-                        "arms": arms(records),
+                        "arms": ran,
                     }
                 )
                 print(
@@ -238,7 +238,7 @@ async def measure(args: argparse.Namespace) -> list[dict[str, object]]:
                     + "; ".join(
                         f"{a['pipeline']} {a['k']}: {a['rounds']}, {a['tokens_per_round']:.2f}, {a['wall_ms_p50']:.2f}, "
                         f"{a['pipeline_hits']}"
-                        for a in arms(records)
+                        for a in ran
                     )
                 )
                 print(f"{'':18s} {'p50 ms':>9s} {'p99 ms':>9s}")

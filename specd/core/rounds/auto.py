@@ -354,6 +354,7 @@ class ArmCycles:
     acceptance: AcceptanceModel = field(default_factory=AcceptanceModel)  # every request's verdicts
     calibration: ConfidenceCalibration = field(default_factory=ConfidenceCalibration)  # the drafter's confidence
     spread: RequestSpread = field(default_factory=RequestSpread)  # finished requests: a request's prior weight
+    key: tuple[bool, int] = (True, 0)  # (greedy, log2 of the requests running): AutoPolicy.workload's
     rounds: int = 0
     longest: int = 0  # the most draft tokens a verify of this class carried: K grows from there one at a time
     version: int = 0  # changes with every call observed (the fits): what a chooser caches its cost table against
@@ -465,10 +466,11 @@ class AutoPolicy:
         if cls is None:
             kin = next((c for (g, _), c in self._classes.items() if g == greedy), None)
             if kin is not None:
-                cls = ArmCycles(acceptance=kin.acceptance, calibration=kin.calibration, spread=kin.spread)
+                cls = ArmCycles(acceptance=kin.acceptance, calibration=kin.calibration, spread=kin.spread, key=key)
             else:
                 s = self.settings
-                cls = ArmCycles(spread=RequestSpread(default=s.request_prior_weight, largest=s.request_prior_max))
+                spread = RequestSpread(default=s.request_prior_weight, largest=s.request_prior_max)
+                cls = ArmCycles(spread=spread, key=key)
             self._classes[key] = cls
         return cls
 
@@ -478,10 +480,8 @@ class AutoPolicy:
         drafting blind (every request of a new load drafting its first round)."""
         if cls.verify_ms.mean() is not None:
             return cls
-        key = next((k for k, c in self._classes.items() if c is cls), None)
-        if key is None:
-            return None
-        near = [(abs(k[1] - key[1]), k[1], c) for k, c in self._classes.items() if k[0] == key[0] and c is not cls]
+        greedy, load = cls.key
+        near = [(abs(k[1] - load), k[1], c) for k, c in self._classes.items() if k[0] == greedy and c is not cls]
         near = [n for n in near if n[2].verify_ms.mean() is not None]
         return min(near, key=lambda n: (n[0], n[1]))[2] if near else None
 
@@ -613,8 +613,8 @@ class AutoChooser:
         costs = self.policy.measured_near(cls)
         if costs is None:  # nothing measured yet in this class or any of its kind
             return Arm(self.pipelines[0], start)
-        if costs is not cls:  # rated with a neighbour's costs, probed (and measured) in this class
-            rates = self.rates(costs)
+        # rated with costs' costs (a neighbour's, until this class has its own; the acceptance behind
+        # `rates` is its kind's, shared), probed and measured in this class
         reach = max(start, costs.longest + 1, self.k_min)
         rated = {a: self.expected_rate(costs, a, rates) for a in self._arms if a.k <= reach and self._may_run(costs, a)}
         best = max(rated, key=lambda a: (rated[a], -a.k))
@@ -626,12 +626,12 @@ class AutoChooser:
         if best.k == 0:
             # also where a pipelined arm rated above target-only but within the margin: that fell back
             # to target-only without a probe, and a request whose few verdicts were unlucky stayed there
-            probe = self.probe(costs, rated[best], gate=cls)
+            probe = self.probe(costs, rated[best], cls)
             if probe is not None:
                 return probe
         return best
 
-    def probe(self, cls: ArmCycles, target_only_rate: float, gate: ArmCycles | None = None) -> Arm | None:
+    def probe(self, cls: ArmCycles, target_only_rate: float, gate: ArmCycles) -> Arm | None:
         """The drafting arm to run instead of target-only while the service's acceptance is too uncertain to
         rule drafting out: the best of target-only's neighbours (K = k_min) with the service's rate at its
         Wilson upper bound (`probe_z`) as this request's prior (its own verdicts as they are), if that
@@ -643,10 +643,9 @@ class AutoChooser:
         closes: with a useless draft it falls under a K = 1 round's break-even within a few verdicts, and
         no verdict is forgotten while none come. K itself is still chosen at the plain estimate.
 
-        One probe at a time per class (`gate`, cls if None; `AutoSettings.probe_hold`): the next waits for a
-        verdict, so requests that start together do not all draft to learn one thing."""
+        One probe at a time per class (`gate`, the class the round runs in; `AutoSettings.probe_hold`): the
+        next waits for a verdict, so requests that start together do not all draft to learn one thing."""
         s = self.policy.settings
-        gate = cls if gate is None else gate
         if not gate.may_probe(s.probe_hold):
             return None
         seen = sum(cls.acceptance.reached)

@@ -14,6 +14,17 @@ reports; the ports ask it where to open a session and where one lives.
 - A session stays on its replica (its KV cache lives there) until it is
   re-opened while that replica is unusable (gone, draining, unhealthy):
   then it moves, and the caller rebuilds it there from its committed tokens.
+- Paired placements (the draft's and the target's, `pair`): the replicas of
+  the two roles are paired by their sorted names (one to one when the counts
+  match, each of the fewer to several when one count divides the other; no
+  pairs otherwise), and a session goes to a replica paired with the one its
+  partner session is on, while that replica holds no more than its
+  partners' share of sessions. A service batches the steps
+  that are waiting when its model thread is free, so a draft replica whose
+  sessions verify on one target replica runs them as one cohort, in step with
+  that target's batches; mixed, each replica's batches wait on the other
+  replicas' phases (emulated h100-tp2-70b at time scale 8, 8 pairs: 0.77 of
+  linear scaling mixed, 1.00 paired; docs/results/emulated/scale-out-2026-12-06).
 """
 
 from __future__ import annotations
@@ -49,6 +60,11 @@ class _Slot:
         return sessions + self.reported.queued_steps, self.reported.kv_bytes, ours
 
 
+# A paired replica may hold this many more of our sessions than its partners' share before a new
+# session goes to the least-loaded replica instead.
+PAIR_SLACK_SESSIONS = 2
+
+
 class Placement:
     """Session -> replica name, and least-loaded choice among usable replicas."""
 
@@ -56,6 +72,7 @@ class Placement:
         self._slots: dict[str, _Slot] = {}
         self._where: dict[str, str] = {}  # session id -> replica name
         self._rng = rng or random.Random()
+        self.partner: Placement | None = None  # the other role's placement (`pair`)
 
     # ---- replicas ----------------------------------------------------------------
 
@@ -102,8 +119,9 @@ class Placement:
         """Where to (re)open a session: (replica, the replica it leaves or None).
 
         It stays where it is if that replica is usable and not excluded;
-        otherwise it goes to the least-loaded usable replica not excluded.
-        Unavailable if there is none.
+        otherwise it goes to the least-loaded usable replica not excluded
+        (when paired and its partner session is placed, to a replica paired
+        with the partner's, within its share). Unavailable if there is none.
         """
         current = self._where.get(session_id)
         if current is not None and current in usable and current not in exclude:
@@ -112,9 +130,32 @@ class Placement:
         if not candidates:
             raise Unavailable("no replica can take a new session (none connected, healthy and serving)")
         scored = [(self._slots[n].estimate(), self._rng.random(), n) for n in candidates]
-        chosen = min(scored)[2]
+        group = self.partner.where(session_id) if self.partner is not None else None
+        chosen = min(scored)[2] if group is None else self._beside(group, scored)
         self._pin(session_id, chosen)
         return chosen, current
+
+    def _beside(self, group: str, scored: list[tuple[tuple[int, int, int], float, str]]) -> str:
+        """The least-loaded candidate paired with the partner replica `group`, while it holds fewer of our
+        sessions than its partners' share + PAIR_SLACK_SESSIONS; else the least-loaded candidate."""
+        assert self.partner is not None
+        least = min(scored)[2]
+        mine, theirs = sorted(self._slots), sorted(self.partner.replicas)
+        if group not in theirs or max(len(mine), len(theirs)) % min(len(mine), len(theirs)):
+            return least  # counts that do not divide would pair unevenly
+        # pair k of max(len) pairs: my replica k mod len(mine) with theirs k mod len(theirs); the same
+        # sorted names give every coordinator, and both roles, the same pairs
+        pairs = [(mine[k % len(mine)], theirs[k % len(theirs)]) for k in range(max(len(mine), len(theirs)))]
+        homes = [(est, r, n) for est, r, n in scored if (n, group) in pairs]
+        if not homes:
+            return least
+        home = min(homes)[2]
+        share = sum(self.partner.sessions_on(p) / sum(1 for _, q in pairs if q == p) for n, p in pairs if n == home)
+        return home if self.sessions_on(home) < share + PAIR_SLACK_SESSIONS else least
+
+    def pair(self, other: Placement) -> None:
+        """Place sessions beside their partners in `other` (the other role's placement), and it beside ours."""
+        self.partner, other.partner = other, self
 
     def release(self, session_id: str) -> str | None:
         """The session ended: unpin it; returns the replica it was on."""

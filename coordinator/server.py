@@ -119,6 +119,8 @@ async def create_service(
         if config.draft_address is not None
         else None
     )
+    if drafts is not None:  # a draft replica's sessions verify on one target replica where load allows
+        targets.placement.pair(drafts.placement)
     engine = RoundEngine(
         config,
         load_tokenizer(config),

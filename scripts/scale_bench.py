@@ -10,6 +10,13 @@ aggregate tokens/s, the split of sessions over the target replicas (the
 coordinator's specd:replica_placements_total) and the efficiency against
 linear scaling from N = 1: tokens/s(N) / (N x tokens/s(1)).
 
+Over the measured window it also reports the coordinator's capacity, its
+rounds per CPU-second of its own process (`specd:spec_decode_num_rounds`
+over the process's user + system CPU time), the CPU seconds of the model
+services and of this client, and how busy the machine's cores were: a
+machine near 1.0 busy means the host, not specd's design, set the figure
+(raise the profile's time_scale).
+
 Every figure is emulated: the model services' forward passes take the
 profile's modelled time (docs/performance.md), the rest (gRPC, batching,
 sessions, sampling, the coordinator) is real and runs on this machine's
@@ -56,6 +63,87 @@ def metrics(address: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float
     }
 
 
+def cpu_seconds(pid: int | None) -> float:
+    """User + system CPU time of one process so far (0 once it is gone)."""
+    if pid is None:
+        return 0.0
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return 0.0
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def machine_ticks() -> tuple[int, int]:
+    """(busy, total) jiffies of all cores since boot, from /proc/stat."""
+    values = [int(v) for v in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
+    idle = values[3] + values[4]  # idle + iowait
+    return sum(values) - idle, sum(values)
+
+
+class WindowCost:
+    """CPU and rounds at the start and end of the measured window."""
+
+    def __init__(self, cluster: LocalCluster) -> None:
+        assert cluster.coordinator is not None
+        self.coordinator = cluster.coordinator
+        self.services = [s.pid for s in (*cluster.targets, *cluster.drafts)]
+        self.marks: list[dict[str, float]] = []
+
+    def mark(self) -> None:
+        busy, total = machine_ticks()
+        samples = metrics(metrics_address(self.coordinator)).items()
+        rounds = sum(value for (name, _labels), value in samples if name == "specd:spec_decode_num_rounds_total")
+        parts = {
+            f"round_{dict(labels)['part']}_{name.rsplit('_', 1)[1]}": value
+            for (name, labels), value in samples
+            if name in ("specd:round_seconds_sum", "specd:round_seconds_count")
+        }
+        hops = {
+            f"hop_{dict(labels)['peer']} {dict(labels)['hop']}_{name.rsplit('_', 1)[1]}": value
+            for (name, labels), value in samples
+            if name in ("specd:round_hop_seconds_sum", "specd:round_hop_seconds_count")
+        }
+        self.marks.append(
+            {
+                **parts,
+                **hops,
+                "coordinator_cpu_s": cpu_seconds(self.coordinator.pid),
+                "services_cpu_s": sum(cpu_seconds(pid) for pid in self.services),
+                "client_cpu_s": cpu_seconds(os.getpid()),
+                "rounds": rounds,
+                "busy": busy,
+                "total": total,
+            }
+        )
+
+    def summary(self) -> dict[str, Any]:
+        start, end = self.marks
+        d = {key: end[key] - start[key] for key in start}
+        cpu = d["coordinator_cpu_s"]
+        # mean ms per round of each part (draft, verify, overhead: the coordinator's split of a round)
+        parts = {
+            f"round_{part}_ms_mean": 1e3 * d[f"round_{part}_sum"] / d[f"round_{part}_count"]
+            for part in ("draft", "verify", "overhead")
+            if d.get(f"round_{part}_count")
+        }
+        hops = {
+            key[4:-4]: round(1e3 * d[key] / d[key[:-4] + "_count"], 3)
+            for key in d
+            if key.startswith("hop_") and key.endswith("_sum") and d.get(key[:-4] + "_count")
+        }
+        return {
+            **parts,
+            "hop_ms_mean": hops,
+            "coordinator_rounds": d["rounds"],
+            "coordinator_cpu_s": cpu,
+            "coordinator_rounds_per_cpu_s": d["rounds"] / cpu if cpu else 0.0,
+            "services_cpu_s": d["services_cpu_s"],
+            "client_cpu_s": d["client_cpu_s"],
+            "machine_busy": d["busy"] / d["total"] if d["total"] else 0.0,
+        }
+
+
 def metrics_address(service: ServiceProcess) -> str:
     for line in service.lines:
         if line.startswith("specd-coordinator metrics on "):
@@ -63,7 +151,7 @@ def metrics_address(service: ServiceProcess) -> str:
     raise RuntimeError("the coordinator printed no metrics address")
 
 
-async def drive(address: str, streams: int, args: argparse.Namespace, vocab: int) -> dict[str, Any]:
+async def drive(address: str, streams: int, args: argparse.Namespace, vocab: int, cost: WindowCost) -> dict[str, Any]:
     """streams concurrent request loops; tokens counted as they arrive inside the measured window."""
     rng = random.Random(0)
     window: dict[str, float] = {}
@@ -71,7 +159,9 @@ async def drive(address: str, streams: int, args: argparse.Namespace, vocab: int
     stop = asyncio.Event()
 
     async def loop(worker: int) -> None:
-        async with grpc.aio.insecure_channel(address) as channel:
+        # a connection of its own per worker, as separate clients have (a shared one would carry all the
+        # streams and meet the coordinator's --max-streams-per-connection)
+        async with grpc.aio.insecure_channel(address, options=[("grpc.use_local_subchannel_pool", 1)]) as channel:
             stub = coordinator_pb2_grpc.CoordinatorStub(channel)
             while not stop.is_set():
                 prompt = [rng.randrange(4, vocab) for _ in range(args.prompt_tokens)]
@@ -95,12 +185,14 @@ async def drive(address: str, streams: int, args: argparse.Namespace, vocab: int
 
     tasks = [asyncio.create_task(loop(i)) for i in range(streams)]
     await asyncio.sleep(args.warmup)
+    await asyncio.to_thread(cost.mark)
     window["start"] = time.monotonic()
     window["end"] = window["start"] + args.seconds
     await asyncio.sleep(args.seconds)
+    await asyncio.to_thread(cost.mark)
     stop.set()
     await asyncio.wait(tasks, timeout=120)
-    return {**counted, "tokens_per_s": counted["tokens"] / args.seconds}
+    return {**counted, "tokens_per_s": counted["tokens"] / args.seconds, **cost.summary()}
 
 
 def run_one(n: int, args: argparse.Namespace) -> dict[str, Any]:
@@ -125,7 +217,8 @@ def run_one(n: int, args: argparse.Namespace) -> dict[str, Any]:
     with cluster:
         assert cluster.coordinator is not None
         streams = n * args.streams_per_replica
-        result = asyncio.run(drive(cluster.address, streams, args, parse_sim_spec(spec).vocab_size))
+        vocab = parse_sim_spec(spec).vocab_size
+        result = asyncio.run(drive(cluster.address, streams, args, vocab, WindowCost(cluster)))
         placed = {
             dict(labels)["replica"]: value
             for (name, labels), value in metrics(metrics_address(cluster.coordinator)).items()
@@ -153,7 +246,7 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     args.model = args.profile if args.profile.startswith("sim:") else "sim:" + args.profile
     parse_sim_spec(args.model)  # fails early on an unknown profile
-    records = []
+    records: list[dict[str, Any]] = []
     for n in ints(args.replicas):
         print(f"[{EMULATED}] {n} target replica(s), {n * args.streams_per_replica} streams ...", flush=True)
         record = run_one(n, args)
@@ -164,15 +257,28 @@ def main(argv: list[str] | None = None) -> int:
         split = f"{min(shares) / sum(shares):.2f}-{max(shares) / sum(shares):.2f}" if shares and sum(shares) else "-"
         print(
             f"[{EMULATED}] targets {n}: {record['tokens_per_s']:.0f} tokens/s, efficiency {record['efficiency']:.2f} "
-            f"of linear, session shares {split}, requests {record['requests']}, failures {record['failures']}",
+            f"of linear, session shares {split}, requests {record['requests']}, failures {record['failures']}; "
+            f"coordinator {record['coordinator_rounds_per_cpu_s']:.0f} rounds per CPU-second "
+            f"({record['coordinator_rounds']:.0f} rounds, {record['coordinator_cpu_s']:.1f} CPU-s), "
+            f"services {record['services_cpu_s']:.1f} CPU-s, client {record['client_cpu_s']:.1f} CPU-s, "
+            f"machine {record['machine_busy']:.0%} busy; a round's mean draft / verify / overhead "
+            f"{record.get('round_draft_ms_mean', 0):.1f} / {record.get('round_verify_ms_mean', 0):.1f} / "
+            f"{record.get('round_overhead_ms_mean', 0):.1f} ms; overhead by hop, mean ms: "
+            + ", ".join(f"{hop} {ms:.1f}" for hop, ms in record["hop_ms_mean"].items()),
             flush=True,
         )
     meta = {"label": EMULATED, "profile": args.model, "args": vars(args), "cpus": os.cpu_count()}
     if args.json:
         Path(args.json).write_text(json.dumps({"meta": meta, "records": records}, indent=2) + "\n")
-    print(f"\n{'targets':>8} {'streams':>8} {'tokens/s':>10} {'vs linear':>10}   ({EMULATED}, {args.model})")
+    print(
+        f"\n{'targets':>8} {'streams':>8} {'tokens/s':>10} {'vs linear':>10} {'coord rounds/CPU-s':>19} "
+        f"{'machine busy':>13}   ({EMULATED}, {args.model})"
+    )
     for r in records:
-        print(f"{r['target_replicas']:>8} {r['streams']:>8} {r['tokens_per_s']:>10.0f} {r['efficiency']:>10.2f}")
+        print(
+            f"{r['target_replicas']:>8} {r['streams']:>8} {r['tokens_per_s']:>10.0f} {r['efficiency']:>10.2f} "
+            f"{r['coordinator_rounds_per_cpu_s']:>19.0f} {r['machine_busy']:>13.0%}"
+        )
     return 0 if all(r["failures"] == 0 for r in records) else 1
 
 

@@ -6,7 +6,7 @@ import random
 
 import pytest
 
-from coordinator.placement import Load, Placement
+from coordinator.placement import PAIR_SLACK_SESSIONS, Load, Placement
 from specd.core.errors import Unavailable
 
 
@@ -88,3 +88,74 @@ def test_removing_a_replica_unpins_its_sessions() -> None:
     assert p.remove("a") == {"s"}
     assert p.where("s") is None
     assert p.place("s", ["b"]) == ("b", None)
+
+
+def _paired(drafts: int, targets: int) -> tuple[Placement, Placement, list[str], list[str]]:
+    d, t = Placement(random.Random(1)), Placement(random.Random(2))
+    dn, tn = [f"d{i}" for i in range(drafts)], [f"t{i}" for i in range(targets)]
+    for n in dn:
+        d.add(n)
+    for n in tn:
+        t.add(n)
+    t.pair(d)
+    return d, t, dn, tn
+
+
+def test_paired_sessions_verify_on_the_target_paired_with_their_draft() -> None:
+    d, t, dn, tn = _paired(4, 4)
+    sessions = [f"s{i}" for i in range(64)]
+    for s in sessions:
+        d.place(s, dn)
+    # the targets hear of them cohort by cohort, as a draft's batch answers: each cohort stays together
+    for s in sorted(sessions, key=lambda s: str(d.where(s))):
+        t.place(s, tn)
+    pairs = {(d.where(s), t.where(s)) for s in sessions}
+    assert len(pairs) == 4 and len({dr for dr, _ in pairs}) == len({tr for _, tr in pairs}) == 4
+    assert [t.sessions_on(n) for n in tn] == [16] * 4
+    # requests come and go (the draft placed first or the target first): the pairs hold
+    rng = random.Random(3)
+    for i in range(300):
+        gone = sessions.pop(rng.randrange(len(sessions)))
+        d.release(gone)
+        t.release(gone)
+        new = f"n{i}"
+        first, second = ((d, dn), (t, tn)) if i % 2 else ((t, tn), (d, dn))
+        first[0].place(new, first[1])
+        second[0].place(new, second[1])
+        sessions.append(new)
+    assert {(d.where(s), t.where(s)) for s in sessions} == pairs
+    assert [t.sessions_on(n) for n in tn] == [16] * 4
+
+
+def test_a_draft_paired_with_two_targets_splits_its_sessions_between_them() -> None:
+    d, t, dn, tn = _paired(2, 4)
+    for i in range(32):
+        d.place(f"s{i}", dn)
+    for i in sorted(range(32), key=lambda i: str(d.where(f"s{i}"))):
+        t.place(f"s{i}", tn)
+    targets_of = {dr: {t.where(f"s{i}") for i in range(32) if d.where(f"s{i}") == dr} for dr in dn}
+    assert all(len(v) == 2 for v in targets_of.values()) and not set.intersection(*targets_of.values())
+    assert [t.sessions_on(n) for n in tn] == [8] * 4
+
+
+def test_a_paired_replica_past_its_share_sends_new_sessions_to_the_least_loaded() -> None:
+    d, t, _, tn = _paired(2, 2)
+    for i in range(10):
+        assert d.place(f"s{i}", ["d0"])[0] == "d0"  # d1 unusable for a while: d0 holds them all
+    chosen = {t.place(f"s{i}", tn)[0] for i in range(10)}
+    assert len(chosen) == 1  # d0's paired target takes all 10: its share is d0's sessions
+    home = chosen.pop()
+    for i in range(5):  # their drafts end (the targets' sessions stay): d0's share drops to 5
+        d.release(f"s{i}")
+    d.place("new", ["d0"])
+    assert t.place("new", tn)[0] != home  # home holds 10 >= 6 + PAIR_SLACK_SESSIONS
+    assert PAIR_SLACK_SESSIONS < 10 - 6
+
+
+def test_counts_that_do_not_divide_place_by_load_alone() -> None:
+    d, t, _, tn = _paired(3, 4)
+    for i in range(12):
+        d.place(f"s{i}", ["d0"])
+    for i in range(12):
+        t.place(f"s{i}", tn)
+    assert [t.sessions_on(n) for n in tn] == [3] * 4

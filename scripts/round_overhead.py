@@ -22,6 +22,7 @@ mode's run of the same tokens.
     .venv/bin/python scripts/round_overhead.py --streams 1 --profile docs/results/round-profile/t0
     .venv/bin/python scripts/round_overhead.py --model 'sim:h100-8b,agreement=0' --streams 32 \
         --request-tokens 8 --draft-length 4 --speculation auto --pipeline auto --rounds 512  # auto at 32 streams
+    .venv/bin/python scripts/round_overhead.py --streams 32 --rounds 1500 --service-args '--batch-wait-ms 0'  # service flags
 
 --profile DIR attaches py-spy (`--profile-rate` Hz; non-blocking, or pausing the process for
 each sample with --profile-native, which adds C frames; --profile-gil: only GIL-holding samples) to the coordinator (this process) and to both services
@@ -166,7 +167,7 @@ class Profiler:
 
 async def measure(args: argparse.Namespace) -> list[dict[str, object]]:
     common = ["--port", "0", "--log-level", "WARNING", "--event-loop", args.event_loop]
-    common += ["--gil-switch-ms", str(args.gil_switch_ms)]
+    common += ["--gil-switch-ms", str(args.gil_switch_ms), *args.service_args.split()]
     target_args = ["target", "--model", args.target, *common]
     draft_args = ["draft", "--model", args.draft, "--target-model", args.target, *common]
     peers = [ServiceProcess("target", target_args), ServiceProcess("draft", draft_args)]
@@ -287,6 +288,9 @@ def main() -> None:
     parser.add_argument("--gil-switch-ms", type=float, default=1.0, help="every process's GIL switch interval")
     parser.add_argument(
         "--event-loop", default="auto", choices=["auto", "uvloop", "asyncio"], help="every process's event loop"
+    )
+    parser.add_argument(
+        "--service-args", default="", help="extra flags for both services, one string (e.g. '--batch-wait-ms 10')"
     )
     args = parser.parse_args()
     args.target = args.target or args.model

@@ -164,7 +164,11 @@ class ModelServiceBase(ServiceBase):
         "halved (a batched pass briefly copies the caches); unused elsewhere",
     )
     max_batch: int = _opt(32, "sessions whose steps share one forward pass (1: no batching)")
-    batch_wait_ms: float = _opt(3.0, "a batch smaller than the sessions held waits up to this long for their steps")
+    batch_wait_ms: float = _opt(
+        3.0,
+        "a batch smaller than the sessions held waits up to this long for their steps (after 4 waits in a row that "
+        "merged nobody, the next 8 batches do not wait)",
+    )
 
     @property
     def cache_path(self) -> Path:

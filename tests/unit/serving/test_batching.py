@@ -23,7 +23,7 @@ from specd.core.rounds.steps import ProposeRequest, VerifyOutcome, VerifyRequest
 from specd.core.sampling.proposal import Proposal
 from specd.core.sampling.sampler import SamplingParams
 from specd.core.target.verifier import Verifier
-from specd.serving.batching import MicroBatcher
+from specd.serving.batching import FRUITLESS_RUN, FRUITLESS_SKIP, MicroBatcher
 from specd.serving.streams import Stamped
 from specd.v1 import common_pb2, session_pb2, target_pb2
 from target_service.servicer import TargetServicer
@@ -394,6 +394,41 @@ def test_micro_batcher_waits_briefly_so_cohorts_merge() -> None:
         start = time.monotonic()
         assert lone.submit_one(4).result(5) == 4  # nobody else comes: it runs after at most max_wait_s
         assert time.monotonic() - start < 1.0 and seen[-1] == [4]
+
+
+def test_micro_batcher_stops_waiting_a_while_after_waits_that_merged_nobody() -> None:
+    """FRUITLESS_RUN waits in a row that time out with nothing arrived: the next FRUITLESS_SKIP batches run at
+    once, then it waits again; a wait that merged someone ends the run."""
+    seen: list[list[int]] = []
+
+    def handle(batch: list[int]) -> list[int]:
+        seen.append(list(batch))
+        return batch
+
+    def timed(batcher: MicroBatcher[int, int], request: int) -> float:
+        start = time.monotonic()
+        assert batcher.submit_one(request).result(5) == request
+        return time.monotonic() - start
+
+    def merges(batcher: MicroBatcher[int, int]) -> None:
+        first = batcher.submit_one(1)
+        time.sleep(0.03)
+        second = batcher.submit_one(2)  # one of the two missing arrives during the wait
+        assert (first.result(5), second.result(5)) == (1, 2) and seen[-1] == [1, 2]
+
+    wait = 0.15
+    with ThreadPoolExecutor(max_workers=1) as pool:
+        lone: MicroBatcher[int, int] = MicroBatcher(handle, pool, max_wait_s=wait, expected=lambda: 3)
+        for _ in range(FRUITLESS_RUN - 1):
+            assert timed(lone, 1) >= wait  # nobody else comes: the whole wait
+        merges(lone)  # a wait that merged someone: the run starts over
+        for _ in range(FRUITLESS_RUN):
+            assert timed(lone, 1) >= wait
+        assert all(timed(lone, r) < wait / 2 for r in range(2, 2 + FRUITLESS_SKIP))  # these run at once
+        assert timed(lone, 99) >= wait  # then a wait is tried again: fruitless, the run goes on
+        assert all(timed(lone, r) < wait / 2 for r in range(2, 2 + FRUITLESS_SKIP))
+        merges(lone)  # this wait merges someone: the run ends ...
+        assert timed(lone, 1) >= wait  # ... so the next wait is whole again
 
 
 def test_micro_batcher_hands_each_streams_answers_back_once_per_batch() -> None:

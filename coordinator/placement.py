@@ -115,6 +115,10 @@ class Placement:
     def where(self, session_id: str) -> str | None:
         return self._where.get(session_id)
 
+    def placed(self) -> list[str]:
+        """The sessions placed here now."""
+        return list(self._where)
+
     def place(self, session_id: str, usable: Collection[str], exclude: Collection[str] = ()) -> tuple[str, str | None]:
         """Where to (re)open a session: (replica, the replica it leaves or None).
 

@@ -6,20 +6,24 @@ import asyncio
 from collections.abc import Callable
 from pathlib import Path
 
+import grpc
 import pytest
 
+from coordinator.client import build_request
 from coordinator.discovery import parse_peer_address
 from coordinator.peers import GrpcTarget, open_channel
 from coordinator.placement import Load
 from coordinator.replica_ports import ReplicatedTarget
 from coordinator.replicas import ReplicaSet, SameModel, model_mismatch
+from coordinator.server import create_server as create_coordinator
+from draft_service.server import create_server as create_draft_server
 from specd.core.errors import SessionNotFound
 from specd.core.rounds.steps import CloseRequest, OpenRequest, VerifyRequest
 from specd.core.sampling.proposal import Proposal
 from specd.core.sampling.sampler import SamplingParams
-from specd.serving.config import TargetConfig
+from specd.serving.config import CoordinatorConfig, DraftConfig, TargetConfig
 from specd.serving.server import ServiceHandle
-from specd.v1 import common_pb2
+from specd.v1 import common_pb2, coordinator_pb2_grpc
 from target_service.server import SERVICE_NAME, create_server
 
 PARAMS = SamplingParams(temperature=0.0, seed=1)
@@ -204,3 +208,53 @@ def _empty() -> Proposal:
 
 def _reported(replicas: ReplicaSet[GrpcTarget], name: str) -> Load:
     return replicas.placement.reported(name) or Load(sessions=-1)
+
+
+def test_the_coordinator_places_each_draft_replicas_sessions_on_its_paired_target() -> None:
+    """Two emulated targets and two drafts in-process behind a coordinator: while 8 requests run, every
+    session's draft replica and target replica are one of two fixed pairs (coordinator/placement.py)."""
+    model = "sim:h100-8b,time_scale=0"
+
+    async def main() -> set[tuple[str | None, str | None]]:
+        services = [create_server(TargetConfig(host="127.0.0.1", port=0, model=model)) for _ in range(2)]
+        services += [
+            create_draft_server(DraftConfig(host="127.0.0.1", port=0, model=model, target_model=model))
+            for _ in range(2)
+        ]
+        for s in services:
+            await s.server.start()
+            await s.set_serving(True)
+        names = [f"127.0.0.1:{s.port}" for s in services]
+        config = CoordinatorConfig(
+            target=",".join(names[:2]), draft=",".join(names[2:]), tokenizer=model, port=0, replica_poll_s=0.1
+        )
+        handle, engine = await create_coordinator(config)
+        await handle.server.start()
+        assert engine.draft is not None
+        pairs: set[tuple[str | None, str | None]] = set()
+        try:
+            async with grpc.aio.insecure_channel(f"127.0.0.1:{handle.port}") as channel:
+                stub = coordinator_pb2_grpc.CoordinatorStub(channel)
+                calls = [
+                    stub.Generate(
+                        build_request(
+                            f"pair {i}", max_new_tokens=48, temperature=0.0, ignore_eos=True, speculation="fixed"
+                        )
+                    )
+                    for i in range(8)
+                ]
+                running = asyncio.gather(*calls)
+                while not running.done():
+                    for sid in engine.target.replicas.placement.placed():
+                        pairs.add((engine.draft.replica_of(sid), engine.target.replica_of(sid)))
+                    await asyncio.sleep(0.002)
+                await running
+        finally:
+            await handle.stop(1.0)
+            for s in services:
+                await s.stop(0)
+        return {p for p in pairs if None not in p}  # a session whose other half is not opened yet
+
+    pairs = asyncio.run(main())
+    assert len(pairs) == 2, pairs  # both pairs served sessions, and no session crossed them
+    assert len({d for d, _ in pairs}) == len({t for _, t in pairs}) == 2

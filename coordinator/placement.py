@@ -19,12 +19,12 @@ reports; the ports ask it where to open a session and where one lives.
   match, each of the fewer to several when one count divides the other; no
   pairs otherwise), and a session goes to a replica paired with the one its
   partner session is on, while that replica holds no more than its
-  partners' share of sessions. A service batches the steps
-  that are waiting when its model thread is free, so a draft replica whose
-  sessions verify on one target replica runs them as one cohort, in step with
-  that target's batches; mixed, each replica's batches wait on the other
-  replicas' phases (emulated h100-tp2-70b at time scale 8, 8 pairs: 0.77 of
-  linear scaling mixed, 1.00 paired; docs/results/emulated/scale-out-2026-12-06).
+  partners' share of sessions. A service batches the steps that are waiting
+  when its model thread is free, so a draft replica whose sessions verify on
+  one target replica runs them as one cohort, in step with that target's
+  batches; mixed, each replica's batches wait on the other replicas' phases
+  (emulated h100-tp2-70b at time scale 8, 8 pairs: 0.77 of linear scaling
+  mixed, 1.00 paired; docs/results/emulated/scale-out-2026-12-06).
 """
 
 from __future__ import annotations

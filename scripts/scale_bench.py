@@ -81,60 +81,53 @@ def machine_ticks() -> tuple[int, int]:
     return sum(values) - idle, sum(values)
 
 
+# The coordinator's histograms whose mean over the window is reported, and the labels that name a series.
+HISTOGRAMS = {"specd:round_seconds": ("part",), "specd:round_hop_seconds": ("peer", "hop")}
+
+
 class WindowCost:
-    """CPU and rounds at the start and end of the measured window."""
+    """CPU, rounds and the round histograms' sums and counts at the start and end of the measured window."""
 
     def __init__(self, cluster: LocalCluster) -> None:
         assert cluster.coordinator is not None
         self.coordinator = cluster.coordinator
         self.services = [s.pid for s in (*cluster.targets, *cluster.drafts)]
-        self.marks: list[dict[str, float]] = []
+        self.marks: list[dict[Any, float]] = []
 
     def mark(self) -> None:
         busy, total = machine_ticks()
-        samples = metrics(metrics_address(self.coordinator)).items()
-        rounds = sum(value for (name, _labels), value in samples if name == "specd:spec_decode_num_rounds_total")
-        parts = {
-            f"round_{dict(labels)['part']}_{name.rsplit('_', 1)[1]}": value
-            for (name, labels), value in samples
-            if name in ("specd:round_seconds_sum", "specd:round_seconds_count")
+        mark: dict[Any, float] = {
+            "coordinator_cpu_s": cpu_seconds(self.coordinator.pid),
+            "services_cpu_s": sum(cpu_seconds(pid) for pid in self.services),
+            "client_cpu_s": cpu_seconds(os.getpid()),
+            "rounds": 0.0,
+            "busy": busy,
+            "total": total,
         }
-        hops = {
-            f"hop_{dict(labels)['peer']} {dict(labels)['hop']}_{name.rsplit('_', 1)[1]}": value
-            for (name, labels), value in samples
-            if name in ("specd:round_hop_seconds_sum", "specd:round_hop_seconds_count")
-        }
-        self.marks.append(
-            {
-                **parts,
-                **hops,
-                "coordinator_cpu_s": cpu_seconds(self.coordinator.pid),
-                "services_cpu_s": sum(cpu_seconds(pid) for pid in self.services),
-                "client_cpu_s": cpu_seconds(os.getpid()),
-                "rounds": rounds,
-                "busy": busy,
-                "total": total,
-            }
-        )
+        for (name, labels), value in metrics(metrics_address(self.coordinator)).items():
+            base, _, stat = name.rpartition("_")
+            if name == "specd:spec_decode_num_rounds_total":
+                mark["rounds"] += value
+            elif base in HISTOGRAMS and stat in ("sum", "count"):
+                label = " ".join(dict(labels)[k] for k in HISTOGRAMS[base])
+                mark[(base, label, stat)] = value  # e.g. ("specd:round_hop_seconds", "draft queue", "sum")
+        self.marks.append(mark)
 
     def summary(self) -> dict[str, Any]:
         start, end = self.marks
-        d = {key: end[key] - start[key] for key in start}
-        cpu = d["coordinator_cpu_s"]
-        # mean ms per round of each part (draft, verify, overhead: the coordinator's split of a round)
-        parts = {
-            f"round_{part}_ms_mean": 1e3 * d[f"round_{part}_sum"] / d[f"round_{part}_count"]
-            for part in ("draft", "verify", "overhead")
-            if d.get(f"round_{part}_count")
-        }
-        hops = {
-            key[4:-4]: round(1e3 * d[key] / d[key[:-4] + "_count"], 3)
+        d = {key: end[key] - start.get(key, 0.0) for key in end}
+        mean_ms = {  # (histogram, series) -> mean ms over the window's samples
+            key[:2]: 1e3 * d[key] / d[(*key[:2], "count")]
             for key in d
-            if key.startswith("hop_") and key.endswith("_sum") and d.get(key[:-4] + "_count")
+            if isinstance(key, tuple) and key[2] == "sum" and d.get((*key[:2], "count"))
         }
+        cpu = d["coordinator_cpu_s"]
         return {
-            **parts,
-            "hop_ms_mean": hops,
+            # a round's split at the coordinator: draft, verify, overhead
+            **{f"round_{part}_ms_mean": ms for (base, part), ms in mean_ms.items() if base == "specd:round_seconds"},
+            "hop_ms_mean": {
+                hop: round(ms, 3) for (base, hop), ms in mean_ms.items() if base == "specd:round_hop_seconds"
+            },
             "coordinator_rounds": d["rounds"],
             "coordinator_cpu_s": cpu,
             "coordinator_rounds_per_cpu_s": d["rounds"] / cpu if cpu else 0.0,

@@ -38,7 +38,7 @@ that merges someone ends the run. Emulated h100-tp2-70b, 32 streams, K = 4:
 group, every round (docs/results/batch-wait-2026-12-06/). One fruitless wait
 alone proves little: on the real demo pair at 8 clients a new request's
 session misses a wait now and then while the others' waits merge stragglers,
-and skipping after every fruitless wait cost 4-12% there.
+and skipping after every fruitless wait cost 3-13% there.
 """
 
 from __future__ import annotations

@@ -613,8 +613,8 @@ class AutoChooser:
         costs = self.policy.measured_near(cls)
         if costs is None:  # nothing measured yet in this class or any of its kind
             return Arm(self.pipelines[0], start)
-        # rated with costs' costs (a neighbour's, until this class has its own; the acceptance behind
-        # `rates` is its kind's, shared), probed and measured in this class
+        # `costs` is cls, or its nearest measured neighbour until cls has calls of its own; `rates` (its
+        # kind's shared acceptance) serves either. The round itself runs, probes and is measured in cls.
         reach = max(start, costs.longest + 1, self.k_min)
         rated = {a: self.expected_rate(costs, a, rates) for a in self._arms if a.k <= reach and self._may_run(costs, a)}
         best = max(rated, key=lambda a: (rated[a], -a.k))

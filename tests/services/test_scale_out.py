@@ -215,7 +215,8 @@ def test_two_targets_two_drafts_split_heal_and_grow(tiny_pair, tmp_path: Path, r
             f"requests under chaos: {done[0]}; third replica's first session "
             f"{timeline['third placed'] - timeline['third ready']:.1f} s after it was ready; placements {placed}"
         )
-        assert total(scrape(metrics_address(coordinator)), "specd:replica_session_moves_total", role="target") > 0
+        moves = total(scrape(metrics_address(coordinator)), "specd:replica_session_moves_total", role="target")
+        assert moves > 0, "".join(coordinator.lines[-60:])  # on failure, the log says where the sessions went
     finally:
         if coordinator is not None:
             coordinator.stop(grace_s=5)  # first: it drains its requests
@@ -303,7 +304,8 @@ def test_a_frozen_target_replica_loses_its_sessions_to_the_other(tiny_pair, tmp_
         agent.join(120)
         assert not failures, failures[:5]
         assert any("restarting its stream" in line for line in coordinator.lines), "".join(coordinator.lines[-30:])
-        assert total(scrape(metrics_address(coordinator)), "specd:replica_session_moves_total", role="target") > 0
+        moves = total(scrape(metrics_address(coordinator)), "specd:replica_session_moves_total", role="target")
+        assert moves > 0, "".join(coordinator.lines[-60:])  # on failure, the log says where the sessions went
     finally:
         if coordinator is not None:
             coordinator.stop(grace_s=5)

@@ -222,7 +222,8 @@ class ReplicaSet(Generic[P]):
         return any(m.usable for m in self.members.values())
 
     def place(self, session_id: str, exclude: Collection[str] = ()) -> tuple[Member[P], Member[P] | None]:
-        """The replica to (re)open a session on: its own if usable, else the least-loaded usable one.
+        """The replica to (re)open a session on: its own if usable, else the least-loaded usable one
+        (among those that answered their last health check, while any did).
 
         Returns it and the connected replica the session leaves, if any (close it there).
         Unavailable when no replica is usable.
@@ -230,6 +231,12 @@ class ReplicaSet(Generic[P]):
         usable = self.usable_names()
         if not usable:
             raise self.no_replica_error()
+        current = self.placement.where(session_id)
+        if current not in usable or current in exclude:
+            # a replica that missed its last health check (frozen, or its host gone silent) takes no
+            # session while another answers: its stream is restarted only after UNANSWERED_LIMIT misses
+            answering = [n for n in usable if self.members[n].unanswered == 0 and n not in exclude]
+            usable = answering or usable
         name, left = self.placement.place(session_id, usable, exclude)
         if left == name:
             return self.members[name], None

@@ -112,6 +112,34 @@ def test_sessions_spread_and_drain_and_move(tiny_pair) -> None:
     asyncio.run(main())
 
 
+def test_a_replica_that_missed_a_health_check_gets_no_new_session_while_another_answers(tiny_pair) -> None:
+    """A frozen replica's stream looks up until UNANSWERED_LIMIT checks time out; meanwhile new sessions
+    go to the replicas that answer, its own sessions stay (a slow replica is not lost), and a set whose
+    every replica is silent still places."""
+    target, _ = tiny_pair
+
+    async def main() -> None:
+        a, b = await _target(target), await _target(target)
+        name_a, name_b = f"127.0.0.1:{a.port}", f"127.0.0.1:{b.port}"
+        replicas = _set(f"{name_a},{name_b}")
+        try:
+            await replicas.start()
+            await _until(lambda: len(replicas.usable_names()) == 2)
+            home = next(f"s{i}" for i in range(8) if replicas.place(f"s{i}")[0].name == name_a)
+            # no await below: the watch loop cannot reset the counts before the placements are made
+            replicas.members[name_a].unanswered = 1
+            assert [replicas.place(f"new{i}")[0].name for i in range(6)] == [name_b] * 6
+            assert replicas.place(home)[0].name == name_a
+            replicas.members[name_b].unanswered = 1
+            assert replicas.place("last")[0].name in (name_a, name_b)
+        finally:
+            await replicas.close()
+            await a.stop(0)
+            await b.stop(0)
+
+    asyncio.run(main())
+
+
 def test_a_replica_found_by_dns_gets_sessions_and_one_that_leaves_retires(tiny_pair) -> None:
     target, _ = tiny_pair
     answers: dict[str, list[str]] = {"svc": []}

@@ -245,6 +245,7 @@ class FakeDraft:
         self.final: dict[str, list[int]] = {}  # the committed tokens each close carried
         self.prefixes: list[list[int]] = []  # the prefix of every propose, in order
         self.branch_calls: list[tuple[list[int], int]] = []  # (prefix, pending) of every branch call
+        self.guess_flags: list[bool] = []  # per propose call: whether its first token guesses the bonus
         self.branch_results: list[steps.Branches] = []  # what every branch call that answered returned
         self.shared: dict[str, int] = {}  # session -> tokens its branches share (after a branch call)
         self.violations: list[tuple[str, int]] = []  # (session, start) of calls that started past them
@@ -260,6 +261,7 @@ class FakeDraft:
     async def propose(self, request: steps.ProposeRequest, *, timeout: float, carrier: Carrier) -> Proposal:
         n, prefix = await self._step(request, timeout)
         self.prefixes.append(prefix)
+        self.guess_flags.append(request.guess_bonus)
         drafts = chain(prefix, self._length(n, request.num_tokens), self.step)
         self.sessions[request.session_id] = prefix + drafts
         return Proposal(drafts, compute_ms=self.script.compute_ms * max(1, len(drafts)), confidence=self._conf(drafts))

@@ -259,7 +259,9 @@ def _is_compact(i: int, d: common_pb2.SparseDistribution, cap: int) -> bool:
 
 def propose_request_from_proto(req: draft_pb2.DraftRequest) -> steps.ProposeRequest:
     p = req.propose
-    return steps.ProposeRequest(req.session_id, req.committed_length, p.start, list(p.token_ids), p.num_tokens)
+    return steps.ProposeRequest(
+        req.session_id, req.committed_length, p.start, list(p.token_ids), p.num_tokens, p.first_guesses_bonus
+    )
 
 
 def branch_request_from_proto(req: draft_pb2.DraftRequest) -> steps.BranchRequest:
@@ -355,6 +357,7 @@ def propose_request(request: steps.ProposeRequest, carrier: Mapping[str, str]) -
     req.propose.start = request.start
     req.propose.token_ids.extend(request.tail)
     req.propose.num_tokens = request.num_tokens
+    req.propose.first_guesses_bonus = request.guess_bonus
     return req
 
 

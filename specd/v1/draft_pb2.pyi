@@ -70,14 +70,16 @@ class DraftOpen(_message.Message):
     def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., wire_top_k: _Optional[int] = ..., tenant: _Optional[str] = ...) -> None: ...
 
 class DraftPropose(_message.Message):
-    __slots__ = ("start", "token_ids", "num_tokens")
+    __slots__ = ("start", "token_ids", "num_tokens", "first_guesses_bonus")
     START_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    FIRST_GUESSES_BONUS_FIELD_NUMBER: _ClassVar[int]
     start: int
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     num_tokens: int
-    def __init__(self, start: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., num_tokens: _Optional[int] = ...) -> None: ...
+    first_guesses_bonus: bool
+    def __init__(self, start: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., num_tokens: _Optional[int] = ..., first_guesses_bonus: _Optional[bool] = ...) -> None: ...
 
 class DraftBranches(_message.Message):
     __slots__ = ("start", "token_ids", "pending", "num_tokens", "budget", "acceptance")

@@ -20,6 +20,7 @@ class GrowingDraft:
     q_probs: list[Tensor] = field(default_factory=list)  # per position [W_i] float32 integer weights
     q_ms: float = 0.0  # time spent building q and sampling from it
     confidence: list[float] = field(default_factory=list)  # per position: the draft's P(its token)
+    guess_first: bool = False  # its first token guesses the target's bonus (steps.ProposeRequest.guess_bonus)
 
     def proposal(self, log: PhaseLog) -> Proposal:
         compute_ms = (log.phases[-1].end_ns - log.phases[0].start_ns) / 1e6 if log.phases else 0.0

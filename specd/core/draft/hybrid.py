@@ -176,7 +176,13 @@ class HybridDrafter:
                     prefix = s.suffix.tokens[: s.suffix.committed]
                     start_m = common_prefix_length(s.model_tokens, prefix)
                     to_model.append(
-                        (i, s, ProposeRequest(req.session_id, len(prefix), start_m, prefix[start_m:], k_model))
+                        (
+                            i,
+                            s,
+                            ProposeRequest(
+                                req.session_id, len(prefix), start_m, prefix[start_m:], k_model, req.guess_bonus
+                            ),
+                        )
                     )
                 else:
                     results[i] = self._use(s, "none", [], (time.perf_counter() - t0) * 1e3)

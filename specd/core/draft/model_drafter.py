@@ -42,6 +42,7 @@ from specd.core.rounds.steps import (
     check_sync,
 )
 from specd.core.sampling import sampler, sparse_q
+from specd.core.sampling.bonus_guess import coupled_guess
 from specd.core.sampling.greedy import greedy_tokens, top_probability
 from specd.core.sampling.proposal import Proposal
 from specd.core.sampling.sampler import UNUSABLE_LOGITS, SamplingParams
@@ -337,7 +338,7 @@ class ModelDrafter(PooledModel[_ModelDraftSession]):
         for r in part:
             req = requests[r.index]
             if not isinstance(req, BranchRequest):
-                drafted[(r.index,)] = GrowingDraft()
+                drafted[(r.index,)] = GrowingDraft(guess_first=req.guess_bonus)
                 continue
             kept = self._ranked.pop(id(r.session), None)
             if kept is None:  # step 0 reads the pending positions, then the branches draft
@@ -537,6 +538,13 @@ class ModelDrafter(PooledModel[_ModelDraftSession]):
         tok, ids, weights = sparse_q.draft(_rows(probs, group), settings, seeds, positions, total[group])  # [G], [G, W]
         if self._host_map is not None:  # same numbers, target ids: q(token_map[j]) = weight j, 0 off the map
             tok, ids = self._host_map[tok], torch.where(weights > 0, self._host_map[ids], 0)
+        guessing = [g for g, r in enumerate(group) if (d := drafted[active[rest[r]][0]]).guess_first and not d.tokens]
+        if guessing:  # a guess of the target's bonus: at its coin, from the same q (bonus_guess)
+            at = torch.tensor(guessing, dtype=torch.int64)
+            tok = tok.clone()
+            tok[at] = torch.from_numpy(
+                coupled_guess(ids[at].numpy(), weights[at].numpy(), seeds[at].numpy(), positions[at].numpy())
+            )
         w = weights.numpy()  # [G, W] host, integer-valued
         widths = (w > 0).sum(-1).tolist()  # each row's own width (a prefix of its slots)
         own = ((w * (ids.numpy() == tok.numpy()[:, None])).sum(-1) / w.sum(-1)).tolist()  # [G] q(token)

@@ -46,8 +46,14 @@ from specd.core.rounds.branch_budget import BranchBudgets
 from specd.core.rounds.steps import DEFAULT_BRANCH_BUDGET, MAX_BRANCH_BUDGET, VerifyOutcome
 from specd.core.sampling.proposal import Proposal
 
-# k draft tokens after the round's committed prefix + extension; an empty proposal if the draft failed.
-DraftAfter = Callable[[Sequence[int], int], Awaitable[Proposal]]
+
+class DraftAfter(Protocol):
+    """k draft tokens after the round's committed prefix + extension; an empty proposal if the draft failed.
+    guess_bonus: the first token is a guess of the target's bonus (steps.ProposeRequest)."""
+
+    def __call__(self, extension: Sequence[int], k: int, *, guess_bonus: bool = False) -> Awaitable[Proposal]: ...
+
+
 # (budget, acceptance per draft position, k): up to `budget` verdicts of this round's proposal, chosen
 # by the draft, with k draft tokens after each, as pre-drafts; none if the draft failed.
 DraftBranches = Callable[[int, Sequence[float], int], Awaitable["list[PreDraft]"]]
@@ -161,7 +167,8 @@ class _AllAccepted(_TimedPreDraft):
         return 1
 
     async def _pre_draft(self, rnd: PipelineRound) -> Proposal:
-        pre = await rnd.draft_after(self._assumed, rnd.next_k + self.extra)
+        # bonus-match's first token guesses the bonus: drawn with the target's coin where the draft can
+        pre = await rnd.draft_after(self._assumed, rnd.next_k + self.extra, guess_bonus=self.extra > 0)
         if len(pre):  # an empty answer: the draft failed
             self._answered()
         rnd.stage(self._shape(pre))  # the loop stages none for a round that defers its bonus (post-verify)

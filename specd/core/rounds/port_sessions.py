@@ -56,12 +56,20 @@ class DraftSession:
         return n
 
     async def propose(
-        self, committed: Sequence[int], extension: Sequence[int], num_tokens: int, *, timeout: float, carrier: Carrier
+        self,
+        committed: Sequence[int],
+        extension: Sequence[int],
+        num_tokens: int,
+        *,
+        timeout: float,
+        carrier: Carrier,
+        guess_bonus: bool = False,
     ) -> Proposal:
-        """Up to num_tokens draft tokens after committed + extension; raises the port's SpecdError on failure."""
+        """Up to num_tokens draft tokens after committed + extension; raises the port's SpecdError on failure.
+        guess_bonus: the first is a guess of the target's bonus there (steps.ProposeRequest)."""
 
         async def send(start: int, prefix: list[int]) -> tuple[Proposal, list[int]]:
-            request = steps.ProposeRequest(self.session_id, len(prefix), start, prefix[start:], num_tokens)
+            request = steps.ProposeRequest(self.session_id, len(prefix), start, prefix[start:], num_tokens, guess_bonus)
             proposal = await self.port.propose(request, timeout=timeout, carrier=carrier)
             if len(proposal) > num_tokens:
                 raise Unavailable(f"draft sent {len(proposal)} tokens for {num_tokens} asked")

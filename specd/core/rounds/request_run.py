@@ -212,8 +212,8 @@ class RequestRun:
         if staged is None:
             proposal = self._cut(arm, cls, proposal)
 
-        async def draft_after(extension: Sequence[int], k: int) -> Proposal:
-            return (await self._propose(committed, extension, k, carrier))[0]
+        async def draft_after(extension: Sequence[int], k: int, *, guess_bonus: bool = False) -> Proposal:
+            return (await self._propose(committed, extension, k, carrier, guess_bonus=guess_bonus))[0]
 
         async def draft_branches(branches: int, acceptance: Sequence[float], k: int) -> list[PreDraft]:
             pending = tuple(proposal.token_ids)
@@ -478,11 +478,13 @@ class RequestRun:
             self._last_send = (arm, now, cls)
 
     async def _propose(
-        self, committed: Sequence[int], extension: Sequence[int], k: int, carrier: Carrier
+        self, committed: Sequence[int], extension: Sequence[int], k: int, carrier: Carrier, *, guess_bonus: bool = False
     ) -> tuple[Proposal, TargetOnly | None]:
         """k draft tokens after committed + extension, or none and why: speculation pauses, output stays exact."""
         result = await self._draft_call(
-            lambda draft, timeout: draft.propose(committed, extension, k, timeout=timeout, carrier=carrier)
+            lambda draft, timeout: draft.propose(
+                committed, extension, k, timeout=timeout, carrier=carrier, guess_bonus=guess_bonus
+            )
         )
         if isinstance(result, TargetOnly):
             return Proposal([]), result

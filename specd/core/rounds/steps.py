@@ -69,6 +69,9 @@ class ProposeRequest:
     start: int
     tail: Sequence[int]
     num_tokens: int  # the draft length K
+    # the first token guesses the target's bonus at that position (bonus-match): a model draft at T > 0
+    # draws it with the target's coin (specd.core.sampling.bonus_guess)
+    guess_bonus: bool = False
 
 
 @dataclass(frozen=True)

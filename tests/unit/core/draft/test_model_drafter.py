@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from specd.core.draft.model_drafter import ModelDrafter, _stacked
 from specd.core.model.sim import parse_sim_spec
 from specd.core.rounds.steps import ProposeRequest
+from specd.core.sampling.bonus_guess import coupled_guess
 from specd.core.sampling.proposal import Proposal
 from specd.core.sampling.sampler import SamplingParams
 from specd.core.sampling.sparse_q import QSettings
@@ -97,3 +99,30 @@ def test_a_steps_rows_are_stacked_as_a_view_of_the_forward_output_when_they_are_
         assert torch.equal(copy, torch.cat(rows)) and copy.data_ptr() != flat.data_ptr()
     rows = list(flat.split([2, 1, 1]))  # a parent's [pending + 1, V] rows are never a sampled row
     assert torch.equal(_stacked(rows[1:]), flat[2:])
+
+
+def test_a_bonus_guess_is_drawn_at_the_targets_coin_and_the_rest_is_a_fresh_draft_after_it() -> None:
+    """Bonus-match's pre-draft (ProposeRequest.guess_bonus): its first token at the target's bonus coin from the
+    q it sends (specd.core.sampling.bonus_guess), the tokens after it those a fresh draft after it would draw."""
+    guessed: list[int] = []
+    for seed in range(11, 31):
+        params = SamplingParams(temperature=0.7, seed=seed)
+        d = _drafter()
+        d.open("s", PROMPT, params)
+        pre = d.propose_batch([ProposeRequest("s", len(PROMPT), len(PROMPT), [], 3, guess_bonus=True)])[0]
+        assert isinstance(pre, Proposal) and pre.q_ids is not None and pre.q_probs is not None
+        first = pre.token_ids[0]
+        row = coupled_guess(
+            pre.q_ids[:1].numpy(), pre.q_probs[:1].numpy(), np.array([seed]), np.array([len(PROMPT)], dtype=np.int64)
+        )
+        assert first == int(row[0])
+        fresh = _drafter()
+        fresh.open("s", [*PROMPT, first], params)
+        after = fresh.propose_batch([ProposeRequest("s", len(PROMPT) + 1, len(PROMPT) + 1, [], 2)])[0]
+        assert isinstance(after, Proposal) and after.token_ids == pre.token_ids[1:]
+        plain = _drafter()
+        plain.open("s", PROMPT, params)
+        drawn = plain.propose_batch([ProposeRequest("s", len(PROMPT), len(PROMPT), [], 1)])[0]
+        assert isinstance(drawn, Proposal)
+        guessed.append(int(drawn.token_ids[0] != first))
+    assert sum(guessed) > 0  # the draft's own coin draws another first token at some seeds: the flag is read

@@ -106,8 +106,10 @@ def hits_after(records: list[RoundRecord]) -> list[tuple[RoundRecord, RoundRecor
 
 
 def test_bonus_match_hits_only_when_every_draft_and_the_guess_are_right() -> None:
-    target = FakeTarget()
-    r, records, _ = run(spec(80, pipeline="bonus-match"), target, FakeDraft())
+    target, draft = FakeTarget(), FakeDraft()
+    r, records, _ = run(spec(80, pipeline="bonus-match"), target, draft)
+    # its pre-drafts (and only they) ask for a guess of the bonus first (steps.ProposeRequest.guess_bonus)
+    assert sum(draft.guess_flags) == sum(rec.pipeline_launched for rec in records) > 0
     assert r.generation.generated == expected(80) and target.violations == []
     kinds = set()
     for rec, nxt in hits_after(records):
@@ -153,9 +155,10 @@ def test_a_pre_draft_that_lands_after_the_verdict_is_not_staged() -> None:
 
 
 def test_post_verify_defers_the_bonus_and_verifies_the_pre_draft_in_its_place() -> None:
-    target = FakeTarget()
-    r, records, _ = run(spec(80, pipeline="post-verify"), target, FakeDraft())
+    target, draft = FakeTarget(), FakeDraft()
+    r, records, _ = run(spec(80, pipeline="post-verify"), target, draft)
     assert r.generation.generated == expected(80) and target.violations == []
+    assert not any(draft.guess_flags)  # its pre-draft's first token is a draft token, drawn as any
     deferred = [rec for rec in records if rec.token_kind == TokenKind.DEFERRED]
     assert deferred and all(rec.token_id == -1 and rec.accepted == rec.draft_tokens for rec in deferred)
     for rec, nxt in hits_after(records):

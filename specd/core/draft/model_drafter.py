@@ -42,7 +42,7 @@ from specd.core.rounds.steps import (
     check_sync,
 )
 from specd.core.sampling import sampler, sparse_q
-from specd.core.sampling.bonus_guess import coupled_guess
+from specd.core.sampling.bonus_guess import coupled_guess, coupled_guess_dense
 from specd.core.sampling.greedy import greedy_tokens, top_probability
 from specd.core.sampling.proposal import Proposal
 from specd.core.sampling.sampler import UNUSABLE_LOGITS, SamplingParams
@@ -486,6 +486,7 @@ class ModelDrafter(PooledModel[_ModelDraftSession]):
         width = req.budget + 1  # a row's own token is no alternative to itself
         # Ranked by the request's processed distribution with the measured acceptance; a greedy
         # request's is a one-hot, so it ranks by the calibrated softmax (specd.core.draft.branching).
+        guess: int | None = None  # sampled: the bonus guessed at the target's coin (greedy: the argmax is)
         if s.params.is_greedy:
             if bool(greedy_tokens(logits)[1].any()):
                 raise Internal(UNUSABLE_LOGITS)
@@ -496,11 +497,18 @@ class ModelDrafter(PooledModel[_ModelDraftSession]):
             if unusable:
                 raise unusable[0]
             ranking = top_ranking(processed[0], columns, width)
+            bonus = processed[0, k].float().numpy()  # [V or N] the bonus position's q, guessed at the target's coin
+            position = len(s.kv.tokens)
+            if self.token_map is None:
+                guess = coupled_guess_dense(bonus, s.params.seed, position)
+            else:
+                seeds, at = np.array([s.params.seed]), np.array([position])
+                guess = int(coupled_guess(self.token_map.numpy()[None], bonus[None], seeds, at)[0])
         if self.token_map is not None:  # the reduced head's columns -> target ids
             ranking = Ranking(self.token_map[ranking.ids], ranking.probs, ranking.own)
         self._drop_branches(s)  # a retried group's earlier try may have forked already
         budget = self._branch_room(req.budget, len(s.kv.tokens) + 1 + bp.steps)
-        bp.choices = select_branches(ranking, pending, acceptance, budget)
+        bp.choices = select_branches(ranking, pending, acceptance, budget, guess)
         for b, choice in enumerate(bp.choices):
             kv = self.runner.fork(s.kv)  # shares the cache: the crop below only narrows the fork's view
             self.runner.truncate(kv, base + choice.accepted)

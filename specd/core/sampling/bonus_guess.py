@@ -9,9 +9,12 @@ token-id order with the coin (seed, position, Role.BONUS)
 is independent of that draw: it is right with probability sum_t p(t) q(t). Drawn
 by inverse CDF over q in the same order with the *same* coin, it is the
 target's token whenever u falls in the same token's interval of both CDFs, which
-is most of the time when q is close to p: emulated pair, T = 0.7, 400 contexts
-(`python scripts/bonus_guess_coupling.py`), right 0.43 -> 0.59 of the time at
-agreement 0.8 on h100-8b and 0.52 -> 0.83 at agreement 0.95.
+is most of the time when q is close to p. Emulated, T = 0.7, 300 contexts x 100
+coins (`scripts/bonus_guess_coupling.py`): right 0.41 -> 0.58 of the time at
+agreement 0.8 on h100-8b, 0.49 -> 0.82 at 0.95 and 0.24 -> 0.28 at 0.6 (h100-tp2-70b:
+0.45 -> 0.64, 0.53 -> 0.86, 0.25 -> 0.32). The draft's likeliest token would be right
+0.58, 0.62 and 0.39 of the time: better where the draft is poor, but the draft does
+not know the acceptance when it is asked to propose.
 
 Exact whatever the guess: the guess only picks which prefix the pre-draft is
 made for, and a pre-draft is used only for exactly the prefix the verdict
@@ -52,3 +55,13 @@ def coupled_guess(ids: np.ndarray, weights: np.ndarray, seeds: np.ndarray, posit
             slot = int(np.flatnonzero(w[g] > 0)[-1])
         out[g] = sorted_ids[g, slot]
     return out
+
+
+def coupled_guess_dense(probs: np.ndarray, seed: int, position: int) -> int:
+    """coupled_guess for one dense row probs [V] (token id = index): the speculation cache's bonus guess."""
+    u = float(host_coins(np.array([seed], np.int64), np.array([[position]], np.int64), Role.BONUS)[0, 0])
+    cdf = np.cumsum(probs.astype(np.float64))  # [V]
+    slot = int(np.searchsorted(cdf, u * cdf[-1], side="right"))
+    if slot >= cdf.size:  # u * total rounded up to the total: the last token with mass
+        slot = int(np.flatnonzero(probs > 0)[-1])
+    return slot

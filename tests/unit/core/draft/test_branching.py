@@ -14,6 +14,7 @@ import itertools
 import math
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -34,7 +35,7 @@ from specd.core.model.sim import parse_sim_spec
 from specd.core.rounds.adaptive import PositionAcceptance
 from specd.core.rounds.steps import Branches, BranchRequest, ProposeRequest
 from specd.core.sampling.proposal import Proposal
-from specd.core.sampling.sampler import SamplingParams
+from specd.core.sampling.sampler import Role, SamplingParams, host_coins, processed_probs
 
 SIM = "sim:h100-tp2-70b,vocab_size=2048,time_scale=0"
 PROMPT = [11, 22, 33, 44, 55, 66, 77]
@@ -93,6 +94,30 @@ def test_select_branches_breaks_ties_deeper_first_then_lower_id() -> None:
     got = select_branches(top_ranking(probs, [1], 5), [1], [0.5], 4)
     assert [(c.accepted, c.token_id) for c in got] == [(1, 2), (1, 9), (0, 3), (0, 4)]
     assert select_branches(top_ranking(probs, [1], 5), [1], [0.5], 0) == []
+
+
+@pytest.mark.parametrize(
+    "acceptance, budget, guess, want",
+    [
+        # a sure draft: the coupled guess (6) is the first bonus branch, at the top token's mass, then the top (5)
+        ((0.9, 0.9), 2, 6, [(2, 6), (2, 5)]),
+        # a guess outside the draft's top tokens is still the first bonus branch
+        ((0.9, 0.9), 2, 9, [(2, 9), (2, 5)]),
+        # the guess that is the top token changes nothing
+        ((0.9, 0.9), 2, 5, [(2, 5), (2, 6)]),
+        # a poor draft: the always-covered all-accepted verdict is the guess's
+        ((0.1, 0.5), 2, 6, [(0, 3), (2, 6)]),
+        # no guess (greedy): the top token's
+        ((0.1, 0.5), 2, None, [(0, 3), (2, 5)]),
+    ],
+)
+def test_the_coupled_bonus_guess_leads_the_bonus_branches(acceptance, budget, guess, want) -> None:
+    pending = [1, 7]
+    probs = rows({1: 0.4, 3: 0.36, 2: 0.24}, {7: 0.5, 4: 0.3, 8: 0.2}, {5: 0.6, 6: 0.4})
+    got = select_branches(top_ranking(probs, pending, budget + 1), pending, acceptance, budget, guess)
+    assert [(c.accepted, c.token_id) for c in got] == want
+    lead = next(c for c in got if c.accepted == 2)  # the guess rated at the top token's mass, or the top itself
+    assert lead.probability == pytest.approx(outcome_probabilities(acceptance)[2] * 0.6)
 
 
 @pytest.mark.parametrize("measured", [0.4, 0.6, 0.85])
@@ -195,6 +220,29 @@ def test_every_branch_drafts_what_a_fresh_propose_for_its_prefix_would(params: S
         assert b.proposal.token_ids == ref.token_ids
         if ref.q_probs is not None:  # sampled: the very q the draft sampled from
             assert torch.equal(b.proposal.q_probs, ref.q_probs) and torch.equal(b.proposal.q_ids, ref.q_ids)
+
+
+def test_a_sure_sampled_branch_call_covers_the_bonus_the_target_draws_when_the_draft_is_the_target() -> None:
+    """With q = p (an emulated draft at agreement 1) the coupled guess is the target's bonus at every seed, and a
+    sampled request's one-branch call covers it; the draft's likeliest token is the bonus at some seeds only."""
+    profile = parse_sim_spec(SIM + ",agreement=1")
+    target = profile.runner("target").lm
+    pending, covered, top_is_bonus = [7, 9], 0, 0
+    context = [*PROMPT, *pending]
+    p = processed_probs(target.logits([context])[:, None], [SAMPLED])[0, 0].double().numpy()  # [V] the bonus row
+    cdf = np.cumsum(p)
+    for seed in range(20):
+        params = SamplingParams(temperature=SAMPLED.temperature, top_k=SAMPLED.top_k, seed=seed)
+        u = host_coins(np.array([seed]), np.array([[len(context)]]), Role.BONUS)[0, 0]
+        bonus = int(np.searchsorted(cdf, u * cdf[-1], side="right"))  # the verifier's draw (rejection)
+        d = ModelDrafter(profile.runner("draft"))
+        d.open("s", context, params)
+        req = BranchRequest("s", len(context), len(context), [], len(pending), 2, 1, (0.9, 0.9))
+        result = draft_work(d, [req])[0]
+        assert isinstance(result, Branches) and len(result.branches) == 1
+        covered += (result.branches[0].accepted, result.branches[0].token_id) == (2, bonus)
+        top_is_bonus += int(np.argmax(p)) == bonus
+    assert covered == 20 and top_is_bonus < 20
 
 
 def test_a_branch_pass_is_one_forward_per_step_for_every_branch_and_session() -> None:

@@ -1,0 +1,81 @@
+#!/usr/bin/env python
+"""How often a draft's guess of the target's bonus token is right at T > 0, by how it is drawn (emulated).
+
+For contexts of an emulated pair, the target's bonus is drawn as the verifier draws it (inverse CDF
+over p in token-id order at the coin (seed, position, Role.BONUS)). The draft's guess is
+- "own coin": drawn from its sparse q with its own coin (bonus-match's guess before the coupling):
+  right with probability sum p q;
+- "top token": q's likeliest token (the speculation cache's first bonus branch): right w.p. p(top);
+- "target's coin": specd.core.sampling.bonus_guess.coupled_guess, inverse CDF over the same sparse q
+  in token-id order at the target's coin.
+Prints P(right) per profile and agreement, averaged over contexts and coins. The figures in
+specd/core/sampling/bonus_guess.py and specd/core/draft/branching.py:
+
+    .venv/bin/python scripts/bonus_guess_coupling.py --profiles h100-8b,h100-tp2-70b --agreements 0.6,0.8,0.95
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import numpy as np
+import torch
+
+from specd.core.model.sim import parse_sim_spec
+from specd.core.sampling import sparse_q
+from specd.core.sampling.bonus_guess import coupled_guess
+from specd.core.sampling.sampler import Role, SamplingParams, host_coins, processed_probs
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--profiles", default="h100-8b,h100-tp2-70b")
+    ap.add_argument("--agreements", default="0.6,0.8,0.95")
+    ap.add_argument("--temperature", type=float, default=0.7)
+    ap.add_argument("--contexts", type=int, default=300)
+    ap.add_argument("--coins", type=int, default=100, help="seeds per context")
+    args = ap.parse_args()
+    torch.set_num_threads(1)
+    print(
+        f"T = {args.temperature:g}: P(the draft's guess is the target's bonus), {args.contexts} contexts x {args.coins} coins"
+    )
+    print("| profile | agreement | own coin | top token | target's coin |")
+    print("|---|---|---|---|---|")
+    seeds = np.arange(args.coins, dtype=np.int64)
+    for profile_name in args.profiles.split(","):
+        for agreement in (float(a) for a in args.agreements.split(",")):
+            profile = parse_sim_spec(f"sim:{profile_name},agreement={agreement}")
+            target, draft = profile.runner("target").lm, profile.runner("draft").lm
+            rng = np.random.default_rng(0)
+            contexts = [[int(x) for x in rng.integers(0, target.vocab_size, 3)] for _ in range(args.contexts)]
+            params = [SamplingParams(temperature=args.temperature)] * len(contexts)
+            p = processed_probs(target.logits(contexts)[:, None], params)[:, 0].double().numpy()  # [C, V]
+            q = processed_probs(draft.logits(contexts)[:, None], params)[:, 0]  # [C, V]
+            ids, weights = sparse_q.build(q, sparse_q.QSettings())  # [C, W] the q a model draft sends
+            own, top, coupled = [], [], []
+            for c in range(len(contexts)):
+                w = weights[c].double().numpy()
+                live = w > 0
+                q_c = np.zeros(p.shape[1])
+                np.add.at(q_c, ids[c].numpy()[live], w[live] / w.sum())
+                own.append(float((p[c] * q_c).sum()))
+                top.append(float(p[c, int(q_c.argmax())]))
+                position = np.full(args.coins, 100 + c, dtype=np.int64)
+                u = host_coins(seeds, position[:, None], Role.BONUS)[:, 0]
+                cdf = np.cumsum(p[c])
+                bonus = np.searchsorted(cdf, u * cdf[-1], side="right")  # the verifier's rule (rejection)
+                rows = np.repeat(ids[c].numpy()[None], args.coins, 0), np.repeat(w[None], args.coins, 0)
+                coupled.append(float((coupled_guess(*rows, seeds, position) == bonus).mean()))
+            print(
+                f"| {profile_name} | {agreement:g} | {np.mean(own):.3f} | {np.mean(top):.3f} | {np.mean(coupled):.3f} |",
+                flush=True,
+            )
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

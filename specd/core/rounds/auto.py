@@ -233,9 +233,10 @@ HIT_PRIORS: dict[str, tuple[float | None, float]] = {
 def bonus_guess_prior(rates: Sequence[float], k: int) -> float:
     """Before any is measured, P(the draft's guess of the bonus is the target's bonus | all k accepted):
     the acceptance of draft position k + 1 (the guess is that position's draft token). At T = 0 it is
-    that event; at T > 0 the guess and the bonus are drawn with independent coins, so it is an upper
-    bound, which is the safe side: an arm rated too high is run, and its measured hits correct it; one
-    rated too low (the 0.5 used before) is rarely run and stays unmeasured."""
+    that event; at T > 0 the guess is drawn at the target's bonus coin (specd.core.sampling.bonus_guess),
+    right at most as often as the best coupling of q and p, 1 - TV(p, q), which is what a draft token's
+    acceptance is: an upper bound, which is the safe side: an arm rated too high is run, and its
+    measured hits correct it; one rated too low (the 0.5 used before) is rarely run and stays unmeasured."""
     if not rates:
         return 0.5
     return rates[k] if k < len(rates) else rates[-1]

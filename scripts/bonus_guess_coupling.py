@@ -24,11 +24,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import numpy as np
 import torch
+from sim_rows import emulated_rows
 
-from specd.core.model.sim import parse_sim_spec
-from specd.core.sampling import sparse_q
 from specd.core.sampling.bonus_guess import coupled_guess
-from specd.core.sampling.sampler import Role, SamplingParams, host_coins, processed_probs
+from specd.core.sampling.sampler import Role, host_coins
 
 
 def main() -> int:
@@ -48,16 +47,10 @@ def main() -> int:
     seeds = np.arange(args.coins, dtype=np.int64)
     for profile_name in args.profiles.split(","):
         for agreement in (float(a) for a in args.agreements.split(",")):
-            profile = parse_sim_spec(f"sim:{profile_name},agreement={agreement}")
-            target, draft = profile.runner("target").lm, profile.runner("draft").lm
-            rng = np.random.default_rng(0)
-            contexts = [[int(x) for x in rng.integers(0, target.vocab_size, 3)] for _ in range(args.contexts)]
-            params = [SamplingParams(temperature=args.temperature)] * len(contexts)
-            p = processed_probs(target.logits(contexts)[:, None], params)[:, 0].double().numpy()  # [C, V]
-            q = processed_probs(draft.logits(contexts)[:, None], params)[:, 0]  # [C, V]
-            ids, weights = sparse_q.build(q, sparse_q.QSettings())  # [C, W] the q a model draft sends
+            spec = f"sim:{profile_name},agreement={agreement}"
+            p, ids, weights = emulated_rows(spec, args.contexts, args.temperature)  # [C, V]; [C, W]
             own, top, coupled = [], [], []
-            for c in range(len(contexts)):
+            for c in range(args.contexts):
                 w = weights[c].double().numpy()
                 live = w > 0
                 q_c = np.zeros(p.shape[1])

@@ -20,11 +20,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import numpy as np
 import torch
+from sim_rows import emulated_rows
 
 from specd.core.draft.model_tree import sharpened
-from specd.core.model.sim import parse_sim_spec
-from specd.core.sampling import sparse_q
-from specd.core.sampling.sampler import SamplingParams, processed_probs
 from specd.core.sampling.tree import DraftTree
 from specd.core.sampling.tree_draft import draw_children
 from specd.core.sampling.tree_rejection import tree_rejection_row
@@ -60,14 +58,7 @@ def main() -> int:
     args = ap.parse_args()
     torch.set_num_threads(1)
     spec = args.profile if args.profile.startswith("sim:") else "sim:" + args.profile
-    profile = parse_sim_spec(spec)
-    target, draft = profile.runner("target").lm, profile.runner("draft").lm
-    rng = np.random.default_rng(0)
-    contexts = [[int(x) for x in rng.integers(0, target.vocab_size, 3)] for _ in range(args.contexts)]
-    params = [SamplingParams(temperature=args.temperature)] * len(contexts)
-    p = processed_probs(target.logits(contexts)[:, None], params)[:, 0].double().numpy()  # [C, V]
-    q = processed_probs(draft.logits(contexts)[:, None], params)[:, 0]  # [C, V]
-    ids, w = sparse_q.build(q, sparse_q.QSettings())  # [C, W] the chain drafter's q
+    p, ids, w = emulated_rows(spec, args.contexts, args.temperature)  # [C, V]; [C, W] the chain drafter's q
     print(
         f"{spec}, T = {args.temperature:g}: P(one of k children accepted), {args.contexts} contexts x {args.trials} seeds"
     )
@@ -78,7 +69,7 @@ def main() -> int:
         for k in range(1, args.children + 1):
             shares = [
                 accepted_share(p[c], ids[c], w[c], k, sharp, range(c * args.trials, (c + 1) * args.trials))
-                for c in range(len(contexts))
+                for c in range(args.contexts)
             ]
             cells.append(f"{np.mean(shares):.3f}")
         print(f"| {'from q at half the temperature' if sharp else 'from q'} | " + " | ".join(cells) + " |", flush=True)

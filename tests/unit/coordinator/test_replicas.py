@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable
+import contextlib
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 
 import grpc
@@ -59,16 +60,27 @@ async def _until(cond: Callable[[], bool], timeout_s: float = 20.0) -> None:
         await asyncio.sleep(0.05)
 
 
+@contextlib.asynccontextmanager
+async def _two_replicas(folder: Path) -> AsyncIterator[tuple[ReplicaSet[GrpcTarget], ServiceHandle, ServiceHandle]]:
+    """Two target services and a started replica set over both, usable; all stopped at the end."""
+    a, b = await _target(folder), await _target(folder)
+    replicas = _set(f"127.0.0.1:{a.port},127.0.0.1:{b.port}")
+    try:
+        await replicas.start()
+        await _until(lambda: len(replicas.usable_names()) == 2)
+        yield replicas, a, b
+    finally:
+        await replicas.close()
+        await a.stop(0)
+        await b.stop(0)
+
+
 def test_sessions_spread_and_drain_and_move(tiny_pair) -> None:
     target, _ = tiny_pair
 
     async def main() -> None:
-        a, b = await _target(target), await _target(target)
-        name_a, name_b = f"127.0.0.1:{a.port}", f"127.0.0.1:{b.port}"
-        replicas = _set(f"{name_a},{name_b}")
-        try:
-            await replicas.start()
-            await _until(lambda: len(replicas.usable_names()) == 2)
+        async with _two_replicas(target) as (replicas, a, b):
+            name_a, name_b = f"127.0.0.1:{a.port}", f"127.0.0.1:{b.port}"
             # 8 sessions open: 4 on each
             for i in range(8):
                 member, left = replicas.place(f"s{i}")
@@ -104,10 +116,6 @@ def test_sessions_spread_and_drain_and_move(tiny_pair) -> None:
                 assert member.name == name_a and left is None  # b is down: nothing to close there
                 await member.peer.open(OpenRequest(sid, [1, 2, 3, 4], PARAMS), timeout=10, carrier={})
             assert replicas.moves == len(on_b)
-        finally:
-            await replicas.close()
-            await a.stop(0)
-            await b.stop(0)
 
     asyncio.run(main())
 
@@ -119,12 +127,8 @@ def test_a_replica_that_missed_a_health_check_gets_no_new_session_while_another_
     target, _ = tiny_pair
 
     async def main() -> None:
-        a, b = await _target(target), await _target(target)
-        name_a, name_b = f"127.0.0.1:{a.port}", f"127.0.0.1:{b.port}"
-        replicas = _set(f"{name_a},{name_b}")
-        try:
-            await replicas.start()
-            await _until(lambda: len(replicas.usable_names()) == 2)
+        async with _two_replicas(target) as (replicas, a, b):
+            name_a, name_b = f"127.0.0.1:{a.port}", f"127.0.0.1:{b.port}"
             home = next(f"s{i}" for i in range(8) if replicas.place(f"s{i}")[0].name == name_a)
             # no await below: the watch loop cannot reset the counts before the placements are made
             replicas.members[name_a].unanswered = 1
@@ -132,10 +136,6 @@ def test_a_replica_that_missed_a_health_check_gets_no_new_session_while_another_
             assert replicas.place(home)[0].name == name_a
             replicas.members[name_b].unanswered = 1
             assert replicas.place("last")[0].name in (name_a, name_b)
-        finally:
-            await replicas.close()
-            await a.stop(0)
-            await b.stop(0)
 
     asyncio.run(main())
 

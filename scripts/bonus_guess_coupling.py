@@ -26,8 +26,7 @@ import numpy as np
 import torch
 from sim_rows import emulated_rows
 
-from specd.core.sampling.bonus_guess import coupled_guess
-from specd.core.sampling.sampler import Role, host_coins
+from specd.core.sampling.bonus_guess import coupled_guess, coupled_guess_dense
 
 
 def main() -> int:
@@ -44,7 +43,7 @@ def main() -> int:
     )
     print("| profile | agreement | own coin | top token | target's coin |")
     print("|---|---|---|---|---|")
-    seeds = np.arange(args.coins, dtype=np.int64)
+    seeds = torch.arange(args.coins, dtype=torch.int64)
     for profile_name in args.profiles.split(","):
         for agreement in (float(a) for a in args.agreements.split(",")):
             spec = f"sim:{profile_name},agreement={agreement}"
@@ -57,12 +56,11 @@ def main() -> int:
                 np.add.at(q_c, ids[c].numpy()[live], w[live] / w.sum())
                 own.append(float((p[c] * q_c).sum()))
                 top.append(float(p[c, int(q_c.argmax())]))
-                position = np.full(args.coins, 100 + c, dtype=np.int64)
-                u = host_coins(seeds, position[:, None], Role.BONUS)[:, 0]
-                cdf = np.cumsum(p[c])
-                bonus = np.searchsorted(cdf, u * cdf[-1], side="right")  # the verifier's rule (rejection)
-                rows = np.repeat(ids[c].numpy()[None], args.coins, 0), np.repeat(w[None], args.coins, 0)
-                coupled.append(float((coupled_guess(*rows, seeds, position) == bonus).mean()))
+                position = torch.full((args.coins,), 100 + c, dtype=torch.int64)
+                # the target's bonus is the same inverse CDF over p at the same coin (rejection's draw)
+                bonus = coupled_guess_dense(torch.from_numpy(p[c]).expand(args.coins, -1), seeds, position)
+                rows = ids[c].expand(args.coins, -1), weights[c].expand(args.coins, -1)
+                coupled.append(float((coupled_guess(*rows, seeds, position) == bonus).float().mean()))
             print(
                 f"| {profile_name} | {agreement:g} | {np.mean(own):.3f} | {np.mean(top):.3f} | {np.mean(coupled):.3f} |",
                 flush=True,

@@ -23,6 +23,7 @@ from specd.core.rounds.auto import PIPELINE_AUTO
 from specd.core.rounds.pipeline import PIPELINES
 from specd.core.rounds.steps import DEFAULT_BRANCH_BUDGET, MAX_BRANCH_BUDGET
 from specd.core.sampling.sparse_q import MAX_BITS, QSettings
+from specd.serving.batching import FRUITLESS_RUN, FRUITLESS_SKIP
 
 MAX_CONNECTION_TIMER_S = 2_147_483  # gRPC's connection timers are int milliseconds
 
@@ -166,8 +167,8 @@ class ModelServiceBase(ServiceBase):
     max_batch: int = _opt(32, "sessions whose steps share one forward pass (1: no batching)")
     batch_wait_ms: float = _opt(
         3.0,
-        "a batch smaller than the sessions held waits up to this long for their steps (after 4 waits in a row that "
-        "merged nobody, the next 8 batches do not wait)",
+        "a batch smaller than the sessions held waits up to this long for their steps (after "
+        f"{FRUITLESS_RUN} waits in a row that merged nobody, the next {FRUITLESS_SKIP} batches do not wait)",
     )
 
     @property

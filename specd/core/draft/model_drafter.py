@@ -497,13 +497,12 @@ class ModelDrafter(PooledModel[_ModelDraftSession]):
             if unusable:
                 raise unusable[0]
             ranking = top_ranking(processed[0], columns, width)
-            bonus = processed[0, k].float().numpy()  # [V or N] the bonus position's q, guessed at the target's coin
-            position = len(s.kv.tokens)
+            bonus = processed[0, k : k + 1]  # [1, V or N] the bonus position's q, guessed at the target's coin
+            seed, at = torch.tensor([s.params.seed]), torch.tensor([len(s.kv.tokens)])
             if self.token_map is None:
-                guess = coupled_guess_dense(bonus, s.params.seed, position)
-            else:
-                seeds, at = np.array([s.params.seed]), np.array([position])
-                guess = int(coupled_guess(self.token_map.numpy()[None], bonus[None], seeds, at)[0])
+                guess = int(coupled_guess_dense(bonus, seed, at)[0])
+            else:  # the reduced head's columns, in target-id order
+                guess = int(coupled_guess(self.token_map[None], bonus, seed, at)[0])
         if self.token_map is not None:  # the reduced head's columns -> target ids
             ranking = Ranking(self.token_map[ranking.ids], ranking.probs, ranking.own)
         self._drop_branches(s)  # a retried group's earlier try may have forked already
@@ -550,9 +549,7 @@ class ModelDrafter(PooledModel[_ModelDraftSession]):
         if guessing:  # a guess of the target's bonus: at its coin, from the same q (bonus_guess)
             at = torch.tensor(guessing, dtype=torch.int64)
             tok = tok.clone()
-            tok[at] = torch.from_numpy(
-                coupled_guess(ids[at].numpy(), weights[at].numpy(), seeds[at].numpy(), positions[at].numpy())
-            )
+            tok[at] = coupled_guess(ids[at], weights[at], seeds[at], positions[at])
         w = weights.numpy()  # [G, W] host, integer-valued
         widths = (w > 0).sum(-1).tolist()  # each row's own width (a prefix of its slots)
         own = ((w * (ids.numpy() == tok.numpy()[:, None])).sum(-1) / w.sum(-1)).tolist()  # [G] q(token)

@@ -26,42 +26,23 @@ always does.
 
 from __future__ import annotations
 
-import numpy as np
+import torch
+from torch import Tensor
 
-from specd.core.sampling.sampler import Role, host_coins
-
-
-def coupled_guess(ids: np.ndarray, weights: np.ndarray, seeds: np.ndarray, positions: np.ndarray) -> np.ndarray:
-    """Each row's token at the target's bonus coin, by inverse CDF over its sparse q in token-id order.
-
-    ids, weights: [G, W] a sparse q per row (int64 ids, weights >= 0; zero-weight slots are padding)
-    seeds, positions: [G] int64, the request's seed and the bonus position
-    returns: [G] int64 token ids (each with weight > 0 in its row)
-
-    The arithmetic is the target's bonus draw (rejection._draw_host): float64 weights summed left
-    to right in id order, the first token whose cumulative sum exceeds u * total, the last token
-    with weight if u * total rounds up to the total.
-    """
-    assert ids.shape == weights.shape and ids.ndim == 2, f"ids and weights must be [G, W], got {ids.shape}"
-    u = host_coins(seeds.astype(np.int64), positions.astype(np.int64)[:, None], Role.BONUS)[:, 0]  # [G]
-    order = np.argsort(ids, axis=-1, kind="stable")  # [G, W] slots in token-id order
-    sorted_ids = np.take_along_axis(ids, order, -1)
-    w = np.take_along_axis(weights.astype(np.float64), order, -1)  # [G, W]
-    cdf = np.cumsum(w, -1)  # [G, W]
-    out = np.empty(ids.shape[0], dtype=np.int64)
-    for g in range(ids.shape[0]):
-        slot = int(np.searchsorted(cdf[g], u[g] * cdf[g, -1], side="right"))
-        if slot >= ids.shape[1]:  # u * total rounded up to the total: the last token with weight
-            slot = int(np.flatnonzero(w[g] > 0)[-1])
-        out[g] = sorted_ids[g, slot]
-    return out
+from specd.core.sampling.sampler import Role, coins, sample_from_probs
 
 
-def coupled_guess_dense(probs: np.ndarray, seed: int, position: int) -> int:
-    """coupled_guess for one dense row probs [V] (token id = index): the speculation cache's bonus guess."""
-    u = float(host_coins(np.array([seed], np.int64), np.array([[position]], np.int64), Role.BONUS)[0, 0])
-    cdf = np.cumsum(probs.astype(np.float64))  # [V]
-    slot = int(np.searchsorted(cdf, u * cdf[-1], side="right"))
-    if slot >= cdf.size:  # u * total rounded up to the total: the last token with mass
-        slot = int(np.flatnonzero(probs > 0)[-1])
-    return slot
+def coupled_guess_dense(probs: Tensor, seeds: Tensor, positions: Tensor) -> Tensor:
+    """Each row's token at the target's bonus coin: probs [G, V] in token-id order (weights >= 0, not
+    necessarily normalised); seeds, positions [G] int64 (the request's seed, the bonus position) -> [G] int64.
+
+    sample_from_probs, the inverse CDF the target's bonus draw is (rejection._draw_host gives its numbers)."""
+    return sample_from_probs(probs, coins(seeds, positions[:, None], Role.BONUS)[:, 0])
+
+
+def coupled_guess(ids: Tensor, weights: Tensor, seeds: Tensor, positions: Tensor) -> Tensor:
+    """coupled_guess_dense over a sparse q: ids, weights [G, W] in any slot order (zero-weight slots are
+    padding, never chosen), taken in token-id order -> [G] int64 token ids."""
+    order = torch.argsort(ids, dim=-1, stable=True)  # [G, W] slots in token-id order
+    slot = coupled_guess_dense(weights.gather(-1, order), seeds, positions)  # [G]
+    return ids.gather(-1, order).gather(-1, slot[:, None])[:, 0]

@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-import numpy as np
 import torch
 
 from specd.core.draft.model_drafter import ModelDrafter, _stacked
+from specd.core.draft.protocol import draft_work
 from specd.core.model.sim import parse_sim_spec
-from specd.core.rounds.steps import ProposeRequest
+from specd.core.rounds.steps import BranchRequest, ProposeRequest
 from specd.core.sampling.bonus_guess import coupled_guess
 from specd.core.sampling.proposal import Proposal
 from specd.core.sampling.sampler import SamplingParams
@@ -104,7 +104,7 @@ def test_a_steps_rows_are_stacked_as_a_view_of_the_forward_output_when_they_are_
 def test_a_bonus_guess_is_drawn_at_the_targets_coin_and_the_rest_is_a_fresh_draft_after_it() -> None:
     """Bonus-match's pre-draft (ProposeRequest.guess_bonus): its first token at the target's bonus coin from the
     q it sends (specd.core.sampling.bonus_guess), the tokens after it those a fresh draft after it would draw."""
-    guessed: list[int] = []
+    differs: list[int] = []  # per seed: the draft's own coin draws another first token
     for seed in range(11, 31):
         params = SamplingParams(temperature=0.7, seed=seed)
         d = _drafter()
@@ -112,9 +112,7 @@ def test_a_bonus_guess_is_drawn_at_the_targets_coin_and_the_rest_is_a_fresh_draf
         pre = d.propose_batch([ProposeRequest("s", len(PROMPT), len(PROMPT), [], 3, guess_bonus=True)])[0]
         assert isinstance(pre, Proposal) and pre.q_ids is not None and pre.q_probs is not None
         first = pre.token_ids[0]
-        row = coupled_guess(
-            pre.q_ids[:1].numpy(), pre.q_probs[:1].numpy(), np.array([seed]), np.array([len(PROMPT)], dtype=np.int64)
-        )
+        row = coupled_guess(pre.q_ids[:1], pre.q_probs[:1], torch.tensor([seed]), torch.tensor([len(PROMPT)]))
         assert first == int(row[0])
         fresh = _drafter()
         fresh.open("s", [*PROMPT, first], params)
@@ -124,5 +122,20 @@ def test_a_bonus_guess_is_drawn_at_the_targets_coin_and_the_rest_is_a_fresh_draf
         plain.open("s", PROMPT, params)
         drawn = plain.propose_batch([ProposeRequest("s", len(PROMPT), len(PROMPT), [], 1)])[0]
         assert isinstance(drawn, Proposal)
-        guessed.append(int(drawn.token_ids[0] != first))
-    assert sum(guessed) > 0  # the draft's own coin draws another first token at some seeds: the flag is read
+        differs.append(int(drawn.token_ids[0] != first))
+    assert sum(differs) > 0  # at some seeds: the flag is read
+
+
+def test_a_reduced_heads_branch_call_guesses_the_bonus_as_the_full_head_does() -> None:
+    """The speculation cache's bonus guess on a reduced head, its columns taken in target-id order: with the
+    identity map or a permutation of the whole vocabulary, the branches of the plain head (a guess read in
+    column order would differ under the permutation)."""
+    out = []
+    perm = torch.randperm(2048, generator=torch.Generator().manual_seed(0))
+    for token_map in (None, torch.arange(2048), perm):
+        d = _drafter(token_map)
+        d.open("s", PROMPT, SamplingParams(temperature=0.8, seed=5))
+        result = draft_work(d, [BranchRequest("s", len(PROMPT), len(PROMPT), [], 2, 2, 3, (0.9, 0.9))])[0]
+        assert not isinstance(result, Exception)
+        out.append([(b.accepted, b.token_id) for b in result.branches])
+    assert out[0] == out[1] == out[2] and any(j == 2 for j, _ in out[0])

@@ -44,11 +44,11 @@ def test_with_q_equal_to_p_the_guess_is_the_targets_bonus_at_every_seed() -> Non
         ids, weights = _sparse(p, rng)
         position = 17 + trial
         got = coupled_guess(
-            np.repeat(ids[None], len(SEEDS), 0),
-            np.repeat(weights[None], len(SEEDS), 0),
-            SEEDS,
-            np.full(len(SEEDS), position, dtype=np.int64),
-        )
+            torch.from_numpy(np.repeat(ids[None], len(SEEDS), 0)),
+            torch.from_numpy(np.repeat(weights[None], len(SEEDS), 0)).float(),
+            torch.from_numpy(SEEDS),
+            torch.full((len(SEEDS),), position, dtype=torch.int64),
+        ).numpy()
         assert (got == _target_bonus(p, SEEDS, position)).all()
         assert (p[got] > 0).all()  # never a padding slot
 

@@ -26,6 +26,7 @@ from specd.core.sampling.sparse_q import MAX_BITS, QSettings
 from specd.serving.batching import FRUITLESS_RUN, FRUITLESS_SKIP
 
 MAX_CONNECTION_TIMER_S = 2_147_483  # gRPC's connection timers are int milliseconds
+MAX_MALLOC_KEEP_MIB = 1024  # a bound on a typo; glibc itself may refuse less (then its defaults stay, logged)
 
 
 def default_cache_dir() -> Path:
@@ -65,6 +66,12 @@ class ServiceBase:
         "how long a Python thread may hold the GIL while another waits for it (sys.setswitchinterval; Python's "
         "default is 5): the gRPC poller and the event loop wait at most this for a busy model or loop thread",
     )
+    malloc_keep_mib: int = _opt(
+        32,
+        "host buffers up to this many MiB are reused from the heap after they are freed instead of being mapped "
+        "and faulted in afresh on every allocation (glibc's M_MMAP_THRESHOLD; twice it is kept free at the heap's "
+        "top); 0: the C library's defaults",
+    )
     event_loop: str = _opt(
         "auto",
         "the service's event loop: uvloop (libuv, a loop in C: less CPU per stream message), asyncio, or auto "
@@ -98,6 +105,8 @@ class ServiceBase:
             raise InvalidArgument("--grace-s must be >= 0")
         if not 0.01 <= self.gil_switch_ms <= 100:
             raise InvalidArgument(f"--gil-switch-ms must be in [0.01, 100] (got {self.gil_switch_ms})")
+        if not 0 <= self.malloc_keep_mib <= MAX_MALLOC_KEEP_MIB:
+            raise InvalidArgument(f"--malloc-keep-mib must be in 0..{MAX_MALLOC_KEEP_MIB} (got {self.malloc_keep_mib})")
         if not -1 <= self.metrics_port <= 65535:
             raise InvalidArgument(f"--metrics-port must be -1 (off) or in 0..65535 (got {self.metrics_port})")
         if self.max_concurrent_rpcs < 1 or self.max_streams_per_connection < 1:

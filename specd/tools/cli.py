@@ -27,6 +27,7 @@ from specd.serving import config as cfg
 from specd.serving import flags
 from specd.serving.cpu_budget import cpu_budget, service_threads
 from specd.serving.cpu_threads import describe_threads
+from specd.serving.host_memory import keep_freed_buffers
 from specd.serving.metrics import CoordinatorMetrics, DraftMetrics, TargetMetrics
 from specd.serving.metrics_http import serve_metrics
 from specd.serving.security import read_token
@@ -55,6 +56,7 @@ def _serve(args: argparse.Namespace) -> int:
     )
     _set_threads(config)
     sys.setswitchinterval(config.gil_switch_ms / 1e3)
+    keep_freed_buffers(config.malloc_keep_mib)
 
     async def main() -> None:
         tracing = setup_tracing(service, config)  # a no-op unless an OTLP endpoint is configured

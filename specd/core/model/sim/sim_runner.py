@@ -9,11 +9,13 @@ cache), but a forward pass neither runs a model nor holds a core:
 - the logits come from `SimLM` (an exact function of each row's context);
 - the pass takes the wall time the profile's `CostModel` gives for the
   batch (positions recomputed per session, their lengths), measured from
-  the start of the call; the logits are computed inside that time and the
-  rest is slept (time.sleep releases the GIL), so several emulated services
-  on a couple of cores behave like several accelerators. The sleep ends
-  early by the recent wake-up delay of this thread (on a loaded host a
-  sleeper is woken late), so passes end on time on average.
+  the start of the call; it sleeps first (time.sleep releases the GIL), so
+  several emulated services on a couple of cores behave like several
+  accelerators, and computes the logits last, in the time they are expected
+  to take before the pass ends (a pass writes its logits at its end, and the
+  caller's sampling after it then runs warm). The sleep ends early by the
+  recent wake-up delay of this thread (on a loaded host a sleeper is woken
+  late) and a short remainder is spun, so passes end on time.
 
 A pass whose own compute outlasts its modelled time is late; `stats`
 counts those, so a report can say when the host could not keep up.
@@ -41,6 +43,9 @@ __all__ = ["SimRunner", "SimStats"]
 _LATE_SLACK_MS = 0.5  # a pass this much past its modelled time counts as late
 _OVERSLEEP_ALPHA = 0.2  # weight of the latest wake-up delay in its running estimate
 _OVERSLEEP_MAX = 0.010  # s: never wake more than this much early
+_SPIN_S = 0.0003  # s: a pass this close to its end spins rather than sleeps (a wake-up is ~0.1 ms late here)
+_SPIN_READS = 100_000  # clock reads a spin makes at most (a clock that does not move: tests)
+_LOGITS_ALPHA = 0.2  # weight of the latest pass in the running estimate of the logits' time per row
 
 
 @dataclass
@@ -85,6 +90,7 @@ class SimRunner(CausalLMRunner):
         self._clock = clock
         self._sleep = sleep
         self._oversleep = 0.0  # s: running estimate of how late sleep() returns here
+        self._logits_s_per_row = 0.0  # s: running estimate of SimLM's compute per logits row, after a sleep
         self._stats_lock = threading.Lock()  # stats are read from other threads (metrics, tests)
         self.stats = SimStats()
 
@@ -151,10 +157,24 @@ class SimRunner(CausalLMRunner):
         return (head + list(extra))[-width:] if width else []
 
     def _timed(self, started: float, news: list[int], lengths: list[int], contexts: list[list[int]]) -> Tensor:
-        """SimLM's logits for `contexts` -> [R, V], returned `started` + the pass's modelled time."""
+        """SimLM's logits for `contexts` -> [R, V], returned `started` + the pass's modelled time.
+
+        The logits come last, as an accelerator's pass writes them at its end: the pass sleeps
+        first and computes them in the time it expects them to take before its end. On a shared
+        host a thread that slept for milliseconds runs its next work several times slower (its
+        caches went to other tenants: 0.23 against 0.04 ms for a greedy step after a 5 ms sleep,
+        docs/performance.md); computing the logits after the sleep warms that path for the
+        caller's own work after the pass (sampling), as it is warm beside a real accelerator.
+        """
         modelled_ms = self.cost.forward_ms(news, lengths)
+        deadline = started + modelled_ms / 1e3
+        self._sleep_toward(deadline - len(contexts) * self._logits_s_per_row)
+        before = self._clock()
         logits = self.lm.logits(contexts)  # [R, V]
-        self._wait_until(started + modelled_ms / 1e3)
+        took = self._clock() - before
+        per_row = took / max(1, len(contexts))
+        self._logits_s_per_row = _LOGITS_ALPHA * per_row + (1 - _LOGITS_ALPHA) * self._logits_s_per_row
+        self._finish_at(deadline)
         wall_ms = (self._clock() - started) * 1e3
         with self._stats_lock:
             st = self.stats
@@ -167,6 +187,31 @@ class SimRunner(CausalLMRunner):
                 st.late += 1
                 st.late_ms += wall_ms - modelled_ms
         return logits
+
+    def _finish_at(self, deadline: float) -> None:
+        """Return at `deadline`, not before: spin through a remainder shorter than a wake-up would oversleep
+        (the logits' time varies by about that much), sleep a longer one."""
+        for _ in range(_SPIN_READS):
+            left = deadline - self._clock()
+            if left <= 0:
+                return
+            if left > _SPIN_S:
+                break
+        self._wait_until(deadline)
+
+    def _sleep_toward(self, until: float) -> None:
+        """One sleep that ends near `until` on average: early by the recent wake-up delay, which it measures."""
+        now = self._clock()
+        wanted = until - now - self._oversleep
+        if wanted <= 0:
+            return
+        self._sleep(wanted)
+        self._measure_wake(now, wanted)
+
+    def _measure_wake(self, slept_at: float, wanted: float) -> None:
+        """Fold how late a sleep of `wanted` s from `slept_at` woke into the running estimate."""
+        late_by = max(0.0, self._clock() - slept_at - wanted)
+        self._oversleep = min(_OVERSLEEP_ALPHA * late_by + (1 - _OVERSLEEP_ALPHA) * self._oversleep, _OVERSLEEP_MAX)
 
     def _wait_until(self, deadline: float) -> None:
         """Sleep until `deadline`, never returning before it.
@@ -185,9 +230,8 @@ class SimRunner(CausalLMRunner):
         if first <= 0:  # the whole wait is within the estimate: one sleep, measured
             first = deadline - now
         self._sleep(first)
+        self._measure_wake(now, first)
         woke = self._clock()
-        late_by = max(0.0, woke - now - first)
-        self._oversleep = min(_OVERSLEEP_ALPHA * late_by + (1 - _OVERSLEEP_ALPHA) * self._oversleep, _OVERSLEEP_MAX)
         if woke < deadline:  # woke early by design: the rest
             self._sleep(deadline - woke)
 

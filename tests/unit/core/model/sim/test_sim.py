@@ -242,12 +242,46 @@ def test_three_emulated_services_on_two_cores_behave_like_three_accelerators():
     assert total < 2 * 8 * 0.050 + 1.0  # side by side, not one after another (3 x 8 x 50 ms in sequence)
 
 
-def test_late_passes_are_counted():
+def test_late_passes_are_counted(monkeypatch: pytest.MonkeyPatch):
     """A pass whose host compute outlasts its modelled time is reported, not hidden."""
-    clock = iter([0.0, 0.010, 0.010, 0.010]).__next__  # start, after compute (10 ms), end
-    runner = SimRunner(SimLM(SMALL), CostModel(fixed_ms=1.0), max_context=64, kv_bytes_per_token=1, clock=clock)
-    runner.logits(runner.new_session([1, 2]), 1)
-    assert runner.stats.late == 1 and runner.stats.late_ms == pytest.approx(9.0)
+    t = _FakeTime(late_first=0.0)
+    runner = SimRunner(
+        SimLM(SMALL), CostModel(fixed_ms=1.0), max_context=64, kv_bytes_per_token=1, clock=t.clock, sleep=t.sleep
+    )
+    _logits_take(monkeypatch, runner, t, 0.010)
+    runner.logits(runner.new_session([1, 2]), 1)  # nothing learnt yet: 1 ms asleep, then 10 ms of logits
+    assert runner.stats.late == 1 and runner.stats.late_ms == pytest.approx(10.0)
+
+
+def test_the_logits_come_at_the_end_of_the_modelled_time(monkeypatch: pytest.MonkeyPatch):
+    """The pass sleeps first and computes its logits in the time they take before its end (so the caller's
+    work after it runs warm), learning that time from the passes before; it never ends early."""
+    t = _FakeTime(late_first=0.0)
+    runner = SimRunner(
+        SimLM(SMALL), CostModel(fixed_ms=20.0), max_context=64, kv_bytes_per_token=1, clock=t.clock, sleep=t.sleep
+    )
+    computed_at = _logits_take(monkeypatch, runner, t, 0.002)
+    session = runner.new_session([1, 2])
+    for _ in range(40):
+        started = t.now
+        runner.logits(session, 1)
+        session.tokens.append(3)
+        assert t.now - started >= 0.020 - 1e-12
+    assert computed_at[-1] - started > 0.0179  # the logits started about 2 ms before the end
+    assert t.now - started < 0.0201  # and ended on time
+
+
+def _logits_take(monkeypatch: pytest.MonkeyPatch, runner: SimRunner, t: _FakeTime, seconds: float) -> list[float]:
+    """Make the runner's logits take `seconds` of t's time; returns the list of the times they started."""
+    compute, started = runner.lm.logits, []
+
+    def slow(contexts: list[list[int]]) -> torch.Tensor:
+        started.append(t.now)
+        t.now += seconds
+        return compute(contexts)
+
+    monkeypatch.setattr(runner.lm, "logits", slow)
+    return started
 
 
 # ---- the acceptance knob -----------------------------------------------------------------------------

@@ -251,7 +251,7 @@ class RequestRun:
         rnd = PipelineRound(committed, proposal, budget, wanted, draft_after, draft_branches, stage)
         defer_bonus = staged is None and self._pipeline.defers_bonus(rnd)
         if arm is not None and cls is not None:
-            self._cycle(arm, cls, budget, why, draft_wall_ms, hit is not None)
+            self._cycle(arm, cls, budget, why, draft_wall_ms, hit is not None, opening=index == 0)
         t_verify = time.perf_counter()
         if staged is not None:
             verify = self._staged_verify(staged, committed, proposal, carrier)
@@ -283,7 +283,15 @@ class RequestRun:
         if arm is not None and cls is not None and self._chooser is not None and not refused:
             verify_ms = (self._verified_at - t_verify) * 1e3  # auto reads its own walls, not the peers' figures
             self._chooser.observe_round(
-                cls, arm, proposal, drafted, hit is not None, outcome.accepted, verify_ms, draft_wall_ms
+                cls,
+                arm,
+                proposal,
+                drafted,
+                hit is not None,
+                outcome.accepted,
+                verify_ms,
+                draft_wall_ms,
+                costs=index > 0,
             )
             if launched and (pre_ms := self._pipeline.pre_draft_ms) is not None:
                 self._chooser.observe_pre_draft(cls, self._pipeline.name, wanted, pre_ms)
@@ -455,14 +463,23 @@ class RequestRun:
         return self.spec.draft_length, None
 
     def _cycle(
-        self, arm: Arm, cls: ArmCycles, budget: int, why: TargetOnly | None, draft_wall_ms: float, hit: bool
+        self,
+        arm: Arm,
+        cls: ArmCycles,
+        budget: int,
+        why: TargetOnly | None,
+        draft_wall_ms: float,
+        hit: bool,
+        *,
+        opening: bool = False,
     ) -> None:
         """At a verify going out: the previous auto round's cycle (its verify out to this one), to its arm,
         with whether this round's drafts were its pipeline's (hit) and its verdict accepted them all.
 
         It includes this round's wait for its draft, which the previous round's pipeline
         may have saved; a fresh draft of another K is rescaled to the previous arm's K,
-        and a round whose K the request's end or the draft's health cut is not measured."""
+        and a round whose K the request's end or the draft's health cut is not measured,
+        nor a request's opening round (opening): its calls carry both sessions' prefill."""
         now = time.perf_counter()
         last, self._last_send = self._last_send, None
         normal = why is None or why is TargetOnly.ADAPTIVE
@@ -474,7 +491,7 @@ class RequestRun:
             if prev_cls is cls and (prev.k == 0 or budget > 0):
                 assert self._chooser is not None
                 self._chooser.observe_cycle(cls, prev, cycle_ms, hit, self._all_in)
-        if normal and budget == arm.k:
+        if normal and budget == arm.k and not opening:
             self._last_send = (arm, now, cls)
 
     async def _propose(

@@ -134,6 +134,7 @@ class RequestRun:
         self._verifying: asyncio.Future[Any] | None = None  # this round's verify while it is out (pipelined)
         self._used_staged = False  # this round's verdict is the one the previous round staged
         self._draft_refused = False  # the draft refused this request alone: target-only rounds for it
+        self._draft_opened = False  # a draft call answered: the draft holds this request's prefix (no prefill left)
         # A shadow guess in flight (AutoChooser.choose): the position of the token it guesses, its class, its call.
         self._shadow: tuple[int, ArmCycles, asyncio.Future[Proposal | TargetOnly]] | None = None
         self._tree: TreeRounds | None = None  # a tree request's rounds (specd.core.rounds.tree_rounds)
@@ -190,6 +191,7 @@ class RequestRun:
             why = TargetOnly.BUDGET
         proposal, hit = Proposal([]), None
         draft_wall_ms = 0.0  # how long this round waited for a draft call (0: pipelined, or none made)
+        prefilled = True  # no fresh draft call, or one to a draft that already held the prefix
         ready, self._ready = self._ready, None
         # The previous round staged this round's verify at the target, which verifies it as soon as its
         # verdict names it: the round is that window (its budget and cut applied when it was staged).
@@ -204,6 +206,7 @@ class RequestRun:
             elif not await self._loop.draft_usable():
                 why = TargetOnly.DRAFT_UNAVAILABLE
             else:
+                prefilled = self._draft_opened  # else this call's wall carries the draft's prefill
                 t_draft = time.perf_counter()
                 proposal, why = await self._propose(committed, (), budget, carrier)
                 draft_wall_ms = (time.perf_counter() - t_draft) * 1e3
@@ -251,7 +254,7 @@ class RequestRun:
         rnd = PipelineRound(committed, proposal, budget, wanted, draft_after, draft_branches, stage)
         defer_bonus = staged is None and self._pipeline.defers_bonus(rnd)
         if arm is not None and cls is not None:
-            self._cycle(arm, cls, budget, why, draft_wall_ms, hit is not None, opening=index == 0)
+            self._cycle(arm, cls, budget, why, draft_wall_ms, hit is not None, opening=index == 0, prefilled=prefilled)
         t_verify = time.perf_counter()
         if staged is not None:
             verify = self._staged_verify(staged, committed, proposal, carrier)
@@ -290,7 +293,7 @@ class RequestRun:
                 hit is not None,
                 outcome.accepted,
                 verify_ms,
-                draft_wall_ms,
+                draft_wall_ms if prefilled else 0.0,  # a prefill is no draft's cost
                 costs=index > 0,
             )
             if launched and (pre_ms := self._pipeline.pre_draft_ms) is not None:
@@ -472,6 +475,7 @@ class RequestRun:
         hit: bool,
         *,
         opening: bool = False,
+        prefilled: bool = True,
     ) -> None:
         """At a verify going out: the previous auto round's cycle (its verify out to this one), to its arm,
         with whether this round's drafts were its pipeline's (hit) and its verdict accepted them all.
@@ -479,11 +483,13 @@ class RequestRun:
         It includes this round's wait for its draft, which the previous round's pipeline
         may have saved; a fresh draft of another K is rescaled to the previous arm's K,
         and a round whose K the request's end or the draft's health cut is not measured,
-        nor a request's opening round (opening): its calls carry both sessions' prefill."""
+        nor a request's opening round (opening: its calls carry both sessions' prefill), nor
+        a cycle whose wait for this round's draft carried the draft's prefill (not prefilled:
+        the request's first draft call, after target-only rounds)."""
         now = time.perf_counter()
         last, self._last_send = self._last_send, None
         normal = why is None or why is TargetOnly.ADAPTIVE
-        if last is not None and normal:
+        if last is not None and normal and prefilled:
             prev, sent, prev_cls = last
             cycle_ms = (now - sent) * 1e3
             if draft_wall_ms > 0 and prev.k != budget:  # a fresh draft of another K than prev's
@@ -521,7 +527,9 @@ class RequestRun:
         left = max(0.0, self._deadline - time.monotonic())
         by_deadline = left < self._loop.settings.draft_timeout_s  # the request's deadline, not the draft's limit
         try:
-            return await call(self._draft, min(self._loop.settings.draft_timeout_s, left))
+            result = await call(self._draft, min(self._loop.settings.draft_timeout_s, left))
+            self._draft_opened = True
+            return result
         except DeadlineExceeded as exc:
             if not by_deadline:  # slower than --draft-timeout-s: the draft's problem
                 self._loop.draft_failed(exc)

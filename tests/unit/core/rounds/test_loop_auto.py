@@ -7,6 +7,7 @@ import itertools
 
 import pytest
 
+from specd.core.errors import Unavailable
 from specd.core.rounds.auto import AutoChooser
 from specd.core.rounds.generation import FinishReason
 from specd.core.rounds.pipeline import PIPELINES
@@ -129,3 +130,17 @@ def test_auto_fits_no_cost_from_a_requests_opening_round() -> None:
     assert cls.draft_hops_ms.value < 5.0
     assert all(abs(e.value) < 5.0 for e in cls.residual_ms.values())  # nor the opening round's cycle
     assert cls.acceptance.verdicts >= sum(rec.draft_tokens > 0 for rec in records)  # the first verdict too
+
+
+def test_auto_fits_no_cost_from_the_first_draft_call_after_target_only_rounds() -> None:
+    """The first draft call that answers opens the draft's session: its wall carries the prefill of
+    everything committed so far (here 300 ms more), not a draft's cost, and neither does the cycle
+    that waited for it."""
+    target = FakeTarget()
+    draft = FakeDraft(Script(fail={1: Unavailable("draft restarting")}, slow={2: 0.3}))
+    r, records, loop = run(spec(40, speculation="auto", pipeline="off", draft_length=2), target, draft)
+    assert r.generation.generated == expected(40)
+    assert records[0].draft_tokens == 0 and any(rec.wall_ms > 300.0 for rec in records[1:])
+    cls = loop.auto.workload(greedy=True, running=1)
+    assert cls.draft_hops_ms.value < 5.0
+    assert all(abs(e.value) < 5.0 for e in cls.residual_ms.values())

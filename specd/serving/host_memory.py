@@ -6,9 +6,10 @@ kernel on free, so the next one is faulted in again, page by page. A service
 allocates such buffers on every step: a sampled batch's processed p ([R, V]
 float32, 1 MiB at 8 rows of 32,000 tokens), its float64 sum's temporary, q's
 candidates. Measured in the draft service's code on this machine (emulated
-h100-8b, a speculation cache's branch call at T = 0.7, 8 rows): the [8, V]
-float64 sum took 0.68 ms with glibc's defaults and 0.25 ms with buffers up to
-64 MiB kept; the whole branch call 13.2 ms against 9.9 ms (docs/performance.md).
+h100-8b, a speculation cache's branch call at T = 0.7, 8 rows, in one
+process): the [8, V] float64 sum took 0.68 ms with glibc's defaults and
+0.30 ms with buffers up to 32 MiB kept; the whole branch call 13.2 ms against
+8.8 ms (README, "Slow when something else takes CPU").
 
 `keep_freed_buffers(mib)` sets M_MMAP_THRESHOLD to `mib` MiB (larger buffers,
 such as a model's weights and KV cache, are still mapped) and M_TRIM_THRESHOLD

@@ -880,22 +880,15 @@ class AutoChooser:
         accepted: int,
         verify_ms: float,
         draft_wall_ms: float,
-        *,
-        costs: bool = True,
     ) -> None:
         """A round's verdict and call walls. drafted: the tokens its fresh draft call drafted
-        (before a cut); pre_drafted: its proposal came from the previous round's pipeline;
-        costs False: its walls are no round's cost (a request's opening round, whose calls carry
-        both sessions' prefill: fitted as d(K) and v(K + 1), they made every miss and every
-        round without a pipeline look dearer than it is), only its verdict counts.
+        (before a cut); pre_drafted: its proposal came from the previous round's pipeline.
 
         A fresh draft that came back short, or that the cut shortened, counts its missing
         positions as rejected: what the arm yields is what the round gives when K is asked for."""
         asked = len(proposal) if pre_drafted or arm == TARGET_ONLY else arm.k
         if asked > 0:
             self.observe_verdict(cls, asked, accepted, proposal.confidence)
-        if not costs:
-            return
         fresh = drafted if draft_wall_ms > 0 else 0
         # A fresh draft that waited in the draft service's queue behind this request's own pre-draft
         # (a pipeline's miss) measures that wait, not a draft's cost: the cycle model already waits

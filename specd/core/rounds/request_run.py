@@ -294,7 +294,6 @@ class RequestRun:
                 outcome.accepted,
                 verify_ms,
                 draft_wall_ms if prefilled else 0.0,  # a prefill is no draft's cost
-                costs=index > 0,
             )
             if launched and (pre_ms := self._pipeline.pre_draft_ms) is not None:
                 self._chooser.observe_pre_draft(cls, self._pipeline.name, wanted, pre_ms)
@@ -483,9 +482,10 @@ class RequestRun:
         It includes this round's wait for its draft, which the previous round's pipeline
         may have saved; a fresh draft of another K is rescaled to the previous arm's K,
         and a round whose K the request's end or the draft's health cut is not measured,
-        nor a request's opening round (opening: its calls carry both sessions' prefill), nor
+        nor a request's opening round (opening: its verify carries the target's prefill), nor
         a cycle whose wait for this round's draft carried the draft's prefill (not prefilled:
-        the request's first draft call, after target-only rounds)."""
+        the request's first draft call that answered, in its opening round or after target-only
+        rounds)."""
         now = time.perf_counter()
         last, self._last_send = self._last_send, None
         normal = why is None or why is TargetOnly.ADAPTIVE

@@ -115,20 +115,17 @@ def test_a_greedy_request_explores_from_target_only_by_shadow_guesses_and_comes_
     assert right and sum(1 for rec in right if rec.draft_tokens) >= 0.9 * len(right)  # drafting again
 
 
-def test_auto_fits_no_cost_from_a_requests_opening_round() -> None:
-    """A request's first calls carry both sessions' prefill (here 300 ms more each): fitted as d(K) and
-    v(K + 1), one such round made the verify fit 0 + 6.6 ms a token and the draft's hops 20 ms where
-    every later call took ~1 ms, so every miss and every round without a pipeline looked dearer.
-    Its verdict still counts."""
-    target, draft = FakeTarget(Script(slow={1: 0.3})), FakeDraft(Script(slow={1: 0.3}))
+def test_auto_fits_no_draft_cost_from_a_requests_opening_round() -> None:
+    """A request's first draft call carries the draft's prefill (here 300 ms more). Fitted, it made the
+    draft's hops 20 ms where every later call took ~1 ms, so every miss and every round without a
+    pipeline looked dearer. Its verdict counts. (The opening verify stays in v(n): docs/performance.md.)"""
+    target, draft = FakeTarget(), FakeDraft(Script(slow={1: 0.3}))
     r, records, loop = run(spec(40, speculation="auto", pipeline="off", draft_length=2), target, draft)
     assert r.generation.generated == expected(40) and records[0].draft_tokens > 0
     assert records[0].wall_ms > 300.0  # the opening round was the slow one
     cls = loop.auto.workload(greedy=True, running=1)
-    fit, verify_mean = cls.verify_ms.fit(), cls.verify_ms.mean()
-    assert verify_mean is not None and verify_mean < 5.0 and fit is not None and fit[1] < 1.0
     assert cls.draft_hops_ms.value < 5.0
-    assert all(abs(e.value) < 5.0 for e in cls.residual_ms.values())  # nor the opening round's cycle
+    assert all(abs(e.value) < 5.0 for e in cls.residual_ms.values())
     assert cls.acceptance.verdicts >= sum(rec.draft_tokens > 0 for rec in records)  # the first verdict too
 
 

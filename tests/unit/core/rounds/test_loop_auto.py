@@ -117,7 +117,7 @@ def test_a_greedy_request_explores_from_target_only_by_shadow_guesses_and_comes_
 
 def test_auto_fits_no_draft_cost_from_a_requests_opening_round() -> None:
     """A request's first draft call carries the draft's prefill (here 300 ms more). Fitted, it made the
-    draft's hops 20 ms where every later call took ~1 ms, so every miss and every round without a
+    draft's hops 300 ms where every later call took ~1 ms, so every miss and every round without a
     pipeline looked dearer. Its verdict counts. (The opening verify stays in v(n): docs/performance.md.)"""
     target, draft = FakeTarget(), FakeDraft(Script(slow={1: 0.3}))
     r, records, loop = run(spec(40, speculation="auto", pipeline="off", draft_length=2), target, draft)

@@ -4,12 +4,15 @@
 A service of the emulated pair sleeps through every modelled pass and between requests (a draft
 service idles through a stretch of target-only rounds). This times one small piece of work right
 after sleeping for each gap, against the same work back to back: a pure-Python loop, a numpy pass
-over a vocabulary-sized float32 row, and the emulated draft model's logits for one context
-(SimLM.logits, computed inside an emulated pass, which must stay under its modelled time). Median
+over a vocabulary-sized float32 row, a greedy draft step's sampling (specd's argmax and top
+probability over one row of logits, the work after every emulated draft pass at T = 0), and the
+emulated draft model's logits for one context (SimLM.logits, computed inside an emulated pass,
+which must stay under its modelled time). Median
 and max ms per gap, one torch thread as the services run. The figures in
 docs/results/emulated/auto-t07-2026-12-06/README.md:
 
     .venv/bin/python scripts/idle_wake_cost.py --gaps 0,0.005,0.05,0.5
+    .venv/bin/python scripts/idle_wake_cost.py --gaps 0,0.005,0.02   # a pass's own sleep (docs/performance.md)
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ import torch
 from measure_args import floats
 
 from specd.core.model.sim import parse_sim_spec
+from specd.core.sampling.greedy import greedy_tokens, top_probability
 
 
 def timed_after(work: Callable[[int], object], gap_s: float, repeats: int) -> tuple[float, float]:
@@ -58,12 +62,19 @@ def main() -> None:
     def numpy_row(_: int) -> float:
         return float((row * 2.0 + 1.0).sum())
 
+    logits = torch.from_numpy(row)[None]  # [1, V]
+
+    def greedy_step(_: int) -> object:
+        best, _bad = greedy_tokens(logits)
+        return top_probability(logits, best).tolist()
+
     def sim_logits(i: int) -> object:
         return lm.logits([[i, i + 1, i + 2]])
 
     works = {
         "python loop": python_loop,
         f"numpy pass over [{lm.vocab_size}]": numpy_row,
+        f"greedy step over [1, {lm.vocab_size}]": greedy_step,
         "SimLM.logits, 1 row": sim_logits,
     }
     print("| work | " + " | ".join(f"after {g:g} s: median / max ms" for g in floats(args.gaps)) + " |")

@@ -5,11 +5,12 @@ after such a buffer is freed) with a fresh mapping and returns it to the
 kernel on free, so the next one is faulted in again, page by page. A service
 allocates such buffers on every step: a sampled batch's processed p ([R, V]
 float32, 1 MiB at 8 rows of 32,000 tokens), its float64 sum's temporary, q's
-candidates. Measured in the draft service's code on this machine (emulated
-h100-8b, a speculation cache's branch call at T = 0.7, 8 rows, in one
-process): the [8, V] float64 sum took 0.68 ms with glibc's defaults and
-0.30 ms with buffers up to 32 MiB kept; the whole branch call 13.2 ms against
-8.8 ms (README, "Slow when something else takes CPU").
+candidates. Measured on this machine with the draft's code in one process
+(emulated h100-8b, a speculation cache's branch call of 8 rows, T = 0.7;
+`scripts/sim_host_cost.py --profile h100-8b --vocab 32000 --rounds 200`, and
+again with MALLOC_MMAP_THRESHOLD_=33554432 MALLOC_TRIM_THRESHOLD_=67108864,
+the setting below at 32 MiB): 10.8-11.6 ms with glibc's defaults, 9.1-9.3 ms
+with buffers kept.
 
 `keep_freed_buffers(mib)` sets M_MMAP_THRESHOLD to `mib` MiB (larger buffers,
 such as a model's weights and KV cache, are still mapped) and M_TRIM_THRESHOLD

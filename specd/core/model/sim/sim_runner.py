@@ -161,8 +161,8 @@ class SimRunner(CausalLMRunner):
 
         The logits come last, as an accelerator's pass writes them at its end: the pass sleeps
         first and computes them in the time it expects them to take before its end. On a shared
-        host a thread that slept for milliseconds runs its next work several times slower (its
-        caches went to other tenants: 0.23 against 0.04 ms for a greedy step after a 5 ms sleep,
+        host a thread that slept for milliseconds runs its next work several times slower (0.16-0.23
+        against 0.04 ms for a greedy step's sampling after a 5 ms sleep, scripts/idle_wake_cost.py,
         docs/performance.md); computing the logits after the sleep warms that path for the
         caller's own work after the pass (sampling), as it is warm beside a real accelerator.
         """

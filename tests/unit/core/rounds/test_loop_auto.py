@@ -8,7 +8,7 @@ import itertools
 import pytest
 
 from specd.core.errors import Unavailable
-from specd.core.rounds.auto import AutoChooser
+from specd.core.rounds.auto import Arm, ArmCycles, AutoChooser
 from specd.core.rounds.generation import FinishReason
 from specd.core.rounds.pipeline import PIPELINES
 from tests.loop_fakes import FakeDraft, FakeTarget, Script, target_next
@@ -127,6 +127,25 @@ def test_auto_fits_no_draft_cost_from_a_requests_opening_round() -> None:
     assert cls.draft_hops_ms.value < 5.0
     assert all(abs(e.value) < 5.0 for e in cls.residual_ms.values())
     assert cls.acceptance.verdicts >= sum(rec.draft_tokens > 0 for rec in records)  # the first verdict too
+
+
+def test_no_cycle_auto_measures_holds_the_opening_rounds_prefill(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The opening round's verify carries the target's prefill (here 300 ms more): its cycle (its verify
+    out to the next round's) goes to no arm's excess, every later round's does."""
+    cycles: list[float] = []
+    observe = AutoChooser.observe_cycle
+
+    def spy(
+        self: AutoChooser, cls: ArmCycles, arm: Arm, cycle_ms: float, hit: bool = False, all_in: bool = False
+    ) -> None:
+        cycles.append(cycle_ms)
+        observe(self, cls, arm, cycle_ms, hit, all_in)
+
+    monkeypatch.setattr(AutoChooser, "observe_cycle", spy)
+    target = FakeTarget(Script(slow={1: 0.3}))
+    r, records, _ = run(spec(40, speculation="auto", pipeline="off", draft_length=2), target, FakeDraft())
+    assert r.generation.generated == expected(40) and records[0].wall_ms > 300.0
+    assert len(cycles) >= len(records) // 2 and max(cycles) < 100.0
 
 
 def test_auto_fits_no_cost_from_the_first_draft_call_after_target_only_rounds() -> None:

@@ -180,6 +180,7 @@ def speculative_generate(
     adapt_branch_budget: bool = True,
     tenant: str = "",
     tree_budget: int = 0,
+    opening: str = "draft-first",
 ) -> GenerationResult:
     """Run one request's rounds in-process; drafter None or draft_length 0 = target-only.
 
@@ -190,7 +191,8 @@ def speculative_generate(
     pipeline: off | bonus-match | post-verify | spec-cache (specd.core.rounds.pipeline), the
     latter with at most branch_budget branches per round (always that many without
     adapt_branch_budget: specd.core.rounds.branch_budget). tenant: whose learned draft state the
-    request may use (specd.core.draft.tenant_index; "": none).
+    request may use (specd.core.draft.tenant_index; "": none). opening: the first round's
+    (specd.core.rounds.spec.OPENINGS: "beside" prefills the target alone, the draft beside it).
     """
     return speculative_generate_batch(
         [prompt],
@@ -207,6 +209,7 @@ def speculative_generate(
         adapt_branch_budget=adapt_branch_budget,
         tenant=tenant,
         tree_budget=tree_budget,
+        opening=opening,
     )[0]
 
 
@@ -226,6 +229,7 @@ def speculative_generate_batch(
     adapt_branch_budget: bool = True,
     tenant: str = "",
     tree_budget: int = 0,
+    opening: str = "draft-first",
 ) -> list[GenerationResult]:
     """Many requests at once, each its own loop; their drafts and verifies batch per event-loop turn.
 
@@ -259,7 +263,7 @@ def speculative_generate_batch(
         )
 
     async def run_all() -> list[GenerationResult]:
-        settings = LoopSettings(branch_budget=branch_budget, adapt_branch_budget=adapt_branch_budget)
+        settings = LoopSettings(branch_budget=branch_budget, adapt_branch_budget=adapt_branch_budget, opening=opening)
         loop = RoundLoop(LocalTarget(verifier), LocalDraft(drafter) if drafter is not None else None, settings)
         runs = [loop.run(s, max_context=verifier.runner.max_context, session_id=sid) for s, sid in zip(specs, ids)]
         t0 = time.perf_counter()

@@ -21,9 +21,12 @@ from specd.core.model.catalog import DEMO, NONE
 from specd.core.model.cpu_linear import CPU_LINEARS
 from specd.core.rounds.auto import PIPELINE_AUTO
 from specd.core.rounds.pipeline import PIPELINES
+from specd.core.rounds.spec import OPENINGS
 from specd.core.rounds.steps import DEFAULT_BRANCH_BUDGET, MAX_BRANCH_BUDGET
 from specd.core.sampling.sparse_q import MAX_BITS, QSettings
 from specd.serving.batching import FRUITLESS_RUN, FRUITLESS_SKIP
+
+OPENING_AUTO = "auto"  # --opening: chosen by the coordinator from the draft's kind (coordinator.engine)
 
 MAX_CONNECTION_TIMER_S = 2_147_483  # gRPC's connection timers are int milliseconds
 MAX_MALLOC_KEEP_MIB = 1024  # a bound on a typo; glibc itself may refuse less (then its defaults stay, logged)
@@ -362,6 +365,14 @@ class CoordinatorConfig(ServiceBase):
         "spec-cache pipelining: per round, as few branches as pay (measured: the branch call's and the "
         "verify's latency, the hits; --no-adapt-branch-budget: always --branch-budget)",
     )
+    opening: str = _opt(
+        OPENING_AUTO,
+        "a speculating request's first round: 'beside' prefills the target alone while the draft's first "
+        "call (its prefill, a guess of the first token, K more) runs beside it (time to first token as "
+        "target-only's); 'draft-first' drafts, then verifies the prompt with the drafts; 'auto': beside for "
+        "a model draft, draft-first for n-gram and suffix drafts (nothing to hide)",
+        choices=[OPENING_AUTO, *OPENINGS],
+    )
     default_max_new_tokens: int = _opt(128, "max_new_tokens when a request sets none")
     max_new_tokens_limit: int = _opt(4096, "largest max_new_tokens a request may ask for")
     max_concurrent_requests: int = _opt(64, "requests served at once; more get RESOURCE_EXHAUSTED")
@@ -428,6 +439,10 @@ class CoordinatorConfig(ServiceBase):
             raise InvalidArgument("--max-tree-budget must be >= 1")
         if not 1 <= self.branch_budget <= MAX_BRANCH_BUDGET:
             raise InvalidArgument(f"--branch-budget must be in 1..{MAX_BRANCH_BUDGET}")
+        if self.opening not in (OPENING_AUTO, *OPENINGS):
+            raise InvalidArgument(
+                f"--opening must be one of {OPENING_AUTO}, {', '.join(OPENINGS)} (got {self.opening!r})"
+            )
         if not 1 <= self.default_max_new_tokens <= self.max_new_tokens_limit:
             raise InvalidArgument("need 1 <= --default-max-new-tokens <= --max-new-tokens-limit")
         for name in (

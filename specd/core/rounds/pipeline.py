@@ -74,6 +74,9 @@ class PipelineRound:
     # itself when its verdict is one of theirs. For pre-drafts whose extension ends with the
     # round's recovered or bonus token (not a deferred bonus's).
     stage: Callable[[Sequence[PreDraft]], None] = lambda pre_drafts: None
+    # The request's opening round: the target prefills the prompt with no draft tokens while the draft
+    # prefills beside it (BonusMatch pre-drafts after its guess of the first token: RequestRun._opens_beside)
+    opening: bool = False
 
 
 @dataclass(frozen=True)
@@ -196,11 +199,17 @@ class BonusMatch(_AllAccepted):
     """Pre-draft K+1 tokens after all K accepted; the first is a guess of the bonus token.
 
     Hit: every draft accepted and the target's bonus equals the guess; the next
-    round verifies the other K at once, with no draft latency.
+    round verifies the other K at once, with no draft latency. In a request's
+    opening round (no draft tokens: the target prefills the prompt alone) the
+    guess is of the first token, and the pre-draft call opens the draft's
+    session beside the target's prefill.
     """
 
     name = "bonus-match"
     extra = 1
+
+    def _applies(self, rnd: PipelineRound) -> bool:
+        return super()._applies(rnd) or (rnd.opening and len(rnd.proposal) == rnd.budget == 0 < rnd.next_k)
 
     def defers_bonus(self, rnd: PipelineRound) -> bool:
         return False

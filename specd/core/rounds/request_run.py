@@ -23,6 +23,7 @@ from specd.core.rounds.branch_budget import BranchBudgets
 from specd.core.rounds.generation import FinishReason, Generation, StopRule
 from specd.core.rounds.pipeline import (
     AUTO_PIPELINES,
+    BonusMatch,
     Off,
     PipelineRound,
     PipelineSettings,
@@ -193,6 +194,7 @@ class RequestRun:
         draft_wall_ms = 0.0  # how long this round waited for a draft call (0: pipelined, or none made)
         prefilled = True  # no fresh draft call, or one to a draft that already held the prefix
         ready, self._ready = self._ready, None
+        pipeline = self._pipeline  # this round's strategy (the opening's may differ: _opens_beside)
         # The previous round staged this round's verify at the target, which verifies it as soon as its
         # verdict names it: the round is that window (its budget and cut applied when it was staged).
         staged = ready if ready is not None and ready.staged is not None else None
@@ -205,6 +207,8 @@ class RequestRun:
                 why = TargetOnly.NO_DRAFT
             elif not await self._loop.draft_usable():
                 why = TargetOnly.DRAFT_UNAVAILABLE
+            elif index == 0 and self._opens_beside(wanted):
+                why, budget, pipeline = TargetOnly.OPENING, 0, self._strategy(BonusMatch.name)
             else:
                 prefilled = self._draft_opened  # else this call's wall carries the draft's prefill
                 t_draft = time.perf_counter()
@@ -251,8 +255,9 @@ class RequestRun:
                 staging = self._target.stage(prefix_length, candidates, deadline=self._deadline, carrier=carrier)
                 stages.append((asyncio.ensure_future(staging), index))
 
-        rnd = PipelineRound(committed, proposal, budget, wanted, draft_after, draft_branches, stage)
-        defer_bonus = staged is None and self._pipeline.defers_bonus(rnd)
+        opening = why is TargetOnly.OPENING
+        rnd = PipelineRound(committed, proposal, budget, wanted, draft_after, draft_branches, stage, opening)
+        defer_bonus = staged is None and pipeline.defers_bonus(rnd)
         if arm is not None and cls is not None:
             self._cycle(arm, cls, budget, why, draft_wall_ms, hit is not None, opening=index == 0, prefilled=prefilled)
         t_verify = time.perf_counter()
@@ -261,10 +266,10 @@ class RequestRun:
         else:
             verify = self._verify(committed, proposal, defer_bonus, carrier)
         pre_drafts: list[PreDraft] = []
-        if isinstance(self._pipeline, Off):  # nothing runs beside the verify: await it here (no task, no loop turn)
+        if isinstance(pipeline, Off):  # nothing runs beside the verify: await it here (no task, no loop turn)
             (outcome, refused), launched = await verify, 0
         else:
-            (outcome, refused), launched, pre_drafts = await self._verify_beside_pipeline(verify, rnd)
+            (outcome, refused), launched, pre_drafts = await self._verify_beside_pipeline(verify, rnd, pipeline)
         if refused:  # the target refused the draft's proposal: this round ran target-only
             proposal, hit, why = Proposal([]), None, TargetOnly.DRAFT_FAILED
         was_staged, self._used_staged = self._used_staged, False
@@ -274,7 +279,7 @@ class RequestRun:
         extension = (*proposal.token_ids[: outcome.accepted], *(() if token is None else (token,)))
         for pre in pre_drafts:  # only a draft for exactly the prefix this round commits
             if pre.extension == extension and len(pre.proposal) > 0:
-                pipeline_hit = PipelineHit(self._pipeline.name, outcome.accepted, kind, launched)
+                pipeline_hit = PipelineHit(pipeline.name, outcome.accepted, kind, launched)
                 where = stages[0][1].get(extension) if stages else None
                 if where is not None:  # staged: the target verifies it (or says it did not)
                     self._ready = _Ready(where[1], pipeline_hit, stages[0][0], where[0])
@@ -283,7 +288,8 @@ class RequestRun:
                 break
         if stages and (self._ready is None or self._ready.staged is not stages[0][0]):
             _drop(stages[0][0])  # none of its candidates is the next round's
-        if arm is not None and cls is not None and self._chooser is not None and not refused:
+        # The opening's verify is the target's prefill, and its pre-draft call the draft's: no arm's costs.
+        if arm is not None and cls is not None and self._chooser is not None and not refused and not opening:
             verify_ms = (self._verified_at - t_verify) * 1e3  # auto reads its own walls, not the peers' figures
             self._chooser.observe_round(
                 cls,
@@ -295,8 +301,8 @@ class RequestRun:
                 verify_ms,
                 draft_wall_ms if prefilled else 0.0,  # a prefill is no draft's cost
             )
-            if launched and (pre_ms := self._pipeline.pre_draft_ms) is not None:
-                self._chooser.observe_pre_draft(cls, self._pipeline.name, wanted, pre_ms)
+            if launched and (pre_ms := pipeline.pre_draft_ms) is not None:
+                self._chooser.observe_pre_draft(cls, pipeline.name, wanted, pre_ms)
         new = gen.commit(proposal.token_ids, outcome.accepted, token)
         if self._shadow is not None:
             self._settle_shadow()
@@ -320,7 +326,7 @@ class RequestRun:
             target_only=None if len(proposal) else why,
             pipeline_hit=hit,
             pipeline_launched=launched,
-            pipeline=self._pipeline.name,
+            pipeline=pipeline.name,
             draft_transit=proposal.transit,
             verify_transit=outcome.transit,
             staged=was_staged,
@@ -419,20 +425,43 @@ class RequestRun:
         return await self._verify(committed, proposal, False, carrier)
 
     async def _verify_beside_pipeline(
-        self, verify: Coroutine[Any, Any, tuple[VerifyOutcome, bool]], rnd: PipelineRound
+        self, verify: Coroutine[Any, Any, tuple[VerifyOutcome, bool]], rnd: PipelineRound, pipeline: PipelineStrategy
     ) -> tuple[tuple[VerifyOutcome, bool], int, list[PreDraft]]:
         """The verdict, with the pre-drafts the strategy made while the target verified."""
         task = self._verifying = asyncio.ensure_future(verify)
-        launched = self._pipeline.launch(rnd)  # after the verify: it goes out first
+        launched = pipeline.launch(rnd)  # after the verify: it goes out first
         result: tuple[VerifyOutcome, bool] | None = None
         try:
             result = await task
         finally:
             self._verifying = None
             task.cancel()  # no-op once done; stops the round if the request was cancelled
-            pre_drafts = await self._pipeline.settle(None if result is None or result[1] else result[0])
+            pre_drafts = await pipeline.settle(None if result is None or result[1] else result[0])
         assert result is not None  # else the await raised
         return result, launched, pre_drafts
+
+    def _opens_beside(self, wanted: int) -> bool:
+        """Whether the opening round prefills the target alone, with the draft's call beside it
+        (LoopSettings.opening "beside", and room for a round after it).
+
+        Drafting first makes a request's first token wait for the draft's prefill and
+        its K passes before the target's prefill begins: TTFT 42-44 ms against
+        target-only's 25 (emulated h100-tp2-70b, agreement 0.8, T = 0, speccache-2 and
+        auto). Beside it, the draft's call (its prefill, a guess of the first token
+        drawn at the target's coin, K more) runs while the target prefills, and the
+        next round uses it when the guess is the target's token (BonusMatch, whatever
+        the request's pipeline), staged at the target if it answers in time. A draft
+        that costs next to nothing (n-gram, suffix) hides nothing this way and loses
+        the K tokens its opening verify would check in the prefill's pass, so the
+        coordinator opens beside only for model drafts (--opening auto).
+        Exact: a pre-draft is used only for the prefix the verdict commits; and which
+        opening runs depends on the setting alone, so every pipeline of a request
+        still emits the same tokens for the same seed."""
+        return (
+            self._loop.settings.opening == "beside"
+            and not self._draft_refused
+            and self.generation.draft_budget(wanted, after=1) > 0
+        )
 
     def _strategy(self, name: str) -> PipelineStrategy:
         """This request's strategy of that name (made on first use; it keeps its pre-draft state)."""

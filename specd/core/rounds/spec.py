@@ -4,10 +4,15 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from specd.core.errors import InvalidArgument
 from specd.core.rounds.steps import DEFAULT_BRANCH_BUDGET
 from specd.core.sampling.sampler import SamplingParams
 
 SPECULATION_MODES = ("auto", "fixed", "off")
+# How a speculating request's first round runs: the draft's call first, then the target's verify of
+# the prompt and its drafts ("draft-first"), or the target's prefill alone with the draft's call beside
+# it ("beside": specd.core.rounds.request_run.RequestRun._opens_beside)
+OPENINGS = ("draft-first", "beside")
 
 
 @dataclass(frozen=True)
@@ -38,3 +43,8 @@ class LoopSettings:
     branch_budget: int = DEFAULT_BRANCH_BUDGET  # spec-cache pipelining: the most verdicts pre-drafted per round
     # Fewer when more would not pay (specd.core.rounds.branch_budget); False: always branch_budget.
     adapt_branch_budget: bool = True
+    opening: str = "draft-first"  # one of OPENINGS
+
+    def __post_init__(self) -> None:
+        if self.opening not in OPENINGS:
+            raise InvalidArgument(f"opening must be one of {', '.join(OPENINGS)} (got {self.opening!r})")

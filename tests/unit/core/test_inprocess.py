@@ -15,6 +15,7 @@ from specd.core.inprocess import speculative_generate, speculative_generate_batc
 from specd.core.model.loading import load_pretrained
 from specd.core.model.runner import CausalLMRunner
 from specd.core.rounds.generation import FinishReason, Generation, StopRule
+from specd.core.rounds.record import TargetOnly
 from specd.core.rounds.steps import ProposeRequest, VerifyRequest
 from specd.core.sampling.proposal import Proposal
 from specd.core.sampling.sampler import SamplingParams
@@ -318,3 +319,29 @@ def test_verifier_rolls_back_an_unseen_verdict(tiny) -> None:
     again = verifier.verify(VerifyRequest("r", len(prompt), Proposal([65, 66]), start=len(prompt)))
     assert first == type(first)(**{**again.__dict__, "compute_ms": first.compute_ms})
     verifier.close("r")
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.9])
+def test_an_opening_beside_changes_no_token_between_pipelines(tiny, temperature: float) -> None:
+    """With the target's prefill alone in the opening round (the draft's first call beside it), every
+    pipeline still emits the same tokens for a seed: which opening runs depends on the setting alone,
+    and a pre-draft is used only for the prefix the verdict commits. Greedy: the target's own tokens."""
+    loaded, verifier, drafter, self_drafter = tiny
+    prompt = loaded.tokenizer("an opening beside").input_ids
+    params = SamplingParams(temperature=temperature, seed=7)
+    for d in (drafter, self_drafter):
+        runs = {
+            pipeline: speculative_generate(
+                prompt, verifier, d, params, draft_length=3, max_new_tokens=24, pipeline=pipeline, opening="beside"
+            )
+            for pipeline in ("off", "bonus-match", "spec-cache")
+        }
+        tokens = {tuple(result.token_ids) for result in runs.values()}
+        assert len(tokens) == 1
+        for result in runs.values():
+            assert result.records[0].target_only is TargetOnly.OPENING and result.records[0].draft_tokens == 0
+            assert [t for r in result.records for t in r.committed] == result.token_ids
+    if temperature == 0.0:
+        ref = speculative_generate(prompt, verifier, None, params, draft_length=0, max_new_tokens=24).token_ids
+        assert tokens == {tuple(ref)}
+    assert runs["off"].stats.pipeline_hits > 0  # the target as its own draft guesses its first token

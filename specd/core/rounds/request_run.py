@@ -136,6 +136,7 @@ class RequestRun:
         self._used_staged = False  # this round's verdict is the one the previous round staged
         self._draft_refused = False  # the draft refused this request alone: target-only rounds for it
         self._draft_opened = False  # a draft call answered: the draft holds this request's prefix (no prefill left)
+        self._opened_with: Arm | None = None  # auto's arm for an opening beside, which the next round runs
         # A shadow guess in flight (AutoChooser.choose): the position of the token it guesses, its class, its call.
         self._shadow: tuple[int, ArmCycles, asyncio.Future[Proposal | TargetOnly]] | None = None
         self._tree: TreeRounds | None = None  # a tree request's rounds (specd.core.rounds.tree_rounds)
@@ -209,6 +210,9 @@ class RequestRun:
                 why = TargetOnly.DRAFT_UNAVAILABLE
             elif index == 0 and self._opens_beside(wanted):
                 why, budget, pipeline = TargetOnly.OPENING, 0, self._strategy(BonusMatch.name)
+                # The opening verifies none of the arm's drafts: the next round does (a probe that got
+                # no verdict learnt nothing, and the next choice, still without one, held target-only).
+                self._opened_with = arm
             else:
                 prefilled = self._draft_opened  # else this call's wall carries the draft's prefill
                 t_draft = time.perf_counter()
@@ -475,7 +479,10 @@ class RequestRun:
         if self._chooser is None:
             return None, None
         cls = self._loop.auto.workload(self.spec.params.temperature <= 0, self._loop.running)
-        arm = self._chooser.choose(cls)
+        if self._opened_with is not None:  # the round after an opening beside runs the opening's arm
+            arm, self._opened_with, self._chooser.shadow_due = self._opened_with, None, False
+        else:
+            arm = self._chooser.choose(cls)
         self._pipeline = self._strategy(arm.pipeline)
         return arm, cls
 

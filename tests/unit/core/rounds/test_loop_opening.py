@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 
 from specd.core.errors import InvalidArgument
-from specd.core.rounds.auto import AutoChooser
+from specd.core.rounds.auto import TARGET_ONLY, Arm, AutoChooser
 from specd.core.rounds.loop import LoopSettings
 from specd.core.rounds.pipeline import PIPELINES
 from specd.core.rounds.record import TargetOnly
@@ -92,3 +92,16 @@ def test_auto_learns_nothing_from_an_opening_beside(monkeypatch: pytest.MonkeyPa
 def test_an_unknown_opening_is_refused() -> None:
     with pytest.raises(InvalidArgument, match="opening must be one of draft-first, beside"):
         LoopSettings(opening="later")
+
+
+def test_the_round_after_an_opening_beside_runs_the_arm_auto_chose_for_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Auto's choice for the opening (a probe, say) gets its verdict in the next round, which the opening
+    verified none of its drafts for: a probe followed by a fresh choice (still without a verdict: held
+    target-only) learnt nothing and probed again in the next request's opening."""
+    arms = iter([Arm("off", 2)])
+    monkeypatch.setattr(AutoChooser, "choose", lambda self, cls: next(arms, TARGET_ONLY))
+    r, records, _ = run(spec(20, speculation="auto", pipeline="off"), FakeTarget(), FakeDraft(), settings=BESIDE)
+    assert r.generation.generated == expected(20)
+    assert records[0].target_only is TargetOnly.OPENING
+    assert records[1].draft_length == 2 and records[1].draft_tokens == 2  # the opening's arm
+    assert all(rec.target_only is TargetOnly.ADAPTIVE for rec in records[2:])

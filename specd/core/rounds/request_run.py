@@ -203,7 +203,13 @@ class RequestRun:
             proposal, hit, budget, why = staged.proposal, staged.hit, len(staged.proposal), None
         elif budget > 0:
             if ready is not None:
+                # The round verifies the pre-draft's window: that is its K (as a staged one's). One shorter
+                # than the arm's K (the previous round's arm drafted fewer: an exploration to K + 1) left
+                # bonus-match and post-verify no full proposal to pre-draft after, so the next round
+                # drafted afresh, and that miss was measured as the arm's (emulated h100-8b, agreement
+                # 0.95, T = 0: a K = 3 -> 4 switch read as bonus-match 4 missing with every draft accepted).
                 proposal, hit = ready.proposal.window(0, budget), ready.hit
+                budget = len(proposal)
             elif self._draft is None:
                 why = TargetOnly.NO_DRAFT
             elif not await self._loop.draft_usable():

@@ -14,6 +14,8 @@ from specd.core.rounds.pipeline import PIPELINES
 from tests.loop_fakes import FakeDraft, FakeTarget, Script, target_next
 from tests.unit.core.rounds.test_loop import PROMPT, check_records, expected, run, spec
 
+SWITCH = 3  # test_a_pre_draft_shorter_...: the round auto moves from bonus-match 3 to 4
+
 
 @pytest.mark.parametrize("speculation", ["fixed", "auto"])
 def test_the_auto_pipeline_tries_the_strategies_and_stays_exact(speculation: str) -> None:
@@ -160,3 +162,32 @@ def test_auto_fits_no_cost_from_the_first_draft_call_after_target_only_rounds() 
     cls = loop.auto.workload(greedy=True, running=1)
     assert cls.draft_hops_ms.value < 5.0
     assert all(abs(e.value) < 5.0 for e in cls.residual_ms.values())
+
+
+def test_a_pre_draft_shorter_than_the_next_arms_k_is_that_rounds_k(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A round that verifies a pre-draft made for a shorter arm (K = 3, then bonus-match 4) verifies that
+    window: its K is the window's, so bonus-match pre-drafts after it (a full proposal of that K), and
+    no cycle of the arm is measured from it. Before, it asked for 4, could not pre-draft after 3, and its
+    next round's fresh draft was measured as bonus-match 4 missing with every draft accepted."""
+    chosen: list[Arm] = []
+
+    def choose(self: AutoChooser, cls: ArmCycles) -> Arm:
+        chosen.append(Arm("bonus-match", 3 if len(chosen) < SWITCH else 4))
+        return chosen[-1]
+
+    observed: list[int] = []  # the round whose start measured a cycle (its previous round's)
+    observe = AutoChooser.observe_cycle
+
+    def spy(self: AutoChooser, cls: ArmCycles, arm: Arm, cycle_ms: float, hit: bool = False, all_in: bool = False):
+        observed.append(len(chosen) - 1)
+        observe(self, cls, arm, cycle_ms, hit, all_in)
+
+    monkeypatch.setattr(AutoChooser, "choose", choose)
+    monkeypatch.setattr(AutoChooser, "observe_cycle", spy)
+    r, records, _ = run(spec(60, speculation="auto", pipeline="auto"), FakeTarget(), FakeDraft())
+    assert r.generation.generated == expected(60)
+    check_records(r, records)
+    switch = records[SWITCH]  # the first bonus-match 4 round: the K = 3 round before it hit
+    assert records[SWITCH - 1].accepted == 3 and switch.pipeline_hit is not None
+    assert switch.draft_length == 3 and switch.pipeline_launched == 1
+    assert SWITCH + 1 not in observed and SWITCH + 2 in observed  # its cycle is not the arm's; the next is

@@ -13,7 +13,7 @@ from specd.core.rounds.auto import TARGET_ONLY, Arm, AutoChooser
 from specd.core.rounds.loop import LoopSettings
 from specd.core.rounds.pipeline import PIPELINES
 from specd.core.rounds.record import TargetOnly
-from tests.loop_fakes import FakeDraft, FakeTarget, Script, chain, draft_next, target_next
+from tests.loop_fakes import FakeDraft, FakeTarget, Script, chain, draft_next, fail, target_next
 from tests.unit.core.rounds.test_loop import PROMPT, check_records, expected, run, spec
 
 BESIDE = LoopSettings(draft_retry_s=0.0, opening="beside")
@@ -55,6 +55,18 @@ def test_an_opening_pre_draft_that_lands_during_the_prefill_is_staged_at_the_tar
     r, records, _ = run(spec(30, pipeline="off"), target, FakeDraft(), settings=BESIDE)
     assert r.generation.generated == expected(30) and target.violations == []
     assert records[1].staged and records[1].pipeline_hit is not None
+
+
+@pytest.mark.parametrize("pipeline", ["off", "spec-cache"])
+def test_a_failing_draft_call_in_the_opening_leaves_the_output_as_it_was(pipeline: str) -> None:
+    """The opening's draft call fails: the opening's verdict stands, the next round runs without its
+    pre-draft (target-only while the draft is paused), and later rounds draft again."""
+    target, draft = FakeTarget(), FakeDraft(Script(fail=fail(1)))
+    r, records, _ = run(spec(30, pipeline=pipeline), target, draft, settings=BESIDE)
+    assert r.generation.generated == expected(30) and target.violations == []
+    check_records(r, records)
+    assert records[0].target_only is TargetOnly.OPENING and records[1].pipeline_hit is None
+    assert r.stats.draft_tokens > 0
 
 
 def test_draft_first_is_the_default_and_beside_needs_room_for_a_second_round() -> None:

@@ -204,7 +204,16 @@ def test_each_generate_is_one_trace_with_a_span_per_round(traced: Cluster, recei
                 trace_names.SPAN_TARGET_PHASE_PREFIX + name for name in ("sync", "forward", "sampling", "rollback")
             ]
             proposes = [c for c in children[r.span_id] if c.name == trace_names.SPAN_DRAFT_PROPOSE]
-            assert len(proposes) == (1 if r.attributes[trace_names.ATTR_ROUND_DRAFT_TOKENS] else 0), names
+            if r.attributes[trace_names.ATTR_ROUND_TARGET_ONLY_REASON] == "opening":
+                # the coordinator opens beside a model draft (--opening auto): the prompt is verified
+                # alone, and the draft's first call (a guess of the first token, K more) is beside it
+                assert r.attributes[trace_names.ATTR_ROUND_DRAFT_TOKENS] == 0 and len(proposes) == 1, names
+                continue
+            fresh = (
+                r.attributes[trace_names.ATTR_ROUND_DRAFT_TOKENS]
+                and not r.attributes[trace_names.ATTR_ROUND_PIPELINE_HIT]
+            )  # a round after the opening verifies its drafts when the guess was right
+            assert len(proposes) == (1 if fresh else 0), names
             for p in proposes:
                 assert p.attributes[trace_names.ATTR_DRAFT_TOKENS] == r.attributes[trace_names.ATTR_ROUND_DRAFT_TOKENS]
                 assert {c.name for c in phases[p.span_id]} == {
@@ -212,6 +221,8 @@ def test_each_generate_is_one_trace_with_a_span_per_round(traced: Cluster, recei
                 }
         assert sum(c.name == trace_names.SPAN_TARGET_OPEN for cs in children.values() for c in cs) == 1
         assert rounds[0].attributes[trace_names.ATTR_ROUND_PIPELINE_HIT] is False
+        if call.speculative and stats.rounds > 2:  # a model draft: round 0 verified the prompt alone
+            assert rounds[0].attributes[trace_names.ATTR_ROUND_TARGET_ONLY_REASON] == "opening"
 
 
 def test_round_spans_add_up_to_the_response_stats(traced: Cluster, receiver: OtlpReceiver) -> None:
@@ -350,10 +361,19 @@ def test_metrics_endpoints_count_what_was_served(traced: Cluster) -> None:
     for part in ("draft", "verify", "overhead"):
         assert delta(c, "specd:round_seconds_count", part=part) == rounds
     assert total(after[c], "specd:num_requests_running") == 0
-    # The draft proposed what the coordinator verified; the target verified every round.
-    assert delta("draft", "specd:draft_requests_total", op="propose", result="ok") == drafts
-    assert delta("draft", "specd:draft_proposed_tokens_total") == draft_tokens
-    assert delta("draft", "specd:draft_propose_seconds_count") == drafts
+    # The draft proposed what the coordinator verified, and each speculating request's opening call (a model
+    # draft: --opening auto opens beside it), which drafted the guess of the first token and K more; the
+    # rounds that verified those K (pipeline hits: none of these calls pipelines otherwise) drew no call.
+    ks = [
+        kw["draft_length"] for kw in [*CALLS, {"speculation": "fixed", "draft_length": 4}] if kw["speculation"] != "off"
+    ]
+    hits = [s.pipeline_hits for s in stats if s.draft_tokens]
+    assert len(hits) == len(ks) and all(h <= 1 for h in hits)
+    calls_made = drafts - sum(hits) + len(ks)
+    assert delta("draft", "specd:draft_requests_total", op="propose", result="ok") == calls_made
+    opening_tokens = sum(k + 1 for k in ks) - sum(h * k for h, k in zip(hits, ks))
+    assert delta("draft", "specd:draft_proposed_tokens_total") == draft_tokens + opening_tokens
+    assert delta("draft", "specd:draft_propose_seconds_count") == calls_made
     assert delta("target", "specd:target_requests_total", op="verify", result="ok") == rounds
     assert delta("target", "specd:target_verified_draft_tokens_total") == draft_tokens
     assert delta("target", "specd:target_accepted_tokens_total") == accepted

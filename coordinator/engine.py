@@ -28,26 +28,16 @@ from specd.core.rounds.generation import FinishReason
 from specd.core.rounds.loop import GenerateSpec, LoopSettings, RoundLoop
 from specd.core.rounds.ports import Carrier
 from specd.core.rounds.record import RequestStats, RoundRecord
+from specd.core.rounds.spec import OPENING_AUTO, opening_for
 from specd.serving import trace_names, trace_spans
 from specd.serving import tracing as tr
-from specd.serving.config import OPENING_AUTO, CoordinatorConfig
+from specd.serving.config import CoordinatorConfig
 from specd.serving.metrics import CoordinatorMetrics
 from specd.v1 import common_pb2
 
 __all__ = ["Chunk", "GenerateSpec", "RequestStats", "RoundEngine"]
 
 T = TypeVar("T")
-
-
-def opening_for(draft_kinds: set[str]) -> str:
-    """--opening auto: a speculating request's first round for these draft kinds (ModelInfo.kind).
-
-    "beside" for model drafts (and hybrid ones, whose first call has no suffix match to
-    go on): their prefill and K passes are worth hiding behind the target's prefill.
-    "draft-first" for n-gram and suffix drafts, which cost next to nothing and whose
-    opening verify checks K tokens in the prefill's pass; also when no draft answered
-    yet (a draft replica that joins later does not change it)."""
-    return "beside" if draft_kinds and draft_kinds <= {"model", "hybrid"} else "draft-first"
 
 
 @dataclass(frozen=True)
@@ -158,7 +148,7 @@ class RoundEngine:
             await self.draft.replicas.start()
             await self.draft.replicas.wait_usable(min(10.0, max(0.1, deadline - time.monotonic())))
             await self.draft.replicas.wait_polled(min(10.0, max(0.1, deadline - time.monotonic())))
-            if self.config.opening == OPENING_AUTO:
+            if self.config.opening == OPENING_AUTO:  # decided now: a draft replica that joins later changes nothing
                 kinds = {m.info.kind for m in self.draft.replicas.members.values() if m.usable and m.info is not None}
                 self.loop.settings = replace(self.loop.settings, opening=opening_for(kinds))
 

@@ -30,6 +30,7 @@ from specd.core.rounds.generation import FinishReason
 from specd.core.rounds.loop import GenerateSpec, LoopSettings, RequestRun, RoundLoop
 from specd.core.rounds.ports import Carrier
 from specd.core.rounds.record import RoundRecord, RoundStats
+from specd.core.rounds.spec import OPENING_AUTO, opening_for
 from specd.core.rounds.staging import StagedVerdicts
 from specd.core.rounds.steps import (
     DEFAULT_BRANCH_BUDGET,
@@ -180,7 +181,7 @@ def speculative_generate(
     adapt_branch_budget: bool = True,
     tenant: str = "",
     tree_budget: int = 0,
-    opening: str = "draft-first",
+    opening: str = OPENING_AUTO,
 ) -> GenerationResult:
     """Run one request's rounds in-process; drafter None or draft_length 0 = target-only.
 
@@ -192,7 +193,8 @@ def speculative_generate(
     latter with at most branch_budget branches per round (always that many without
     adapt_branch_budget: specd.core.rounds.branch_budget). tenant: whose learned draft state the
     request may use (specd.core.draft.tenant_index; "": none). opening: the first round's
-    (specd.core.rounds.spec.OPENINGS: "beside" prefills the target alone, the draft beside it).
+    (specd.core.rounds.spec.OPENINGS: "beside" prefills the target alone, the draft beside it;
+    "auto": as the coordinator's --opening auto, by the drafter's kind, `opening_for`).
     """
     return speculative_generate_batch(
         [prompt],
@@ -229,7 +231,7 @@ def speculative_generate_batch(
     adapt_branch_budget: bool = True,
     tenant: str = "",
     tree_budget: int = 0,
-    opening: str = "draft-first",
+    opening: str = OPENING_AUTO,
 ) -> list[GenerationResult]:
     """Many requests at once, each its own loop; their drafts and verifies batch per event-loop turn.
 
@@ -263,7 +265,13 @@ def speculative_generate_batch(
         )
 
     async def run_all() -> list[GenerationResult]:
-        settings = LoopSettings(branch_budget=branch_budget, adapt_branch_budget=adapt_branch_budget, opening=opening)
+        if opening == OPENING_AUTO:
+            opening_now = opening_for({drafter.kind} if drafter is not None else set())
+        else:
+            opening_now = opening
+        settings = LoopSettings(
+            branch_budget=branch_budget, adapt_branch_budget=adapt_branch_budget, opening=opening_now
+        )
         loop = RoundLoop(LocalTarget(verifier), LocalDraft(drafter) if drafter is not None else None, settings)
         runs = [loop.run(s, max_context=verifier.runner.max_context, session_id=sid) for s, sid in zip(specs, ids)]
         t0 = time.perf_counter()

@@ -21,12 +21,10 @@ from specd.core.model.catalog import DEMO, NONE
 from specd.core.model.cpu_linear import CPU_LINEARS
 from specd.core.rounds.auto import PIPELINE_AUTO
 from specd.core.rounds.pipeline import PIPELINES
-from specd.core.rounds.spec import OPENINGS
+from specd.core.rounds.spec import OPENING_AUTO, OPENINGS
 from specd.core.rounds.steps import DEFAULT_BRANCH_BUDGET, MAX_BRANCH_BUDGET
 from specd.core.sampling.sparse_q import MAX_BITS, QSettings
 from specd.serving.batching import FRUITLESS_RUN, FRUITLESS_SKIP
-
-OPENING_AUTO = "auto"  # --opening: chosen by the coordinator from the draft's kind (coordinator.engine)
 
 MAX_CONNECTION_TIMER_S = 2_147_483  # gRPC's connection timers are int milliseconds
 MAX_MALLOC_KEEP_MIB = 1024  # a bound on a typo; glibc itself may refuse less (then its defaults stay, logged)

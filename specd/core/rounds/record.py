@@ -39,8 +39,8 @@ class TargetOnly(enum.Enum):
     DRAFT_REFUSED = "draft_refused"  # the draft refused this request alone (its own error, or full for it)
     DRAFT_DEADLINE = "draft_deadline"  # the request's own deadline ran out before the draft answered
     DRAFT_EMPTY = "draft_empty"  # the draft had nothing to propose (e.g. no n-gram match)
-    # A pipelined request's first round: the target prefilled the prompt alone while the draft prefilled
-    # beside it and pre-drafted the next round after its guess of the first token (RequestRun._opens_beside)
+    # A speculating request's first round (LoopSettings.opening "beside"): the target prefilled the prompt
+    # alone while the draft's first call ran beside it, after its guess of the first token (RequestRun._opens_beside)
     OPENING = "opening"
 
     @property

@@ -28,6 +28,7 @@ from specd.core.rounds.pipeline import (
     PipelineRound,
     PipelineSettings,
     PipelineStrategy,
+    PostVerify,
     PreDraft,
     make_pipeline,
 )
@@ -248,7 +249,7 @@ class RequestRun:
 
         def stage(pre_drafts: Sequence[PreDraft]) -> None:
             """Stage the next round's verify for these pre-drafts, if this round's verify is still out."""
-            if stages or self._verifying is None or self._verifying.done() or defer_bonus:
+            if stages or self._verifying is None or self._verifying.done() or defer_bonus or unstaged:
                 return
             candidates: list[StagedRound] = []
             index: dict[tuple[int, ...], tuple[int, Proposal]] = {}  # extension -> (candidate, its window)
@@ -266,6 +267,11 @@ class RequestRun:
                 stages.append((asyncio.ensure_future(staging), index))
 
         opening = why is TargetOnly.OPENING
+        # A staged round defers no bonus; a post-verify round after the opening would defer it if it were
+        # not staged, and whether the pre-draft lands during the prefill is timing: so the opening's
+        # pre-draft is not staged for a post-verify next round (its tokens must not depend on timing).
+        next_pipeline = self._opened_with.pipeline if self._opened_with is not None else self._pipeline.name
+        unstaged = opening and next_pipeline == PostVerify.name
         rnd = PipelineRound(committed, proposal, budget, wanted, draft_after, draft_branches, stage, opening)
         defer_bonus = staged is None and pipeline.defers_bonus(rnd)
         if arm is not None and cls is not None:

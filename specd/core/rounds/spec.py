@@ -13,6 +13,17 @@ SPECULATION_MODES = ("auto", "fixed", "off")
 # the prompt and its drafts ("draft-first"), or the target's prefill alone with the draft's call beside
 # it ("beside": specd.core.rounds.request_run.RequestRun._opens_beside)
 OPENINGS = ("draft-first", "beside")
+OPENING_AUTO = "auto"  # a setting that asks for opening_for(the draft's kinds)
+
+
+def opening_for(draft_kinds: set[str]) -> str:
+    """The opening "auto" stands for, given the drafts' kinds (Drafter.kind, the draft's ModelInfo.kind).
+
+    "beside" for model drafts (and hybrid ones, whose first call has no suffix match to
+    go on): their prefill and K passes are worth hiding behind the target's prefill.
+    "draft-first" for n-gram and suffix drafts, which cost next to nothing and whose
+    opening verify checks K tokens in the prefill's pass; and with no draft known."""
+    return "beside" if draft_kinds and draft_kinds <= {"model", "hybrid"} else "draft-first"
 
 
 @dataclass(frozen=True)

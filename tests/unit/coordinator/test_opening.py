@@ -1,11 +1,12 @@
-"""--opening: how the coordinator's loop runs a speculating request's first round."""
+"""--opening: how the coordinator's loop runs a speculating request's first round (and the in-process loop's)."""
 
 from __future__ import annotations
 
 import pytest
 
-from coordinator.engine import RoundEngine, opening_for
+from coordinator.engine import RoundEngine
 from specd.core.errors import InvalidArgument
+from specd.core.rounds.spec import opening_for
 from specd.serving.config import CoordinatorConfig
 
 

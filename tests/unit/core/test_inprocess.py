@@ -126,7 +126,8 @@ def test_pipelining_and_auto_run_in_process_too(tiny, temperature: float) -> Non
     # its own draft, but at T > 0 the two are drawn with independent coins (probability sum p^2 per
     # round, small for a random model), so only greedy must hit.
     assert piped.stats.pipeline_hits > 0 or temperature > 0
-    assert set(piped.stats.pipeline_hits_by_outcome) <= {f"{k}:bonus" for k in range(1, 4)}
+    # (0:bonus: the opening's guess of the first token, beside the target's prefill of the prompt)
+    assert set(piped.stats.pipeline_hits_by_outcome) <= {f"{k}:bonus" for k in range(0, 4)}
     post = [
         speculative_generate(
             prompt, verifier, self_drafter, params, draft_length=3, max_new_tokens=24, pipeline="post-verify"
@@ -345,3 +346,21 @@ def test_an_opening_beside_changes_no_token_between_pipelines(tiny, temperature:
         ref = speculative_generate(prompt, verifier, None, params, draft_length=0, max_new_tokens=24).token_ids
         assert tokens == {tuple(ref)}
     assert runs["off"].stats.pipeline_hits > 0  # the target as its own draft guesses its first token
+
+
+def test_the_in_process_loop_opens_as_the_coordinator_would(tiny) -> None:
+    """Opening "auto" (the default) asks opening_for with the drafter's kind, as the coordinator's --opening
+    auto does with its draft replicas': beside a model draft, draft-first with an n-gram draft. So the
+    in-process oracle and the services emit the same tokens for a seed."""
+    loaded, verifier, drafter, _ = tiny
+    prompt = loaded.tokenizer("abc abc abc abc abc abc").input_ids
+    params = SamplingParams(temperature=0.9, seed=3)
+    model = speculative_generate(prompt, verifier, drafter, params, draft_length=3, max_new_tokens=12)
+    assert model.records[0].target_only is TargetOnly.OPENING
+    beside = speculative_generate(
+        prompt, verifier, drafter, params, draft_length=3, max_new_tokens=12, opening="beside"
+    )
+    assert beside.token_ids == model.token_ids
+    ngram = NgramDrafter(verifier.vocab_size)
+    got = speculative_generate(prompt, verifier, ngram, GREEDY, draft_length=4, max_new_tokens=12)
+    assert got.records[0].target_only is None and got.records[0].draft_tokens > 0  # draft-first

@@ -12,7 +12,7 @@ from specd.core.errors import InvalidArgument
 from specd.core.rounds.auto import TARGET_ONLY, Arm, AutoChooser
 from specd.core.rounds.loop import LoopSettings
 from specd.core.rounds.pipeline import PIPELINES
-from specd.core.rounds.record import TargetOnly
+from specd.core.rounds.record import TargetOnly, TokenKind
 from tests.loop_fakes import FakeDraft, FakeTarget, Script, chain, draft_next, fail, target_next
 from tests.unit.core.rounds.test_loop import PROMPT, check_records, expected, run, spec
 
@@ -67,6 +67,17 @@ def test_a_failing_draft_call_in_the_opening_leaves_the_output_as_it_was(pipelin
     check_records(r, records)
     assert records[0].target_only is TargetOnly.OPENING and records[1].pipeline_hit is None
     assert r.stats.draft_tokens > 0
+
+
+def test_a_post_verify_round_after_the_opening_is_never_staged() -> None:
+    """A staged round defers no bonus, and a post-verify one defers it: the round after the opening must
+    not depend on whether the opening's pre-draft landed during the prefill (at T > 0 deferring changes
+    which coin decides a position), so that pre-draft is not staged for a post-verify request."""
+    target = FakeTarget(Script(latency_s=0.02))  # the prefill outlasts the draft's call
+    r, records, _ = run(spec(30, pipeline="post-verify"), target, FakeDraft(), settings=BESIDE)
+    assert r.generation.generated == expected(30) and target.violations == []
+    assert records[1].pipeline_hit is not None and not records[1].staged
+    assert records[1].token_kind is TokenKind.DEFERRED  # all accepted: post-verify deferred its bonus
 
 
 def test_draft_first_is_the_default_and_beside_needs_room_for_a_second_round() -> None:

@@ -366,8 +366,8 @@ class CoordinatorConfig(ServiceBase):
     opening: str = _opt(
         OPENING_AUTO,
         "a speculating request's first round: 'beside' prefills the target alone while the draft's first "
-        "call (its prefill, a guess of the first token, K more) runs beside it (time to first token as "
-        "target-only's); 'draft-first' drafts, then verifies the prompt with the drafts; 'auto': beside for "
+        "call (its prefill, a guess of the first token, K more) runs beside it (the first token waits for "
+        "no draft); 'draft-first' drafts, then verifies the prompt with the drafts; 'auto': beside for "
         "a model draft, draft-first for n-gram and suffix drafts (nothing to hide)",
         choices=[OPENING_AUTO, *OPENINGS],
     )

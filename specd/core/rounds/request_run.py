@@ -270,12 +270,13 @@ class RequestRun:
         # A staged round defers no bonus; a post-verify round after the opening would defer it if it were
         # not staged, and whether the pre-draft lands during the prefill is timing: so the opening's
         # pre-draft is not staged for a post-verify next round (its tokens must not depend on timing).
-        next_pipeline = self._opened_with.pipeline if self._opened_with is not None else self._pipeline.name
-        unstaged = opening and next_pipeline == PostVerify.name
+        unstaged = opening and PostVerify.name == (
+            self._opened_with.pipeline if self._opened_with is not None else self._pipeline.name
+        )
         rnd = PipelineRound(committed, proposal, budget, wanted, draft_after, draft_branches, stage, opening)
         defer_bonus = staged is None and pipeline.defers_bonus(rnd)
         if arm is not None and cls is not None:
-            self._cycle(arm, cls, budget, why, draft_wall_ms, hit is not None, opening=index == 0, prefilled=prefilled)
+            self._cycle(arm, cls, budget, why, draft_wall_ms, hit is not None, first=index == 0, prefilled=prefilled)
         t_verify = time.perf_counter()
         if staged is not None:
             verify = self._staged_verify(staged, committed, proposal, carrier)
@@ -461,9 +462,9 @@ class RequestRun:
         (LoopSettings.opening "beside", and room for a round after it).
 
         Drafting first makes a request's first token wait for the draft's prefill and
-        its K passes before the target's prefill begins: TTFT 42-44 ms against
-        target-only's 25 (emulated h100-tp2-70b, agreement 0.8, T = 0, speccache-2 and
-        auto). Beside it, the draft's call (its prefill, a guess of the first token
+        its K passes before the target's prefill begins: TTFT 40-44 ms against
+        target-only's 24-25 (emulated h100-tp2-70b, agreement 0.8, T = 0, speccache-2 and
+        auto; 25-26 ms beside). Beside it, the draft's call (its prefill, a guess of the first token
         drawn at the target's coin, K more) runs while the target prefills, and the
         next round uses it when the guess is the target's token (BonusMatch, whatever
         the request's pipeline), staged at the target if it answers in time. A draft
@@ -521,7 +522,7 @@ class RequestRun:
         draft_wall_ms: float,
         hit: bool,
         *,
-        opening: bool = False,
+        first: bool = False,
         prefilled: bool = True,
     ) -> None:
         """At a verify going out: the previous auto round's cycle (its verify out to this one), to its arm,
@@ -530,7 +531,7 @@ class RequestRun:
         It includes this round's wait for its draft, which the previous round's pipeline
         may have saved; a fresh draft of another K is rescaled to the previous arm's K,
         and a round whose K the request's end or the draft's health cut is not measured,
-        nor a request's opening round (opening: its verify carries the target's prefill), nor
+        nor a request's first round (first: its verify carries the target's prefill), nor
         a cycle whose wait for this round's draft carried the draft's prefill (not prefilled:
         the request's first draft call that answered, in its opening round or after target-only
         rounds)."""
@@ -545,7 +546,7 @@ class RequestRun:
             if prev_cls is cls and (prev.k == 0 or budget > 0):
                 assert self._chooser is not None
                 self._chooser.observe_cycle(cls, prev, cycle_ms, hit, self._all_in)
-        if normal and budget == arm.k and not opening:
+        if normal and budget == arm.k and not first:
             self._last_send = (arm, now, cls)
 
     async def _propose(

@@ -59,14 +59,14 @@ def test_an_opening_pre_draft_that_lands_during_the_prefill_is_staged_at_the_tar
 
 @pytest.mark.parametrize("pipeline", ["off", "spec-cache"])
 def test_a_failing_draft_call_in_the_opening_leaves_the_output_as_it_was(pipeline: str) -> None:
-    """The opening's draft call fails: the opening's verdict stands, the next round runs without its
-    pre-draft (target-only while the draft is paused), and later rounds draft again."""
+    """The opening's draft call fails: the opening's verdict stands, and the next round has no pre-draft
+    (it drafts afresh: the loop's draft_retry_s is 0 here) and drafts for the prefix the opening committed."""
     target, draft = FakeTarget(), FakeDraft(Script(fail=fail(1)))
     r, records, _ = run(spec(30, pipeline=pipeline), target, draft, settings=BESIDE)
     assert r.generation.generated == expected(30) and target.violations == []
     check_records(r, records)
     assert records[0].target_only is TargetOnly.OPENING and records[1].pipeline_hit is None
-    assert r.stats.draft_tokens > 0
+    assert records[1].draft_tokens > 0 and draft.prefixes[0] == [*PROMPT, records[0].token_id]
 
 
 def test_a_post_verify_round_after_the_opening_is_never_staged() -> None:

@@ -69,7 +69,14 @@ def _run(target, draft, prompt: list[int], params: SamplingParams, seen: set[int
     verifier = Verifier(_RecordingRunner(target.model, seen))
     drafter = ModelDrafter(_RecordingRunner(draft.model, seen)) if k else None
     return speculative_generate(
-        prompt, verifier, drafter, params, draft_length=k, max_new_tokens=MAX_NEW, stop_token_ids=()
+        prompt,
+        verifier,
+        drafter,
+        params,
+        draft_length=k,
+        max_new_tokens=MAX_NEW,
+        stop_token_ids=(),
+        opening="draft-first",  # as the cluster below opens
     ).token_ids
 
 
@@ -109,9 +116,10 @@ def poisoned_pair(
 def cluster(poisoned_pair: tuple[Path, Path], tmp_path_factory: pytest.TempPathFactory):
     target, draft = poisoned_pair
     # A long draft pause: a wrongly paused draft would show in the ordinary requests' stats.
-    with Cluster(
-        target, draft, cache_dir=tmp_path_factory.mktemp("cache"), coordinator_args=["--draft-retry-s", "60"]
-    ) as c:
+    # Draft first: the poisoned request must reach the draft's refusal before the target fails on
+    # the same NaN row; opening beside, the target's prefill races the draft's (it lost in a CI run).
+    args = ["--draft-retry-s", "60", "--opening", "draft-first"]
+    with Cluster(target, draft, cache_dir=tmp_path_factory.mktemp("cache"), coordinator_args=args) as c:
         yield c
 
 

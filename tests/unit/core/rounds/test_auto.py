@@ -424,6 +424,41 @@ def test_the_cached_rates_and_costs_follow_every_observation() -> None:
         chooser.observe_cycle(cls, arm, cycle, hit, all_in=arm.k > 0 and accepted == arm.k)
 
 
+def test_rating_many_arms_at_once_gives_each_arms_expected_rate_exactly() -> None:
+    """rate_arms shares the tokens, hits and corrections between arms: the numbers are expected_rate's,
+    bit for bit, through every kind of measurement (pipelines' hits, pre-draft and arm excesses,
+    target-only rounds) and for rates shorter than the longest K; runnable drops what _may_run refuses."""
+    policy = AutoPolicy()
+    # a cheap draft (d(K) 0.4-1.4 ms against a 20 ms verify): _may_run refuses the pipelines at small K only
+    service = Service(
+        a=0.75, draft_ms=0.2, draft_per_token_ms=0.2, extra_ms={SPEC_CACHE: 2.0}, pre_extra_ms={BONUS_MATCH: 1.5}
+    )
+    chooser = policy.chooser(6, AUTO_PIPELINES, target_only=True)
+    cls = policy.workload(greedy=True, running=1)
+    arms = [Arm(p, k) for p in AUTO_PIPELINES for k in range(1, 7)] + [TARGET_ONLY]
+    rng = random.Random(11)
+    checked = dropped = 0
+    for r in range(300):
+        arm = chooser.choose(cls) if r % 5 else rng.choice(arms)  # every arm gets measured
+        accepted, _, cycle, hit = service.round(arm)
+        if arm.k:
+            chooser.observe_verdict(cls, arm.k, accepted)
+            if arm.pipeline != OFF:
+                chooser.observe_pre_draft(cls, arm.pipeline, arm.k, service.pre_draft(arm) * rng.uniform(0.9, 1.1))
+        chooser.observe_calls(cls, arm, arm.k + 1, service.verify(arm.k), arm.k, service.draft(arm.k), arm.k * 0.2)
+        chooser.observe_cycle(cls, arm, cycle, hit, all_in=arm.k > 0 and accepted == arm.k)
+        for rates in (chooser.rates(cls), chooser.rates(cls)[:3]):
+            every = chooser.rate_arms(cls, arms, rates, runnable=False)
+            assert every == {a: chooser.expected_rate(cls, a, rates) for a in arms}
+            allowed = chooser.rate_arms(cls, arms, rates)
+            assert allowed == {a: every[a] for a in arms if chooser._may_run(cls, a)}
+            checked, dropped = checked + 1, dropped + len(every) - len(allowed)
+    assert checked == 600 and dropped > 0  # _may_run refused some arms along the way
+    piped = [Arm(p, k) for p in (BONUS_MATCH, SPEC_CACHE) for k in range(1, 7)]
+    without_off = policy.chooser(6, (BONUS_MATCH, SPEC_CACHE), target_only=True)
+    assert list(without_off.rate_arms(cls, piped, chooser.rates(cls))) == piped  # no plain arm to fall back to
+
+
 def test_a_fixed_k_request_chooses_the_pipeline_only() -> None:
     chooser = AutoPolicy().chooser(3, AUTO_PIPELINES, target_only=False, k_min=3)
     _, arms = drive(chooser, Service(a=0.8), 300)

@@ -273,7 +273,17 @@ class RequestRun:
         unstaged = opening and PostVerify.name == (
             self._opened_with.pipeline if self._opened_with is not None else self._pipeline.name
         )
-        rnd = PipelineRound(committed, proposal, budget, wanted, draft_after, draft_branches, stage, opening)
+        rnd = PipelineRound(
+            committed,
+            proposal,
+            budget,
+            wanted,
+            draft_after,
+            draft_branches,
+            stage,
+            opening,
+            lambda more: gen.draft_budget(wanted, after=more),
+        )
         defer_bonus = staged is None and pipeline.defers_bonus(rnd)
         if arm is not None and cls is not None:
             self._cycle(arm, cls, budget, why, draft_wall_ms, hit is not None, first=index == 0, prefilled=prefilled)
@@ -318,7 +328,9 @@ class RequestRun:
                 verify_ms,
                 draft_wall_ms if prefilled else 0.0,  # a prefill is no draft's cost
             )
-            if launched and (pre_ms := pipeline.pre_draft_ms) is not None:
+            # a pre-draft the request's end shortened (PipelineRound.room) is not one of `wanted` tokens
+            full = gen.draft_budget(wanted, after=len(proposal) + 1) == wanted
+            if launched and full and (pre_ms := pipeline.pre_draft_ms) is not None:
                 self._chooser.observe_pre_draft(cls, pipeline.name, wanted, pre_ms)
         new = gen.commit(proposal.token_ids, outcome.accepted, token)
         if self._shadow is not None:

@@ -168,6 +168,32 @@ def test_post_verify_defers_the_bonus_and_verifies_the_pre_draft_in_its_place() 
     assert any(rec.token_kind == TokenKind.RECOVERED for rec, _ in hits_after(records))  # misses happen too
 
 
+@pytest.mark.parametrize("pipeline", ["post-verify", "bonus-match"])
+@pytest.mark.parametrize("n", [13, 14, 15, 16])
+def test_a_pipeline_that_needs_every_draft_accepted_pre_drafts_nothing_past_the_requests_end(
+    pipeline: str, n: int
+) -> None:
+    """With a draft that is always right, a request runs no more target-only rounds at its end than without a
+    pipeline: post-verify defers no bonus where the round after it would have nothing to draft (it then ran
+    a target-only round for the one token left), and neither strategy pre-drafts for a round with no draft
+    budget. (Post-verify's rounds commit K tokens, not K + 1: it takes more rounds, each without a draft wait.)"""
+
+    def rounds(pipe: str) -> list[RoundRecord]:
+        target = FakeTarget(draft=target_next)
+        r, records, _ = run(spec(n, pipeline=pipe), target, FakeDraft(step=target_next))
+        assert r.generation.generated == expected(n) and target.violations == []
+        check_records(r, records)
+        return records
+
+    plain, records = rounds("off"), rounds(pipeline)
+    budget = [rec for rec in records if rec.target_only is TargetOnly.BUDGET]
+    assert len(budget) <= sum(rec.target_only is TargetOnly.BUDGET for rec in plain) <= 1
+    for rec, nxt in itertools.pairwise(records):
+        if rec.pipeline_launched:
+            assert nxt.pipeline_hit is not None and nxt.draft_length > 0  # every pre-draft was used
+    assert records[-1].token_kind == TokenKind.BONUS and not records[-1].pipeline_launched
+
+
 class GuessFirstRejected:
     """A several-outcome strategy (the shape of a speculation cache): besides the all-accepted pre-draft,
     one for "the first draft token is rejected and the target says t", for a right and a wrong t."""

@@ -286,6 +286,7 @@ class SpecCache(_TimedPreDraft):
         self._task: asyncio.Task[list[PreDraft]] | None = None
         self._drafted = 0  # draft tokens of the round whose verdict settle will see
         self._asked = 0  # branches the round's call asked for
+        self._next_budget: Callable[[int], int] = lambda committed: 1  # the round's PipelineRound.next_budget
 
     def defers_bonus(self, rnd: PipelineRound) -> bool:
         return False
@@ -293,6 +294,7 @@ class SpecCache(_TimedPreDraft):
     def launch(self, rnd: PipelineRound) -> int:
         """One branch call; returns its budget (the draft decides how many of them it drafts)."""
         self._drafted, self._replied_ms = len(rnd.proposal), None
+        self._next_budget = rnd.next_budget
         if not self._drafted or rnd.next_k <= 0:
             return 0
         rates = self.acceptance.rates(self._drafted)
@@ -316,7 +318,9 @@ class SpecCache(_TimedPreDraft):
         task, self._task = self._task, None
         if task is None:
             return []
-        if verdict is None:  # the request is ending: do not wait for branches nobody will use
+        # The request is ending, or its verdict leaves the next round nothing to draft (the request's last
+        # round, every draft accepted): do not wait for branches nobody will use.
+        if verdict is None or self._next_budget(verdict.accepted + (0 if verdict.deferred else 1)) <= 0:
             task.cancel()
             await asyncio.gather(task, return_exceptions=True)
             return []

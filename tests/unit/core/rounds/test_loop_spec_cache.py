@@ -13,7 +13,7 @@ from specd.core.rounds.pipeline import make_pipeline
 from specd.core.rounds.ports import Carrier
 from specd.core.rounds.record import RoundRecord
 from specd.core.rounds.steps import Branches, BranchRequest
-from tests.loop_fakes import FakeDraft, FakeTarget, Script, Watch, fail
+from tests.loop_fakes import FakeDraft, FakeTarget, Script, Watch, fail, target_next
 from tests.unit.core.rounds.test_loop import check_records, expected, run, spec
 
 # ---- the speculation cache: one branch call per round, hits per outcome -------------------------
@@ -132,3 +132,16 @@ def test_a_drafter_without_branches_at_a_port_only_misses() -> None:
 def test_unknown_pipeline_is_invalid() -> None:
     with pytest.raises(InvalidArgument, match="pipeline"):
         make_pipeline("nope")
+
+
+def test_the_requests_last_round_does_not_wait_for_branches_nobody_will_use() -> None:
+    """A verdict that ends the request (here every draft right, 8 tokens in two rounds of 3 + 1) leaves the
+    next round nothing to draft: the round returns without waiting for its branch call (0.3 s a call)."""
+    target = FakeTarget(draft=target_next)
+    draft = FakeDraft(Script(latency_s=0.3), step=target_next)
+    loop_settings = LoopSettings(draft_retry_s=0.0, branch_budget=2, adapt_branch_budget=False)
+    r, records, _ = run(spec(8, pipeline="spec-cache"), target, draft, settings=loop_settings)
+    assert r.generation.generated == expected(8) and target.violations == []
+    assert [rec.pipeline_launched for rec in records] == [2, 2]  # both rounds made a branch call
+    assert records[0].wall_ms >= 300  # the first waits for its branches (the next round's drafts)
+    assert records[1].wall_ms < 300  # the last does not: less than one branch call's own sleep

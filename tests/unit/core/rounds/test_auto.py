@@ -524,6 +524,18 @@ def test_the_cut_drops_the_unlikely_tail_where_verifying_costs() -> None:
     assert costly.cut(costly_cls, Arm(OFF, 6), []) == 0  # no confidence: nothing to cut by
 
 
+def test_tokens_the_cut_dropped_are_not_counted_as_rejected_and_a_short_draft_is() -> None:
+    """observe_round of a K = 4 arm whose 2 verified tokens were both accepted: after a cut (the draft gave 4)
+    position 3 was never verified and is not counted; a draft that came back with 2 is the drafter's yield
+    at K = 4, so position 3 counts as reached and rejected (the suffix drafter with nothing more to say)."""
+    policy = AutoPolicy()
+    cls = policy.workload(greedy=True, running=1)
+    for drafted, reached, accepted in ((4, [1.0, 1.0], [1.0, 1.0]), (2, [1.0, 1.0, 1.0, 0.0], [1.0, 1.0, 0.0, 0.0])):
+        chooser = policy.chooser(4, [OFF], target_only=False)
+        chooser.observe_round(cls, Arm(OFF, 4), Proposal([7, 8]), drafted, False, 2, 20.0, 9.0)
+        assert (chooser.acceptance.reached, chooser.acceptance.accepted) == (reached, accepted)
+
+
 def test_a_fresh_draft_that_queued_behind_a_pre_draft_is_fitted_without_the_wait() -> None:
     """On a pipeline's miss the fresh draft may wait in the draft service's queue for this request's
     own pre-draft; the cycle model already waits for that (max(v, pre)), so d(K) must not include it:

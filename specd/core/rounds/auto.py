@@ -944,7 +944,7 @@ class AutoChooser:
         verified: they say nothing of acceptance. Counted as rejected (as before), a cut after n
         tokens all accepted read as a rejection at position n + 1, which made the next cut come
         earlier: on emulated h100-8b (agreement 0.95, T = 0.7) auto's rates at positions 3-4 sank
-        to 0.84 where pipelined-4's verdicts measured 0.95, and auto ran K = 2 at 0.84 of it."""
+        to 0.84 where pipelined-4's verdicts measured 0.95, and auto ran mostly K = 2."""
         cut = 0 < len(proposal) < drafted and not pre_drafted
         asked = len(proposal) if pre_drafted or arm == TARGET_ONLY or cut else arm.k
         if asked > 0:

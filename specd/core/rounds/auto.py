@@ -677,17 +677,14 @@ class AutoChooser:
         verify, draft = costs.verify[arm.k + 1], costs.draft[arm.k]
         return draft >= self.policy.settings.pipeline_margin * (verify + draft)
 
-    def expected_rate(self, cls: ArmCycles, arm: Arm, rates: Sequence[float]) -> float:
-        """Tokens per ms the arm is expected to give (the definition `rate_arms` computes for many at once)."""
-        return arm_tokens(arm, rates) / max(self.cycle(cls, arm, rates), 1e-6)
-
     def rate_arms(
         self, cls: ArmCycles, arms: Sequence[Arm], rates: Sequence[float], *, runnable: bool = True
     ) -> dict[Arm, float]:
-        """expected_rate of each arm (of those `_may_run` allows, if runnable), the same numbers, with what
-        the arms share computed once: the tokens and P(all accepted) per K, the cost table, and each
-        pipeline's measured hits and corrections. Rating every arm one by one was 0.34 ms of CPU a
-        round in the coordinator, 60% of auto's (emulated h100-8b, agreement 0.8, T = 0, k_max 6)."""
+        """Tokens per ms each arm is expected to give (of those `_may_run` allows, if runnable):
+        arm_tokens / max(model_cycle + correction, 0), with what the arms share computed once: the
+        tokens and P(all accepted) per K, the cost table, and each pipeline's measured hits and
+        corrections. Rating every arm one by one was 0.34 ms of CPU a round in the coordinator,
+        60% of auto's (emulated h100-8b, agreement 0.8, T = 0, k_max 6)."""
         costs = self._cost_table(cls)
         s = self.policy.settings
         # E[tokens | K] and P(all K accepted), as expected_tokens and all_accepted compute them
@@ -822,10 +819,6 @@ class AutoChooser:
             return family
         w = self.policy.settings.arm_correction_prior
         return (own.value * own.weight + family * w) / (own.weight + w)
-
-    def cycle(self, cls: ArmCycles, arm: Arm, rates: Sequence[float]) -> float:
-        """The expected cycle in ms: the model plus what its family's rounds measured beyond it."""
-        return max(0.0, self.model_cycle(cls, arm, rates) + self.correction(cls, arm))
 
     def neighbours(self, arm: Arm, cls: ArmCycles | None = None) -> list[Arm]:
         """The arms the best could move to next: K +- 1, the other pipelines at K, target-only

@@ -329,7 +329,7 @@ class RequestRun:
                 draft_wall_ms if prefilled else 0.0,  # a prefill is no draft's cost
             )
             # a pre-draft the request's end shortened (PipelineRound.room) is not one of `wanted` tokens
-            full = gen.draft_budget(wanted, after=len(proposal) + 1) == wanted
+            full = rnd.next_budget(len(proposal) + 1) == wanted
             if launched and full and (pre_ms := pipeline.pre_draft_ms) is not None:
                 self._chooser.observe_pre_draft(cls, pipeline.name, wanted, pre_ms)
         new = gen.commit(proposal.token_ids, outcome.accepted, token)

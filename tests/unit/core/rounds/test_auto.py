@@ -406,8 +406,9 @@ def test_the_cached_rates_and_costs_follow_every_observation() -> None:
         fresh.acceptance = chooser.acceptance
         rates = fresh.rates(cls)
         assert chooser.rates(cls) == rates
-        for a in [*chooser.neighbours(arm), arm]:
-            assert chooser.expected_rate(cls, a, rates) == fresh.expected_rate(cls, a, rates)
+        arms = [*chooser.neighbours(arm), arm]
+        assert chooser.rate_arms(cls, arms, rates, runnable=False) == fresh.rate_arms(cls, arms, rates, runnable=False)
+        for a in arms:
             confidence = [0.9, 0.4, 0.8, 0.3, 0.7, 0.5][: a.k]
             assert chooser.cut(cls, a, confidence) == fresh.cut(cls, a, confidence)
 
@@ -425,9 +426,15 @@ def test_the_cached_rates_and_costs_follow_every_observation() -> None:
 
 
 def test_rating_many_arms_at_once_gives_each_arms_expected_rate_exactly() -> None:
-    """rate_arms shares the tokens, hits and corrections between arms: the numbers are expected_rate's,
-    bit for bit, through every kind of measurement (pipelines' hits, pre-draft and arm excesses,
-    target-only rounds) and for rates shorter than the longest K; runnable drops what _may_run refuses."""
+    """rate_arms shares the tokens, hits and corrections between arms: the numbers are the definition's,
+    arm_tokens / max(model_cycle + correction, 0) arm by arm, bit for bit, through every kind of measurement
+    (pipelines' hits, pre-draft and arm excesses, target-only rounds) and for rates shorter than the longest
+    K; runnable drops what _may_run refuses."""
+
+    def definition(a: Arm, rates: list[float]) -> float:
+        cycle = max(0.0, chooser.model_cycle(cls, a, rates) + chooser.correction(cls, a))
+        return arm_tokens(a, rates) / max(cycle, 1e-6)
+
     policy = AutoPolicy()
     # a cheap draft (d(K) 0.4-1.4 ms against a 20 ms verify): _may_run refuses the pipelines at small K only
     service = Service(
@@ -449,7 +456,7 @@ def test_rating_many_arms_at_once_gives_each_arms_expected_rate_exactly() -> Non
         chooser.observe_cycle(cls, arm, cycle, hit, all_in=arm.k > 0 and accepted == arm.k)
         for rates in (chooser.rates(cls), chooser.rates(cls)[:3]):
             every = chooser.rate_arms(cls, arms, rates, runnable=False)
-            assert every == {a: chooser.expected_rate(cls, a, rates) for a in arms}
+            assert every == {a: definition(a, rates) for a in arms}
             allowed = chooser.rate_arms(cls, arms, rates)
             assert allowed == {a: every[a] for a in arms if chooser._may_run(cls, a)}
             checked, dropped = checked + 1, dropped + len(every) - len(allowed)

@@ -11,7 +11,11 @@ temperature, and reports per cell:
   (speed-up / S(K) with the measured K+1-token verify in S(K)'s denominator);
 - the best fixed mode (any K, any pipeline) and auto's speed-up against it
   (auto / best fixed);
-- auto against target-only (where the draft is useless it should be ~1).
+- auto against target-only (where the draft is useless it should be ~1);
+- for both ratios, how far they could move with other prompts: the central 90% of a paired
+  bootstrap over the prompts (specd.tools.bench.stats.paired_ratio_interval), the best fixed
+  mode chosen again in every draw. At T > 0 the modes' texts differ (a pipeline uses the
+  coins at other positions), so their acceptance differs by chance as well as by mode.
 
 Every figure is emulated (the services, batching and sampler are real; the
 forward passes take the profile's modelled time).
@@ -34,6 +38,8 @@ from pathlib import Path
 from typing import Any
 
 from measure_args import floats, ints, names
+
+from specd.tools.bench.stats import paired_ratio_interval
 
 
 def bench(profile: str, agreement: float, args: argparse.Namespace, out: Path) -> list[dict[str, Any]]:
@@ -79,6 +85,7 @@ def summarise(profile: str, agreement: float, temperature: float, records: list[
     plain = [m for m in fixed if m.startswith("fixed-")]
     best_plain = max(plain, key=lambda m: fixed[m]["speedup"]) if plain else best_mode
     auto = by_mode["auto"]
+    requests = {m: _requests(r) for m, r in by_mode.items()}
     tree_figures: dict[str, Any] = {}
     if best_tree is not None:
         tree_figures = {
@@ -102,11 +109,28 @@ def summarise(profile: str, agreement: float, temperature: float, records: list[
         "best_fixed_speedup": fixed[best_mode]["speedup"],
         "auto_speedup": auto["speedup"],
         "auto_over_best_fixed": auto["speedup"] / fixed[best_mode]["speedup"],
+        "auto_over_best_fixed_90": paired_ratio_interval(requests, "auto", list(fixed)),
+        "auto_over_target_only_90": paired_ratio_interval(requests, "auto", ["target-only"]),
         "auto_mean_draft_length": auto.get("mean_draft_length"),
         "overhead_ms_p50": {m: r.get("round_overhead_ms_p50") for m, r in by_mode.items()},
         # T = 0: the modes whose greedy output was not target-only's, token for token (should be none)
         "greedy_differs": sorted(m for m, r in by_mode.items() if r.get("greedy_identical") is False),
     }
+
+
+def _requests(record: dict[str, Any]) -> dict[str, tuple[float, float]]:
+    """A record's requests as prompt id -> (tokens, seconds); a prompt that ran twice is told apart by its turn."""
+    out: dict[str, tuple[float, float]] = {}
+    for r in record.get("per_request") or []:
+        key, turn = r["prompt_id"], 1
+        while key in out:
+            key, turn = f"{r['prompt_id']}#{turn}", turn + 1
+        out[key] = (float(r["tokens"]), float(r["seconds"]))
+    return out
+
+
+def _interval(bounds: list[float] | tuple[float, float] | None) -> str:
+    return f" [{bounds[0]:.2f}, {bounds[1]:.2f}]" if bounds else ""
 
 
 def markdown(rows: list[dict[str, Any]], args: argparse.Namespace, seconds: float) -> str:
@@ -123,17 +147,18 @@ def markdown(rows: list[dict[str, Any]], args: argparse.Namespace, seconds: floa
         f"{args.prompts} prompts x {args.max_new_tokens} tokens per mode, interleave {args.interleave}.",
         "",
         "Speed-up against target-only in the same run; efficiency = speed-up / S(K) with the measured "
-        "verify cost (docs/bench.md).",
+        "verify cost (docs/bench.md). In brackets: the central 90% of a paired bootstrap over the prompts "
+        "(the best fixed mode chosen again in each draw).",
         "",
         "| profile | agreement | T | a | "
         + " | ".join(f"{k} speed-up (eff.)" for k in ks)
         + " | "
         + " | ".join(pipelined)
-        + " | best fixed | auto | auto / best fixed | auto mean K |"
+        + " | best fixed | auto | auto / best fixed | auto / target-only | auto mean K |"
         + (" best tree / best fixed (any pipeline) / best fixed-K |" if args.extra_modes else ""),
         "|---|---|---|---|"
         + "---|" * (len(ks) + len(pipelined))
-        + "---|---|---|---|"
+        + "---|---|---|---|---|"
         + ("---|" if args.extra_modes else ""),
     ]
     for r in rows:
@@ -148,7 +173,8 @@ def markdown(rows: list[dict[str, Any]], args: argparse.Namespace, seconds: floa
             f"| {r['profile']} | {r['agreement']} | {r['temperature']:g} | {alpha} | "
             + " | ".join(cells)
             + f" | `{r['best_fixed']}` {r['best_fixed_speedup']:.2f}x | {r['auto_speedup']:.2f}x | "
-            f"{r['auto_over_best_fixed']:.3f} | {mean_k} |"
+            f"{r['auto_over_best_fixed']:.3f}{_interval(r.get('auto_over_best_fixed_90'))} | "
+            f"{r['auto_speedup']:.3f}{_interval(r.get('auto_over_target_only_90'))} | {mean_k} |"
             + (
                 f" `{r['best_tree']}` {r['best_tree_speedup']:.2f}x / {r['tree_over_best_chain']:.3f} / "
                 f"{r['tree_over_unpipelined_chain']:.3f} (`{r['best_unpipelined_chain']}`) |"
@@ -208,6 +234,7 @@ def main() -> None:
                                     "best_fixed_speedup",
                                     "auto_speedup",
                                     "auto_over_best_fixed",
+                                    "auto_over_best_fixed_90",
                                     "tree_over_best_chain",
                                     "tree_over_unpipelined_chain",
                                 )

@@ -76,6 +76,7 @@ from specd.tools.bench.stats import (
     alpha_from_rounds,
     expected_tokens_per_round,
     mixed_speedup,
+    paired_ratio_interval,
     percentile,
     theoretical_speedup,
 )
@@ -112,6 +113,7 @@ __all__ = [
     "largest_k",
     "load_prompts",
     "mixed_speedup",
+    "paired_ratio_interval",
     "parse_custom_mode",
     "parse_modes",
     "percentile",

@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+import random
+from collections.abc import Mapping, Sequence
 
 
 def percentile(values: Sequence[float], q: float) -> float:
@@ -71,3 +72,45 @@ def alpha_from_acceptance_length(length: float, k: float) -> float | None:
         else:
             hi = mid
     return (lo + hi) / 2
+
+
+def paired_ratio_interval(
+    requests: Mapping[str, Mapping[str, tuple[float, float]]],
+    mode: str,
+    against: Sequence[str],
+    *,
+    level: float = 0.9,
+    draws: int = 2000,
+    seed: int = 0,
+) -> tuple[float, float] | None:
+    """How far `mode`'s rate over the best of `against` could move with other prompts: a paired bootstrap.
+
+    requests: mode -> prompt id -> (tokens, seconds) of that prompt's request; every mode ran the same
+    prompts, so a draw resamples prompt ids (with replacement) and each mode's rate is its tokens over its
+    seconds on them. The ratio is the mode's rate over the best rate among `against` in that same draw:
+    the best is chosen again each time, so picking the best of many noisy modes (which flatters it) is
+    inside the interval. Returns its central `level` share, (low, high); None when a mode lacks a prompt
+    the others ran, or no prompt ran at all.
+    """
+    modes = [mode, *against]
+    if any(m not in requests for m in modes):
+        return None
+    prompts = sorted(requests[mode])
+    if not prompts or any(set(requests[m]) != set(prompts) for m in modes):
+        return None
+    rng = random.Random(seed)
+    table = [[requests[m][p] for p in prompts] for m in modes]  # [mode][prompt] = (tokens, seconds)
+    ratios = []
+    for _ in range(draws):
+        picked = [rng.randrange(len(prompts)) for _ in prompts]
+        rates = []
+        for rows in table:
+            seconds = sum(rows[i][1] for i in picked)
+            rates.append(sum(rows[i][0] for i in picked) / seconds if seconds > 0 else 0.0)
+        best = max(rates[1:])
+        if best > 0:
+            ratios.append(rates[0] / best)
+    if not ratios:
+        return None
+    tail = (1.0 - level) / 2 * 100.0
+    return percentile(ratios, tail), percentile(ratios, 100.0 - tail)

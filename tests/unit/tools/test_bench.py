@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import os
+import random
 import tomllib
 from collections import Counter
 from pathlib import Path
@@ -21,6 +22,7 @@ from specd.tools.bench import (
     expected_tokens_per_round,
     finish_records,
     load_prompts,
+    paired_ratio_interval,
     parse_custom_mode,
     parse_modes,
     percentile,
@@ -163,6 +165,29 @@ def test_alpha_from_acceptance_length_inverts_the_expectation() -> None:
         assert alpha_from_acceptance_length(length, 4) == pytest.approx(a, abs=1e-9)
     assert alpha_from_acceptance_length(1.0, 4) == 0.0
     assert alpha_from_acceptance_length(5.0, 4) == 1.0
+
+
+def test_a_paired_bootstrap_gives_the_ratios_spread_over_prompts() -> None:
+    """auto's rate over the best of the other modes, resampling prompts: the same data is exactly 1, a mode
+    twice as fast on every prompt exactly 2, noise widens the interval around the ratio on all prompts,
+    and modes that ran different prompts have none."""
+    rng = random.Random(5)
+    prompts = [f"p{i}" for i in range(12)]
+    base = {p: (48.0, rng.uniform(0.3, 0.6)) for p in prompts}
+    assert paired_ratio_interval({"auto": base, "fixed-2": dict(base)}, "auto", ["fixed-2"]) == (1.0, 1.0)
+    fast = {p: (t, s / 2) for p, (t, s) in base.items()}
+    lo, hi = paired_ratio_interval({"auto": fast, "fixed-2": base, "fixed-4": base}, "auto", ["fixed-2", "fixed-4"])
+    assert lo == pytest.approx(2.0) and hi == pytest.approx(2.0)
+    noisy = {p: (t, s * rng.uniform(0.7, 1.3)) for p, (t, s) in base.items()}
+    lo, hi = paired_ratio_interval({"auto": noisy, "fixed-2": base}, "auto", ["fixed-2"], level=0.9)
+    whole = (sum(t for t, _ in noisy.values()) / sum(s for _, s in noisy.values())) / (
+        sum(t for t, _ in base.values()) / sum(s for _, s in base.values())
+    )
+    assert lo < whole < hi and hi - lo > 0.05
+    narrower = paired_ratio_interval({"auto": noisy, "fixed-2": base}, "auto", ["fixed-2"], level=0.5)
+    assert narrower is not None and lo < narrower[0] < narrower[1] < hi
+    assert paired_ratio_interval({"auto": base, "fixed-2": {"other": (48.0, 0.4)}}, "auto", ["fixed-2"]) is None
+    assert paired_ratio_interval({"auto": base}, "auto", ["fixed-2"]) is None
 
 
 def test_percentile_matches_numpy_linear() -> None:

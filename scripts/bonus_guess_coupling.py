@@ -1,13 +1,14 @@
 #!/usr/bin/env python
 """How often a draft's guess of the target's bonus token is right at T > 0, by how it is drawn (emulated).
 
-For contexts of an emulated pair, the target's bonus is drawn as the verifier draws it (inverse CDF
-over p in token-id order at the coin (seed, position, Role.BONUS)). The draft's guess is
+For contexts of an emulated pair, the target's bonus is drawn as the verifier draws it (the race of
+specd.core.sampling.bonus_race over p at the request's coins). The draft's guess is
 - "own coin": drawn from its sparse q with its own coin (bonus-match's guess before the coupling):
   right with probability sum p q;
 - "top token": q's likeliest token (the speculation cache's first bonus branch): right w.p. p(top);
-- "target's coin": specd.core.sampling.bonus_guess.coupled_guess, inverse CDF over the same sparse q
-  in token-id order at the target's coin.
+- "target's coins": specd.core.sampling.bonus_guess.coupled_guess, the same race over the sparse q
+  with the target's coins;
+- "1 - TV": sum min(p, q), the most any coupling of the two draws can give.
 Prints P(right) per profile and agreement, averaged over contexts and coins. The figures in
 specd/core/sampling/bonus_guess.py and specd/core/draft/branching.py:
 
@@ -41,14 +42,14 @@ def main() -> int:
     print(
         f"T = {args.temperature:g}: P(the draft's guess is the target's bonus), {args.contexts} contexts x {args.coins} coins"
     )
-    print("| profile | agreement | own coin | top token | target's coin |")
-    print("|---|---|---|---|---|")
+    print("| profile | agreement | own coin | top token | target's coins | 1 - TV |")
+    print("|---|---|---|---|---|---|")
     seeds = torch.arange(args.coins, dtype=torch.int64)
     for profile_name in args.profiles.split(","):
         for agreement in (float(a) for a in args.agreements.split(",")):
             spec = f"sim:{profile_name},agreement={agreement}"
             p, ids, weights = emulated_rows(spec, args.contexts, args.temperature)  # [C, V]; [C, W]
-            own, top, coupled = [], [], []
+            own, top, coupled, best = [], [], [], []
             for c in range(args.contexts):
                 w = weights[c].double().numpy()
                 live = w > 0
@@ -56,13 +57,15 @@ def main() -> int:
                 np.add.at(q_c, ids[c].numpy()[live], w[live] / w.sum())
                 own.append(float((p[c] * q_c).sum()))
                 top.append(float(p[c, int(q_c.argmax())]))
+                best.append(float(np.minimum(p[c] / p[c].sum(), q_c).sum()))
                 position = torch.full((args.coins,), 100 + c, dtype=torch.int64)
-                # the target's bonus is the same inverse CDF over p at the same coin (rejection's draw)
+                # the target's bonus is the race over p at the same coins (rejection's draw)
                 bonus = coupled_guess_dense(torch.from_numpy(p[c]).expand(args.coins, -1), seeds, position)
                 rows = ids[c].expand(args.coins, -1), weights[c].expand(args.coins, -1)
                 coupled.append(float((coupled_guess(*rows, seeds, position) == bonus).float().mean()))
             print(
-                f"| {profile_name} | {agreement:g} | {np.mean(own):.3f} | {np.mean(top):.3f} | {np.mean(coupled):.3f} |",
+                f"| {profile_name} | {agreement:g} | {np.mean(own):.3f} | {np.mean(top):.3f} | {np.mean(coupled):.3f} "
+                f"| {np.mean(best):.3f} |",
                 flush=True,
             )
     return 0

@@ -10,7 +10,8 @@ Words (vLLM's, used everywhere in specd):
 - **recovered** token: at the first rejection j the target draws a token
   from the residual normalise(max(0, p_j - q_j)) over the full vocabulary.
 - **bonus** token: when all drafts are accepted the target draws one more
-  token from p_K, the position after the last draft.
+  token from p_K, the position after the last draft (by the race of
+  specd.core.sampling.bonus_race, which a pipelined draft's guess of it shares).
 
 Every verify round therefore emits ``num_accepted + 1`` tokens, and the
 emitted sequence has exactly the distribution of sampling from p alone
@@ -41,6 +42,7 @@ import torch
 from torch import Tensor
 
 from specd.core.errors import Internal, InvalidArgument
+from specd.core.sampling.bonus_race import race_draw
 from specd.core.sampling.sampler import Role, host_coins, sample_from_probs
 
 __all__ = ["SparseProposal", "TargetRows", "Verdict", "rejection_sample"]
@@ -147,20 +149,23 @@ def rejection_sample(
         for n, row in enumerate(rows.read(bonus, j[bonus])):
             p_j[int(bonus[n])] = row
 
-    # ---- recovered / bonus: sample normalise(max(0, p_j - q_j)); q_j = 0 for the bonus ----
-    pos_j = (start + j)[:, None]  # [B, 1]
-    u = np.where(is_bonus, host_coins(seed, pos_j, Role.BONUS)[:, 0], host_coins(seed, pos_j, Role.RECOVER)[:, 0])
-    jq = np.minimum(j, max(K - 1, 0))  # [B] (bonus rows: any, unused)
-    b_all = np.arange(B)
-    q_ids_j = q_ids[b_all, jq] if K else np.zeros((B, 0), dtype=np.int64)  # [B, W]
-    sum_j = np.where(q_sum[b_all, jq] > 0, q_sum[b_all, jq], 1.0) if K else np.ones(B)  # [B] (bonus rows: unused)
-    q_j = q_raw[b_all, jq] / sum_j[:, None] if K else np.zeros((B, 0))  # [B, W] q = wire / sum
+    # ---- recovered: sample normalise(max(0, p_j - q_j)); bonus: the race over p_K (bonus_race) ----
+    pos_j = start + j  # [B]
     emitted = [row for row in p_j if row is not None]
     assert len(emitted) == B
-    next_token = _draw(emitted, ~is_bonus, q_ids_j, q_j, u)  # [B]
+    next_token = np.zeros(B, dtype=np.int64)
+    for b in bonus.tolist():
+        next_token[b] = race_draw(_host_row(emitted[b]), None, int(seed[b]), int(pos_j[b]))
+    rec = np.flatnonzero(~is_bonus)
+    if rec.size:
+        u = host_coins(seed[rec], pos_j[rec, None], Role.RECOVER)[:, 0]  # [R]
+        jq = j[rec]  # [R] < K: a rejection happened at a draft position
+        q_j = q_raw[rec, jq] / q_sum[rec, jq][:, None]  # [R, W] q = wire / sum (> 0 at a real draft)
+        recovered = [emitted[b] for b in rec.tolist()]
+        next_token[rec] = _draw(recovered, np.ones(rec.size, dtype=np.bool_), q_ids[rec, jq], q_j, u).numpy()
     return Verdict(
         num_accepted=torch.from_numpy(num_accepted).to(rows.device),
-        next_token=next_token.to(rows.device),
+        next_token=torch.from_numpy(next_token).to(rows.device),
         is_bonus=torch.from_numpy(is_bonus).to(rows.device),
     )
 
@@ -269,6 +274,13 @@ def _q_at(q_ids: np.ndarray, q_raw: np.ndarray, q_sum: np.ndarray, x: np.ndarray
     if bool((match.sum(-1) > 1).any()):  # an id twice: divide each slot, then add, as the dense formula
         return np.where(match, q_raw / safe[..., None], 0.0).sum(-1)
     return (q_raw * match).sum(-1) / safe
+
+
+def _host_row(row: Tensor) -> np.ndarray:
+    """[V] p row as a host array (a copy only where it lives elsewhere or is not float)."""
+    if row.device.type == "cpu" and row.dtype in (torch.float32, torch.float64):
+        return row.detach().numpy()
+    return row.detach().to("cpu", torch.float64).numpy()
 
 
 def _draw(p_j: list[Tensor], rejected: np.ndarray, q_ids: np.ndarray, q: np.ndarray, u: np.ndarray) -> Tensor:

@@ -52,6 +52,7 @@ __all__ = [
     "sample_sparse",
     "sampled_mass",
     "sparse_proposal",
+    "token_coins",
     "unusable_logits",
     "unusable_probs",
     "unusable_rows",
@@ -138,7 +139,9 @@ class Role(enum.IntEnum):
     DRAFT = 1  # draft samples its proposal token
     ACCEPT = 2  # target's accept/reject coin
     RECOVER = 3  # target samples the recovered token from the residual
-    BONUS = 4  # target samples the bonus token from p
+    BONUS = 4  # target samples the bonus token from p (the tail's token, specd.core.sampling.bonus_race)
+    BONUS_RACE = 5  # the bonus race's clock of each head token (token_coins: one per token id)
+    BONUS_TAIL = 6  # the bonus race's clock of the tail
 
 
 _GOLDEN = np.uint64(0x9E3779B97F4A7C15)  # splitmix64 increment (odd)
@@ -219,6 +222,22 @@ def coin_values(seeds: Sequence[int], positions: Sequence[Sequence[int]], role: 
             h = _mix64_int(_mix64_int(h0 ^ ((pos + 2 * g) & _MASK)) ^ salt)
             out.append((h >> 11) * (1.0 / (1 << 53)))
     return out
+
+
+def token_coins(seed: int, position: int, role: Role, ids: np.ndarray) -> np.ndarray:
+    """One uniform in [0, 1) per token id at (seed, position, role): ids [n] int64 -> [n] float64.
+
+    The (seed, position, role) coin's 64-bit state, mixed once more with each id (x (id + 1) * 5G):
+    injective in the id, so distinct tokens never share a coin, and independent of every other coin."""
+    g = int(_GOLDEN)
+    h = _mix64_int(
+        _mix64_int(_mix64_int((seed + g) & _MASK) ^ ((position + 2 * g) & _MASK)) ^ (int(role) * 3 * g & _MASK)
+    )
+    salt = np.uint64((5 * g) & _MASK)
+    t = np.asarray(ids, dtype=np.int64).view(np.uint64)  # [n]
+    with np.errstate(over="ignore"):
+        z = _mix64(np.uint64(h) ^ ((t + np.uint64(1)) * salt))
+    return (z >> np.uint64(11)).astype(np.float64) * (1.0 / (1 << 53))
 
 
 # --------------------------------------------------------------------------

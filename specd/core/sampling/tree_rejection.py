@@ -57,8 +57,9 @@ path spells the same greedy continuation.
 
 **Coins** (:func:`specd.core.sampling.tree.coin_positions`): the accept coin
 of the rank-k child at depth d is Role.ACCEPT at slot k of position
-start + d - 1; the recovered and bonus coins are Role.RECOVER / Role.BONUS
-at slot 0 of the position of the emitted token. Along the one path the
+start + d - 1; the recovered coin is Role.RECOVER at slot 0 of the position
+of the emitted token, and a bonus token is the race of
+specd.core.sampling.bonus_race at that position. Along the one path the
 target walks, each coin is used once, and a chain's coins are the chain's:
 a chain tree gets :func:`specd.core.sampling.rejection.rejection_sample`'s
 verdict, bit for bit.
@@ -74,6 +75,7 @@ import torch
 from torch import Tensor
 
 from specd.core.errors import InvalidArgument
+from specd.core.sampling.bonus_race import race_draw
 from specd.core.sampling.greedy import greedy_tokens
 from specd.core.sampling.rejection import ZERO_RESIDUAL
 from specd.core.sampling.sampler import Role, coins, host_coins, sample_from_probs
@@ -209,8 +211,10 @@ def tree_rejection_sample(
 
     pos = (start + depth)[:, None]  # [B, 1] the emitted token's position
     u_rec = coins(seeds, pos, Role.RECOVER)[:, 0].to(dev)
-    u_bon = coins(seeds, pos, Role.BONUS)[:, 0].to(dev)
-    next_token = sample_from_probs(final_w, torch.where(is_bonus, u_bon, u_rec))  # [B]
+    next_token = sample_from_probs(final_w, u_rec)  # [B]: the recovered rows' (the bonus rows' below)
+    for b in torch.nonzero(is_bonus).flatten().tolist():  # the bonus: the race over p (bonus_race)
+        row = final_w[b].to("cpu", torch.float64).numpy()
+        next_token[b] = race_draw(row, None, int(seeds[b]), int(pos[b, 0]))
     return TreeVerdicts(path[:, :N], depth, next_token, is_bonus)
 
 
@@ -273,11 +277,13 @@ def tree_rejection_row(read_p: Callable[[int], np.ndarray], tree: DraftTree, see
             scale, total, base_sum = new_scale, z, base_sum - removed
         rank += 1
     is_bonus = rank == 0
+    if is_bonus:  # p after the path, as read: the race over it (bonus_race)
+        return TreeVerdict(tuple(path), race_draw(base, None, seed, start + len(path)), True)
     final = torch.from_numpy(base)  # [V] r up to its factor
     emit = np.array([[start + len(path)]], np.int64)
-    u = host_coins(np.array([seed], np.int64), emit, Role.BONUS if is_bonus else Role.RECOVER)[0]
+    u = host_coins(np.array([seed], np.int64), emit, Role.RECOVER)[0]
     token = int(sample_from_probs(final[None], torch.from_numpy(u))[0])
-    return TreeVerdict(tuple(path), token, is_bonus)
+    return TreeVerdict(tuple(path), token, False)
 
 
 def tree_greedy_verdict(logits: Tensor, tree: DraftTree) -> TreeVerdict | None:

@@ -34,8 +34,9 @@ from specd.core.model.runner import CausalLMRunner
 from specd.core.model.sim import parse_sim_spec
 from specd.core.rounds.adaptive import PositionAcceptance
 from specd.core.rounds.steps import Branches, BranchRequest, ProposeRequest
+from specd.core.sampling.bonus_race import race_draw
 from specd.core.sampling.proposal import Proposal
-from specd.core.sampling.sampler import Role, SamplingParams, host_coins, processed_probs
+from specd.core.sampling.sampler import SamplingParams, processed_probs
 
 SIM = "sim:h100-tp2-70b,vocab_size=2048,time_scale=0"
 PROMPT = [11, 22, 33, 44, 55, 66, 77]
@@ -230,11 +231,9 @@ def test_a_sure_sampled_branch_call_covers_the_bonus_the_target_draws_when_the_d
     pending, covered, top_is_bonus = [7, 9], 0, 0
     context = [*PROMPT, *pending]
     p = processed_probs(target.logits([context])[:, None], [SAMPLED])[0, 0].double().numpy()  # [V] the bonus row
-    cdf = np.cumsum(p)
     for seed in range(20):
         params = SamplingParams(temperature=SAMPLED.temperature, top_k=SAMPLED.top_k, seed=seed)
-        u = host_coins(np.array([seed]), np.array([[len(context)]]), Role.BONUS)[0, 0]
-        bonus = int(np.searchsorted(cdf, u * cdf[-1], side="right"))  # the verifier's draw (rejection)
+        bonus = race_draw(p, None, seed, len(context))  # the verifier's draw (rejection)
         d = ModelDrafter(profile.runner("draft"))
         d.open("s", context, params)
         req = BranchRequest("s", len(context), len(context), [], len(pending), 2, 1, (0.9, 0.9))

@@ -11,7 +11,7 @@ import torch
 from torch import Tensor
 
 from specd.core.sampling.rejection import ZERO_RESIDUAL, SparseProposal, Verdict
-from specd.core.sampling.sampler import Role, coins
+from specd.core.sampling.sampler import Role, coins, token_coins
 from specd.core.sampling.sparse_q import QSettings
 
 
@@ -74,9 +74,31 @@ def rejection_sample(
     residual = torch.where(residual.sum(-1, keepdim=True) > ZERO_RESIDUAL, residual, p_j)
     pos_j = (start + j)[:, None]
     u_rec = coins(seeds, pos_j, Role.RECOVER)[:, 0]
-    u_bon = coins(seeds, pos_j, Role.BONUS)[:, 0]
-    next_token = sample_from_probs(residual, torch.where(is_bonus, u_bon, u_rec))
+    next_token = sample_from_probs(residual, u_rec)
+    for b in torch.nonzero(is_bonus).flatten().tolist():
+        next_token[b] = bonus_race(p_j[b], int(seeds[b]), int(pos_j[b, 0]))
     return Verdict(num_accepted=num_accepted, next_token=next_token, is_bonus=is_bonus)
+
+
+def bonus_race(p: Tensor, seed: int, position: int, head_share: float = 2.0**-10) -> int:
+    """The bonus token of a dense row p [V] (weights >= 0), from the race's definition
+    (specd.core.sampling.bonus_race): a clock E / p per head token (p >= head_share of the mass,
+    E = -log(1 - U) of its own coin), one clock E_T / m_T for the tail; the first to ring wins, and
+    a ringing tail draws its token by inverse CDF over the tail with the bonus coin."""
+    w = p.to(torch.float64)
+    head = w >= head_share * w.sum()
+    ids = torch.arange(w.numel())
+    clock = torch.full_like(w, float("inf"))
+    if bool(head.any()):
+        u = torch.from_numpy(token_coins(seed, position, Role.BONUS_RACE, ids[head].numpy()))
+        clock[head] = -torch.log1p(-u) / w[head]
+    tail = torch.where(head, 0.0, w)
+    if float(tail.sum()) > 0:
+        u_tail = coins(torch.tensor([seed]), torch.tensor([[position]]), Role.BONUS_TAIL)[0, 0]
+        if float(-torch.log1p(-u_tail) / tail.sum()) < float(clock.min()):
+            u = coins(torch.tensor([seed]), torch.tensor([[position]]), Role.BONUS)[:, 0]
+            return int(sample_from_probs(tail[None], u)[0])
+    return int(torch.argmin(clock))
 
 
 def sample_from_probs(probs: Tensor, u: Tensor) -> Tensor:

@@ -9,7 +9,7 @@ import torch
 
 from specd.core.errors import InvalidArgument
 from specd.core.sampling.rejection import SparseProposal, rejection_sample
-from specd.core.sampling.sampler import Role, SamplingParams, coins, processed_probs, sample_from_probs, sample_sparse
+from specd.core.sampling.sampler import Role, SamplingParams, coins, processed_probs, sample_sparse
 from specd.core.sampling.tree import COIN_STRIDE, DraftTree, TreeBatch
 from specd.core.sampling.tree_rejection import (
     TreeVerdict,
@@ -17,6 +17,7 @@ from specd.core.sampling.tree_rejection import (
     tree_rejection_row,
     tree_rejection_sample,
 )
+from tests.unit.core.sampling import reference
 
 F32, F64, I64 = torch.float32, torch.float64, torch.int64
 ONE = {0: [1, 0, 0, 0], 1: [0, 1, 0, 0], 2: [0, 0, 1, 0], 3: [0, 0, 0, 1]}  # one-hot rows over V = 4
@@ -165,11 +166,10 @@ def test_batch_rows_are_independent_of_their_batch_mates():
 
 
 def test_bonus_and_recovered_use_the_chain_coins():
-    """Empty tree: the bonus is p sampled with the BONUS coin at the start position."""
+    """Empty tree: the bonus is the chain's, the race over p at the start position (bonus_race)."""
     p = torch.tensor([[[0.1, 0.2, 0.3, 0.4]]])
     for seed in range(20):
-        u = coins(torch.tensor([seed]), torch.tensor([[12]]), Role.BONUS)[:, 0]
-        want = int(sample_from_probs(p[0].double(), u)[0])
+        want = reference.bonus_race(p[0, 0], seed, 12)
         assert tree_rejection_sample(
             p, TreeBatch.of([DraftTree.chain([])]), torch.tensor([seed]), torch.tensor([12])
         ).row(0) == TreeVerdict((), want, True)

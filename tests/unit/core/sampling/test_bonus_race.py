@@ -1,0 +1,107 @@
+"""The bonus race (specd.core.sampling.bonus_race): exact, shared by sparse and dense rows, and coupled.
+
+Exact: the draws over many seeds follow p, head and tail alike (chi-square), and a broken race (the
+tail's clock at the wrong rate) is caught by the same check. Coupled: a q equal to p draws the target's
+token at every seed, and a q close to p far more often than the inverse CDF in token-id order did.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from scipy import stats
+
+from specd.core.errors import Internal
+from specd.core.sampling import bonus_race
+from specd.core.sampling.bonus_race import HEAD_SHARE, race_draw
+from specd.core.sampling.sampler import Role, coin_values, sample_from_probs
+
+pytestmark = pytest.mark.unit
+
+
+def _row(rng: np.random.Generator, head: int, tail: int, tail_mass: float) -> np.ndarray:
+    """A row of `head` likely tokens and `tail` tokens under HEAD_SHARE each, holding tail_mass, shuffled."""
+    h = rng.dirichlet(np.full(head, 5.0)) * (1.0 - tail_mass)
+    t = rng.dirichlet(np.full(tail, 20.0)) * tail_mass
+    assert h.min() >= HEAD_SHARE and t.max() < HEAD_SHARE
+    return rng.permutation(np.concatenate([h, t]))
+
+
+def _draws(p: np.ndarray, seeds: range, position: int = 40) -> np.ndarray:
+    return np.array([race_draw(p, None, s, position) for s in seeds])
+
+
+def _pvalue(p: np.ndarray, tokens: np.ndarray, tail: np.ndarray) -> float:
+    """Chi-square of the draws against p, the tail's tokens pooled into one bin (each is rare)."""
+    head = ~tail
+    observed = np.append(np.bincount(tokens, minlength=p.size)[head], np.isin(tokens, np.flatnonzero(tail)).sum())
+    expected = np.append(p[head], p[tail].sum()) / p.sum() * tokens.size
+    return float(stats.chisquare(observed, expected).pvalue)
+
+
+def test_the_draws_follow_p_head_and_tail_and_a_wrong_tail_clock_is_caught(monkeypatch) -> None:
+    p = _row(np.random.default_rng(3), head=6, tail=int(0.3 / HEAD_SHARE) * 4, tail_mass=0.3)
+    tail = p < HEAD_SHARE * p.sum()
+    tokens = _draws(p, range(8000))
+    assert _pvalue(p, tokens, tail) > 1e-3
+    # the tail's tokens are drawn in proportion within it too: its most likely tenth gets its share
+    top_tail = np.flatnonzero(tail)[np.argsort(p[tail])[-tail.sum() // 10 :]]
+    share = np.isin(tokens, top_tail).sum() / np.isin(tokens, np.flatnonzero(tail)).sum()
+    assert abs(share - p[top_tail].sum() / p[tail].sum()) < 0.05
+    # power: the tail's clock at twice its rate wins too often
+    real = bonus_race.coin_values
+    monkeypatch.setattr(
+        bonus_race,
+        "coin_values",
+        lambda seeds, positions, role: [u / 2 for u in real(seeds, positions, role)]
+        if role == Role.BONUS_TAIL
+        else real(seeds, positions, role),
+    )
+    assert _pvalue(p, _draws(p, range(8000)), tail) < 1e-6
+
+
+def test_a_sparse_row_in_any_order_draws_what_its_dense_row_draws() -> None:
+    rng = np.random.default_rng(4)
+    dense = np.zeros(500)
+    ids = rng.choice(500, size=60, replace=False)
+    dense[ids] = _row(rng, head=8, tail=52, tail_mass=52 * HEAD_SHARE / 4)
+    order = rng.permutation(60)
+    for seed in range(300):
+        assert race_draw(dense[ids[order]], ids[order], seed, 7) == race_draw(dense, None, seed, 7)
+
+
+def test_a_row_without_a_head_is_the_inverse_cdf_with_the_bonus_coin() -> None:
+    v = int(4 / HEAD_SHARE)
+    p = np.full(v, 1.0 / v)  # every token under HEAD_SHARE: the tail is the whole row
+    for seed in range(50):
+        [u] = coin_values([seed], [[9]], Role.BONUS)
+        want = int(sample_from_probs(torch.from_numpy(p)[None], torch.tensor([u], dtype=torch.float64))[0])
+        assert race_draw(p, None, seed, 9) == want
+
+
+def test_q_equal_to_p_guesses_the_bonus_and_q_close_to_p_mostly_does() -> None:
+    rng = np.random.default_rng(5)
+    same = close = inverse = 0
+    overlap = []  # 1 - TV(p, q) per context: the most any coupling of the two draws gives
+    for c in range(40):
+        p = _row(rng, head=20, tail=int(0.05 / HEAD_SHARE) * 4, tail_mass=0.05)
+        q = p * np.exp(rng.normal(0, 0.25, p.size))  # a draft close to the target
+        q /= q.sum()
+        overlap.append(np.minimum(p, q).sum())
+        cp, cq = np.cumsum(p), np.cumsum(q)
+        for seed in range(25):
+            bonus = race_draw(p, None, seed, 100 + c)
+            same += race_draw(p.copy(), None, seed, 100 + c) == bonus
+            close += race_draw(q, None, seed, 100 + c) == bonus
+            [u] = coin_values([seed], [[100 + c]], Role.BONUS)  # the inverse CDF in token-id order
+            inverse += np.searchsorted(cp, u * cp[-1], side="right") == np.searchsorted(cq, u * cq[-1], side="right")
+    assert same == 1000
+    assert close / 1000 > inverse / 1000 + 0.1 and close / 1000 > np.mean(overlap) - 0.1
+
+
+def test_a_row_without_mass_is_refused() -> None:
+    with pytest.raises(Internal):
+        race_draw(np.zeros(8), None, 1, 2)
+    with pytest.raises(Internal):
+        race_draw(np.array([np.nan, 1.0]), None, 1, 2)

@@ -42,7 +42,7 @@ import torch
 from torch import Tensor
 
 from specd.core.errors import Internal, InvalidArgument
-from specd.core.sampling.bonus_race import race_draw
+from specd.core.sampling.bonus_race import race_draw_row
 from specd.core.sampling.sampler import Role, host_coins, sample_from_probs
 
 __all__ = ["SparseProposal", "TargetRows", "Verdict", "rejection_sample"]
@@ -155,7 +155,7 @@ def rejection_sample(
     assert len(emitted) == B
     next_token = np.zeros(B, dtype=np.int64)
     for b in bonus.tolist():
-        next_token[b] = race_draw(_host_row(emitted[b]), None, int(seed[b]), int(pos_j[b]))
+        next_token[b] = race_draw_row(emitted[b], int(seed[b]), int(pos_j[b]))
     rec = np.flatnonzero(~is_bonus)
     if rec.size:
         u = host_coins(seed[rec], pos_j[rec, None], Role.RECOVER)[:, 0]  # [R]
@@ -274,13 +274,6 @@ def _q_at(q_ids: np.ndarray, q_raw: np.ndarray, q_sum: np.ndarray, x: np.ndarray
     if bool((match.sum(-1) > 1).any()):  # an id twice: divide each slot, then add, as the dense formula
         return np.where(match, q_raw / safe[..., None], 0.0).sum(-1)
     return (q_raw * match).sum(-1) / safe
-
-
-def _host_row(row: Tensor) -> np.ndarray:
-    """[V] p row as a host array (a copy only where it lives elsewhere or is not float)."""
-    if row.device.type == "cpu" and row.dtype in (torch.float32, torch.float64):
-        return row.detach().numpy()
-    return row.detach().to("cpu", torch.float64).numpy()
 
 
 def _draw(p_j: list[Tensor], rejected: np.ndarray, q_ids: np.ndarray, q: np.ndarray, u: np.ndarray) -> Tensor:

@@ -75,7 +75,7 @@ import torch
 from torch import Tensor
 
 from specd.core.errors import InvalidArgument
-from specd.core.sampling.bonus_race import race_draw
+from specd.core.sampling.bonus_race import race_draw, race_draw_row
 from specd.core.sampling.greedy import greedy_tokens
 from specd.core.sampling.rejection import ZERO_RESIDUAL
 from specd.core.sampling.sampler import Role, coins, host_coins, sample_from_probs
@@ -213,8 +213,7 @@ def tree_rejection_sample(
     u_rec = coins(seeds, pos, Role.RECOVER)[:, 0].to(dev)
     next_token = sample_from_probs(final_w, u_rec)  # [B]: the recovered rows' (the bonus rows' below)
     for b in torch.nonzero(is_bonus).flatten().tolist():  # the bonus: the race over p (bonus_race)
-        row = final_w[b].to("cpu", torch.float64).numpy()
-        next_token[b] = race_draw(row, None, int(seeds[b]), int(pos[b, 0]))
+        next_token[b] = race_draw_row(final_w[b], int(seeds[b]), int(pos[b, 0]))
     return TreeVerdicts(path[:, :N], depth, next_token, is_bonus)
 
 

@@ -14,8 +14,9 @@ from scipy import stats
 
 from specd.core.errors import Internal
 from specd.core.sampling import bonus_race
-from specd.core.sampling.bonus_race import HEAD_SHARE, race_draw
+from specd.core.sampling.bonus_race import HEAD_SHARE, race_draw, race_draw_row
 from specd.core.sampling.sampler import Role, coin_values, sample_from_probs
+from tests.devices import DEVICE
 
 pytestmark = pytest.mark.unit
 
@@ -69,6 +70,17 @@ def test_a_sparse_row_in_any_order_draws_what_its_dense_row_draws() -> None:
     order = rng.permutation(60)
     for seed in range(300):
         assert race_draw(dense[ids[order]], ids[order], seed, 7) == race_draw(dense, None, seed, 7)
+
+
+def test_a_tensor_row_where_it_lives_draws_what_the_host_row_draws() -> None:
+    """race_draw_row (the target's rows: the passes over V where the row lives) is race_draw of the same row."""
+    rng = np.random.default_rng(6)
+    for tail_mass in (0.0, 0.02, 0.5):
+        p = _row(rng, head=12, tail=int(max(tail_mass, 0.01) / HEAD_SHARE) * 4, tail_mass=tail_mass).astype(np.float32)
+        row = torch.from_numpy(p).to(DEVICE)
+        want = [race_draw(p, None, s, 3) for s in range(200)]
+        assert [race_draw_row(row, s, 3) for s in range(200)] == want
+        assert [bonus_race._race_draw_where_it_lives(row, s, 3) for s in range(200)] == want  # the GPU's path
 
 
 def test_a_row_without_a_head_is_the_inverse_cdf_with_the_bonus_coin() -> None:

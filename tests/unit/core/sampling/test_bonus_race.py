@@ -50,7 +50,7 @@ def test_the_draws_follow_p_head_and_tail_and_a_wrong_tail_clock_is_caught(monke
     top_tail = np.flatnonzero(tail)[np.argsort(p[tail])[-tail.sum() // 10 :]]
     share = np.isin(tokens, top_tail).sum() / np.isin(tokens, np.flatnonzero(tail)).sum()
     assert abs(share - p[top_tail].sum() / p[tail].sum()) < 0.05
-    # power: the tail's clock at twice its rate wins too often
+    # power: a tail clock that rings early (its coin halved) wins too often
     real = bonus_race.coin_values
     monkeypatch.setattr(
         bonus_race,

@@ -9,6 +9,9 @@ specd.core.sampling.bonus_race over p at the request's coins). The draft's guess
 - "target's coins": specd.core.sampling.bonus_guess.coupled_guess, the same race over the sparse q
   with the target's coins;
 - "1 - TV": sum min(p, q), the most any coupling of the two draws can give.
+Then the host time of one bonus draw over a float32 target row of these contexts: the race
+(specd.core.sampling.bonus_race.race_draw_row) against the inverse CDF it replaced
+(specd.core.sampling.rejection._draw_host of the row, as the recovered tokens are still drawn).
 Prints P(right) per profile and agreement, averaged over contexts and coins. The figures in
 specd/core/sampling/bonus_guess.py and specd/core/draft/branching.py:
 
@@ -19,6 +22,8 @@ from __future__ import annotations
 
 import argparse
 import sys
+import time
+from collections.abc import Callable
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
@@ -28,6 +33,8 @@ import torch
 from sim_rows import emulated_rows
 
 from specd.core.sampling.bonus_guess import coupled_guess, coupled_guess_dense
+from specd.core.sampling.bonus_race import race_draw_row
+from specd.core.sampling.rejection import _draw_host
 
 
 def main() -> int:
@@ -68,7 +75,23 @@ def main() -> int:
                 f"| {np.mean(best):.3f} |",
                 flush=True,
             )
+            last = p
+    rows_f32 = [torch.from_numpy(row.astype(np.float32)) for row in last]  # the last cell's target rows
+    race = _ms_per_draw(lambda c: race_draw_row(rows_f32[c], c, 100), len(rows_f32))
+    none = np.zeros(0, dtype=np.int64)
+    inverse = _ms_per_draw(lambda c: _draw_host(rows_f32[c].numpy(), False, none, np.zeros(0), 0.5), len(rows_f32))
+    print(f"\nHost ms per bonus draw (V = {last.shape[1]}): the race {race:.3f}, the inverse CDF {inverse:.3f}")
     return 0
+
+
+def _ms_per_draw(draw: Callable[[int], object], n: int, repeats: int = 5) -> float:
+    """Mean wall ms of draw(c) over c < n, `repeats` times, after one warm call."""
+    draw(0)
+    t0 = time.perf_counter()
+    for _ in range(repeats):
+        for c in range(n):
+            draw(c)
+    return (time.perf_counter() - t0) * 1e3 / (repeats * n)
 
 
 if __name__ == "__main__":

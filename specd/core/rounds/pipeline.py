@@ -319,8 +319,11 @@ class SpecCache(_TimedPreDraft):
             return []
         # The request is ending, or its verdict leaves the next round nothing to draft (the request's last
         # round, every draft accepted): do not wait for branches nobody will use.
-        committed = 0 if verdict is None else verdict.accepted + (0 if verdict.deferred else 1)
-        if verdict is None or self._round is None or self._round.next_budget(committed) <= 0:
+        if (
+            verdict is None
+            or self._round is None
+            or self._round.next_budget(verdict.accepted + (0 if verdict.deferred else 1)) <= 0
+        ):
             task.cancel()
             await asyncio.gather(task, return_exceptions=True)
             return []

@@ -78,24 +78,15 @@ def race_draw(weights: np.ndarray, ids: np.ndarray | None, seed: int, position: 
     tail = w.copy()
     tail[head] = 0.0
     if ids is None:
-        tokens = np.arange(w.size, dtype=np.int64)
-    else:
-        order = np.argsort(ids, kind="stable")  # slots by token id
-        tail, tokens = tail[order], np.asarray(ids, dtype=np.int64)[order]
-    cdf = np.cumsum(tail)
-    if not cdf[-1] > 0:  # the tail's mass was rounding only
-        return _token(first)
-    [u] = coin_values([seed], [[position]], Role.BONUS)
-    at = int(np.searchsorted(cdf, u * float(cdf[-1]), side="right"))  # the first cdf > u * mass
-    if at >= cdf.size:  # u * mass rounded up to the mass: the last token with mass
-        at = cdf.size - 1 - int(np.argmax(tail[::-1] > 0))
-    return int(tokens[at])
+        return _tail_token(first, torch.from_numpy(tail), None, seed, position)
+    order = np.argsort(ids, kind="stable")  # slots by token id
+    return _tail_token(first, torch.from_numpy(tail[order]), np.asarray(ids, dtype=np.int64)[order], seed, position)
 
 
 def race_draw_row(p: Tensor, seed: int, position: int) -> int:
     """race_draw of a dense row p [V] (token ids 0..V-1) where it lives: the passes over V run there (a
     GPU row is not copied to the host), the head's few clocks on the host. The same rule; a host row
-    takes race_draw (at V = 32,000 on this 2-core host: 0.13-0.19 ms a draw in numpy, 0.40 in torch)."""
+    takes race_draw, numpy's passes being the quicker on a CPU (`scripts/bonus_guess_coupling.py` times it)."""
     if p.device.type == "cpu":
         return race_draw(
             p.detach().numpy() if p.dtype in (torch.float32, torch.float64) else p.double().numpy(),
@@ -118,10 +109,7 @@ def _race_draw_where_it_lives(p: Tensor, seed: int, position: int) -> int:
         return _token(first)
     tail = w.clone()
     tail[head] = 0.0
-    if not float(tail.sum()) > 0:  # the tail's mass was rounding only
-        return _token(first)
-    [u] = coin_values([seed], [[position]], Role.BONUS)
-    return int(sample_from_probs(tail[None], torch.tensor([u], dtype=torch.float64, device=tail.device))[0])
+    return _tail_token(first, tail, None, seed, position)
 
 
 def _race(head_w: np.ndarray, head_ids: np.ndarray, total: float, seed: int, position: int) -> tuple[int | None, bool]:
@@ -137,6 +125,17 @@ def _race(head_w: np.ndarray, head_ids: np.ndarray, total: float, seed: int, pos
         return first, first is None
     [u_tail] = coin_values([seed], [[position]], Role.BONUS_TAIL)
     return first, -math.log1p(-u_tail) / tail_mass < best
+
+
+def _tail_token(first: int | None, tail: Tensor, tokens: np.ndarray | None, seed: int, position: int) -> int:
+    """The tail's token, drawn by the inverse CDF (sample_from_probs) in token-id order with the bonus coin:
+    tail [n] the tail's masses by token id (the head's zeroed), tokens [n] their ids (None: 0..n-1);
+    the head's first token instead when the tail's mass was rounding only."""
+    if not float(tail.sum()) > 0:
+        return _token(first)
+    [u] = coin_values([seed], [[position]], Role.BONUS)
+    at = int(sample_from_probs(tail[None], torch.tensor([u], dtype=torch.float64, device=tail.device))[0])
+    return at if tokens is None else int(tokens[at])
 
 
 def _token(first: int | None) -> int:

@@ -213,15 +213,27 @@ def coin_values(seeds: Sequence[int], positions: Sequence[Sequence[int]], role: 
 
     seeds: B int64 seeds; positions: B rows of N int64 positions (negative values wrap as uint64).
     """
-    g = int(_GOLDEN)
-    salt = (int(role) * 3 * g) & _MASK
+    salt = _role_salt(role)
     out: list[float] = []
     for seed, row in zip(seeds, positions):
-        h0 = _mix64_int((seed + g) & _MASK)
+        h0 = _seed_state(seed)
         for pos in row:
-            h = _mix64_int(_mix64_int(h0 ^ ((pos + 2 * g) & _MASK)) ^ salt)
-            out.append((h >> 11) * (1.0 / (1 << 53)))
+            out.append((_coin_state(h0, pos, salt) >> 11) * (1.0 / (1 << 53)))
     return out
+
+
+def _seed_state(seed: int) -> int:
+    """The coin hash's state after the seed: mix(seed + G)."""
+    return _mix64_int((seed + int(_GOLDEN)) & _MASK)
+
+
+def _role_salt(role: Role) -> int:
+    return (int(role) * 3 * int(_GOLDEN)) & _MASK
+
+
+def _coin_state(h0: int, position: int, salt: int) -> int:
+    """The (seed, position, role) coin's 64-bit state from the seed's (_seed_state) and the role's salt."""
+    return _mix64_int(_mix64_int(h0 ^ ((position + 2 * int(_GOLDEN)) & _MASK)) ^ salt)
 
 
 def token_coins(seed: int, position: int, role: Role, ids: np.ndarray) -> np.ndarray:
@@ -229,11 +241,8 @@ def token_coins(seed: int, position: int, role: Role, ids: np.ndarray) -> np.nda
 
     The (seed, position, role) coin's 64-bit state, mixed once more with each id (x (id + 1) * 5G):
     injective in the id, so distinct tokens never share a coin, and independent of every other coin."""
-    g = int(_GOLDEN)
-    h = _mix64_int(
-        _mix64_int(_mix64_int((seed + g) & _MASK) ^ ((position + 2 * g) & _MASK)) ^ (int(role) * 3 * g & _MASK)
-    )
-    salt = np.uint64((5 * g) & _MASK)
+    h = _coin_state(_seed_state(seed), position, _role_salt(role))
+    salt = np.uint64((5 * int(_GOLDEN)) & _MASK)
     t = np.asarray(ids, dtype=np.int64).view(np.uint64)  # [n]
     with np.errstate(over="ignore"):
         z = _mix64(np.uint64(h) ^ ((t + np.uint64(1)) * salt))

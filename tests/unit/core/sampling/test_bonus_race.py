@@ -1,8 +1,8 @@
 """The bonus race (specd.core.sampling.bonus_race): exact, shared by sparse and dense rows, and coupled.
 
 Exact: the draws over many seeds follow p, head and tail alike (chi-square), and a broken race (the
-tail's clock at the wrong rate) is caught by the same check. Coupled: a q equal to p draws the target's
-token at every seed, and a q close to p far more often than the inverse CDF in token-id order did.
+tail's clock at the wrong rate) is caught by the same check. Coupled: a q close to p draws the target's
+token far more often than the inverse CDF in token-id order did.
 """
 
 from __future__ import annotations
@@ -92,9 +92,9 @@ def test_a_row_without_a_head_is_the_inverse_cdf_with_the_bonus_coin() -> None:
         assert race_draw(p, None, seed, 9) == want
 
 
-def test_q_equal_to_p_guesses_the_bonus_and_q_close_to_p_mostly_does() -> None:
+def test_q_close_to_p_guesses_the_bonus_far_more_often_than_the_inverse_cdf_did() -> None:
     rng = np.random.default_rng(5)
-    same = close = inverse = 0
+    close = inverse = 0
     overlap = []  # 1 - TV(p, q) per context: the most any coupling of the two draws gives
     for c in range(40):
         p = _row(rng, head=20, tail=int(0.05 / HEAD_SHARE) * 4, tail_mass=0.05)
@@ -104,11 +104,9 @@ def test_q_equal_to_p_guesses_the_bonus_and_q_close_to_p_mostly_does() -> None:
         cp, cq = np.cumsum(p), np.cumsum(q)
         for seed in range(25):
             bonus = race_draw(p, None, seed, 100 + c)
-            same += race_draw(p.copy(), None, seed, 100 + c) == bonus
             close += race_draw(q, None, seed, 100 + c) == bonus
             [u] = coin_values([seed], [[100 + c]], Role.BONUS)  # the inverse CDF in token-id order
             inverse += np.searchsorted(cp, u * cp[-1], side="right") == np.searchsorted(cq, u * cq[-1], side="right")
-    assert same == 1000
     assert close / 1000 > inverse / 1000 + 0.1 and close / 1000 > np.mean(overlap) - 0.1
 
 

@@ -105,8 +105,10 @@ class StagedVerifies:
         """Run the candidate this verdict names (as the stage's answer), or answer that none ran."""
         req = stage.request
         for i, c in enumerate(req.stage.candidates):
-            if verdict.token_id >= 0 and c.accepted == verdict.accepted and c.token_id == verdict.token_id:
-                committed = req.committed_length + c.accepted + 1
+            if c.accepted != verdict.accepted or c.deferred != (verdict.token_id < 0):
+                continue
+            if c.deferred or c.token_id == verdict.token_id:
+                committed = req.committed_length + c.accepted + (0 if c.deferred else 1)
                 run = target_pb2.TargetRequest(
                     request_id=req.request_id,
                     session_id=req.session_id,
@@ -116,6 +118,7 @@ class StagedVerifies:
                 run.verify.start = committed  # the target committed its own verdict: nothing to patch
                 run.verify.draft_token_ids.extend(c.draft_token_ids)
                 run.verify.q.extend(c.q)
+                run.verify.defer_bonus = c.defer_bonus
                 self._resubmit(Stamped(run, time.perf_counter_ns(), deliver=stage.deliver, staged_candidate=i + 1))
                 return
         self._answer(stage, self._none(req))

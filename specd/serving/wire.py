@@ -404,7 +404,9 @@ def stage_request(request: steps.StageRequest, carrier: Mapping[str, str]) -> ta
         session_id=request.session_id, committed_length=request.committed_length, trace_context=carrier
     )
     for c in request.candidates:
-        staged = req.stage.candidates.add(accepted=c.accepted, token_id=c.token_id)
+        staged = req.stage.candidates.add(accepted=c.accepted, deferred=c.deferred, defer_bonus=c.defer_bonus)
+        if not c.deferred:
+            staged.token_id = c.token_id
         staged.draft_token_ids.extend(c.proposal.token_ids)
         staged.q.extend(sparse_to_proto(c.proposal))
     return req
@@ -429,7 +431,7 @@ def staged_outcome_from_proto(
         raise Unavailable(f"the target answered a stage of {len(request.candidates)} with candidate {index + 1}")
     outcome = verdict_from_proto(resp, round_trip_ms, wake_ms, vocab_size=vocab_size)
     c = request.candidates[index]
-    if outcome.committed_length != request.committed_length + c.accepted + 1 + outcome.accepted + (
+    if outcome.committed_length != c.committed_length(request.committed_length) + outcome.accepted + (
         0 if outcome.deferred else 1
     ):
         raise Unavailable("the target's staged verdict commits another length than its candidate")

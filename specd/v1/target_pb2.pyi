@@ -104,16 +104,20 @@ class StageVerify(_message.Message):
     def __init__(self, candidates: _Optional[_Iterable[_Union[StagedCandidate, _Mapping]]] = ...) -> None: ...
 
 class StagedCandidate(_message.Message):
-    __slots__ = ("accepted", "token_id", "draft_token_ids", "q")
+    __slots__ = ("accepted", "token_id", "draft_token_ids", "q", "deferred", "defer_bonus")
     ACCEPTED_FIELD_NUMBER: _ClassVar[int]
     TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
     DRAFT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     Q_FIELD_NUMBER: _ClassVar[int]
+    DEFERRED_FIELD_NUMBER: _ClassVar[int]
+    DEFER_BONUS_FIELD_NUMBER: _ClassVar[int]
     accepted: int
     token_id: int
     draft_token_ids: _containers.RepeatedScalarFieldContainer[int]
     q: _containers.RepeatedCompositeFieldContainer[_common_pb2.SparseDistribution]
-    def __init__(self, accepted: _Optional[int] = ..., token_id: _Optional[int] = ..., draft_token_ids: _Optional[_Iterable[int]] = ..., q: _Optional[_Iterable[_Union[_common_pb2.SparseDistribution, _Mapping]]] = ...) -> None: ...
+    deferred: bool
+    defer_bonus: bool
+    def __init__(self, accepted: _Optional[int] = ..., token_id: _Optional[int] = ..., draft_token_ids: _Optional[_Iterable[int]] = ..., q: _Optional[_Iterable[_Union[_common_pb2.SparseDistribution, _Mapping]]] = ..., deferred: _Optional[bool] = ..., defer_bonus: _Optional[bool] = ...) -> None: ...
 
 class Verdict(_message.Message):
     __slots__ = ("accepted", "token_id", "kind", "compute_ms", "batch_size", "batch_tokens")

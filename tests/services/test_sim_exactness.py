@@ -50,7 +50,7 @@ SPEC = "sim:h100-tp2-70b,vocab_size=2048,time_scale=0.1,agreement=0.8"
 # pre-drafts land while it is still verified and are staged at the target (its staged verifies
 # are then part of every pipelined cell through the services). Timing changes no token.
 TARGET_SPEC = SPEC.replace("time_scale=0.1", "time_scale=3")
-STAGING = ("bonus-match", "spec-cache")  # the strategies whose pre-drafts are staged
+STAGING = ("bonus-match", "post-verify", "spec-cache")  # the strategies whose pre-drafts are staged
 REQUESTS = 64
 # Of them through the services (one wave of the 8 clients), token for token against the in-process run.
 SERVICE_REQUESTS = 8

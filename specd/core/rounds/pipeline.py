@@ -188,7 +188,7 @@ class _AllAccepted(_TimedPreDraft):
         pre = await rnd.draft_after(self._assumed, self._next_k(rnd) + self.extra, guess_bonus=self.extra > 0)
         if len(pre):  # an empty answer: the draft failed
             self._answered()
-        rnd.stage(self._shape(pre))  # the loop stages none for a round that defers its bonus (post-verify)
+        rnd.stage(self._shape(pre))  # post-verify's: staged as the deferred verdict's (StagedRound.deferred)
         return pre
 
     async def settle(self, verdict: VerifyOutcome | None) -> list[PreDraft]:

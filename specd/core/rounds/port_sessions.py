@@ -223,7 +223,8 @@ class TargetSession:
         request = steps.StageRequest(self.session_id, committed_length, tuple(candidates))
         result = await self.port.stage(request, timeout=timeout, carrier=carrier)
         if result.outcome is not None:
-            _check(result.outcome, candidates[result.candidate].proposal, False)
+            chosen = candidates[result.candidate]
+            _check(result.outcome, chosen.proposal, chosen.defer_bonus)
         return result
 
     async def verify_tree(

@@ -83,6 +83,7 @@ class _Ready:
     hit: PipelineHit
     staged: asyncio.Future[StagedOutcome] | None = None  # the stage holding it (TargetPort.stage)
     candidate: int = -1  # its index among that stage's candidates
+    defer_bonus: bool = False  # staged: its verify defers the bonus (as the round would: StagedRound.defer_bonus)
 
 
 class RequestRun:
@@ -244,35 +245,40 @@ class RequestRun:
                 return []
             return [PreDraft(b.extension(pending), b.proposal) for b in result.branches]
 
-        stages: list[tuple[asyncio.Future[StagedOutcome], dict[tuple[int, ...], tuple[int, Proposal]]]] = []
+        stages: list[tuple[asyncio.Future[StagedOutcome], dict[tuple[int, ...], tuple[int, Proposal, bool]]]] = []
         prefix_length = len(committed)
 
         def stage(pre_drafts: Sequence[PreDraft]) -> None:
             """Stage the next round's verify for these pre-drafts, if this round's verify is still out."""
-            if stages or self._verifying is None or self._verifying.done() or defer_bonus or unstaged:
+            if stages or self._verifying is None or self._verifying.done():
                 return
             candidates: list[StagedRound] = []
-            index: dict[tuple[int, ...], tuple[int, Proposal]] = {}  # extension -> (candidate, its window)
+            index: dict[tuple[int, ...], tuple[int, Proposal, bool]] = {}  # extension -> (candidate, window, defers)
+            drafts = tuple(proposal.token_ids)
             for pre in pre_drafts:
-                ext, j = pre.extension, len(pre.extension) - 1
-                if not 0 <= j <= len(proposal) or tuple(proposal.token_ids[:j]) != ext[:j] or ext in index:
+                ext = pre.extension
+                deferred = defer_bonus and ext == drafts  # all accepted, no bonus: post-verify's pre-draft
+                j = len(ext) if deferred else len(ext) - 1
+                if ext in index or not (
+                    deferred or (0 <= j < len(drafts) + (not defer_bonus) and drafts[:j] == ext[:j])
+                ):
                     continue
                 # what the next round would verify of it: its budget after this verdict, and auto's cut
                 window = self._cut(arm, cls, pre.proposal.window(0, gen.draft_budget(wanted, after=len(ext))))
                 if len(window):
-                    index[ext] = (len(candidates), window)
-                    candidates.append(StagedRound(j, ext[-1], window))
+                    # The staged round defers its bonus where that round, verified from here, would: a round
+                    # staged or not commits the same tokens, so the output does not depend on timing.
+                    defers = (
+                        self._next_pipeline() == PostVerify.name
+                        and gen.draft_budget(wanted, after=len(ext) + len(window)) > 0
+                    )
+                    index[ext] = (len(candidates), window, defers)
+                    candidates.append(StagedRound(j, -1 if deferred else ext[-1], window, deferred, defers))
             if candidates:
                 staging = self._target.stage(prefix_length, candidates, deadline=self._deadline, carrier=carrier)
                 stages.append((asyncio.ensure_future(staging), index))
 
         opening = why is TargetOnly.OPENING
-        # A staged round defers no bonus; a post-verify round after the opening would defer it if it were
-        # not staged, and whether the pre-draft lands during the prefill is timing: so the opening's
-        # pre-draft is not staged for a post-verify next round (its tokens must not depend on timing).
-        unstaged = opening and PostVerify.name == (
-            self._opened_with.pipeline if self._opened_with is not None else self._pipeline.name
-        )
         rnd = PipelineRound(
             committed,
             proposal,
@@ -284,7 +290,7 @@ class RequestRun:
             opening,
             lambda more: gen.draft_budget(wanted, after=more),
         )
-        defer_bonus = staged is None and pipeline.defers_bonus(rnd)
+        defer_bonus = staged.defer_bonus if staged is not None else pipeline.defers_bonus(rnd)
         if arm is not None and cls is not None:
             self._cycle(arm, cls, budget, why, draft_wall_ms, hit is not None, first=index == 0, prefilled=prefilled)
         t_verify = time.perf_counter()
@@ -309,7 +315,7 @@ class RequestRun:
                 pipeline_hit = PipelineHit(pipeline.name, outcome.accepted, kind, launched)
                 where = stages[0][1].get(extension) if stages else None
                 if where is not None:  # staged: the target verifies it (or says it did not)
-                    self._ready = _Ready(where[1], pipeline_hit, stages[0][0], where[0])
+                    self._ready = _Ready(where[1], pipeline_hit, stages[0][0], where[0], where[2])
                 else:
                     self._ready = _Ready(pre.proposal, pipeline_hit)
                 break
@@ -451,7 +457,11 @@ class RequestRun:
             self._verified_at = time.perf_counter()
             self._used_staged = True
             return result.outcome, False
-        return await self._verify(committed, proposal, False, carrier)
+        return await self._verify(committed, proposal, ready.defer_bonus, carrier)
+
+    def _next_pipeline(self) -> str:
+        """The pipeline the next round runs as things stand (an opening beside hands over to its arm's)."""
+        return self._opened_with.pipeline if self._opened_with is not None else self._pipeline.name
 
     async def _verify_beside_pipeline(
         self, verify: Coroutine[Any, Any, tuple[VerifyOutcome, bool]], rnd: PipelineRound, pipeline: PipelineStrategy

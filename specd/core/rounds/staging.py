@@ -3,7 +3,8 @@
 The target service decides a stage on its model thread (target_service/staging.py);
 this is the same rule for a port that verifies with direct calls: a stage for the
 round after committed_length tokens waits for that round's verdict, then verifies
-the candidate whose (accepted, token_id) the verdict is, or none.
+the candidate whose (accepted, token_id) the verdict is (or, for a deferred
+verdict, the candidate that assumed the deferral), or none.
 """
 
 from __future__ import annotations
@@ -40,14 +41,13 @@ class StagedVerdicts:
         if last is None or last[0] != request.committed_length:
             return StagedOutcome.NONE  # not the round being verified: the session moved on
         outcome = await asyncio.shield(last[1])
-        if outcome is None or outcome.deferred:
+        if outcome is None:
             return StagedOutcome.NONE
         for i, c in enumerate(request.candidates):
-            if c.accepted == outcome.accepted and c.token_id == outcome.token_id:
-                length = request.committed_length + c.accepted + 1
-                return StagedOutcome(
-                    i, await verify(VerifyRequest(request.session_id, length, c.proposal, start=length))
-                )
+            if c.names(outcome):
+                length = c.committed_length(request.committed_length)
+                run = VerifyRequest(request.session_id, length, c.proposal, start=length, defer_bonus=c.defer_bonus)
+                return StagedOutcome(i, await verify(run))
         return StagedOutcome.NONE
 
     def forget(self, session_id: str) -> None:

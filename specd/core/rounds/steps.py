@@ -167,8 +167,22 @@ class StagedRound:
     """One candidate of a staged verify: the verdict it assumes, and the next round's drafts after it."""
 
     accepted: int  # this round's draft tokens accepted ...
-    token_id: int  # ... then its recovered or bonus token
+    token_id: int  # ... then its recovered or bonus token (-1 when deferred)
     proposal: Proposal  # the next round's drafts after committed + pending[:accepted] + [token_id]
+    # The verdict it assumes defers the bonus (VerifyRequest.defer_bonus): all `accepted` drafts and no
+    # token, so the next round's first draft sits at the bonus position (post-verify's pre-draft).
+    deferred: bool = False
+    defer_bonus: bool = False  # the candidate's own round defers its bonus (VerifyRequest.defer_bonus)
+
+    def names(self, outcome: VerifyOutcome) -> bool:
+        """Whether the verdict `outcome` is the one this candidate assumes."""
+        if outcome.accepted != self.accepted or outcome.deferred != self.deferred:
+            return False
+        return self.deferred or outcome.token_id == self.token_id
+
+    def committed_length(self, before: int) -> int:
+        """The prefix the candidate's round verifies after: `before` plus what the assumed verdict commits."""
+        return before + self.accepted + (0 if self.deferred else 1)
 
 
 @dataclass(frozen=True)

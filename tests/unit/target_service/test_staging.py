@@ -181,3 +181,39 @@ def test_a_stage_waits_for_the_verify_of_its_round_sent_before_it_not_an_older_v
         expected.token_id,
         expected.committed_length,
     )
+
+
+def test_a_deferred_verdict_runs_the_candidate_that_assumed_it_and_that_round_defers_too(stream: Stream) -> None:
+    """Post-verify: the round defers its bonus, and every draft is accepted. Its pre-draft (staged with
+    `deferred`: the drafts start at the bonus position) runs on that verdict, deferring its own bonus as
+    the coordinator asked: exactly what the two verifies sent one after the other give."""
+    v = _verifier()
+    v.open(SID, PROMPT, PARAMS)
+    greedy = []  # the target's own tokens: drafts it accepts at T = 0
+    for _ in range(5):
+        o = v.verify(steps.VerifyRequest(SID, len(PROMPT) + len(greedy), Proposal([])))
+        greedy.append(o.token_id)
+    drafts, nxt = greedy[:3], [greedy[3], greedy[4]]
+    ref = _verifier()
+    ref.open(SID, PROMPT, PARAMS)
+    want = []
+    committed = len(PROMPT)
+    for d in (drafts, nxt):
+        want.append(ref.verify(steps.VerifyRequest(SID, committed, Proposal(d), start=committed, defer_bonus=True)))
+        committed = want[-1].committed_length
+    assert want[0].deferred and want[1].deferred
+    stream.answer(stream.send(_open())[0])
+    first = wire.verify_request(
+        steps.VerifyRequest(SID, len(PROMPT), Proposal(drafts), start=len(PROMPT), defer_bonus=True), {}
+    )
+    candidates = (
+        steps.StagedRound(3, greedy[3], Proposal([5])),  # the same length with a bonus: not this verdict
+        steps.StagedRound(3, -1, Proposal(nxt), deferred=True, defer_bonus=True),
+    )
+    verify_id, stage_id = stream.send(first, wire.stage_request(steps.StageRequest(SID, len(PROMPT), candidates), {}))
+    assert stream.answer(verify_id).verdict.kind == target_pb2.TOKEN_KIND_DEFERRED
+    staged = stream.answer(stage_id)
+    assert staged.staged_candidate == 2
+    got = wire.staged_outcome_from_proto(staged, steps.StageRequest(SID, len(PROMPT), candidates), 0.0, 0.0)
+    assert got.outcome is not None and got.outcome.deferred
+    assert (got.outcome.accepted, got.outcome.committed_length) == (want[1].accepted, want[1].committed_length)

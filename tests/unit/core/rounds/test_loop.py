@@ -126,11 +126,13 @@ def test_bonus_match_hits_only_when_every_draft_and_the_guess_are_right() -> Non
     assert set(r.stats.pipeline_hits_by_outcome) == {"3:bonus"}
 
 
-@pytest.mark.parametrize("pipeline", ["bonus-match", "spec-cache"])
+@pytest.mark.parametrize("pipeline", ["bonus-match", "spec-cache", "post-verify"])
 def test_pre_drafts_ready_before_the_verdict_are_staged_and_the_target_verifies_them_itself(pipeline: str) -> None:
     """A pre-draft that lands while its round is still being verified is staged at the target, which verifies
     the one its own verdict names at once: the next round commits that verdict with no verify call of its own.
-    The output stays the target's own chain, and a staged candidate the verdict does not name never runs."""
+    The output stays the target's own chain, and a staged candidate the verdict does not name never runs.
+    Post-verify's pre-draft assumes a deferred bonus, and its staged round defers its own, as it would
+    unstaged (the last round, with no room after it, draws its bonus)."""
     target = FakeTarget(Script(latency_s=0.02))  # the verify outlasts the pre-draft (1 ms a call)
     r, records, _ = run(spec(80, pipeline=pipeline), target, FakeDraft())
     assert r.generation.generated == expected(80) and target.violations == []
@@ -144,6 +146,10 @@ def test_pre_drafts_ready_before_the_verdict_are_staged_and_the_target_verifies_
         assert len(keys) == len(set(keys))
     hits = [rec for rec in records if rec.pipeline_hit is not None]
     assert len(staged) == len(hits)  # every hit here was staged in time (the verify is the slow side)
+    if pipeline == "post-verify":
+        assert all(c.deferred for stage in target.stages for c in stage.candidates)
+        full = [rec for rec in staged[:-1] if rec.accepted == rec.draft_length]
+        assert full and all(rec.token_kind is TokenKind.DEFERRED for rec in full)
 
 
 def test_a_pre_draft_that_lands_after_the_verdict_is_not_staged() -> None:

@@ -190,8 +190,8 @@ class StageRequest:
     """The next round's verify, staged at the target while this round is verified (pipelined rounds).
 
     committed_length is this round's prefix (before its verdict). Once the target's own
-    verdict on that round is known, it verifies the candidate whose (accepted, token_id)
-    that verdict is, at once, without waiting for the caller; otherwise it runs none.
+    verdict on that round is known, it verifies the candidate that verdict is
+    (`StagedRound.names`), at once, without waiting for the caller; otherwise it runs none.
     The caller still decides what it commits: a staged verdict it does not use is rolled
     back by its next message (start = its committed length).
     """

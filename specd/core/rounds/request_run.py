@@ -255,13 +255,12 @@ class RequestRun:
             candidates: list[StagedRound] = []
             index: dict[tuple[int, ...], tuple[int, Proposal, bool]] = {}  # extension -> (candidate, window, defers)
             drafts = tuple(proposal.token_ids)
+            most = len(drafts) - 1 if defer_bonus else len(drafts)  # accepted before a token (no bonus if deferred)
             for pre in pre_drafts:
                 ext = pre.extension
                 deferred = defer_bonus and ext == drafts  # all accepted, no bonus: post-verify's pre-draft
                 j = len(ext) if deferred else len(ext) - 1
-                if ext in index or not (
-                    deferred or (0 <= j < len(drafts) + (not defer_bonus) and drafts[:j] == ext[:j])
-                ):
+                if ext in index or not (deferred or (0 <= j <= most and drafts[:j] == ext[:j])):
                     continue
                 # what the next round would verify of it: its budget after this verdict, and auto's cut
                 window = self._cut(arm, cls, pre.proposal.window(0, gen.draft_budget(wanted, after=len(ext))))

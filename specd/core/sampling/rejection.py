@@ -162,7 +162,7 @@ def rejection_sample(
         jq = j[rec]  # [R] < K: a rejection happened at a draft position
         q_j = q_raw[rec, jq] / q_sum[rec, jq][:, None]  # [R, W] q = wire / sum (> 0 at a real draft)
         recovered = [emitted[b] for b in rec.tolist()]
-        next_token[rec] = _draw(recovered, np.ones(rec.size, dtype=np.bool_), q_ids[rec, jq], q_j, u).numpy()
+        next_token[rec] = _draw(recovered, q_ids[rec, jq], q_j, u).numpy()
     return Verdict(
         num_accepted=torch.from_numpy(num_accepted).to(rows.device),
         next_token=torch.from_numpy(next_token).to(rows.device),
@@ -276,24 +276,21 @@ def _q_at(q_ids: np.ndarray, q_raw: np.ndarray, q_sum: np.ndarray, x: np.ndarray
     return (q_raw * match).sum(-1) / safe
 
 
-def _draw(p_j: list[Tensor], rejected: np.ndarray, q_ids: np.ndarray, q: np.ndarray, u: np.ndarray) -> Tensor:
-    """[B] int64: each row's recovered (rejected) or bonus token, drawn from max(0, p_j - q_j) or p_j.
+def _draw(p_j: list[Tensor], q_ids: np.ndarray, q: np.ndarray, u: np.ndarray) -> Tensor:
+    """[B] int64: each row's recovered token, drawn from max(0, p_j - q_j) (the bonus is bonus_race's).
 
     p_j: B rows [V] of p; q_ids, q: [B, W] q_j (float64); u: [B] float64 coins. Rows in host
     memory are drawn in numpy, others by the torch path; the same numbers either way.
     """
     if all(row.device.type == "cpu" and row.dtype in (torch.float32, torch.float64) for row in p_j):
-        out = [
-            _draw_host(row.detach().numpy(), bool(rejected[b]), q_ids[b], q[b], float(u[b]))
-            for b, row in enumerate(p_j)
-        ]
+        out = [_draw_host(row.detach().numpy(), q_ids[b], q[b], float(u[b])) for b, row in enumerate(p_j)]
         return torch.tensor(out, dtype=torch.int64)
-    residual = _residual(torch.stack(p_j), rejected, q_ids, q)  # [B, V] float64
+    residual = _residual(torch.stack(p_j), q_ids, q)  # [B, V] float64
     return sample_from_probs(residual, torch.from_numpy(u).to(residual.device))
 
 
-def _residual(p_j: Tensor, rejected: np.ndarray, q_ids: np.ndarray, q: np.ndarray) -> Tensor:
-    """[B, V] float64: max(0, p_j - q_j) on rows with a rejection, p_j on the others (the bonus).
+def _residual(p_j: Tensor, q_ids: np.ndarray, q: np.ndarray) -> Tensor:
+    """[B, V] float64: max(0, p_j - q_j), each row's residual at its rejected position.
 
     The dense q_j is 0 off its support, where max(0, p_j - 0) = p_j: only the support's entries
     change. A row left without mass (p == q up to rounding) falls back to p_j (ZERO_RESIDUAL).
@@ -301,24 +298,19 @@ def _residual(p_j: Tensor, rejected: np.ndarray, q_ids: np.ndarray, q: np.ndarra
     B, V = p_j.shape
     dev = p_j.device
     residual = p_j.to(torch.float64)  # [B, V] (a copy)
-    rec = np.flatnonzero(rejected)  # rows that draw a recovered token (j < K)
-    if rec.size == 0:
-        return residual
-    at = torch.from_numpy((rec[:, None] * V + q_ids[rec]).ravel()).to(dev)  # [R*W] into residual.view(-1)
+    at = torch.from_numpy((np.arange(B)[:, None] * V + q_ids).ravel()).to(dev)  # [B*W] into residual.view(-1)
     # q_j dense on its rows, as the dense formula builds it: 0 + each slot's q in slot order.
-    q_dense = torch.zeros(B * V, dtype=torch.float64, device=dev).index_add_(
-        0, at, torch.from_numpy(q[rec].ravel()).to(dev)
-    )
+    q_dense = torch.zeros(B * V, dtype=torch.float64, device=dev).index_add_(0, at, torch.from_numpy(q.ravel()).to(dev))
     res = residual.view(-1)
     res[at] = torch.clamp(res[at] - q_dense[at], min=0.0)  # a duplicate id writes the same number twice
     # Guard: p == q up to rounding leaves no residual mass: sample from p.
-    empty = rec[residual.sum(-1).cpu().numpy()[rec] <= ZERO_RESIDUAL]
+    empty = np.flatnonzero(residual.sum(-1).cpu().numpy() <= ZERO_RESIDUAL)
     for b in empty.tolist():
         residual[b] = p_j[b].to(torch.float64)
     return residual
 
 
-def _draw_host(p: np.ndarray, rejected: bool, q_ids: np.ndarray, q: np.ndarray, u: float) -> int:
+def _draw_host(p: np.ndarray, q_ids: np.ndarray, q: np.ndarray, u: float) -> int:
     """One row's token, drawn on the host: the same numbers as _residual then sampler.sample_from_probs.
 
     p: [V] the row p_j; q_ids, q: [W] q_j. The residual in float64 (p_j with q_j's support
@@ -326,23 +318,21 @@ def _draw_host(p: np.ndarray, rejected: bool, q_ids: np.ndarray, q: np.ndarray, 
     first index whose cdf exceeds u * total, and the last token with mass if u * total rounds up
     to the total (the row is rebuilt for that: the cumulative sum overwrites it). One float64 row is made.
     """
-    r = _residual_row(p, rejected, q_ids, q)  # [V] float64, our own copy
+    r = _residual_row(p, q_ids, q)  # [V] float64, our own copy
     cdf = torch.from_numpy(r).cumsum_(0).numpy()  # in place (torch's kernel: np.cumsum's sums, ~3x faster)
     total = float(cdf[-1])
     if not (total > 0 and math.isfinite(total)):
         raise Internal("a distribution to sample from has no finite positive mass")
     at = int(np.searchsorted(cdf, u * total, side="right"))  # the first cdf > u * total
     if at >= cdf.size:  # u * total rounded up to the total: the last token with mass
-        mass = _residual_row(p, rejected, q_ids, q) > 0
+        mass = _residual_row(p, q_ids, q) > 0
         at = cdf.size - 1 - int(np.argmax(mass[::-1]))
     return at
 
 
-def _residual_row(p: np.ndarray, rejected: bool, q_ids: np.ndarray, q: np.ndarray) -> np.ndarray:
-    """[V] float64: one row of _residual: max(0, p - q), or p (the bonus, or no residual mass)."""
+def _residual_row(p: np.ndarray, q_ids: np.ndarray, q: np.ndarray) -> np.ndarray:
+    """[V] float64: one row of _residual: max(0, p - q), or p where no residual mass is left."""
     r = p.astype(np.float64)  # [V] (a copy)
-    if not rejected:
-        return r
     live = q > 0  # [W] slots with mass: a zero adds nothing to q_dense
     ids, qv = q_ids[live], q[live]
     seen = np.zeros(r.size, dtype=np.bool_)  # [V]

@@ -210,8 +210,11 @@ def tree_rejection_sample(
         rank = torch.where(acc, 0, rank + rej.to(torch.int64))
 
     pos = (start + depth)[:, None]  # [B, 1] the emitted token's position
-    u_rec = coins(seeds, pos, Role.RECOVER)[:, 0].to(dev)
-    next_token = sample_from_probs(final_w, u_rec)  # [B]: the recovered rows' (the bonus rows' below)
+    next_token = torch.zeros(B, dtype=torch.int64, device=dev)
+    rec = torch.nonzero(~is_bonus).flatten()  # rows that recover: the residual's inverse CDF
+    if rec.numel():
+        u_rec = coins(seeds[rec.to(seeds.device)], pos[rec], Role.RECOVER)[:, 0].to(dev)
+        next_token[rec] = sample_from_probs(final_w[rec], u_rec)
     for b in torch.nonzero(is_bonus).flatten().tolist():  # the bonus: the race over p (bonus_race)
         next_token[b] = race_draw_row(final_w[b], int(seeds[b]), int(pos[b, 0]))
     return TreeVerdicts(path[:, :N], depth, next_token, is_bonus)

@@ -78,12 +78,21 @@ explorations). Where target-only is the best, one round in
 `explore_target_only_every` (72): such a round pays a whole fresh draft for
 one verdict, and while the evidence is too thin to rule drafting out the
 probe drafts anyway; at a neighbour at 0.7x, 0.4% (with a useless draft on
-emulated h100-8b, auto's drafting rounds went from 30 to 15 of 576). A greedy
-request explores from target-only by a shadow guess instead: the round stays
-target-only and the draft's next token, asked beside the verify, is compared
-with the token the round commits, which at T = 0 is exactly a K = 1 verdict,
-at no wall time; a right guess makes the next round a drafting exploration,
-which measures the arms' costs again (a guess measures none). After a
+emulated h100-8b, auto's drafting rounds went from 30 to 15 of 576). A request
+explores, and probes, from target-only by a shadow guess instead: the round stays
+target-only and the draft's guess of the token, asked beside the verify, is
+compared with the token the round commits, at no wall time. At T = 0 the guess
+is the draft's argmax, right exactly when a K = 1 draft would be accepted; at
+T > 0 it is drawn at the target's coin (bonus-match's guess of a bonus, which a
+target-only round's token is), right a little less often than a K = 1 draft is
+accepted (emulated h100-8b, T = 0.7, 400 positions: 0.34 / 0.71 / 0.91 against
+0.40 / 0.73 / 0.95 at agreements 0.6 / 0.8 / 0.95; 0.00 at 0): a K = 1 verdict
+on the low side, where it only ever keeps a request target-only. A right guess
+makes the next round a drafting exploration, which measures the arms' costs and
+acceptance again (a guess measures no cost). Before, a sampled request explored
+by drafting: one round in 72 a K = 1 round of 17 ms against 9 (emulated
+h100-8b, agreement 0, T = 0.7), and every request probed by drafting (a bench
+cell of 6 requests of 48 tokens there: 6 probes). After a
 bad stretch the acceptance of the request's own exploration rounds brings
 speculation back: a request whose text became predictable speculates again
 within a few exploration rounds (tests/unit/core/rounds/test_auto.py bounds
@@ -502,8 +511,8 @@ class AutoPolicy:
     def chooser(
         self, k_max: int, pipelines: Sequence[str], *, target_only: bool, k_min: int = 1, shadow: bool = False
     ) -> AutoChooser:
-        """A request's chooser: K in k_min..k_max (and 0 if target_only) over these pipelines; shadow: a
-        greedy request's explorations from target-only are shadow guesses (AutoChooser.choose)."""
+        """A request's chooser: K in k_min..k_max (and 0 if target_only) over these pipelines; shadow: the
+        request's explorations from target-only are shadow guesses (AutoChooser.choose)."""
         return AutoChooser(self, k_max, tuple(pipelines), target_only, k_min, shadow)
 
 
@@ -520,9 +529,10 @@ class AutoChooser:
         shadow: bool = False,
     ) -> None:
         self.policy = policy
-        self.shadow = shadow  # greedy: an exploration from target-only is a shadow guess (choose)
+        self.shadow = shadow  # an exploration from target-only is a shadow guess (choose)
         self.shadow_due = False  # the round just chosen fetches the draft's guess beside its verify
         self._matched = False  # a shadow guess was right: the next target-only round explores by drafting
+        self._guess_probe = False  # best(): a probe was due, and this request guesses rather than drafts
         self.k_max = max(1, k_max)
         self.k_min = min(max(1, k_min), self.k_max)
         self.pipelines = pipelines
@@ -568,26 +578,29 @@ class AutoChooser:
             (self.k_min, self.k_max, self.pipelines, self.target_only, *key) if not self.acceptance.verdicts else None
         )
         shared = cls.fresh_target_only
+        guess_probe = False  # a probe is due and this request guesses: the round guesses instead of drafting
         if self._held is not None and self._held[0] == key and self._held[1] > 0:
             best, self._held = TARGET_ONLY, (key, self._held[1] - 1)
         elif fresh is not None and shared is not None and shared[0] == fresh and cls.rounds - shared[1] < s.fresh_hold:
             best, self._held = TARGET_ONLY, (key, s.target_only_hold - 1)
         else:
             best = self.best(cls, self.rates(cls))
-            self._held = (key, s.target_only_hold - 1) if best == TARGET_ONLY else None
+            guess_probe = self._guess_probe
+            # a guessing probe does not hold: its verdict comes with the next round, which may probe again
+            self._held = (key, s.target_only_hold - 1) if best == TARGET_ONLY and not guess_probe else None
             if fresh is not None and best == TARGET_ONLY:
                 cls.fresh_target_only = (fresh, cls.rounds)
         self.shadow_due = False
         explore = self.policy.explore_now(s.explore_target_only_every if best.k == 0 else s.explore_every)
         if best.k == 0 and self._matched:  # a shadow guess was right: explore by drafting now
             explore, self._matched = True, False
-        elif explore and best.k == 0 and self.shadow:
-            # A greedy request's exploration from target-only: the round stays target-only and the
-            # draft's guess of its token comes beside the verify (RequestRun), a K = 1 verdict at T = 0
-            # (the draft's argmax is accepted exactly when it is the target's) at no wall time. A
-            # drafting exploration waited for its draft call: 10.6-14.0 ms against 7.5 a round
-            # (emulated h100-8b, agreement 0), ~0.8% of the rate at one round in 72. A guess measures no
-            # arm's cost, so a right one makes the next round a drafting exploration (observe_shadow).
+        elif (explore or guess_probe) and best.k == 0 and self.shadow:
+            # An exploration or a probe from target-only: the round stays target-only and the draft's guess
+            # of its token comes beside the verify (RequestRun), a K = 1 verdict (at T > 0 on the low side,
+            # see the module docstring) at no wall time. A drafting exploration waited for its draft call:
+            # 10.6-14.0 ms against 7.5 a round (emulated h100-8b, agreement 0, T = 0), ~0.8% of the rate
+            # at one round in 72. A guess measures no arm's cost, so a right one makes the next round a
+            # drafting exploration (observe_shadow).
             self.shadow_due, explore = True, False
         if explore:
             neighbours = self.neighbours(best, cls)
@@ -612,7 +625,10 @@ class AutoChooser:
     def best(self, cls: ArmCycles, rates: Sequence[float]) -> Arm:
         """The arm with the best expected rate, among K up to one more than any measured yet
         (the cost fits do not extrapolate: a longer K is measured before it is trusted); a pipelined
-        arm only if it beats the best without a pipeline by `pipeline_margin`."""
+        arm only if it beats the best without a pipeline by `pipeline_margin`. Where target-only is the best
+        but a probe is due (`probe`), the probe; or, for a request that guesses (shadow), target-only with
+        `_guess_probe` set: `choose` makes that round a shadow guess, a verdict at no wall time."""
+        self._guess_probe = False
         start = min(self.k_max, max(self.k_min, self.policy.settings.start_k))
         costs = self.policy.measured_near(cls)
         if costs is None:  # nothing measured yet in this class or any of its kind
@@ -631,7 +647,9 @@ class AutoChooser:
             # also where a pipelined arm rated above target-only but within the margin: that fell back
             # to target-only without a probe, and a request whose few verdicts were unlucky stayed there
             probe = self.probe(costs, rated[best], cls)
-            if probe is not None:
+            if probe is not None and self.shadow:
+                self._guess_probe = True
+            elif probe is not None:
                 return probe
         return best
 
@@ -891,8 +909,9 @@ class AutoChooser:
         cls.calibration.observe(confidence, accepted)
 
     def observe_shadow(self, cls: ArmCycles, matched: bool, confidence: Sequence[float] = ()) -> None:
-        """A shadow guess (choose): the draft's greedy guess of a token a target-only round committed,
-        and whether it was that token. At T = 0 that is a K = 1 verdict; its costs are not a round's."""
+        """A shadow guess (choose): the draft's guess of a token a target-only round committed (its argmax
+        at T = 0, drawn at the target's coin at T > 0), and whether it was that token: a K = 1 verdict
+        (exact at T = 0, a little low at T > 0: the module docstring); its costs are not a round's."""
         self.observe_verdict(cls, 1, int(matched), confidence[:1])
         self._matched = self._matched or matched
 

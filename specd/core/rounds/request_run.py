@@ -125,7 +125,7 @@ class RequestRun:
                 AUTO_PIPELINES if auto_pipeline else (spec.pipeline,),
                 target_only=not fixed,
                 k_min=spec.draft_length if fixed else 1,
-                shadow=spec.params.is_greedy,
+                shadow=True,
             )
         self._pipeline = self._strategy(spec.pipeline if speculating and not auto_pipeline else Off.name)
         self._last_send: tuple[Arm, float, ArmCycles] | None = None  # the previous auto round's arm and verify time
@@ -370,15 +370,19 @@ class RequestRun:
     def _guess_beside(self, committed: Sequence[int], cls: ArmCycles, carrier: Carrier) -> None:
         """A shadow guess (AutoChooser.choose): the draft's next token after `committed`, asked beside this
         target-only round's verify and never waited for; `_settle_shadow` compares it with the token the
-        round commits. One at a time; none while the draft is paused or refused this request."""
+        round commits. At T > 0 drawn at the target's coin (as bonus-match guesses a bonus: a target-only
+        round's token is one). One at a time; none while the draft is paused or refused this request."""
         if self._shadow is not None or self._draft is None or self._draft_refused:
             return
+        sampled = not self.spec.params.is_greedy
 
         async def guess() -> Proposal | TargetOnly:
             if not await self._loop.draft_usable():
                 return TargetOnly.DRAFT_UNAVAILABLE
             return await self._draft_call(
-                lambda draft, timeout: draft.propose(committed, (), 1, timeout=timeout, carrier=carrier)
+                lambda draft, timeout: draft.propose(
+                    committed, (), 1, timeout=timeout, carrier=carrier, guess_bonus=sampled
+                )
             )
 
         self._shadow = (len(committed), cls, asyncio.ensure_future(guess()))

@@ -323,8 +323,10 @@ def test_shadow_guesses_bring_speculation_back_soon_after_a_bad_stretch() -> Non
     assert first <= 4 * settings.explore_target_only_every, f"speculating steadily only from round {first}"
 
 
-@pytest.mark.parametrize("probe_z", [AutoSettings().probe_z, 0.0])
-def test_an_unlucky_start_does_not_stop_speculation_for_good(probe_z: float) -> None:
+@pytest.mark.parametrize(
+    ("probe_z", "shadow"), [(AutoSettings().probe_z, False), (AutoSettings().probe_z, True), (0.0, False)]
+)
+def test_an_unlucky_start_does_not_stop_speculation_for_good(probe_z: float, shadow: bool) -> None:
     """Drafting pays at the true acceptance (0.72; emulated h100-8b at T = 0.7, agreement 0.8) but not at
     the 0.25 two early rejections leave. Target-only rounds bring no verdict, so without the probe
     (probe_z = 0: the plain estimate) the service waits target-only for an exploration round (here 23
@@ -332,7 +334,8 @@ def test_an_unlucky_start_does_not_stop_speculation_for_good(probe_z: float) -> 
     drafts again at once, in all but the unluckiest of 12 seeded runs, and in every one within 200 rounds.
     (Seed 0 drew 4 accepted of the next 12 verdicts, 1% at 0.72: from 8 verdicts a probe must clear
     probe_margin, and it waited 12 rounds. Where a pipelined arm rated above target-only but within
-    pipeline_margin, the choice fell back to target-only without the probe: two seeds stayed there.)"""
+    pipeline_margin, the choice fell back to target-only without the probe: two seeds stayed there.)
+    With shadow guesses the probes are guesses, and a right one brings drafting back as fast."""
     starts, settled = [], []
     for seed in range(12):
         policy = AutoPolicy(AutoSettings(probe_z=probe_z))
@@ -340,7 +343,7 @@ def test_an_unlucky_start_does_not_stop_speculation_for_good(probe_z: float) -> 
             a=0.72, verify_ms=8.0, verify_per_token_ms=0.05, draft_ms=2.5, draft_per_token_ms=1.4,
             rng=random.Random(seed),
         )  # fmt: skip
-        chooser = policy.chooser(6, AUTO_PIPELINES, target_only=True)
+        chooser = policy.chooser(6, AUTO_PIPELINES, target_only=True, shadow=shadow)
         cls = policy.workload(greedy=True, running=1)
         chooser.observe_calls(cls, Arm(OFF, 2), 3, service.verify(2), 2, service.draft(2), 2.8)
         chooser.observe_verdict(cls, 2, 0)
@@ -353,6 +356,25 @@ def test_an_unlucky_start_does_not_stop_speculation_for_good(probe_z: float) -> 
         assert min(settled) >= 0.9 * 150, settled
     else:  # the failure the probe is for (this test's power)
         assert max(starts) <= 2, starts
+
+
+def test_a_guessing_requests_probes_are_shadow_guesses() -> None:
+    """Where target-only rates best but the evidence cannot rule drafting out yet, a request that guesses
+    (shadow) probes by a shadow guess, a verdict at no wall time, not by a drafting round. With a useless
+    draft from a cold start: the first round (nothing measured) and one at the prior's rate draft, then
+    none; probing by drafting took 18-19 of 400 rounds (emulated h100-8b, agreement 0, T = 0.7: 6 of them
+    in a bench cell of 6 requests of 48 tokens, 8-9 ms each beyond a target-only round)."""
+    for shadow in (True, False):
+        drafting = []
+        for seed in range(4):
+            chooser = AutoPolicy(AutoSettings()).chooser(6, AUTO_PIPELINES, target_only=True, shadow=shadow)
+            service = Service(a=0.0, cache_hit_all=0.0, cache_hit_rejected=0.0, rng=random.Random(seed))
+            _, arms = drive(chooser, service, 400)
+            drafting.append(sum(a.k > 0 for a in arms))
+        if shadow:
+            assert max(drafting) <= 3, drafting
+        else:  # the drafting probes the guesses replace (this test's power)
+            assert min(drafting) >= 12, drafting
 
 
 def test_a_probe_must_clear_its_margin_once_verdicts_are_in() -> None:

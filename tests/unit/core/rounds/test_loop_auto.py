@@ -8,9 +8,10 @@ import itertools
 import pytest
 
 from specd.core.errors import Unavailable
-from specd.core.rounds.auto import Arm, ArmCycles, AutoChooser
+from specd.core.rounds.auto import Arm, ArmCycles, AutoChooser, AutoSettings
 from specd.core.rounds.generation import FinishReason
 from specd.core.rounds.pipeline import PIPELINES
+from specd.core.sampling.sampler import SamplingParams
 from tests.loop_fakes import FakeDraft, FakeTarget, Script, target_next
 from tests.unit.core.rounds.test_loop import PROMPT, check_records, expected, run, spec
 
@@ -115,6 +116,30 @@ def test_a_greedy_request_explores_from_target_only_by_shadow_guesses_and_comes_
     assert len(draft.prefixes) > drafting  # ... but guesses beside target-only rounds
     right = [rec for rec, n in zip(records, done) if n >= 900]
     assert right and sum(1 for rec in right if rec.draft_tokens) >= 0.9 * len(right)  # drafting again
+
+
+def test_a_sampled_request_explores_from_target_only_by_shadow_guesses_at_the_targets_coin() -> None:
+    """At T > 0 too, a request that stopped drafting explores by shadow guesses, drawn at the target's coin
+    (the propose's guess_bonus): a target-only round's token is a bonus, so bonus-match's guess is the
+    draft's best guess of it. A draft wrong throughout: once the first rounds have ruled drafting out, no
+    drafting round, one guess every explore_target_only_every rounds. Before, a sampled request explored
+    by drafting (about 7 K = 1 rounds here, each waiting for its draft). The output is the target's chain."""
+
+    def step(prefix: list[int]) -> int:
+        return (target_next(prefix) + 1) % 61
+
+    draft = FakeDraft(step=step)
+    target = FakeTarget(Script(latency_s=0.002))
+    sampled = SamplingParams(temperature=0.7, seed=1)
+    r, records, _ = run(spec(600, speculation="auto", pipeline="off", draft_length=4, params=sampled), target, draft)
+    assert r.generation.generated == expected(600)
+    check_records(r, records)
+    done = list(itertools.accumulate(len(rec.committed) for rec in records))
+    late = [rec for rec, n in zip(records, done) if n >= 80]
+    assert late and sum(1 for rec in late if rec.draft_tokens) <= 2  # ruled out: an exploration or two at most
+    guesses = sum(draft.guess_flags)  # the shadow guesses: the only proposes that guess the bonus here
+    assert guesses >= 500 // AutoSettings().explore_target_only_every - 1
+    assert len(draft.prefixes) == guesses + sum(1 for rec in records if rec.draft_tokens)
 
 
 def test_auto_fits_no_draft_cost_from_a_requests_opening_round() -> None:

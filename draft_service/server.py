@@ -94,6 +94,7 @@ def _model_drafter(runner: CausalLMRunner, config: DraftConfig, token_map: torch
         q=config.q_settings,
         idle_timeout_s=config.idle_timeout_s,
         token_map=token_map,
+        encode_q=True,  # the wire's compact q rows, each step's encoded while the next step's pass runs
         max_kv_bytes=default_kv_budget(  # measured now, right after loading
             runner,
             config.max_kv_bytes,

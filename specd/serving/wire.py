@@ -67,6 +67,8 @@ def sparse_rows_to_proto(proposals: Sequence[Proposal]) -> list[list[common_pb2.
             out[i] = list(proposal.wire_q)
         elif proposal.q_ids is None or proposal.q_probs is None:
             continue
+        elif proposal.compact_q is not None and len(proposal.compact_q) == len(proposal.q_ids):  # encoded already
+            out[i] = [common_pb2.SparseDistribution(id_gaps=gaps, weights=ints) for gaps, ints in proposal.compact_q]
         elif compact_q.is_integral(proposal.q_probs):
             compact.append(i)
             qs.append((proposal.q_ids, proposal.q_probs))

@@ -7,7 +7,7 @@ from __future__ import annotations
 import itertools
 import logging
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -67,11 +67,15 @@ class TensorParallelRunner(CausalLMRunner):
             self._send(commands.forward(s.tp_id, start, s.tokens[start:], num_last))
             return super().logits(s, num_last)
 
-    def logits_batch(self, sessions: Sequence[KVSession], num_last: Sequence[int]) -> list[torch.Tensor]:
+    def logits_batch(
+        self, sessions: Sequence[KVSession], num_last: Sequence[int], *, beside: Callable[[], None] | None = None
+    ) -> list[torch.Tensor]:
         """One batched forward on every rank: the followers get the sessions' (start, new tokens) in
         order and run the same `CausalLMRunner.logits_batch`, so the padded shapes, and with them the
-        collectives inside the model, match rank 0's."""
+        collectives inside the model, match rank 0's. beside: as CausalLMRunner's (run first)."""
         pairs = self._check_batch(sessions, num_last)  # the same InvalidArgument as the batched runner
+        if beside is not None:
+            beside()
         if len(pairs) <= 1:
             return [self.logits(s, k) for s, k in pairs]  # one session: the plain forward command
         with self.group.collective():

@@ -59,10 +59,10 @@ class _RecordingRunner(CausalLMRunner):
         self.seen.update(s.tokens)
         return super().logits(s, num_last)
 
-    def logits_batch(self, sessions, num_last):  # type: ignore[no-untyped-def]
+    def logits_batch(self, sessions, num_last, *, beside=None):  # type: ignore[no-untyped-def]
         for s in sessions:
             self.seen.update(s.tokens)
-        return super().logits_batch(sessions, num_last)
+        return super().logits_batch(sessions, num_last, beside=beside)
 
 
 def _run(target, draft, prompt: list[int], params: SamplingParams, seen: set[int], k: int = K) -> list[int]:

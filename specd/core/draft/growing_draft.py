@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor
 
 from specd.core.phases import PhaseLog
+from specd.core.sampling import compact_q
 from specd.core.sampling.proposal import Proposal
 
 
@@ -21,6 +23,7 @@ class GrowingDraft:
     q_ms: float = 0.0  # time spent building q and sampling from it
     confidence: list[float] = field(default_factory=list)  # per position: the draft's P(its token)
     guess_first: bool = False  # its first token guesses the target's bonus (steps.ProposeRequest.guess_bonus)
+    compact: list[compact_q.CompactRow] = field(default_factory=list)  # q rows 0 .. n - 1 in the wire's form
 
     def proposal(self, log: PhaseLog) -> Proposal:
         compute_ms = (log.phases[-1].end_ns - log.phases[0].start_ns) / 1e6 if log.phases else 0.0
@@ -34,4 +37,20 @@ class GrowingDraft:
         for k, (r_ids, r_w) in enumerate(zip(self.q_ids, self.q_probs)):
             ids[k, : r_ids.shape[0]] = r_ids
             weights[k, : r_w.shape[0]] = r_w
-        return Proposal(self.tokens, ids, weights, compute_ms, phases=log, q_ms=self.q_ms, confidence=confidence)
+        compact = tuple(self.compact) if len(self.compact) == len(self.q_ids) else None
+        return Proposal(
+            self.tokens, ids, weights, compute_ms, phases=log, q_ms=self.q_ms, confidence=confidence, compact_q=compact
+        )
+
+
+def encode_pending(drafts: Iterable[GrowingDraft]) -> None:
+    """Put every draft's q rows that are not in the wire's compact form yet into it, all in one pass.
+
+    A drafter that encodes while its next pass runs (ModelDrafter's encode_q) calls this beside
+    each step's forward, so that only the last step's rows are encoded after the draft."""
+    todo = [(d, i) for d in drafts for i in range(len(d.compact), len(d.q_ids))]
+    if not todo:
+        return
+    rows = compact_q.to_compact_each([(d.q_ids[i][None], d.q_probs[i][None]) for d, i in todo])  # [1] each
+    for (d, _), [row] in zip(todo, rows):
+        d.compact.append(row)

@@ -21,7 +21,7 @@ from torch import Tensor
 
 from specd.core import phases as ph
 from specd.core.draft.branching import BranchChoice, Ranking, calibrated_greedy, select_branches, top_ranking
-from specd.core.draft.growing_draft import GrowingDraft
+from specd.core.draft.growing_draft import GrowingDraft, encode_pending
 from specd.core.draft.protocol import propose_one
 from specd.core.draft.ranking_rows import RankingRows
 from specd.core.errors import Internal, InvalidArgument, SessionNotFound
@@ -115,9 +115,13 @@ class ModelDrafter(PooledModel[_ModelDraftSession]):
         q: QSettings | None = None,
         wire_top_k: int = 0,
         token_map: Tensor | None = None,
+        encode_q: bool = False,
         **limits: Unpack[PoolLimits],
     ) -> None:
         super().__init__(runner, **limits)
+        # q rows also in the wire's compact form (Proposal.compact_q), each step's encoded while the next
+        # step's pass runs (the runner's `beside`): what a draft service sends, ready when the draft ends
+        self.encode_q = encode_q
         self.token_map: Tensor | None = None  # [N] int64 on the model's device
         self._host_map: Tensor | None = None  # [N] int64 on the host: q's slots -> target ids
         if token_map is not None:
@@ -364,6 +368,8 @@ class ModelDrafter(PooledModel[_ModelDraftSession]):
                     rows.extend(((r.index, b), fork) for b, fork in enumerate(bp.forks))
             if rows or parents:
                 failed.update(self._draft_step(rows, parents, drafted, branched, run.logs))
+        if self.encode_q:  # the last step's rows: no pass left to encode them beside
+            encode_pending(drafted.values())
         return failed
 
     def _draft_step(
@@ -381,7 +387,8 @@ class ModelDrafter(PooledModel[_ModelDraftSession]):
         """
         t0 = time.time_ns()
         num_last = [1] * len(active) + [branched[i].request.pending + 1 for i, _ in parents]
-        out = self.runner.logits_batch([s.kv for _, s in active] + [s.kv for _, s in parents], num_last)
+        beside = (lambda: encode_pending(drafted.values())) if self.encode_q else None  # the last step's q rows
+        out = self.runner.logits_batch([s.kv for _, s in active] + [s.kv for _, s in parents], num_last, beside=beside)
         sampled = _stacked(out[: len(active)]) if active else None  # [A, V]: each row this step's token is drawn from
         for a, (key, s) in enumerate(active):
             if s.branching > 0 and sampled is not None:  # a sequence a branch call may rank next: keep it

@@ -27,7 +27,7 @@ from __future__ import annotations
 import inspect
 import operator
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, cast
 
@@ -303,8 +303,14 @@ class CausalLMRunner:
         return pairs
 
     @torch.inference_mode()
-    def logits_batch(self, sessions: Sequence[KVSession], num_last: Sequence[int]) -> list[Tensor]:
+    def logits_batch(
+        self, sessions: Sequence[KVSession], num_last: Sequence[int], *, beside: Callable[[], None] | None = None
+    ) -> list[Tensor]:
         """`logits(sessions[b], num_last[b])` for every b, computed in ONE model forward.
+
+        beside: host work that needs nothing of this forward, run with it (SimRunner's emulated
+        pass runs it inside the pass's time); on the CPU the forward is the host's own work, so
+        it runs first.
 
         Returns one [num_last[b], V] float32 tensor per session, with the same
         side effects as the per-session calls: each session's cache then holds
@@ -328,6 +334,8 @@ class CausalLMRunner:
         long. A single session skips all this and runs `logits`.
         """
         pairs = self._check_batch(sessions, num_last)
+        if beside is not None:
+            beside()
         if not pairs:
             return []
         if len(pairs) == 1:

@@ -11,6 +11,7 @@ import torch
 
 from specd.core.errors import InvalidArgument
 from specd.core.phases import PhaseLog
+from specd.core.sampling.compact_q import CompactRow
 from specd.core.transit import Transit
 
 # What a proposal from the wire may hold unless the service says otherwise: K draft
@@ -48,6 +49,8 @@ class Proposal:
     wire_q: tuple[Any, ...] | None = field(default=None, compare=False, repr=False)  # [K] q rows as received, relayed
     # [K] or (): the drafter's own P(token i accepted | the ones before were), raw; auto calibrates and cuts by it
     confidence: tuple[float, ...] = field(default=(), compare=False)
+    # [K] q_ids / q_probs already in the wire's compact form (a drafter that encodes while its next pass runs)
+    compact_q: tuple[CompactRow, ...] | None = field(default=None, compare=False, repr=False)
 
     def __len__(self) -> int:
         return len(self.token_ids)
@@ -58,7 +61,16 @@ class Proposal:
         q_probs = None if self.q_probs is None else self.q_probs[start:stop]
         wire_q = None if self.wire_q is None else self.wire_q[start:stop]
         confidence = self.confidence[start:stop]
-        return Proposal(self.token_ids[start:stop], q_ids, q_probs, compute_ms, wire_q=wire_q, confidence=confidence)
+        compact_q = None if self.compact_q is None else self.compact_q[start:stop]
+        return Proposal(
+            self.token_ids[start:stop],
+            q_ids,
+            q_probs,
+            compute_ms,
+            wire_q=wire_q,
+            confidence=confidence,
+            compact_q=compact_q,
+        )
 
     def cut(self, n: int) -> Proposal:
         """The first n draft tokens, with everything the call measured (the rest is never verified)."""
@@ -74,6 +86,7 @@ class Proposal:
             q_probs=q_probs,
             wire_q=wire_q,
             confidence=self.confidence[:n],
+            compact_q=None if self.compact_q is None else self.compact_q[:n],
         )
 
     @staticmethod

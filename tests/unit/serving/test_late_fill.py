@@ -11,6 +11,7 @@ from specd.core.draft.model_drafter import ModelDrafter
 from specd.core.model.sim.cost import CostModel
 from specd.core.model.sim.lm import SimLM, SimShape
 from specd.core.model.sim.sim_runner import SimRunner
+from specd.core.sampling import compact_q
 from specd.serving.streams import Stamped
 from specd.v1 import common_pb2, draft_pb2
 
@@ -18,9 +19,9 @@ SHAPE = SimShape(vocab_size=1000, context_tokens=3, head=16, seed=7)
 PROMPT = [5, 17, 99, 3]
 
 
-def _servicer(pool: ThreadPoolExecutor) -> DraftServicer:
+def _servicer(pool: ThreadPoolExecutor, encode_q: bool = False) -> DraftServicer:
     runner = SimRunner(SimLM(SHAPE, agreement=0.7), CostModel(fixed_ms=0.0), max_context=256, kv_bytes_per_token=1)
-    return DraftServicer(ModelDrafter(runner), pool, common_pb2.ModelInfo(), 8)
+    return DraftServicer(ModelDrafter(runner, encode_q=encode_q), pool, common_pb2.ModelInfo(), 8)
 
 
 def _open(servicer: DraftServicer, sid: str, temperature: float) -> None:
@@ -40,9 +41,9 @@ def _steps() -> list[draft_pb2.DraftRequest]:
     return [propose, branch]
 
 
-def _run(stamped: bool, temperature: float) -> list[draft_pb2.DraftResponse]:
+def _run(stamped: bool, temperature: float, encode_q: bool = False) -> list[draft_pb2.DraftResponse]:
     with ThreadPoolExecutor(max_workers=1) as pool:
-        servicer = _servicer(pool)
+        servicer = _servicer(pool, encode_q)
         _open(servicer, "p", temperature)
         _open(servicer, "b", temperature)
         if not stamped:
@@ -79,6 +80,24 @@ def test_a_stream_gets_the_same_responses_as_a_direct_call(temperature: float) -
     assert [_untimed(r) for r in direct] == [_untimed(r) for r in streamed]
     if temperature > 0:
         assert direct[0].proposal.q and all(b.proposal.q for b in direct[1].branches.branches)
+
+
+@pytest.mark.parametrize("stamped", [False, True])
+def test_q_rows_the_drafter_encoded_during_its_passes_go_out_as_the_stream_would_encode_them(
+    stamped: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The draft service's drafter encodes each step's q rows while its next pass runs (encode_q); the
+    messages are byte for byte those of a drafter that leaves the encoding to the servicer, which then
+    encodes nothing itself (it would ask whether the weights are integers first)."""
+    plain = _run(stamped, 0.8)
+
+    def not_again(weights: object) -> bool:
+        raise AssertionError("the servicer encoded q rows the drafter had encoded")
+
+    monkeypatch.setattr(compact_q, "is_integral", not_again)
+    encoded = _run(stamped, 0.8, encode_q=True)
+    assert encoded[0].proposal.q and all(b.proposal.q for b in encoded[1].branches.branches)
+    assert [_untimed(r) for r in plain] == [_untimed(r) for r in encoded]
 
 
 def test_a_late_fill_that_fails_answers_its_message_with_the_error(monkeypatch: pytest.MonkeyPatch) -> None:

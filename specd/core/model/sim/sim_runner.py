@@ -103,13 +103,20 @@ class SimRunner(CausalLMRunner):
             raise InvalidArgument(f"num_last must be an int in [1, {n}] (the sequence length), got {num_last!r}")
         return self._forward([(s, num_last)])[0]
 
-    def logits_batch(self, sessions: Sequence[KVSession], num_last: Sequence[int]) -> list[Tensor]:
-        """`logits(sessions[b], num_last[b])` for every b, as ONE emulated pass (batch-aware cost)."""
-        pairs = self._check_batch(sessions, num_last)
-        return self._forward(pairs) if pairs else []
+    def logits_batch(
+        self, sessions: Sequence[KVSession], num_last: Sequence[int], *, beside: Callable[[], None] | None = None
+    ) -> list[Tensor]:
+        """`logits(sessions[b], num_last[b])` for every b, as ONE emulated pass (batch-aware cost).
 
-    def _forward(self, pairs: list[tuple[KVSession, int]]) -> list[Tensor]:
+        beside: host work that needs nothing of this pass, run while it runs (as beside an
+        accelerator's asynchronous pass): it takes its time out of the modelled wait."""
+        pairs = self._check_batch(sessions, num_last)
+        return self._forward(pairs, beside) if pairs else []
+
+    def _forward(self, pairs: list[tuple[KVSession, int]], beside: Callable[[], None] | None = None) -> list[Tensor]:
         started = self._clock()
+        if beside is not None:
+            beside()
         # Positions [start_b, n_b) run, as in CausalLMRunner: the uncached ones, or
         # at least the num_last rows returned (recomputed after a rollback).
         news, lengths, contexts = [], [], []

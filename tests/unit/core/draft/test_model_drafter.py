@@ -8,6 +8,7 @@ from specd.core.draft.model_drafter import ModelDrafter, _stacked
 from specd.core.draft.protocol import draft_work
 from specd.core.model.sim import parse_sim_spec
 from specd.core.rounds.steps import BranchRequest, ProposeRequest
+from specd.core.sampling import compact_q
 from specd.core.sampling.bonus_guess import coupled_guess
 from specd.core.sampling.proposal import Proposal
 from specd.core.sampling.sampler import SamplingParams
@@ -139,3 +140,31 @@ def test_a_reduced_heads_branch_call_guesses_the_bonus_as_the_full_head_does() -
         assert not isinstance(result, Exception)
         out.append([(b.accepted, b.token_id) for b in result.branches])
     assert out[0] == out[1] == out[2] and any(j == 2 for j, _ in out[0])
+
+
+def test_a_drafter_that_encodes_q_sends_each_row_as_the_wire_would_encode_it() -> None:
+    """encode_q (the draft service's): every sampled row also in the wire's compact form, each step's encoded
+    beside the next step's pass and the last after it; the bytes are those `to_compact` gives the finished
+    proposal's q, for proposes and a branch call's branches alike, and the drafts are the same as without it.
+    Greedy rows have no q to encode; without encode_q nothing is encoded."""
+
+    def drafter(encode: bool) -> ModelDrafter:
+        return ModelDrafter(parse_sim_spec(SIM).runner("draft"), q=QSettings(), encode_q=encode)
+
+    plain, encoding = _propose(drafter(False), list(SESSIONS)), _propose(drafter(True), list(SESSIONS))
+    for name in SESSIONS:
+        _same(plain[name], encoding[name])
+        assert plain[name].compact_q is None
+        p = encoding[name]
+        if p.q_ids is None or p.q_probs is None:
+            assert p.compact_q is None
+        else:
+            assert p.compact_q == tuple(compact_q.to_compact(p.q_ids, p.q_probs)) and len(p.compact_q) == 4
+    d = drafter(True)
+    d.open("s", PROMPT, SamplingParams(temperature=0.8, seed=5))
+    result = draft_work(d, [BranchRequest("s", len(PROMPT), len(PROMPT), [], 2, 2, 3, (0.9, 0.9))])[0]
+    assert not isinstance(result, Exception) and result.branches
+    for branch in result.branches:
+        p = branch.proposal
+        assert p.q_ids is not None and p.q_probs is not None
+        assert p.compact_q == tuple(compact_q.to_compact(p.q_ids, p.q_probs))

@@ -40,8 +40,10 @@ class WatchedRunner(CausalLMRunner):
         self.watch: Callable[[], int] | None = None
         self.peaks: list[int] = []
 
-    def logits_batch(self, sessions: Sequence[KVSession], num_last: Sequence[int]) -> list[Tensor]:
-        out = super().logits_batch(sessions, num_last)
+    def logits_batch(
+        self, sessions: Sequence[KVSession], num_last: Sequence[int], *, beside: Callable[[], None] | None = None
+    ) -> list[Tensor]:
+        out = super().logits_batch(sessions, num_last, beside=beside)
         if self.watch is not None:
             self.peaks.append(self.watch())
         return out

@@ -271,6 +271,34 @@ def test_the_logits_come_at_the_end_of_the_modelled_time(monkeypatch: pytest.Mon
     assert t.now - started < 0.0201  # and ended on time
 
 
+def test_host_work_beside_a_pass_takes_its_time_out_of_the_modelled_wait(monkeypatch: pytest.MonkeyPatch):
+    """`beside` (host work that needs nothing of the pass, as beside an accelerator's asynchronous pass) runs
+    once, at the pass's start, and the pass still ends at its modelled time: it sleeps the rest. Work longer
+    than the pass makes the pass late, as the host would."""
+    t = _FakeTime(late_first=0.0)
+    runner = SimRunner(
+        SimLM(SMALL), CostModel(fixed_ms=20.0), max_context=64, kv_bytes_per_token=1, clock=t.clock, sleep=t.sleep
+    )
+    _logits_take(monkeypatch, runner, t, 0.001)
+    session = runner.new_session([1, 2])
+    for _ in range(40):  # it learns the logits' time
+        session.tokens.append(3)
+        runner.logits(session, 1)
+    calls: list[float] = []
+
+    def work(seconds: float) -> None:
+        calls.append(t.now)
+        t.now += seconds
+
+    for seconds, ends in ((0.008, 0.020), (0.030, 0.031)):  # 8 ms of work: on time; 30 ms: 30 ms + the logits
+        session.tokens.append(3)
+        started, slept = t.now, len(t.sleeps)
+        runner.logits_batch([session], [1], beside=lambda s=seconds: work(s))
+        assert calls[-1] == started  # at the start of the pass
+        assert t.now - started == pytest.approx(ends, abs=2e-4)
+    assert len(calls) == 2 and sum(t.sleeps[slept:]) == 0.0  # the long work left nothing to sleep
+
+
 def _logits_take(monkeypatch: pytest.MonkeyPatch, runner: SimRunner, t: _FakeTime, seconds: float) -> list[float]:
     """Make the runner's logits take `seconds` of t's time; returns the list of the times they started."""
     compute, started = runner.lm.logits, []

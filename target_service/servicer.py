@@ -78,6 +78,7 @@ class TargetServicer(
             max_draft_tokens=v.max_draft_tokens,
             max_q_width=v.max_q_width,
             max_context=v.runner.max_context,
+            decode_q=False,  # the verifier decodes a model draft's q rows while its forward runs
         )
 
     def run_step_batch(self, work: Sequence[Work]) -> list[Outcome | Exception]:

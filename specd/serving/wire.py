@@ -196,9 +196,17 @@ def check_row_forms(q: Sequence[common_pb2.SparseDistribution], vocab_size: int,
 
 
 def proposal_from_verify(
-    msg: target_pb2.Verify, vocab_size: int, *, max_draft_tokens: int, max_q_width: int
+    msg: target_pb2.Verify, vocab_size: int, *, max_draft_tokens: int, max_q_width: int, decode_q: bool = True
 ) -> Proposal:
-    """The proposal of a Verify message, sizes checked before anything is copied (see Proposal.from_wire)."""
+    """The proposal of a Verify message, sizes checked before anything is copied (see Proposal.from_wire).
+
+    decode_q False: a model draft's compact q rows are checked here from their lengths alone and left
+    undecoded (Proposal.compact_q) for the verifier, which decodes and checks them while its forward runs."""
+    if not decode_q:
+        check_sizes(len(msg.draft_token_ids), len(msg.q), max_draft_tokens)  # before any row is read
+        compact = compact_rows(msg.q, vocab_size, max_q_width)
+        if compact is not None:
+            return Proposal(checked_tokens(msg.draft_token_ids, vocab_size), compact_q=tuple(compact))
     return _checked_proposal(msg.draft_token_ids, msg.q, vocab_size, max_draft_tokens, max_q_width)
 
 
@@ -294,11 +302,20 @@ def branches_to_proto(result: steps.Branches, *, with_q: bool = True) -> draft_p
 
 
 def verify_request_from_proto(
-    req: target_pb2.TargetRequest, vocab_size: int, *, max_draft_tokens: int, max_q_width: int, max_context: int
+    req: target_pb2.TargetRequest,
+    vocab_size: int,
+    *,
+    max_draft_tokens: int,
+    max_q_width: int,
+    max_context: int,
+    decode_q: bool = True,
 ) -> steps.VerifyRequest:
-    """The core's verify request; sizes are checked before anything is copied (InvalidArgument)."""
+    """The core's verify request; sizes are checked before anything is copied (InvalidArgument).
+    decode_q: as proposal_from_verify's."""
     v = req.verify
-    proposal = proposal_from_verify(v, vocab_size, max_draft_tokens=max_draft_tokens, max_q_width=max_q_width)
+    proposal = proposal_from_verify(
+        v, vocab_size, max_draft_tokens=max_draft_tokens, max_q_width=max_q_width, decode_q=decode_q
+    )
     tail = token_ids_from_wire(v.token_ids, max_context, "verify.token_ids")
     return steps.VerifyRequest(req.session_id, req.committed_length, proposal, v.start, tail, v.defer_bonus)
 

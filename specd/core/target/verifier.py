@@ -22,7 +22,7 @@ from specd.core.model.runner import CausalLMRunner, KVSession
 from specd.core.model.tree_forward import TreeLogits
 from specd.core.phases import PhaseLog
 from specd.core.rounds.steps import TreeVerifyOutcome, TreeVerifyRequest, VerifyOutcome, VerifyRequest, check_sync
-from specd.core.sampling import sampler
+from specd.core.sampling import compact_q, sampler
 from specd.core.sampling.greedy import greedy_verdict
 from specd.core.sampling.proposal import DEFAULT_MAX_DRAFT_TOKENS, DEFAULT_MAX_Q_WIDTH, Proposal
 from specd.core.sampling.rejection import SparseProposal, TargetRows, rejection_sample
@@ -133,25 +133,42 @@ class Verifier(PooledModel[_TargetSession]):
         batch_tokens = sum(len(s.kv.tokens) - s.kv.cached for _, s in ready)  # positions the forward runs
         for i, _ in ready:
             logs[i].batch_tokens = batch_tokens
+        proposals: list[Proposal] = [requests[i].proposal for i, _ in ready]  # [B], q decoded beside the pass
+        undecoded = [b for b, p in enumerate(proposals) if p.q_ids is None and p.compact_q is not None]
+        verdicts: dict[int, tuple[int, int, bool] | Exception] = {}
+
+        def decode() -> None:
+            """The proposals' q rows from the wire's compact form (checked), while the pass runs: a row that
+            fails its checks fails its own request (its drafts rolled back), as a row that cannot be sampled."""
+            for b in undecoded:
+                p = proposals[b]
+                assert p.compact_q is not None
+                try:
+                    q_ids, q_probs = compact_q.dense_from_compact(p.compact_q, self.vocab_size, p.token_ids)
+                except InvalidArgument as exc:
+                    verdicts[b] = exc
+                    continue
+                proposals[b] = dataclasses.replace(p, q_ids=q_ids, q_probs=q_probs)
+
         t0 = time.time_ns()
-        logits = self.runner.logits_batch([s.kv for _, s in ready], [k + 1 for k in ks])  # B x [K_b+1, V]
+        logits = self.runner.logits_batch(  # B x [K_b+1, V]
+            [s.kv for _, s in ready], [k + 1 for k in ks], beside=decode if undecoded else None
+        )
         t1 = time.time_ns()
-        verdicts: dict[int, tuple[int, int, bool] | Exception]
         if all(s.params.is_greedy for _, s in ready):  # p one-hot: the verdict comes off the logits (greedy.py)
-            verdicts = {}
-            for b, (lg, (i, _)) in enumerate(zip(logits, ready)):
-                greedy = greedy_verdict(lg, requests[i].proposal.token_ids)
-                verdicts[b] = greedy if greedy is not None else Internal(UNUSABLE_LOGITS)
+            for b, (lg, p) in enumerate(zip(logits, proposals)):
+                if b not in verdicts:
+                    greedy = greedy_verdict(lg, p.token_ids)
+                    verdicts[b] = greedy if greedy is not None else Internal(UNUSABLE_LOGITS)
         else:
             # A session whose logits are not finite at some position fails its own request only;
             # the others go on. p is computed where the sampler reads it (_target_rows).
-            verdicts = {}
             for b, lg in enumerate(logits):
                 for error in sampler.unusable_logits(lg[None]).values():
-                    verdicts[b] = error
-            verdicts.update(
-                self._sample([b for b in range(len(ready)) if b not in verdicts], logits, ready, requests, ks)
-            )
+                    verdicts.setdefault(b, error)
+            lengths = [requests[i].committed_length for i, _ in ready]
+            rows = [b for b in range(len(ready)) if b not in verdicts]
+            verdicts.update(self._sample(rows, logits, ready, proposals, lengths, ks))
         t2 = time.time_ns()
         failed: dict[int, Exception] = {}
         for b, (i, s) in enumerate(ready):
@@ -178,12 +195,14 @@ class Verifier(PooledModel[_TargetSession]):
         rows: list[int],
         logits: list[torch.Tensor],
         ready: list[tuple[int, _TargetSession]],
-        requests: Sequence[VerifyRequest],
+        proposals: Sequence[Proposal],
+        committed: Sequence[int],
         ks: list[int],
     ) -> dict[int, tuple[int, int, bool] | Exception]:
         """The rejection sampler over the given sessions: {row: (accepted, token, is_bonus) or its error}.
 
-        logits: B x [K_b+1, V], the forward's rows per session. One batched call, its q padded to
+        logits: B x [K_b+1, V], the forward's rows per session; proposals and committed [B]: each
+        session's proposal (q decoded) and committed length. One batched call, its q padded to
         the widest W and K_max drafts (q = 0 on padding); if it refuses (a row breaks a sampler
         rule, or its p is not a distribution), each row again on its own, so that only the
         offending row fails. Verdicts do not depend on the batch (coins hash (seed, position)),
@@ -194,14 +213,14 @@ class Verifier(PooledModel[_TargetSession]):
         k_max = max(ks[b] for b in rows)
         drafts = torch.zeros(len(rows), k_max, dtype=torch.int64)  # [B', K_max]
         for r, b in enumerate(rows):
-            drafts[r, : ks[b]] = torch.tensor(requests[ready[b][0]].proposal.token_ids, dtype=torch.int64)
+            drafts[r, : ks[b]] = torch.tensor(proposals[b].token_ids, dtype=torch.int64)
         try:
             v = rejection_sample(
                 _target_rows([logits[b] for b in rows], [ready[b][1].params for b in rows], k_max),
                 drafts,
-                _sparse_batch([requests[ready[b][0]].proposal for b in rows], k_max),
+                _sparse_batch([proposals[b] for b in rows], k_max),
                 seeds=torch.tensor([ready[b][1].params.seed for b in rows], dtype=torch.int64),
-                start_positions=torch.tensor([requests[ready[b][0]].committed_length for b in rows], dtype=torch.int64),
+                start_positions=torch.tensor([committed[b] for b in rows], dtype=torch.int64),
                 num_draft=torch.tensor([ks[b] for b in rows], dtype=torch.int64),
             )
         except Exception as exc:  # noqa: BLE001 - find the row(s) at fault, one by one
@@ -209,7 +228,7 @@ class Verifier(PooledModel[_TargetSession]):
                 return {rows[0]: exc}
             out: dict[int, tuple[int, int, bool] | Exception] = {}
             for b in rows:
-                out.update(Verifier._sample([b], logits, ready, requests, ks))
+                out.update(Verifier._sample([b], logits, ready, proposals, committed, ks))
             return out
         return {b: (int(v.num_accepted[r]), int(v.next_token[r]), bool(v.is_bonus[r])) for r, b in enumerate(rows)}
 

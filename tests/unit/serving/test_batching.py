@@ -275,7 +275,7 @@ def test_verify_batch_is_one_forward(tiny, monkeypatch: pytest.MonkeyPatch) -> N
     verifier = Verifier(runner)
     calls: list[int] = []
     real = runner.logits_batch
-    monkeypatch.setattr(runner, "logits_batch", lambda ss, nl: calls.append(len(ss)) or real(ss, nl))
+    monkeypatch.setattr(runner, "logits_batch", lambda ss, nl, **kw: calls.append(len(ss)) or real(ss, nl, **kw))
     greedy = SamplingParams(temperature=0.0, seed=0)
     reqs = []
     for i, text in enumerate(PROMPTS):

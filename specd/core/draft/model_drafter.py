@@ -387,7 +387,7 @@ class ModelDrafter(PooledModel[_ModelDraftSession]):
         """
         t0 = time.time_ns()
         num_last = [1] * len(active) + [branched[i].request.pending + 1 for i, _ in parents]
-        beside = (lambda: encode_pending(drafted.values())) if self.encode_q else None  # the last step's q rows
+        beside = (lambda: encode_pending(drafted.values())) if self.encode_q else None  # the step before's q rows
         out = self.runner.logits_batch([s.kv for _, s in active] + [s.kv for _, s in parents], num_last, beside=beside)
         sampled = _stacked(out[: len(active)]) if active else None  # [A, V]: each row this step's token is drawn from
         for a, (key, s) in enumerate(active):

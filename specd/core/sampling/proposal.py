@@ -49,7 +49,8 @@ class Proposal:
     wire_q: tuple[Any, ...] | None = field(default=None, compare=False, repr=False)  # [K] q rows as received, relayed
     # [K] or (): the drafter's own P(token i accepted | the ones before were), raw; auto calibrates and cuts by it
     confidence: tuple[float, ...] = field(default=(), compare=False)
-    # [K] q_ids / q_probs already in the wire's compact form (a drafter that encodes while its next pass runs)
+    # [K] q in the wire's compact form: a draft service's drafter's (q_ids / q_probs too), encoded while its
+    # next pass ran; or a verify's as it arrived (q_ids None), for the verifier to decode beside its forward
     compact_q: tuple[CompactRow, ...] | None = field(default=None, compare=False, repr=False)
 
     def __len__(self) -> int:

@@ -202,12 +202,7 @@ def proposal_from_verify(
 
     decode_q False: a model draft's compact q rows are checked here from their lengths alone and left
     undecoded (Proposal.compact_q) for the verifier, which decodes and checks them while its forward runs."""
-    if not decode_q:
-        check_sizes(len(msg.draft_token_ids), len(msg.q), max_draft_tokens)  # before any row is read
-        compact = compact_rows(msg.q, vocab_size, max_q_width)
-        if compact is not None:
-            return Proposal(checked_tokens(msg.draft_token_ids, vocab_size), compact_q=tuple(compact))
-    return _checked_proposal(msg.draft_token_ids, msg.q, vocab_size, max_draft_tokens, max_q_width)
+    return _checked_proposal(msg.draft_token_ids, msg.q, vocab_size, max_draft_tokens, max_q_width, decode_q)
 
 
 def _checked_proposal(
@@ -216,11 +211,14 @@ def _checked_proposal(
     vocab_size: int,
     max_draft_tokens: int,
     max_q_width: int,
+    decode_q: bool = True,
 ) -> Proposal:
     check_sizes(len(token_ids), len(q), max_draft_tokens)  # before any row is decoded
     compact = compact_rows(q, vocab_size, max_q_width)
     if compact is not None:  # a model draft's: all rows at once
         tokens = checked_tokens(token_ids, vocab_size)
+        if not decode_q:
+            return Proposal(tokens, compact_q=tuple(compact))
         return Proposal(tokens, *compact_q.dense_from_compact(compact, vocab_size, tokens))
     rows = q_rows(q, vocab_size, max_q_width)
     return Proposal.from_wire(token_ids, rows, vocab_size, max_draft_tokens=max_draft_tokens, max_q_width=max_q_width)

@@ -122,7 +122,8 @@ def test_a_sampled_request_explores_from_target_only_by_shadow_guesses_at_the_ta
     """At T > 0 too, a request that stopped drafting explores by shadow guesses, drawn at the target's coin
     (the propose's guess_bonus): a target-only round's token is a bonus, so bonus-match's guess is the
     draft's best guess of it. A draft wrong throughout: once the first rounds have ruled drafting out, no
-    drafting round, one guess every explore_target_only_every rounds. Before, a sampled request explored
+    drafting round, and guesses instead (probes, and one exploration every explore_target_only_every
+    rounds). Before, a sampled request explored
     by drafting (about 7 K = 1 rounds here, each waiting for its draft). The output is the target's chain."""
 
     def step(prefix: list[int]) -> int:

@@ -30,6 +30,8 @@ from specd.tools.bench import (
     summarize,
     theoretical_speedup,
 )
+from specd.tools.bench.cells import warm_up_requests
+from specd.tools.bench.plan import Plan
 from specd.tools.bench.cost import measure_cost, measure_ngram_ms
 from specd.tools.localcluster import process_tree_peak_rss
 
@@ -75,6 +77,16 @@ def test_auto_may_choose_up_to_the_largest_fixed_k_of_the_run() -> None:
     assert modes["fixed-2"].request["draft_length"] == 2  # fixed modes keep their own K
     named = bench.cap_adaptive_modes(parse_modes("auto", [4], ["mine:speculation=auto,draft_length=3"]), [8])
     assert {m.name: m.request.get("draft_length") for m in named} == {"target-only": None, "auto": 8, "mine": 3}
+
+
+def test_the_warm_up_runs_every_service_mode_at_every_temperature_greedy_first() -> None:
+    modes = parse_modes("fixed-2,auto,hf", [2])
+    plan = Plan(modes, [0.7, 0.0, 1.0], [1], [2], [], 64, 1, 1)
+    got = [(m.name, r["temperature"]) for m, r in warm_up_requests(plan, modes)]
+    service = ["target-only", "fixed-2", "auto"]  # the HF baseline warms up on its own
+    assert got == [(name, t) for t in (0.0, 0.7, 1.0) for name in service]
+    first = warm_up_requests(plan, modes)[1][1]
+    assert first["max_new_tokens"] == 8 and first["ignore_eos"] and first["draft_length"] == 2
 
 
 def test_prompt_lookup_hf_baseline_runs_the_target_alone() -> None:

@@ -31,8 +31,8 @@ from specd.tools.bench import (
     theoretical_speedup,
 )
 from specd.tools.bench.cells import warm_up_requests
-from specd.tools.bench.plan import Plan
 from specd.tools.bench.cost import measure_cost, measure_ngram_ms
+from specd.tools.bench.plan import Plan
 from specd.tools.localcluster import process_tree_peak_rss
 
 ROOT = Path(__file__).resolve().parents[3]

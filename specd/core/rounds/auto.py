@@ -532,7 +532,6 @@ class AutoChooser:
         self.shadow = shadow  # an exploration from target-only is a shadow guess (choose)
         self.shadow_due = False  # the round just chosen fetches the draft's guess beside its verify
         self._matched = False  # a shadow guess was right: the next target-only round explores by drafting
-        self._guess_probe = False  # best(): a probe was due, and this request guesses rather than drafts
         self.k_max = max(1, k_max)
         self.k_min = min(max(1, k_min), self.k_max)
         self.pipelines = pipelines
@@ -584,8 +583,7 @@ class AutoChooser:
         elif fresh is not None and shared is not None and shared[0] == fresh and cls.rounds - shared[1] < s.fresh_hold:
             best, self._held = TARGET_ONLY, (key, s.target_only_hold - 1)
         else:
-            best = self.best(cls, self.rates(cls))
-            guess_probe = self._guess_probe
+            best, guess_probe = self.best(cls, self.rates(cls))
             # a guessing probe does not hold: its verdict comes with the next round, which may probe again
             self._held = (key, s.target_only_hold - 1) if best == TARGET_ONLY and not guess_probe else None
             if fresh is not None and best == TARGET_ONLY:
@@ -622,17 +620,16 @@ class AutoChooser:
         floor = (1.0 - self.policy.settings.explore_within) * rated[best]
         return [a for a in arms if rated[a] >= floor]
 
-    def best(self, cls: ArmCycles, rates: Sequence[float]) -> Arm:
+    def best(self, cls: ArmCycles, rates: Sequence[float]) -> tuple[Arm, bool]:
         """The arm with the best expected rate, among K up to one more than any measured yet
         (the cost fits do not extrapolate: a longer K is measured before it is trusted); a pipelined
         arm only if it beats the best without a pipeline by `pipeline_margin`. Where target-only is the best
-        but a probe is due (`probe`), the probe; or, for a request that guesses (shadow), target-only with
-        `_guess_probe` set: `choose` makes that round a shadow guess, a verdict at no wall time."""
-        self._guess_probe = False
+        but a probe is due (`probe`), the probe; or, for a request that guesses (shadow), target-only and
+        True: `choose` makes that round a shadow guess, a verdict at no wall time."""
         start = min(self.k_max, max(self.k_min, self.policy.settings.start_k))
         costs = self.policy.measured_near(cls)
         if costs is None:  # nothing measured yet in this class or any of its kind
-            return Arm(self.pipelines[0], start)
+            return Arm(self.pipelines[0], start), False
         # `costs` is cls, or its nearest measured neighbour until cls has calls of its own; `rates` (its
         # kind's shared acceptance) serves either. The round itself runs, probes and is measured in cls.
         reach = max(start, costs.longest + 1, self.k_min)
@@ -647,11 +644,9 @@ class AutoChooser:
             # also where a pipelined arm rated above target-only but within the margin: that fell back
             # to target-only without a probe, and a request whose few verdicts were unlucky stayed there
             probe = self.probe(costs, rated[best], cls)
-            if probe is not None and self.shadow:
-                self._guess_probe = True
-            elif probe is not None:
-                return probe
-        return best
+            if probe is not None:
+                return (best, True) if self.shadow else (probe, False)
+        return best, False
 
     def probe(self, cls: ArmCycles, target_only_rate: float, gate: ArmCycles) -> Arm | None:
         """The drafting arm to run instead of target-only while the service's acceptance is too uncertain to

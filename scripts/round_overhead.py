@@ -253,7 +253,8 @@ async def measure(args: argparse.Namespace) -> list[dict[str, object]]:
     return out
 
 
-def main() -> None:
+def parse_arguments(argv: list[str] | None = None) -> argparse.Namespace:
+    """The command line (argv; None: sys.argv), the defaults filled in as `measure` reads them."""
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="sim:h100-tp2-70b", help="both services' model (sim:PROFILE or a folder)")
     parser.add_argument("--target", default="", help="target model (default: --model)")
@@ -292,10 +293,15 @@ def main() -> None:
     parser.add_argument(
         "--service-args", default="", help="extra flags for both services, one string (e.g. '--batch-wait-ms 10')"
     )
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     args.target = args.target or args.model
     args.draft = args.draft or args.model
     args.streams = ints(args.streams)
+    return args
+
+
+def main() -> None:
+    args = parse_arguments()
     sys.setswitchinterval(args.gil_switch_ms / 1e3)  # as the services do (--gil-switch-ms)
     results = run_event_loop(measure(args), args.event_loop)
     if args.json:

@@ -208,24 +208,13 @@ def main() -> None:
     prefix = str(folder / "events")
     os.environ[ENV] = prefix
     os.environ["PYTHONPATH"] = os.pathsep.join([str(folder), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep)
-    overhead = argparse.Namespace(
-        model=args.model,
-        target=args.model,
-        draft=args.model,
-        streams=[1],
-        rounds=args.rounds,
-        draft_length=args.draft_length,
-        speculation="fixed",
-        request_tokens=args.request_tokens,
-        temperature=args.temperature,
-        pipeline="spec-cache",
-        branch_budget=args.branch_budget,
-        fixed_branch_budget=False,
-        profile="",
-        gil_switch_ms=1.0,
-        event_loop="auto",
-        service_args="",
-        json="",
+    overhead = round_overhead.parse_arguments(
+        [
+            *("--model", args.model, "--streams", "1", "--rounds", str(args.rounds)),
+            *("--draft-length", str(args.draft_length), "--request-tokens", str(args.request_tokens)),
+            *("--temperature", str(args.temperature), "--pipeline", "spec-cache"),
+            *("--branch-budget", str(args.branch_budget)),
+        ]
     )
     sys.setswitchinterval(overhead.gil_switch_ms / 1e3)
     with open(f"{prefix}.{os.getpid()}", "a", buffering=1) as mine:
@@ -236,7 +225,6 @@ def main() -> None:
         for line in path.read_text().splitlines():
             t, name, key = line.split()
             events.append((int(t), name, int(key)))
-    events.sort()
     rows = cycles(events)
     if not rows:
         raise SystemExit("no complete spec-cache cycle was recorded")

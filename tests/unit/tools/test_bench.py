@@ -82,11 +82,11 @@ def test_auto_may_choose_up_to_the_largest_fixed_k_of_the_run() -> None:
 def test_the_warm_up_runs_every_service_mode_at_every_temperature_greedy_first() -> None:
     modes = parse_modes("fixed-2,auto,hf", [2])
     plan = Plan(modes, [0.7, 0.0, 1.0], [1], [2], [], 64, 1, 1)
-    got = [(m.name, r["temperature"]) for m, r in warm_up_requests(plan, modes)]
+    requests = warm_up_requests(plan, modes)
     service = ["target-only", "fixed-2", "auto"]  # the HF baseline warms up on its own
-    assert got == [(name, t) for t in (0.0, 0.7, 1.0) for name in service]
-    first = warm_up_requests(plan, modes)[1][1]
-    assert first["max_new_tokens"] == 8 and first["ignore_eos"] and first["draft_length"] == 2
+    assert [(m.name, r["temperature"]) for m, r in requests] == [(name, t) for t in (0.0, 0.7, 1.0) for name in service]
+    fixed = requests[1][1]
+    assert fixed["max_new_tokens"] == 8 and fixed["ignore_eos"] and fixed["draft_length"] == 2
 
 
 def test_prompt_lookup_hf_baseline_runs_the_target_alone() -> None:

@@ -28,6 +28,8 @@ mode's run of the same tokens.
 each sample with --profile-native, which adds C frames; --profile-gil: only GIL-holding samples) to the coordinator (this process) and to both services
 for each measured setting, after the warm-up, and writes DIR/s{streams}-{process}.txt (raw
 stacks, for scripts/profile_summary.py) and .svg (a flame graph, scripts/flamegraph_svg.py).
+--coordinator-extra-us N spins N us of the coordinator's CPU before each request it sends a peer:
+how much of the coordinator's own CPU per round its rounds wait for (docs/performance.md).
 
 With an emulated model (sim:...) every figure is emulated: the services, the
 batching and the sampler are real, the forward passes take the profile's time.
@@ -37,19 +39,23 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
 import signal
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import grpc
 from measure_args import ints
 
+from coordinator import peers as coordinator_peers
 from coordinator.client import build_request
 from coordinator.server import create_server
 from specd.core.rounds.record import RoundRecord
@@ -165,6 +171,31 @@ class Profiler:
                 subprocess.run([sys.executable, str(draw), str(out), "-o", str(svg), "--title", f"{title}: {name}"])
 
 
+@contextlib.contextmanager
+def extra_request_cpu(microseconds: float) -> Iterator[None]:
+    """Spend this much more of the coordinator's CPU on each request it sends a peer (a spin before
+    PeerStream.request), for as long as the block runs: how much of the coordinator's own CPU per round
+    reaches the round's overhead (--coordinator-extra-us). A probe: nothing of specd changes."""
+    if microseconds <= 0:
+        yield
+        return
+    cls = coordinator_peers.PeerStream
+    request = cls.request
+    seconds = microseconds / 1e6
+
+    def spun(self: Any, msg: Any, timeout: float) -> Any:
+        start = time.perf_counter()
+        while time.perf_counter() - start < seconds:
+            pass
+        return request(self, msg, timeout)
+
+    setattr(cls, "request", spun)  # noqa: B010 - a probe replaces the method for this process
+    try:
+        yield
+    finally:
+        setattr(cls, "request", request)  # noqa: B010
+
+
 async def measure(args: argparse.Namespace) -> list[dict[str, object]]:
     common = ["--port", "0", "--log-level", "WARNING", "--event-loop", args.event_loop]
     common += ["--gil-switch-ms", str(args.gil_switch_ms), *args.service_args.split()]
@@ -199,16 +230,17 @@ async def measure(args: argparse.Namespace) -> list[dict[str, object]]:
                     pids = {"coordinator": os.getpid(), "draft": peers[1].pid, "target": peers[0].pid}
                     profiler = Profiler(args, {k: v for k, v in pids.items() if v is not None}, streams)
                 cpu0, wall0 = time.thread_time(), time.perf_counter()
-                await run_streams(
-                    stub,
-                    streams,
-                    tokens,
-                    args.draft_length,
-                    args.temperature,
-                    args.pipeline,
-                    args.speculation,
-                    args.request_tokens,
-                )
+                with extra_request_cpu(args.coordinator_extra_us):
+                    await run_streams(
+                        stub,
+                        streams,
+                        tokens,
+                        args.draft_length,
+                        args.temperature,
+                        args.pipeline,
+                        args.speculation,
+                        args.request_tokens,
+                    )
                 cpu, wall = time.thread_time() - cpu0, time.perf_counter() - wall0
                 if profiler is not None:
                     profiler.stop(f"{args.target} K={args.draft_length} T={args.temperature} streams={streams}")
@@ -292,6 +324,13 @@ def parse_arguments(argv: list[str] | None = None) -> argparse.Namespace:
     )
     parser.add_argument(
         "--service-args", default="", help="extra flags for both services, one string (e.g. '--batch-wait-ms 10')"
+    )
+    parser.add_argument(
+        "--coordinator-extra-us",
+        type=float,
+        default=0.0,
+        help="spin this many microseconds of the coordinator's CPU per request it sends a peer (a probe, see "
+        "extra_request_cpu)",
     )
     args = parser.parse_args(argv)
     args.target = args.target or args.model

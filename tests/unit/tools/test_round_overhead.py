@@ -1,0 +1,50 @@
+"""scripts/round_overhead.py's --coordinator-extra-us probe: a spin before each peer request, undone after."""
+
+from __future__ import annotations
+
+import importlib.util
+import time
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+import pytest
+
+from coordinator.peers import PeerStream
+
+SCRIPTS = Path(__file__).resolve().parents[3] / "scripts"
+
+
+@pytest.fixture
+def overhead(monkeypatch: pytest.MonkeyPatch) -> ModuleType:
+    monkeypatch.syspath_prepend(str(SCRIPTS))  # its sibling module measure_args
+    spec = importlib.util.spec_from_file_location("round_overhead", SCRIPTS / "round_overhead.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_extra_request_cpu_spins_before_each_request_and_restores_it(
+    overhead: ModuleType, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    calls: list[tuple[Any, Any, float]] = []
+
+    def request(self: Any, msg: Any, timeout: float) -> str:
+        calls.append((self, msg, timeout))
+        return "sent"
+
+    monkeypatch.setattr(PeerStream, "request", request)
+    with overhead.extra_request_cpu(3000.0):
+        start = time.perf_counter()
+        assert PeerStream.request("stream", "msg", 1.5) == "sent"  # type: ignore[arg-type]
+        assert time.perf_counter() - start >= 3e-3
+    assert calls == [("stream", "msg", 1.5)]
+    assert PeerStream.request is request  # undone when the block ends
+    with overhead.extra_request_cpu(0.0):
+        assert PeerStream.request is request  # 0: nothing replaced
+
+
+def test_the_flag_reaches_the_arguments(overhead: ModuleType) -> None:
+    assert overhead.parse_arguments([]).coordinator_extra_us == 0.0
+    assert overhead.parse_arguments(["--coordinator-extra-us", "100"]).coordinator_extra_us == 100.0

@@ -21,7 +21,7 @@ from torch import Tensor
 
 from specd.core import phases as ph
 from specd.core.draft.branching import BranchChoice, Ranking, calibrated_greedy, select_branches, top_ranking
-from specd.core.draft.growing_draft import GrowingDraft, encode_pending
+from specd.core.draft.growing_draft import DueConfidence, GrowingDraft, encode_pending
 from specd.core.draft.protocol import propose_one
 from specd.core.draft.ranking_rows import RankingRows
 from specd.core.errors import Internal, InvalidArgument, SessionNotFound
@@ -43,7 +43,7 @@ from specd.core.rounds.steps import (
 )
 from specd.core.sampling import sampler, sparse_q
 from specd.core.sampling.bonus_guess import coupled_guess, coupled_guess_dense
-from specd.core.sampling.greedy import greedy_tokens, top_probability
+from specd.core.sampling.greedy import greedy_tokens
 from specd.core.sampling.proposal import Proposal
 from specd.core.sampling.sampler import UNUSABLE_LOGITS, SamplingParams
 from specd.core.sampling.sparse_q import QSettings
@@ -353,6 +353,7 @@ class ModelDrafter(PooledModel[_ModelDraftSession]):
                 self._choose_branches(r.index, r.session, kept, ranked, drafted)
             except Exception as exc:  # noqa: BLE001 - this request's rows could not be ranked: it alone fails
                 failed[r.index] = exc
+        due = DueConfidence()  # greedy rows' confidences, worked out beside the next step's pass
         for step in range(max((r.extra for r in part), default=0)):
             rows: list[tuple[_Key, _ModelDraftSession]] = []
             parents: list[tuple[int, _ModelDraftSession]] = []
@@ -367,7 +368,8 @@ class ModelDrafter(PooledModel[_ModelDraftSession]):
                 else:
                     rows.extend(((r.index, b), fork) for b, fork in enumerate(bp.forks))
             if rows or parents:
-                failed.update(self._draft_step(rows, parents, drafted, branched, run.logs))
+                failed.update(self._draft_step(rows, parents, drafted, branched, due, run.logs))
+        due.settle()  # the last step's: no pass left to run them beside
         if self.encode_q:  # the last step's rows: no pass left to encode them beside
             encode_pending(drafted.values())
         return failed
@@ -378,6 +380,7 @@ class ModelDrafter(PooledModel[_ModelDraftSession]):
         parents: list[tuple[int, _ModelDraftSession]],
         drafted: dict[_Key, GrowingDraft],
         branched: dict[int, _BranchPass],
+        due: DueConfidence,
         logs: list[PhaseLog],
     ) -> dict[int, Exception]:
         """One token for each active row and the branches of each parent: a batched forward, then q and sampling.
@@ -387,7 +390,12 @@ class ModelDrafter(PooledModel[_ModelDraftSession]):
         """
         t0 = time.time_ns()
         num_last = [1] * len(active) + [branched[i].request.pending + 1 for i, _ in parents]
-        beside = (lambda: encode_pending(drafted.values())) if self.encode_q else None  # the step before's q rows
+
+        def beside() -> None:  # the step before's greedy confidences and q rows, while this step's pass runs
+            due.settle()
+            if self.encode_q:
+                encode_pending(drafted.values())
+
         out = self.runner.logits_batch([s.kv for _, s in active] + [s.kv for _, s in parents], num_last, beside=beside)
         sampled = _stacked(out[: len(active)]) if active else None  # [A, V]: each row this step's token is drawn from
         for a, (key, s) in enumerate(active):
@@ -396,7 +404,7 @@ class ModelDrafter(PooledModel[_ModelDraftSession]):
         for (i, s), logits in zip(parents, out[len(active) :]):  # [pending + 1, V]
             s.rows.keep_all(len(s.kv.tokens) - branched[i].request.pending, logits)
         t1 = time.time_ns()
-        failed = self._sample_step(active, sampled, drafted) if sampled is not None else {}
+        failed = self._sample_step(active, sampled, drafted, due) if sampled is not None else {}
         for (i, s), logits in zip(parents, out[len(active) :]):  # logits [pending + 1, V]
             try:
                 self._choose_branches(i, s, logits, branched[i], drafted)
@@ -409,16 +417,21 @@ class ModelDrafter(PooledModel[_ModelDraftSession]):
         return failed
 
     def _sample_step(
-        self, active: list[tuple[_Key, _ModelDraftSession]], logits: Tensor, drafted: dict[_Key, GrowingDraft]
+        self,
+        active: list[tuple[_Key, _ModelDraftSession]],
+        logits: Tensor,
+        drafted: dict[_Key, GrowingDraft],
+        due: DueConfidence,
     ) -> dict[int, Exception]:
-        """Sample one token per active row from its logits [A, V] and append it; {request: error}."""
+        """Sample one token per active row from its logits [A, V] and append it; {request: error}.
+        A greedy row's confidence is left due (DueConfidence)."""
         if self.token_map is not None:
             logits = logits[:, self.token_map]  # [A, N]: the reduced head's own rows
         failed: dict[int, Exception] = {}
         tokens: dict[int, int] = {}  # row -> token
         greedy = [a for a, (_, s) in enumerate(active) if s.params.is_greedy]
         if greedy:
-            self._greedy_rows(greedy, _rows(logits, greedy), active, drafted, failed, tokens)
+            self._greedy_rows(greedy, _rows(logits, greedy), active, drafted, failed, tokens, due)
         rest = [a for a in range(len(active)) if not active[a][1].params.is_greedy]
         sampled: dict[QSettings, list[int]] = {}  # rows of `rest` by q settings: each group shares one build
         probs = logits  # [R, V or N]: the processed p of the rest's rows, in their order
@@ -461,20 +474,24 @@ class ModelDrafter(PooledModel[_ModelDraftSession]):
         drafted: dict[_Key, GrowingDraft],
         failed: dict[int, Exception],
         tokens: dict[int, int],
+        due: DueConfidence,
     ) -> None:
         """The argmax of each greedy row (logits [G, V or N]), off the logits (specd.core.sampling.greedy).
 
         q is one-hot: nothing to send. Its confidence is the softmax's top probability (what the
-        argmax would be sampled with at T = 1), one fused pass over the row.
+        argmax would be sampled with at T = 1), one fused pass over the row, left due: worked out
+        beside the next step's pass (DueConfidence).
         """
         best, bad = greedy_tokens(logits)  # [G] each
-        top = top_probability(logits, best).tolist()  # [G]
-        for a, token, unusable, conf in zip(greedy, best.tolist(), bad.tolist(), top):
+        drafts: list[GrowingDraft | None] = []
+        for a, token, unusable in zip(greedy, best.tolist(), bad.tolist()):
             if unusable:
                 failed[active[a][0][0]] = Internal(UNUSABLE_LOGITS)
+                drafts.append(None)
             else:
                 tokens[a] = self._target_id(token)
-                drafted[active[a][0]].confidence.append(conf if conf == conf else 0.0)  # NaN: none
+                drafts.append(drafted[active[a][0]])
+        due.add(logits, best, drafts)
 
     def _choose_branches(
         self, i: int, s: _ModelDraftSession, logits: Tensor, bp: _BranchPass, drafted: dict[_Key, GrowingDraft]

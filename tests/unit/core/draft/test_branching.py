@@ -219,6 +219,7 @@ def test_every_branch_drafts_what_a_fresh_propose_for_its_prefix_would(params: S
         assert b.accepted == 4 or b.token_id != pending[b.accepted]  # never the rejected token itself
         ref = fresh(sim_drafter, PROMPT + list(b.extension(pending)), params, 4)
         assert b.proposal.token_ids == ref.token_ids
+        assert b.proposal.confidence == pytest.approx(ref.confidence, abs=1e-6)  # settled beside the passes too
         if ref.q_probs is not None:  # sampled: the very q the draft sampled from
             assert torch.equal(b.proposal.q_probs, ref.q_probs) and torch.equal(b.proposal.q_ids, ref.q_ids)
 

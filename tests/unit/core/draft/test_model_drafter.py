@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from specd.core.draft.growing_draft import DueConfidence
 from specd.core.draft.model_drafter import ModelDrafter, _stacked
 from specd.core.draft.protocol import draft_work
 from specd.core.model.sim import parse_sim_spec
@@ -88,6 +89,28 @@ def test_the_greedy_confidence_is_the_softmax_probability_of_the_argmax() -> Non
         logits = runner.lm.logits([tokens[: len(PROMPT) + i]])[0]  # [V] the row that drafted token i
         assert int(logits.argmax()) == got.token_ids[i]
         assert abs(conf - float(torch.softmax(logits, -1).max())) < 1e-6
+
+
+def test_a_greedy_steps_confidence_is_worked_out_beside_the_next_steps_pass(monkeypatch) -> None:
+    """A greedy step goes on with its argmax; its confidences wait for the next step's pass (the runner's
+    `beside`), the last step's for the draft's end: each settled once, in step order."""
+    d = _drafter()
+    settled: list[tuple[int, int]] = []  # (forwards finished, rows due) at each settle that had rows
+    settle = DueConfidence.settle
+
+    def recording(self: DueConfidence) -> None:
+        if self.rows:
+            settled.append((d.runner.stats.forwards, sum(len(drafts) for _, _, drafts in self.rows)))
+        settle(self)
+
+    monkeypatch.setattr(DueConfidence, "settle", recording)
+    d.open("a", PROMPT, SESSIONS["greedy"][0])
+    d.open("b", [*PROMPT, 3], SESSIONS["greedy"][0])
+    before = d.runner.stats.forwards
+    got = d.propose_batch([ProposeRequest(s, n, n, [], 4) for s, n in (("a", 5), ("b", 6))])
+    assert all(isinstance(p, Proposal) and len(p.confidence) == len(p) == 4 for p in got)
+    # beside passes 2, 3 and 4 (a pass is counted when it ends), then after the last: 2 rows each
+    assert settled == [(before + 1, 2), (before + 2, 2), (before + 3, 2), (before + 4, 2)]
 
 
 def test_a_steps_rows_are_stacked_as_a_view_of_the_forward_output_when_they_are_its_consecutive_rows() -> None:

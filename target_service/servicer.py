@@ -87,7 +87,8 @@ class TargetServicer(
         chains = [(i, w) for i, w in enumerate(work) if isinstance(w, VerifyRequest)]
         trees = [(i, w) for i, w in enumerate(work) if isinstance(w, TreeVerifyRequest)]
         if chains:
-            for (i, _), r in zip(chains, self.engine.verify_batch([w for _, w in chains])):
+            # the batch before's spans and metrics are recorded while this batch's pass runs
+            for (i, _), r in zip(chains, self.engine.verify_batch([w for _, w in chains], beside=self.record_answered)):
                 out[i] = r
         if trees:
             for (i, _), t in zip(trees, self.engine.verify_tree_batch([w for _, w in trees])):

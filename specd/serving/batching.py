@@ -18,6 +18,11 @@ while it returns True and nothing has arrived (the draft's head start on its
 next branch call, specd.core.draft.model_drafter.ModelDrafter.idle). A request
 arriving meanwhile waits for the call under way, then runs.
 
+`after_deliver` (optional): called on the model thread after each batch's answers are handed
+on, with whether more requests are queued: work that must not hold an answer back (a message's
+span and metrics, BatchedRoundServicer) runs there, or beside the next batch's pass when one is
+queued.
+
 handle_batch may answer a request with LATER: it keeps the request and answers
 it itself, through the request's Deliver, once it can (the target's staged
 verifies wait for a verdict this way).
@@ -86,6 +91,7 @@ class MicroBatcher(Generic[Req, Resp]):
         max_wait_s: float = 0.0,
         expected: Callable[[], int] | None = None,
         idle: Callable[[], bool] | None = None,
+        after_deliver: Callable[[bool], None] | None = None,
     ) -> None:
         if max_batch < 1:
             raise ValueError(f"max_batch must be >= 1 (got {max_batch})")
@@ -97,6 +103,7 @@ class MicroBatcher(Generic[Req, Resp]):
         self.max_wait_s = max_wait_s
         self._expected = expected
         self.idle = idle  # work for the model thread when nothing is queued; True: it did some, ask again
+        self.after_deliver = after_deliver  # after each batch's answers went out: its argument, more are queued
         self._lock = threading.Lock()
         self._arrived = threading.Condition(self._lock)
         self._queue: deque[tuple[Req, Deliver[Req, Resp]]] = deque()
@@ -191,6 +198,13 @@ class MicroBatcher(Generic[Req, Resp]):
                 log.exception("batch of %d failed", len(requests))
                 results = [exc] * len(requests)
             self._deliver([(r, d, result) for (r, d), result in zip(batch, results) if result is not LATER])
+            if self.after_deliver is not None:
+                with self._lock:
+                    queued = bool(self._queue)
+                try:
+                    self.after_deliver(queued)
+                except Exception:  # the model thread goes on serving
+                    log.exception("the work after a batch's answers failed")
 
     def _run_idle(self) -> bool:
         """One call of the idle work; False when it had none (or failed: it is only a head start)."""

@@ -41,8 +41,14 @@ def record_error(span: Span, exc: BaseException) -> None:
     span.set_status(Status(StatusCode.ERROR, f"{type(exc).__name__}: {exc}"))
 
 
-def end_message_span(span: Span | None, attributes: Mapping[str, Any] | None, error: tuple[str, str] | None) -> None:
-    """End a draft/target message span: its result attributes, or the in-band error (code, message)."""
+def end_message_span(
+    span: Span | None,
+    attributes: Mapping[str, Any] | None,
+    error: tuple[str, str] | None,
+    end_time: int | None = None,
+) -> None:
+    """End a draft/target message span: its result attributes, or the in-band error (code, message);
+    end_time: when (ns since the epoch) the message was answered, if that was before now."""
     if span is None:
         return
     if span.is_recording():
@@ -51,7 +57,7 @@ def end_message_span(span: Span | None, attributes: Mapping[str, Any] | None, er
         if error is not None:
             span.set_attribute(trace_names.ATTR_SESSION_ERROR, error[0])
             span.set_status(Status(StatusCode.ERROR, f"{error[0]}: {error[1]}"))
-    span.end()
+    span.end(end_time=end_time)
 
 
 def token_kind(is_bonus: bool, deferred: bool = False) -> str:

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar, Unpack
 
@@ -65,8 +65,13 @@ class Verifier(PooledModel[_TargetSession]):
         return _one(self.verify_batch([request]))
 
     @torch.inference_mode()
-    def verify_batch(self, requests: Sequence[VerifyRequest]) -> list[VerifyOutcome | Exception]:
+    def verify_batch(
+        self, requests: Sequence[VerifyRequest], *, beside: Callable[[], None] | None = None
+    ) -> list[VerifyOutcome | Exception]:
         """Verify many sessions' proposals in one target forward pass; per-request outcome or error.
+
+        beside: the caller's host work that needs nothing of this batch, run while its first pass runs
+        (the runner's `beside`; the servicer's records of the batch before).
 
         A request that fails its own checks (unknown session, out of sync, bad
         drafts), whose drafts and verdict do not fit the KV budget
@@ -82,7 +87,7 @@ class Verifier(PooledModel[_TargetSession]):
         run = self._pool.run_batch(
             requests,
             self._prepare,
-            lambda part, batch: self._verify_ready(requests, part, batch.logs, outcomes),
+            lambda part, batch: self._verify_ready(requests, part, batch.logs, outcomes, beside),
             what="verification",
             growth=lambda _req, _ready: 1,  # past the drafts: the verdict's recovered or bonus token
         )
@@ -123,6 +128,7 @@ class Verifier(PooledModel[_TargetSession]):
         part: list[Ready[_TargetSession]],
         logs: list[PhaseLog],
         outcomes: dict[int, VerifyOutcome],
+        caller_beside: Callable[[], None] | None = None,
     ) -> dict[int, Exception]:
         """Forward, rejection sampler and commit for one forward group of sessions that passed their checks.
 
@@ -139,7 +145,8 @@ class Verifier(PooledModel[_TargetSession]):
 
         def decode() -> None:
             """The proposals' q rows from the wire's compact form (checked), while the pass runs: a row that
-            fails its checks fails its own request (its drafts rolled back), as a row that cannot be sampled."""
+            fails its checks fails its own request (its drafts rolled back), as a row that cannot be sampled.
+            Then the caller's own work (verify_batch's `beside`)."""
             for b in undecoded:
                 p = proposals[b]
                 assert p.compact_q is not None
@@ -149,10 +156,12 @@ class Verifier(PooledModel[_TargetSession]):
                     verdicts[b] = exc
                     continue
                 proposals[b] = dataclasses.replace(p, q_ids=q_ids, q_probs=q_probs)
+            if caller_beside is not None:
+                caller_beside()
 
         t0 = time.time_ns()
         logits = self.runner.logits_batch(  # B x [K_b+1, V]
-            [s.kv for _, s in ready], [k + 1 for k in ks], beside=decode if undecoded else None
+            [s.kv for _, s in ready], [k + 1 for k in ks], beside=decode if undecoded or caller_beside else None
         )
         t1 = time.time_ns()
         if all(s.params.is_greedy for _, s in ready):  # p one-hot: the verdict comes off the logits (greedy.py)

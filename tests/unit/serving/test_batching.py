@@ -318,7 +318,7 @@ def test_servicer_batch_walk_keeps_session_order_and_turns_failures_into_in_band
         assert out[2].verdict.batch_size == 2 and out[2].verdict.batch_tokens == 2 * len(prompt)
 
         # a bug below the batch walk becomes an in-band INTERNAL error, not a broken stream
-        def broken(requests):
+        def broken(requests, **_):
             raise RuntimeError("boom")
 
         verifier.verify_batch = broken  # type: ignore[method-assign]

@@ -58,7 +58,7 @@ import torch
 from torch import Tensor
 
 from specd.core.rounds.steps import Branch, Branches
-from specd.core.sampling.greedy import row_logsumexp
+from specd.core.sampling.greedy import scaled_logsumexp
 from specd.core.sampling.proposal import Proposal
 
 
@@ -158,7 +158,7 @@ _FIT_WIDTH = 64  # logits per row the calibration's fit normalises over
 
 def calibrated_greedy(
     logits: Tensor, pending: Sequence[int], acceptance: Sequence[float], width: int
-) -> tuple[Ranking, tuple[float, ...]]:
+) -> tuple[Ranking, tuple[float, ...]] | None:
     """A greedy request's ranking: the temperature-scaled draft distribution, and per-position acceptance.
 
     logits: [K+1, V] the draft's logits at the pending positions and the one
@@ -166,19 +166,22 @@ def calibrated_greedy(
     row) for the smallest g on a grid over [1/4, 16] at which the mean of the
     pending tokens' own probabilities reaches the mean measured acceptance (the
     fit normalises over each row's 64 largest logits, the result over the whole
-    row); a_i = sqrt(acceptance_i x own_i).
+    row); a_i = sqrt(acceptance_i x own_i). None: a row cannot be sampled (a NaN or +inf, or no finite
+    logit: the top-k's first value is not finite, as torch.topk ranks NaN first).
     """
     k = len(pending)
     assert logits.dim() == 2 and logits.shape[0] == k + 1 and k >= 1, f"logits must be [K+1, V], K={k}"
     x = logits.float()
     top, ids = torch.topk(x, min(max(width, _FIT_WIDTH), int(x.shape[1])), dim=-1)  # [K+1, W'] each
+    if not bool(top[:, 0].isfinite().all()):
+        return None
     mine = x[torch.arange(k), torch.tensor(list(pending), dtype=torch.int64)]  # [K]
     grid = torch.logspace(-2.0, 4.0, 49, base=2.0)  # [G] inverse temperatures 1/4 .. 16, steps of 2^(1/8)
     g_top = grid[:, None, None] * top[None, :k]  # [G, K, W']
     conf = torch.exp(grid[:, None] * mine[None] - torch.logsumexp(g_top, dim=-1)).mean(-1)  # [G]
     reached = (conf >= sum(acceptance) / k).nonzero()
     g = float(grid[int(reached[0, 0])] if len(reached) else grid[-1])
-    lse = row_logsumexp(g * x)  # [K+1] over the whole rows (the tail of a large g is 100+ below the max)
+    lse = scaled_logsumexp(x, top[:, 0], g)  # [K+1] over the whole rows (a large g's tail is 100+ below the max)
     probs = torch.exp(g * top[:, :width] - lse[:, None])  # [K+1, W]
     own = torch.exp(g * mine - lse[:k]).tolist()
     ranking = Ranking(ids[:, :width], probs, tuple(own))

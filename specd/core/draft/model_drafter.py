@@ -512,9 +512,10 @@ class ModelDrafter(PooledModel[_ModelDraftSession]):
         # request's is a one-hot, so it ranks by the calibrated softmax (specd.core.draft.branching).
         guess: int | None = None  # sampled: the bonus guessed at the target's coin (greedy: the argmax is)
         if s.params.is_greedy:
-            if bool(greedy_tokens(logits)[1].any()):
+            calibrated = calibrated_greedy(logits, columns, acceptance, width)
+            if calibrated is None:
                 raise Internal(UNUSABLE_LOGITS)
-            ranking, acceptance = calibrated_greedy(logits, columns, acceptance, width)
+            ranking, acceptance = calibrated
         else:
             processed = sampler.processed_probs(logits[None], [s.params])  # [1, K+1, V or N]
             unusable = sampler.unusable_rows(logits[None], processed, sampled=True)

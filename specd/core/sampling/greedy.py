@@ -24,7 +24,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-__all__ = ["greedy_tokens", "greedy_verdict", "row_logsumexp", "top_probability"]
+__all__ = ["greedy_tokens", "greedy_verdict", "row_logsumexp", "scaled_logsumexp", "top_probability"]
 
 # torch's CPU exp takes a scalar slow path for inputs below about -87.3 (results under float32's
 # smallest normal): ~35 ns an element against ~0.2, so a row scaled by a large inverse temperature
@@ -58,6 +58,13 @@ def row_logsumexp(x: Tensor) -> Tensor:
     if not bool(top.isfinite().all()):  # a row that cannot be sampled: torch's own answer (rare)
         return torch.logsumexp(x, -1)
     return (x - top).clamp_(min=_EXP_FLOOR).exp_().sum(-1).log_() + top[..., 0]
+
+
+def scaled_logsumexp(x: Tensor, peak: Tensor, scale: float) -> Tensor:
+    """log(sum(exp(scale * x))) over the last dim: [..., V] float32 -> [...], for rows whose finite max
+    `peak` [...] the caller already has (a topk's first column) and scale > 0; row_logsumexp without
+    its max pass and its finiteness check."""
+    return (x - peak[..., None]).mul_(scale).clamp_(min=_EXP_FLOOR).exp_().sum(-1).log_() + scale * peak
 
 
 def top_probability(logits: Tensor, best: Tensor) -> Tensor:

@@ -28,7 +28,7 @@ from specd.core.draft.branching import (
 from specd.core.draft.model_drafter import ModelDrafter
 from specd.core.draft.ngram import NgramDrafter
 from specd.core.draft.protocol import draft_work
-from specd.core.errors import InvalidArgument
+from specd.core.errors import Internal, InvalidArgument
 from specd.core.model.loading import load_pretrained
 from specd.core.model.runner import CausalLMRunner
 from specd.core.model.sim import parse_sim_spec
@@ -36,7 +36,7 @@ from specd.core.rounds.adaptive import PositionAcceptance
 from specd.core.rounds.steps import Branches, BranchRequest, ProposeRequest
 from specd.core.sampling.bonus_race import race_draw
 from specd.core.sampling.proposal import Proposal
-from specd.core.sampling.sampler import SamplingParams, processed_probs
+from specd.core.sampling.sampler import UNUSABLE_LOGITS, SamplingParams, processed_probs
 
 SIM = "sim:h100-tp2-70b,vocab_size=2048,time_scale=0"
 PROMPT = [11, 22, 33, 44, 55, 66, 77]
@@ -125,7 +125,9 @@ def test_the_coupled_bonus_guess_leads_the_bonus_branches(acceptance, budget, gu
 def test_greedy_ranking_is_temperature_scaled_to_the_measured_acceptance(measured: float) -> None:
     logits = torch.tensor([[2.0, 1.0, 0.0, -1.0], [0.5, 0.4, 0.0, -3.0], [3.0, 0.0, 0.0, 0.0]])  # [K+1, V], K = 2
     pending = [0, 0]  # greedy drafts: each row's argmax
-    ranking, acceptance = calibrated_greedy(logits, pending, (measured, measured), width=4)
+    calibrated = calibrated_greedy(logits, pending, (measured, measured), width=4)
+    assert calibrated is not None
+    ranking, acceptance = calibrated
     assert ranking.ids[:, 0].tolist() == [0, 0, 0]  # scaling keeps each row's order
     assert torch.allclose(ranking.probs.sum(-1), torch.ones(3), atol=1e-5)  # all 4 tokens: whole rows
     own = list(ranking.own)
@@ -136,8 +138,48 @@ def test_greedy_ranking_is_temperature_scaled_to_the_measured_acceptance(measure
     assert acceptance[0] > acceptance[1]  # the more confident position is the likelier accepted
     plain = torch.softmax(logits, -1)
     assert (own[0] > float(plain[0, 0])) == (measured > float(plain[:2, 0].mean()))
-    narrow, _ = calibrated_greedy(logits, pending, (measured, measured), width=2)
-    assert narrow.ids.shape == (3, 2) and torch.equal(narrow.probs, ranking.probs[:, :2])
+    narrow = calibrated_greedy(logits, pending, (measured, measured), width=2)
+    assert narrow is not None
+    assert narrow[0].ids.shape == (3, 2) and torch.equal(narrow[0].probs, ranking.probs[:, :2])
+
+
+@pytest.mark.parametrize("bad", ["nan", "inf", "-inf"])
+def test_a_greedy_ranking_of_a_row_that_cannot_be_sampled_is_none(bad: str) -> None:
+    logits = torch.randn(3, 500, generator=torch.Generator().manual_seed(1))
+    if bad == "-inf":
+        logits[1] = float("-inf")  # no finite logit at all
+    else:
+        logits[2, 321] = float(bad)  # one NaN or +inf anywhere in a row
+    assert calibrated_greedy(logits, [0, 0], (0.8, 0.8), width=9) is None
+    logits[1:] = torch.randn(2, 500)
+    logits[1, :250] = float("-inf")  # -inf beside finite logits is a banned token, not a broken row
+    assert calibrated_greedy(logits, [0, 0], (0.8, 0.8), width=9) is not None
+
+
+def test_a_branch_call_whose_rows_cannot_be_sampled_fails_alone(monkeypatch: pytest.MonkeyPatch) -> None:
+    d = sim_drafter()
+    for sid in ("a", "b"):
+        d.open(sid, PROMPT, GREEDY)
+    pending = d.propose(ProposeRequest("a", len(PROMPT), len(PROMPT), [], 2)).token_ids
+    d.propose(ProposeRequest("b", len(PROMPT), len(PROMPT), [], 2))
+    real = d.runner.logits_batch
+
+    def poisoned(sessions, num_last, **kw):  # a's pending rows come back with a NaN
+        out = real(sessions, num_last, **kw)
+        return [
+            o.clone().index_fill_(-1, torch.tensor([5]), float("nan")) if n == 3 else o for o, n in zip(out, num_last)
+        ]
+
+    monkeypatch.setattr(d.runner, "logits_batch", poisoned)
+    n = len(PROMPT) + 2
+    work = [
+        BranchRequest("a", n, n, [], 2, 2, 4, (0.8, 0.8)),  # its pending positions are read in this call
+        ProposeRequest("b", len(PROMPT) + 1, len(PROMPT), [5], 2),
+    ]
+    failed, proposal = draft_work(d, work)
+    assert isinstance(failed, Internal) and str(failed) == UNUSABLE_LOGITS
+    assert isinstance(proposal, Proposal) and len(proposal) == 2
+    assert pending  # (used above)
 
 
 def test_position_acceptance_counts_verdicts_per_position_with_a_prior() -> None:

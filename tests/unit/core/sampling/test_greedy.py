@@ -7,7 +7,13 @@ import math
 import pytest
 import torch
 
-from specd.core.sampling.greedy import greedy_tokens, greedy_verdict, row_logsumexp, top_probability
+from specd.core.sampling.greedy import (
+    greedy_tokens,
+    greedy_verdict,
+    row_logsumexp,
+    scaled_logsumexp,
+    top_probability,
+)
 from specd.core.sampling.rejection import rejection_sample
 from specd.core.sampling.sampler import SamplingParams, processed_probs, unusable_rows
 
@@ -103,6 +109,16 @@ def test_row_logsumexp_equals_torch_logsumexp(scale: float) -> None:
     x = torch.randn(5, 32000, generator=g) * scale
     torch.testing.assert_close(row_logsumexp(x), torch.logsumexp(x, -1), rtol=1e-6, atol=1e-5)
     assert row_logsumexp(x[0]).shape == ()
+
+
+@pytest.mark.parametrize("scale", [0.25, 1.0, 16.0])
+def test_scaled_logsumexp_from_the_rows_max_equals_torch_logsumexp_of_the_scaled_rows(scale: float) -> None:
+    g = torch.Generator().manual_seed(7)
+    x = torch.randn(3, 32000, generator=g) * 5.0  # scale 16: most of each row 100+ below its max
+    x[1, :100] = float("-inf")  # -inf logits (a banned token) are fine beside finite ones
+    got = scaled_logsumexp(x, x.amax(-1), scale)
+    torch.testing.assert_close(got, torch.logsumexp(scale * x, -1), rtol=1e-6, atol=1e-5)
+    assert torch.equal(x, x.clone())  # x is left as it was
 
 
 def test_row_logsumexp_of_rows_that_cannot_be_sampled_is_torchs() -> None:

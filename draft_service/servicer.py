@@ -155,7 +155,12 @@ class DraftServicer(
     def open_session(self, req: draft_pb2.DraftRequest) -> None:
         o = req.open
         self.engine.open(
-            req.session_id, list(o.token_ids), params_from_proto(o.sampling), o.wire_top_k, tenant=o.tenant
+            req.session_id,
+            list(o.token_ids),
+            params_from_proto(o.sampling),
+            o.wire_top_k,
+            tenant=o.tenant,
+            confidence=not o.without_confidence,
         )
 
     def observe_step(

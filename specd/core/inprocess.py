@@ -104,7 +104,9 @@ class LocalDraft:
         return True
 
     async def open(self, request: OpenRequest, *, timeout: float, carrier: Carrier) -> None:
-        self.drafter.open(request.session_id, request.token_ids, request.params, tenant=request.tenant)
+        self.drafter.open(
+            request.session_id, request.token_ids, request.params, tenant=request.tenant, confidence=request.confidence
+        )
 
     async def propose(self, request: ProposeRequest, *, timeout: float, carrier: Carrier) -> Proposal:
         result = await self._batch.submit(request)

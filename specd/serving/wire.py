@@ -343,8 +343,10 @@ def open_request(kind: type[RoundRequest], request: steps.OpenRequest, carrier: 
     req = kind(session_id=request.session_id, committed_length=len(request.token_ids), trace_context=carrier)
     req.open.token_ids.extend(request.token_ids)
     req.open.sampling.CopyFrom(params_to_proto(request.params))
-    if request.tenant and isinstance(req, draft_pb2.DraftRequest):  # a target learns nothing across sessions
-        req.open.tenant = request.tenant
+    if isinstance(req, draft_pb2.DraftRequest):  # a target learns nothing across sessions, drafts nothing
+        if request.tenant:
+            req.open.tenant = request.tenant
+        req.open.without_confidence = not request.confidence
     return req
 
 

@@ -26,7 +26,7 @@ from specd.v1 import common_pb2 as specd_dot_v1_dot_common__pb2
 from specd.v1 import session_pb2 as specd_dot_v1_dot_session__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x14specd/v1/draft.proto\x12\x08specd.v1\x1a\x15specd/v1/common.proto\x1a\x16specd/v1/session.proto\"9\n\rDraftRequests\x12(\n\x08requests\x18\x01 \x03(\x0b\x32\x16.specd.v1.DraftRequest\"<\n\x0e\x44raftResponses\x12*\n\tresponses\x18\x01 \x03(\x0b\x32\x17.specd.v1.DraftResponse\"\x9c\x03\n\x0c\x44raftRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\x04\x12\x12\n\nsession_id\x18\x02 \x01(\t\x12\x18\n\x10\x63ommitted_length\x18\x03 \x01(\r\x12?\n\rtrace_context\x18\x04 \x03(\x0b\x32(.specd.v1.DraftRequest.TraceContextEntry\x12#\n\x04open\x18\n \x01(\x0b\x32\x13.specd.v1.DraftOpenH\x00\x12)\n\x07propose\x18\x0b \x01(\x0b\x32\x16.specd.v1.DraftProposeH\x00\x12%\n\x05\x63lose\x18\x0c \x01(\x0b\x32\x14.specd.v1.DraftCloseH\x00\x12+\n\x08\x62ranches\x18\r \x01(\x0b\x32\x17.specd.v1.DraftBranchesH\x00\x12*\n\x04tree\x18\x0e \x01(\x0b\x32\x1a.specd.v1.DraftTreeProposeH\x00\x1a\x33\n\x11TraceContextEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\x42\x04\n\x02op\".\n\nDraftClose\x12\r\n\x05start\x18\x01 \x01(\r\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\"n\n\tDraftOpen\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12*\n\x08sampling\x18\x02 \x01(\x0b\x32\x18.specd.v1.SamplingParams\x12\x12\n\nwire_top_k\x18\x03 \x01(\r\x12\x0e\n\x06tenant\x18\x04 \x01(\t\"a\n\x0c\x44raftPropose\x12\r\n\x05start\x18\x01 \x01(\r\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x12\n\nnum_tokens\x18\x03 \x01(\r\x12\x1b\n\x13\x66irst_guesses_bonus\x18\x04 \x01(\x08\"z\n\rDraftBranches\x12\r\n\x05start\x18\x01 \x01(\r\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x0f\n\x07pending\x18\x03 \x01(\r\x12\x12\n\nnum_tokens\x18\x04 \x01(\r\x12\x0e\n\x06\x62udget\x18\x05 \x01(\r\x12\x12\n\nacceptance\x18\x06 \x03(\x02\"S\n\x10\x44raftTreePropose\x12\r\n\x05start\x18\x01 \x01(\r\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x0e\n\x06\x62udget\x18\x03 \x01(\r\x12\r\n\x05\x64\x65pth\x18\x04 \x01(\r\"\xd2\x02\n\rDraftResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\x04\x12\x12\n\nsession_id\x18\x02 \x01(\t\x12\x18\n\x10\x63ommitted_length\x18\x03 \x01(\r\x12+\n\x08proposal\x18\n \x01(\x0b\x32\x17.specd.v1.DraftProposalH\x00\x12#\n\x03\x61\x63k\x18\x0b \x01(\x0b\x32\x14.specd.v1.SessionAckH\x00\x12\'\n\x05\x65rror\x18\x0c \x01(\x0b\x32\x16.specd.v1.SessionErrorH\x00\x12,\n\x08\x62ranches\x18\r \x01(\x0b\x32\x18.specd.v1.DraftBranchSetH\x00\x12#\n\x04tree\x18\x0e \x01(\x0b\x32\x13.specd.v1.DraftTreeH\x00\x12\'\n\x06timing\x18\x14 \x01(\x0b\x32\x17.specd.v1.ServiceTimingB\x08\n\x06result\"\x87\x01\n\rDraftProposal\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\'\n\x01q\x18\x02 \x03(\x0b\x32\x1c.specd.v1.SparseDistribution\x12\x12\n\ncompute_ms\x18\x03 \x01(\x01\x12\x12\n\nbatch_size\x18\x04 \x01(\r\x12\x12\n\nconfidence\x18\x05 \x03(\x02\"\\\n\x0b\x44raftBranch\x12\x10\n\x08\x61\x63\x63\x65pted\x18\x01 \x01(\r\x12\x10\n\x08token_id\x18\x02 \x01(\r\x12)\n\x08proposal\x18\x03 \x01(\x0b\x32\x17.specd.v1.DraftProposal\"a\n\x0e\x44raftBranchSet\x12\'\n\x08\x62ranches\x18\x01 \x03(\x0b\x32\x15.specd.v1.DraftBranch\x12\x12\n\ncompute_ms\x18\x02 \x01(\x01\x12\x12\n\nbatch_size\x18\x03 \x01(\r\"\x80\x01\n\tDraftTree\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x0f\n\x07parents\x18\x02 \x03(\x05\x12\'\n\x01q\x18\x03 \x03(\x0b\x32\x1c.specd.v1.SparseDistribution\x12\x12\n\ncompute_ms\x18\x04 \x01(\x01\x12\x12\n\nbatch_size\x18\x05 \x01(\r2\x8c\x01\n\x05\x44raft\x12?\n\x06Rounds\x12\x17.specd.v1.DraftRequests\x1a\x18.specd.v1.DraftResponses(\x01\x30\x01\x12\x42\n\x0cGetModelInfo\x12\x1d.specd.v1.GetModelInfoRequest\x1a\x13.specd.v1.ModelInfob\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x14specd/v1/draft.proto\x12\x08specd.v1\x1a\x15specd/v1/common.proto\x1a\x16specd/v1/session.proto\"9\n\rDraftRequests\x12(\n\x08requests\x18\x01 \x03(\x0b\x32\x16.specd.v1.DraftRequest\"<\n\x0e\x44raftResponses\x12*\n\tresponses\x18\x01 \x03(\x0b\x32\x17.specd.v1.DraftResponse\"\x9c\x03\n\x0c\x44raftRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\x04\x12\x12\n\nsession_id\x18\x02 \x01(\t\x12\x18\n\x10\x63ommitted_length\x18\x03 \x01(\r\x12?\n\rtrace_context\x18\x04 \x03(\x0b\x32(.specd.v1.DraftRequest.TraceContextEntry\x12#\n\x04open\x18\n \x01(\x0b\x32\x13.specd.v1.DraftOpenH\x00\x12)\n\x07propose\x18\x0b \x01(\x0b\x32\x16.specd.v1.DraftProposeH\x00\x12%\n\x05\x63lose\x18\x0c \x01(\x0b\x32\x14.specd.v1.DraftCloseH\x00\x12+\n\x08\x62ranches\x18\r \x01(\x0b\x32\x17.specd.v1.DraftBranchesH\x00\x12*\n\x04tree\x18\x0e \x01(\x0b\x32\x1a.specd.v1.DraftTreeProposeH\x00\x1a\x33\n\x11TraceContextEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\x42\x04\n\x02op\".\n\nDraftClose\x12\r\n\x05start\x18\x01 \x01(\r\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\"\x8a\x01\n\tDraftOpen\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12*\n\x08sampling\x18\x02 \x01(\x0b\x32\x18.specd.v1.SamplingParams\x12\x12\n\nwire_top_k\x18\x03 \x01(\r\x12\x0e\n\x06tenant\x18\x04 \x01(\t\x12\x1a\n\x12without_confidence\x18\x05 \x01(\x08\"a\n\x0c\x44raftPropose\x12\r\n\x05start\x18\x01 \x01(\r\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x12\n\nnum_tokens\x18\x03 \x01(\r\x12\x1b\n\x13\x66irst_guesses_bonus\x18\x04 \x01(\x08\"z\n\rDraftBranches\x12\r\n\x05start\x18\x01 \x01(\r\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x0f\n\x07pending\x18\x03 \x01(\r\x12\x12\n\nnum_tokens\x18\x04 \x01(\r\x12\x0e\n\x06\x62udget\x18\x05 \x01(\r\x12\x12\n\nacceptance\x18\x06 \x03(\x02\"S\n\x10\x44raftTreePropose\x12\r\n\x05start\x18\x01 \x01(\r\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x0e\n\x06\x62udget\x18\x03 \x01(\r\x12\r\n\x05\x64\x65pth\x18\x04 \x01(\r\"\xd2\x02\n\rDraftResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\x04\x12\x12\n\nsession_id\x18\x02 \x01(\t\x12\x18\n\x10\x63ommitted_length\x18\x03 \x01(\r\x12+\n\x08proposal\x18\n \x01(\x0b\x32\x17.specd.v1.DraftProposalH\x00\x12#\n\x03\x61\x63k\x18\x0b \x01(\x0b\x32\x14.specd.v1.SessionAckH\x00\x12\'\n\x05\x65rror\x18\x0c \x01(\x0b\x32\x16.specd.v1.SessionErrorH\x00\x12,\n\x08\x62ranches\x18\r \x01(\x0b\x32\x18.specd.v1.DraftBranchSetH\x00\x12#\n\x04tree\x18\x0e \x01(\x0b\x32\x13.specd.v1.DraftTreeH\x00\x12\'\n\x06timing\x18\x14 \x01(\x0b\x32\x17.specd.v1.ServiceTimingB\x08\n\x06result\"\x87\x01\n\rDraftProposal\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\'\n\x01q\x18\x02 \x03(\x0b\x32\x1c.specd.v1.SparseDistribution\x12\x12\n\ncompute_ms\x18\x03 \x01(\x01\x12\x12\n\nbatch_size\x18\x04 \x01(\r\x12\x12\n\nconfidence\x18\x05 \x03(\x02\"\\\n\x0b\x44raftBranch\x12\x10\n\x08\x61\x63\x63\x65pted\x18\x01 \x01(\r\x12\x10\n\x08token_id\x18\x02 \x01(\r\x12)\n\x08proposal\x18\x03 \x01(\x0b\x32\x17.specd.v1.DraftProposal\"a\n\x0e\x44raftBranchSet\x12\'\n\x08\x62ranches\x18\x01 \x03(\x0b\x32\x15.specd.v1.DraftBranch\x12\x12\n\ncompute_ms\x18\x02 \x01(\x01\x12\x12\n\nbatch_size\x18\x03 \x01(\r\"\x80\x01\n\tDraftTree\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x0f\n\x07parents\x18\x02 \x03(\x05\x12\'\n\x01q\x18\x03 \x03(\x0b\x32\x1c.specd.v1.SparseDistribution\x12\x12\n\ncompute_ms\x18\x04 \x01(\x01\x12\x12\n\nbatch_size\x18\x05 \x01(\r2\x8c\x01\n\x05\x44raft\x12?\n\x06Rounds\x12\x17.specd.v1.DraftRequests\x1a\x18.specd.v1.DraftResponses(\x01\x30\x01\x12\x42\n\x0cGetModelInfo\x12\x1d.specd.v1.GetModelInfoRequest\x1a\x13.specd.v1.ModelInfob\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -45,24 +45,24 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_DRAFTREQUEST_TRACECONTEXTENTRY']._serialized_end=609
   _globals['_DRAFTCLOSE']._serialized_start=617
   _globals['_DRAFTCLOSE']._serialized_end=663
-  _globals['_DRAFTOPEN']._serialized_start=665
-  _globals['_DRAFTOPEN']._serialized_end=775
-  _globals['_DRAFTPROPOSE']._serialized_start=777
-  _globals['_DRAFTPROPOSE']._serialized_end=874
-  _globals['_DRAFTBRANCHES']._serialized_start=876
-  _globals['_DRAFTBRANCHES']._serialized_end=998
-  _globals['_DRAFTTREEPROPOSE']._serialized_start=1000
-  _globals['_DRAFTTREEPROPOSE']._serialized_end=1083
-  _globals['_DRAFTRESPONSE']._serialized_start=1086
-  _globals['_DRAFTRESPONSE']._serialized_end=1424
-  _globals['_DRAFTPROPOSAL']._serialized_start=1427
-  _globals['_DRAFTPROPOSAL']._serialized_end=1562
-  _globals['_DRAFTBRANCH']._serialized_start=1564
-  _globals['_DRAFTBRANCH']._serialized_end=1656
-  _globals['_DRAFTBRANCHSET']._serialized_start=1658
-  _globals['_DRAFTBRANCHSET']._serialized_end=1755
-  _globals['_DRAFTTREE']._serialized_start=1758
-  _globals['_DRAFTTREE']._serialized_end=1886
-  _globals['_DRAFT']._serialized_start=1889
-  _globals['_DRAFT']._serialized_end=2029
+  _globals['_DRAFTOPEN']._serialized_start=666
+  _globals['_DRAFTOPEN']._serialized_end=804
+  _globals['_DRAFTPROPOSE']._serialized_start=806
+  _globals['_DRAFTPROPOSE']._serialized_end=903
+  _globals['_DRAFTBRANCHES']._serialized_start=905
+  _globals['_DRAFTBRANCHES']._serialized_end=1027
+  _globals['_DRAFTTREEPROPOSE']._serialized_start=1029
+  _globals['_DRAFTTREEPROPOSE']._serialized_end=1112
+  _globals['_DRAFTRESPONSE']._serialized_start=1115
+  _globals['_DRAFTRESPONSE']._serialized_end=1453
+  _globals['_DRAFTPROPOSAL']._serialized_start=1456
+  _globals['_DRAFTPROPOSAL']._serialized_end=1591
+  _globals['_DRAFTBRANCH']._serialized_start=1593
+  _globals['_DRAFTBRANCH']._serialized_end=1685
+  _globals['_DRAFTBRANCHSET']._serialized_start=1687
+  _globals['_DRAFTBRANCHSET']._serialized_end=1784
+  _globals['_DRAFTTREE']._serialized_start=1787
+  _globals['_DRAFTTREE']._serialized_end=1915
+  _globals['_DRAFT']._serialized_start=1918
+  _globals['_DRAFT']._serialized_end=2058
 # @@protoc_insertion_point(module_scope)

@@ -58,16 +58,18 @@ class DraftClose(_message.Message):
     def __init__(self, start: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class DraftOpen(_message.Message):
-    __slots__ = ("token_ids", "sampling", "wire_top_k", "tenant")
+    __slots__ = ("token_ids", "sampling", "wire_top_k", "tenant", "without_confidence")
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     WIRE_TOP_K_FIELD_NUMBER: _ClassVar[int]
     TENANT_FIELD_NUMBER: _ClassVar[int]
+    WITHOUT_CONFIDENCE_FIELD_NUMBER: _ClassVar[int]
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling: _common_pb2.SamplingParams
     wire_top_k: int
     tenant: str
-    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., wire_top_k: _Optional[int] = ..., tenant: _Optional[str] = ...) -> None: ...
+    without_confidence: bool
+    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., wire_top_k: _Optional[int] = ..., tenant: _Optional[str] = ..., without_confidence: _Optional[bool] = ...) -> None: ...
 
 class DraftPropose(_message.Message):
     __slots__ = ("start", "token_ids", "num_tokens", "first_guesses_bonus")

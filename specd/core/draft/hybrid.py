@@ -128,8 +128,9 @@ class HybridDrafter:
         params: SamplingParams,
         wire_top_k: int = 0,
         tenant: str = NO_TENANT,
+        confidence: bool = True,
     ) -> None:
-        self.model.open(session_id, token_ids, params, wire_top_k)  # validates prompt and settings
+        self.model.open(session_id, token_ids, params, wire_top_k, confidence=confidence)  # validates prompt, settings
         tokens = [int(t) for t in token_ids]
         self._sessions.pop(session_id)
         self._sessions.put(session_id, _HybridSession(SuffixSession(tokens, self.settings, tenant), list(tokens)))

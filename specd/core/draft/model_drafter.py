@@ -80,6 +80,7 @@ class _ModelDraftSession:
     # with `branching` > 0 (a branch call lately) the draft adds the bonus row when idle.
     rows: RankingRows = field(default_factory=RankingRows)
     branching: int = 0  # proposes left during which idle() keeps the bonus row ready (a branch call sets it)
+    confidence: bool = True  # its proposals carry each token's confidence (False: the caller reads none)
 
 
 _Key = tuple[int, ...]  # a drafting row: (request index,) for a propose, (request index, branch) for a branch
@@ -134,13 +135,19 @@ class ModelDrafter(PooledModel[_ModelDraftSession]):
         self._ranked: dict[int, Tensor] = {}  # id(session) -> its branch call's ranking rows, read from kept rows
 
     def open(
-        self, session_id: str, token_ids: Sequence[int], params: SamplingParams, wire_top_k: int = 0, tenant: str = ""
+        self,
+        session_id: str,
+        token_ids: Sequence[int],
+        params: SamplingParams,
+        wire_top_k: int = 0,
+        tenant: str = "",
+        confidence: bool = True,
     ) -> None:
         params.validate()
         if wire_top_k < 0:
             raise InvalidArgument("wire_top_k must be >= 0 (0 means the server default)")
         q = QSettings.top_k(wire_top_k, self.q.bits) if wire_top_k else self.default_q
-        self._pool.open(session_id, token_ids, lambda kv: _ModelDraftSession(kv, params, q))
+        self._pool.open(session_id, token_ids, lambda kv: _ModelDraftSession(kv, params, q, confidence=confidence))
 
     def propose(self, request: ProposeRequest) -> Proposal:
         return propose_one(self, request)
@@ -483,15 +490,16 @@ class ModelDrafter(PooledModel[_ModelDraftSession]):
         beside the next step's pass (DueConfidence).
         """
         best, bad = greedy_tokens(logits)  # [G] each
-        drafts: list[GrowingDraft | None] = []
+        drafts: list[GrowingDraft | None] = []  # where each row's confidence goes (None: nowhere)
         for a, token, unusable in zip(greedy, best.tolist(), bad.tolist()):
             if unusable:
                 failed[active[a][0][0]] = Internal(UNUSABLE_LOGITS)
-                drafts.append(None)
             else:
                 tokens[a] = self._target_id(token)
-                drafts.append(drafted[active[a][0]])
-        due.add(logits, best, drafts)
+            wanted = not unusable and active[a][1].confidence
+            drafts.append(drafted[active[a][0]] if wanted else None)
+        if any(d is not None for d in drafts):
+            due.add(logits, best, drafts)
 
     def _choose_branches(
         self, i: int, s: _ModelDraftSession, logits: Tensor, bp: _BranchPass, drafted: dict[_Key, GrowingDraft]
@@ -538,7 +546,9 @@ class ModelDrafter(PooledModel[_ModelDraftSession]):
             self.runner.truncate(kv, base + choice.accepted)
             self.runner.append(kv, [choice.token_id])
             self._pool.reserve(kv, len(kv) + bp.steps)  # the drafts it will grow by, for the next _branch_room
-            bp.forks.append(_ModelDraftSession(kv, s.params, s.q, branching=_BRANCHING_PROPOSES))
+            bp.forks.append(
+                _ModelDraftSession(kv, s.params, s.q, branching=_BRANCHING_PROPOSES, confidence=s.confidence)
+            )
             drafted[(i, b)] = GrowingDraft()
         s.branches, s.fork_at = list(bp.forks), base
 

@@ -55,7 +55,13 @@ class NgramDrafter:
         self._sessions: SessionTable[_NgramSession] = SessionTable(max_sessions, idle_timeout_s=idle_timeout_s)
 
     def open(
-        self, session_id: str, token_ids: Sequence[int], params: SamplingParams, wire_top_k: int = 0, tenant: str = ""
+        self,
+        session_id: str,
+        token_ids: Sequence[int],
+        params: SamplingParams,
+        wire_top_k: int = 0,
+        tenant: str = "",
+        confidence: bool = True,  # its match statistics cost nothing: always sent
     ) -> None:
         params.validate()
         tokens = check_prompt(token_ids, self.vocab_size)

@@ -24,10 +24,18 @@ class Drafter(Protocol):
     vocab_size: int
 
     def open(
-        self, session_id: str, token_ids: Sequence[int], params: SamplingParams, wire_top_k: int = 0, tenant: str = ""
+        self,
+        session_id: str,
+        token_ids: Sequence[int],
+        params: SamplingParams,
+        wire_top_k: int = 0,
+        tenant: str = "",
+        confidence: bool = True,
     ) -> None:
         """Open (or re-open) a session. tenant: whose learned state it may draft from and teach
-        (specd.core.draft.tenant_index); a drafter that learns nothing across sessions ignores it."""
+        (specd.core.draft.tenant_index); a drafter that learns nothing across sessions ignores it.
+        confidence False: the caller reads no Proposal.confidence, so a drafter for which it costs
+        something (the model drafter's softmax per greedy row) may leave it out."""
         ...
 
     def propose(self, request: ProposeRequest) -> Proposal: ...

@@ -194,6 +194,7 @@ class SuffixDrafter:
         params: SamplingParams,
         wire_top_k: int = 0,
         tenant: str = NO_TENANT,
+        confidence: bool = True,  # its match scores cost nothing: always sent
     ) -> None:
         params.validate()
         tokens = check_prompt(token_ids, self.vocab_size)

@@ -35,9 +35,12 @@ class DraftSession:
     may or may not have applied it), and the next call re-opens the session.
     """
 
-    def __init__(self, port: DraftPort, session_id: str, params: SamplingParams, tenant: str = "") -> None:
+    def __init__(
+        self, port: DraftPort, session_id: str, params: SamplingParams, tenant: str = "", *, confidence: bool = True
+    ) -> None:
         self.port = port
         self.session_id = session_id
+        self.confidence = confidence  # the loop reads its proposals' confidence (auto); sent with every open
         self.params = params
         self.tenant = tenant  # sent with every open: the draft's learned state is the tenant's
         self.opened = False
@@ -138,7 +141,9 @@ class DraftSession:
                 for _ in range(2):  # a second try after re-opening a session the draft lost
                     try:
                         if not self.opened:
-                            request = steps.OpenRequest(self.session_id, prefix, self.params, self.tenant)
+                            request = steps.OpenRequest(
+                                self.session_id, prefix, self.params, self.tenant, self.confidence
+                            )
                             await self.port.open(request, timeout=timeout, carrier=carrier)
                             self.opened, self._base, self._ext = True, len(committed), list(extension)
                         result, held = await send(self.agreement(prefix), prefix)

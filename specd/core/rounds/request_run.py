@@ -132,7 +132,12 @@ class RequestRun:
         self._all_in = False  # the previous round accepted every draft token it verified
         self._verified_at = 0.0  # perf_counter() when the last verify call answered
         self._target = TargetSession(loop.target, session_id, spec.params, loop.settings.target_timeout_s)
-        self._draft = DraftSession(loop.draft, session_id, spec.params, spec.tenant) if loop.draft is not None else None
+        self._draft = (
+            # only auto reads the draft tokens' confidence (its cut and calibration): a fixed request spares it
+            DraftSession(loop.draft, session_id, spec.params, spec.tenant, confidence=self._chooser is not None)
+            if loop.draft is not None
+            else None
+        )
         self._ready: _Ready | None = None  # a pre-draft for the committed prefix
         self._verifying: asyncio.Future[Any] | None = None  # this round's verify while it is out (pipelined)
         self._used_staged = False  # this round's verdict is the one the previous round staged

@@ -39,6 +39,7 @@ class OpenRequest:
     token_ids: Sequence[int]
     params: SamplingParams
     tenant: str = ""  # whose learned draft state the session may use (a draft's open only; "": none)
+    confidence: bool = True  # a draft's open: the caller reads its tokens' confidence (auto); False: none needed
 
 
 @dataclass(frozen=True)

@@ -78,6 +78,27 @@ def test_a_model_draft_says_how_sure_each_token_is(tiny) -> None:
         assert sampled.confidence[i] == pytest.approx(float(row[sampled.q_ids[i] == token].sum()), rel=1e-5)
 
 
+@pytest.mark.parametrize("speculation, wanted", [("fixed", False), ("auto", True)])
+def test_only_auto_asks_the_draft_for_its_confidence(tiny, monkeypatch, speculation: str, wanted: bool) -> None:
+    """Auto cuts and calibrates by the draft tokens' confidence; a fixed request reads none, so its draft
+    session opens without (sparing the model draft a softmax per greedy row), with the same tokens."""
+    loaded, verifier, drafter, _ = tiny
+    opened: list[bool] = []
+    real = drafter.open
+
+    def open_(*args, confidence: bool = True, **kwargs) -> None:
+        opened.append(confidence)
+        real(*args, confidence=confidence, **kwargs)
+
+    monkeypatch.setattr(drafter, "open", open_)
+    prompt = loaded.tokenizer("def f(x):").input_ids
+    got = speculative_generate(
+        prompt, verifier, drafter, GREEDY, draft_length=3, max_new_tokens=12, speculation=speculation
+    )
+    assert opened and set(opened) == {wanted}
+    assert got.token_ids == _plain_greedy(loaded.model, prompt, 12)[: len(got.token_ids)]
+
+
 def test_same_seed_same_output_and_stats_add_up(tiny) -> None:
     loaded, verifier, drafter, _ = tiny
     prompt = loaded.tokenizer("sampling").input_ids

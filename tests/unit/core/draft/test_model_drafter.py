@@ -8,7 +8,7 @@ from specd.core.draft.growing_draft import DueConfidence
 from specd.core.draft.model_drafter import ModelDrafter, _stacked
 from specd.core.draft.protocol import draft_work
 from specd.core.model.sim import parse_sim_spec
-from specd.core.rounds.steps import BranchRequest, ProposeRequest
+from specd.core.rounds.steps import Branches, BranchRequest, ProposeRequest
 from specd.core.sampling import compact_q
 from specd.core.sampling.bonus_guess import coupled_guess
 from specd.core.sampling.proposal import Proposal
@@ -111,6 +111,29 @@ def test_a_greedy_steps_confidence_is_worked_out_beside_the_next_steps_pass(monk
     assert all(isinstance(p, Proposal) and len(p.confidence) == len(p) == 4 for p in got)
     # beside passes 2, 3 and 4 (a pass is counted when it ends), then after the last: 2 rows each
     assert settled == [(before + 1, 2), (before + 2, 2), (before + 3, 2), (before + 4, 2)]
+
+
+def test_a_session_opened_without_confidence_drafts_the_same_tokens_and_leaves_the_confidence_out() -> None:
+    """A fixed request's caller reads no confidence: its greedy rows skip the softmax; sampled rows and the tokens
+    are as they were; a branch call's forks inherit the setting."""
+    plain, spare = _drafter(), _drafter()
+    for name in ("greedy", "warm"):
+        params, top_k = SESSIONS[name]
+        plain.open(name, PROMPT, params, wire_top_k=top_k)
+        spare.open(name, PROMPT, params, wire_top_k=top_k, confidence=False)
+    want = plain.propose_batch([ProposeRequest(n, len(PROMPT), len(PROMPT), [], 4) for n in ("greedy", "warm")])
+    got = spare.propose_batch([ProposeRequest(n, len(PROMPT), len(PROMPT), [], 4) for n in ("greedy", "warm")])
+    assert isinstance(want[0], Proposal) and isinstance(got[0], Proposal)
+    assert got[0].token_ids == want[0].token_ids and got[0].confidence == () and len(want[0].confidence) == 4
+    assert isinstance(want[1], Proposal) and isinstance(got[1], Proposal)
+    _same(got[1], want[1])  # a sampled row's confidence is its q(token): sent as before
+    n = len(PROMPT) + 4
+    req = BranchRequest("greedy", n, n, [], 4, 2, 4, (0.8,) * 4)
+    branches = [draft_work(d, [req])[0] for d in (plain, spare)]
+    assert all(isinstance(b, Branches) for b in branches)
+    for a, b in zip(branches[0].branches, branches[1].branches):  # type: ignore[union-attr]
+        assert a.proposal.token_ids == b.proposal.token_ids and len(a.proposal.confidence) == 2
+        assert b.proposal.confidence == ()
 
 
 def test_a_steps_rows_are_stacked_as_a_view_of_the_forward_output_when_they_are_its_consecutive_rows() -> None:

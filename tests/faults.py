@@ -38,9 +38,15 @@ class LyingDrafter:
         return self.inner.vocab_size
 
     def open(
-        self, session_id: str, token_ids: Sequence[int], params: SamplingParams, wire_top_k: int = 0, tenant: str = ""
+        self,
+        session_id: str,
+        token_ids: Sequence[int],
+        params: SamplingParams,
+        wire_top_k: int = 0,
+        tenant: str = "",
+        confidence: bool = True,
     ) -> None:
-        self.inner.open(session_id, token_ids, params, wire_top_k, tenant)
+        self.inner.open(session_id, token_ids, params, wire_top_k, tenant, confidence)
 
     def close(self, session_id: str) -> None:
         self.inner.close(session_id)

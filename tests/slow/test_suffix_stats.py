@@ -58,7 +58,13 @@ class TableDrafter:
         self.sessions: dict[str, tuple[list[int], SamplingParams]] = {}
 
     def open(
-        self, session_id: str, token_ids: Sequence[int], params: SamplingParams, wire_top_k: int = 0, tenant: str = ""
+        self,
+        session_id: str,
+        token_ids: Sequence[int],
+        params: SamplingParams,
+        wire_top_k: int = 0,
+        tenant: str = "",
+        confidence: bool = True,
     ) -> None:
         self.sessions[session_id] = (list(token_ids), params)
 

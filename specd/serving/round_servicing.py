@@ -14,8 +14,9 @@ rollback; see specd.core.phases) at the times they really ran. A batch's
 spans and metrics are recorded after its answers went out (the batcher's
 after_deliver), or, when the next batch is already queued, beside that
 batch's forward pass (a subclass hands `record_answered` to its core as the
-pass's `beside`): recording (0.3-0.7 ms a batch on this host, emulated
-h100-tp2-70b) no longer holds a verdict back, nor a staged verify's pass.
+pass's `beside`): recording no longer holds a verdict back, nor a staged
+verify's pass (emulated h100-tp2-70b, fixed K = 4, one stream: round
+overhead p50 5.7 -> 5.4 ms; docs/performance.md).
 
 A servicer subclass names its messages and spans and supplies the parts
 that differ: how a step message becomes a core request (and its result a
@@ -46,9 +47,8 @@ Resp = TypeVar("Resp", bound=TimedResponse)
 Work = TypeVar("Work")  # a step message as the core's request (ProposeRequest, VerifyRequest)
 Result = TypeVar("Result")  # the core's answer to one (Proposal, VerifyOutcome)
 Handled = tuple[Any, PhaseLog | None]  # (response message, where the core's time went)
-# A message answered, its span and metrics not recorded yet: (request, response, span, phases, answered at,
-# ns since the epoch).
-Unrecorded = tuple[Any, Any, "tr.Span | None", PhaseLog | None, int]
+# A message handled, its span and metrics not recorded yet: (request, response, span, phases).
+Unrecorded = tuple[Any, Any, "tr.Span | None", PhaseLog | None]
 
 log = logging.getLogger(__name__)
 
@@ -120,7 +120,8 @@ class BatchedRoundServicer(abc.ABC, Generic[Req, Resp, Work, Result]):
             expected=engine.active_sessions,
             after_deliver=self._after_deliver,
         )
-        self._unrecorded: list[Unrecorded] = []  # answered messages whose spans and metrics wait (model thread)
+        # answered messages whose spans and metrics wait, with when they were answered (ns since the epoch)
+        self._unrecorded: list[tuple[Unrecorded, int]] = []  # model thread only
         if metrics is not None:
             metrics.watch_sessions(engine.active_sessions, getattr(engine, "kv_bytes", None))  # NgramDrafter has none
 
@@ -245,7 +246,7 @@ class BatchedRoundServicer(abc.ABC, Generic[Req, Resp, Work, Result]):
             item.started_ns, item.ended_ns = started, ended
         self.record_answered()  # an earlier batch's that no pass of this one took
         answered = time.time_ns()  # the spans' clock
-        self._unrecorded = [(req, resp, span, phases, answered) for req, resp, span, phases, _ in fresh]
+        self._unrecorded = [(u, answered) for u in fresh]
         if not held:
             return list(out)
         answers = iter(out)
@@ -262,7 +263,7 @@ class BatchedRoundServicer(abc.ABC, Generic[Req, Resp, Work, Result]):
         """The spans and metrics of the messages answered so far (model thread; beside a pass, or after the
         answers went out)."""
         pending, self._unrecorded = self._unrecorded, []
-        for req, resp, span, phases, answered_ns in pending:
+        for (req, resp, span, phases), answered_ns in pending:
             try:
                 self._finish(req, resp, span, phases, answered_ns)
             except Exception:
@@ -323,7 +324,7 @@ class BatchedRoundServicer(abc.ABC, Generic[Req, Resp, Work, Result]):
             resp, phases = h
             out.append(resp)
             if unrecorded is not None:
-                unrecorded.append((req, resp, span, phases, 0))
+                unrecorded.append((req, resp, span, phases))
                 continue
             try:
                 self._finish(req, resp, span, phases)

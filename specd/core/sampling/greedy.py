@@ -24,7 +24,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-__all__ = ["greedy_tokens", "greedy_verdict", "row_logsumexp", "scaled_logsumexp", "top_probability"]
+__all__ = ["greedy_tokens", "greedy_verdict", "scaled_logsumexp", "top_probability"]
 
 # torch's CPU exp takes a scalar slow path for inputs below about -87.3 (results under float32's
 # smallest normal): ~35 ns an element against ~0.2, so a row scaled by a large inverse temperature
@@ -48,22 +48,13 @@ def greedy_tokens(logits: Tensor) -> tuple[Tensor, Tensor]:
     return best, ~top.isfinite()
 
 
-def row_logsumexp(x: Tensor) -> Tensor:
-    """log(sum(exp(x))) over the last dim: [..., V] float32 -> [...], without exp's slow path.
-
-    Equal to torch.logsumexp to float32 rounding (the module's _EXP_FLOOR); a batch with a row
-    that holds NaN or +inf, or only -inf, takes torch.logsumexp's answer (and its speed).
-    """
-    top = x.amax(-1, keepdim=True)  # [..., 1]
-    if not bool(top.isfinite().all()):  # a row that cannot be sampled: torch's own answer (rare)
-        return torch.logsumexp(x, -1)
-    return (x - top).clamp_(min=_EXP_FLOOR).exp_().sum(-1).log_() + top[..., 0]
-
-
 def scaled_logsumexp(x: Tensor, peak: Tensor, scale: float) -> Tensor:
-    """log(sum(exp(scale * x))) over the last dim: [..., V] float32 -> [...], for rows whose finite max
-    `peak` [...] the caller already has (a topk's first column) and scale > 0; row_logsumexp without
-    its max pass and its finiteness check."""
+    """log(sum(exp(scale * x))) over the last dim: [..., V] float32 -> [...], without exp's slow path.
+
+    For rows whose finite max `peak` [...] the caller already has (a top-k's first column; a row
+    without one cannot be sampled and is the caller's to refuse) and scale > 0. Equal to
+    torch.logsumexp(scale * x) to float32 rounding (the module's _EXP_FLOOR); x is left as it was.
+    """
     return (x - peak[..., None]).mul_(scale).clamp_(min=_EXP_FLOOR).exp_().sum(-1).log_() + scale * peak
 
 

@@ -22,7 +22,8 @@ max_tokens = k (:meth:`QSettings.top_k`).
 How the kept tokens are found does not change which they are: a float32 row on
 the host takes a histogram of its values (specd.core.sampling.host_select) and
 sorts only the candidates that provably hold its kept prefix; any other row
-(on a GPU, or one the histogram cannot decide) a torch.topk of the budget.
+(on a GPU, of a vocabulary of at most 256 tokens, or one the histogram cannot
+decide) a torch.topk of the budget.
 Equal probabilities keep the lower id first on the host path; the rule, the
 weights and the slot order are those of a full top-k (docs/results/sparse-q.md).
 """
@@ -109,32 +110,32 @@ def _round(vals: np.ndarray, ids: np.ndarray, total: np.ndarray, settings: QSett
 
     vals: [A, n] float32, each row's top values in decreasing order; ids: [A, n] their token ids;
     total: [A] float64 each row's whole mass. W = the widest row; unused slots id 0, weight 0.
+
+    Row a keeps a prefix of its ranks (vals decrease, the mass before a rank grows): the positive
+    ones before the first whose mass strictly before is >= (1 - epsilon) * total, the first always.
+    The kept mass is the left-to-right cumulative sum at the row's last kept rank, so a row's
+    numbers do not depend on how wide its batch-mates are. All rows at once: no loop over rows.
     """
-    rows = [_round_row(vals[a], ids[a], float(total[a]), settings) for a in range(vals.shape[0])]
-    width = max(len(w) for _, w in rows)
-    out_ids = np.zeros((len(rows), width), dtype=np.int64)
-    out_w = np.zeros((len(rows), width), dtype=np.float32)
-    for a, (i, w) in enumerate(rows):
-        out_ids[a, : len(i)], out_w[a, : len(w)] = i, w
-    return out_ids, out_w
-
-
-def _round_row(vals: np.ndarray, ids: np.ndarray, total: float, settings: QSettings) -> tuple[np.ndarray, np.ndarray]:
-    """One row of _round: (ids [w] int64, weights [w] float32 > 0), w >= 1, most likely first.
-
-    The kept ranks are a prefix (vals decrease, the mass before a rank grows): the positive ones
-    whose mass strictly before is < (1 - epsilon) * total, the first always.
-    """
-    v64 = vals.astype(np.float64)  # [n]
-    cut = int(np.count_nonzero(vals > 0))  # zeros come last
+    A, n = vals.shape
+    rows = np.arange(A)
+    v64 = vals.astype(np.float64)  # [A, n]
+    csum = _cumsum(v64)  # [A, n] mass through each rank
+    cut = (vals > 0).sum(axis=1)  # [A] zeros come last
     if settings.epsilon > 0:
-        before = _cumsum(v64) - v64  # [n] mass strictly before each rank, non-decreasing
-        cut = min(cut, int(np.searchsorted(before, (1.0 - settings.epsilon) * total, side="left")))
-    kept = v64[: max(cut, 1)]
-    weights = np.round(kept / kept.sum() * float(1 << settings.bits))  # non-increasing (half to even)
-    weights[0] = max(weights[0], 1.0)  # the row never vanishes
-    width = int(np.count_nonzero(weights))  # the positive prefix: a slot that rounds to 0 is dropped
-    return ids[:width].astype(np.int64), weights[:width].astype(np.float32)
+        past = (csum - v64) >= (1.0 - settings.epsilon) * total[:, None]  # [A, n] mass before reaches the rule
+        first = past.argmax(axis=1)  # [A] the first such rank (0 if there is none)
+        cut = np.minimum(cut, np.where(past[rows, first], first, n))
+    cut = np.maximum(cut, 1)  # [A]
+    m = int(cut.max())  # the widest kept prefix: nothing past it is read
+    kept = np.arange(m)[None, :] < cut[:, None]  # [A, m]
+    mass = csum[rows, cut - 1]  # [A]
+    weights = np.rint(np.where(kept, v64[:, :m], 0.0) / mass[:, None] * float(1 << settings.bits))  # half to even
+    weights[:, 0] = np.maximum(weights[:, 0], 1.0)  # the row never vanishes
+    # Weights do not increase along a row: its positive ones are a prefix (a slot that rounds to 0 is dropped).
+    width = max(1, int((weights > 0).sum(axis=1).max()))
+    out_w = weights[:, :width].astype(np.float32)
+    out_ids = np.where(out_w > 0, ids[:, :width], 0)
+    return out_ids, out_w
 
 
 # The first selection's width: most rows' mass criterion ends within it (a partial top-k is
@@ -162,8 +163,10 @@ def _top(probs: Tensor, k: int, total: np.ndarray, epsilon: float) -> tuple[np.n
 
     float32 rows on the host take :func:`_select_host` (one histogram pass over V, then a
     selection among its candidates); the others, and any row it declines, a top-k where they live.
+    So do rows no wider than the first selection (a small vocabulary: the statistical tests'), where one
+    top-k for the whole batch costs less than a selection per row; which path a row takes depends on V only.
     """
-    if probs.device.type != "cpu" or probs.dtype != torch.float32:
+    if probs.device.type != "cpu" or probs.dtype != torch.float32 or probs.shape[-1] <= _FIRST_TOP:
         return _top_k(probs, k, total, epsilon)
     a = probs.detach().numpy()  # [A, V]
     picked = [_select_host(a[i], float(total[i]), k, epsilon) for i in range(a.shape[0])]

@@ -24,13 +24,13 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from specd.core.sampling.bonus_race import race_draw, race_draw_row
+from specd.core.sampling.bonus_race import race_draw, race_draw_rows
 
 
 def coupled_guess_dense(probs: Tensor, seeds: Tensor, positions: Tensor) -> Tensor:
     """Each row's token by the target's bonus race: probs [G, V] in token-id order (weights >= 0, not
     necessarily normalised); seeds, positions [G] int64 (the request's seed, the bonus position) -> [G] int64."""
-    out = [race_draw_row(probs[g], int(seeds[g]), int(positions[g])) for g in range(probs.shape[0])]
+    out = race_draw_rows(list(probs.unbind(0)), seeds.tolist(), positions.tolist())
     return torch.tensor(out, dtype=torch.int64)
 
 

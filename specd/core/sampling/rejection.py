@@ -42,7 +42,7 @@ import torch
 from torch import Tensor
 
 from specd.core.errors import Internal, InvalidArgument
-from specd.core.sampling.bonus_race import race_draw_row
+from specd.core.sampling.bonus_race import race_draw_rows
 from specd.core.sampling.sampler import Role, host_coins, sample_from_probs
 
 __all__ = ["SparseProposal", "TargetRows", "Verdict", "rejection_sample"]
@@ -154,8 +154,8 @@ def rejection_sample(
     emitted = [row for row in p_j if row is not None]
     assert len(emitted) == B
     next_token = np.zeros(B, dtype=np.int64)
-    for b in bonus.tolist():
-        next_token[b] = race_draw_row(emitted[b], int(seed[b]), int(pos_j[b]))
+    if bonus.size:
+        next_token[bonus] = race_draw_rows([emitted[b] for b in bonus.tolist()], seed[bonus], pos_j[bonus])
     rec = np.flatnonzero(~is_bonus)
     if rec.size:
         u = host_coins(seed[rec], pos_j[rec, None], Role.RECOVER)[:, 0]  # [R]

@@ -241,11 +241,26 @@ def token_coins(seed: int, position: int, role: Role, ids: np.ndarray) -> np.nda
 
     The (seed, position, role) coin's 64-bit state, mixed once more with each id (x (id + 1) * 5G):
     injective in the id, so distinct tokens never share a coin, and independent of every other coin."""
-    h = _coin_state(_seed_state(seed), position, _role_salt(role))
+    h = np.uint64(_coin_state(_seed_state(seed), position, _role_salt(role)))
+    return token_coins_at(np.broadcast_to(h, np.shape(ids)), ids)
+
+
+def coin_states(seeds: np.ndarray, positions: np.ndarray, role: Role) -> np.ndarray:
+    """The (seed, position, role) coins' 64-bit states for token_coins_at: seeds, positions [B] int64 -> [B] uint64."""
+    s = np.asarray(seeds, dtype=np.int64).view(np.uint64)
+    p = np.asarray(positions, dtype=np.int64).view(np.uint64)
+    with np.errstate(over="ignore"):
+        h = _mix64(s + _GOLDEN)
+        h = _mix64(h ^ (p + _GOLDEN * np.uint64(2)))
+        return _mix64(h ^ np.uint64(_role_salt(role)))
+
+
+def token_coins_at(states: np.ndarray, ids: np.ndarray) -> np.ndarray:
+    """token_coins of many (state, id) pairs: states [n] uint64 (coin_states), ids [n] int64 -> [n] float64."""
     salt = np.uint64((5 * int(_GOLDEN)) & _MASK)
     t = np.asarray(ids, dtype=np.int64).view(np.uint64)  # [n]
     with np.errstate(over="ignore"):
-        z = _mix64(np.uint64(h) ^ ((t + np.uint64(1)) * salt))
+        z = _mix64(states ^ ((t + np.uint64(1)) * salt))
     return (z >> np.uint64(11)).astype(np.float64) * (1.0 / (1 << 53))
 
 

@@ -75,7 +75,7 @@ import torch
 from torch import Tensor
 
 from specd.core.errors import InvalidArgument
-from specd.core.sampling.bonus_race import race_draw, race_draw_row
+from specd.core.sampling.bonus_race import race_draw, race_draw_rows
 from specd.core.sampling.greedy import greedy_tokens
 from specd.core.sampling.rejection import ZERO_RESIDUAL
 from specd.core.sampling.sampler import Role, coins, host_coins, sample_from_probs
@@ -215,8 +215,10 @@ def tree_rejection_sample(
     if rec.numel():
         u_rec = coins(seeds[rec.to(seeds.device)], pos[rec], Role.RECOVER)[:, 0].to(dev)
         next_token[rec] = sample_from_probs(final_w[rec], u_rec)
-    for b in torch.nonzero(is_bonus).flatten().tolist():  # the bonus: the race over p (bonus_race)
-        next_token[b] = race_draw_row(final_w[b], int(seeds[b]), int(pos[b, 0]))
+    bonus = torch.nonzero(is_bonus).flatten().tolist()
+    if bonus:  # the bonus: the race over p (bonus_race)
+        drawn = race_draw_rows([final_w[b] for b in bonus], seeds[bonus].tolist(), pos[bonus, 0].tolist())
+        next_token[bonus] = torch.tensor(drawn, dtype=torch.int64, device=dev)
     return TreeVerdicts(path[:, :N], depth, next_token, is_bonus)
 
 

@@ -13,7 +13,7 @@ import torch
 from scipy import stats
 
 from specd.core.errors import Internal
-from specd.core.sampling import bonus_race
+from specd.core.sampling import bonus_race, sampler
 from specd.core.sampling.bonus_race import HEAD_SHARE, race_draw, race_draw_row
 from specd.core.sampling.sampler import Role, coin_values, sample_from_probs
 from tests.devices import DEVICE
@@ -115,3 +115,48 @@ def test_a_row_without_mass_is_refused() -> None:
         race_draw(np.zeros(8), None, 1, 2)
     with pytest.raises(Internal):
         race_draw(np.array([np.nan, 1.0]), None, 1, 2)
+
+
+def _batch_rows() -> list[torch.Tensor]:
+    """Narrow rows of one length (race_draw_rows races them at once): peaked to flat, a tail as heavy as
+    a 200-token row can hold (198 tokens just below HEAD_SHARE, 20 times), zeros unnormalised, float64."""
+    g = torch.Generator().manual_seed(7)
+    V = 200
+    rows = [torch.softmax(torch.randn(V, generator=g) * s, -1) for s in (6.0, 3.0, 1.5, 0.5, 0.05)]
+    tailed = torch.full((V,), 0.99 * HEAD_SHARE)
+    tailed[[3, 150]] = (1.0 - 198 * 0.99 * HEAD_SHARE) / 2  # two head tokens; tail mass ~0.012
+    rows += [tailed] * 20
+    sparse = torch.zeros(V)
+    sparse[[5, 6, 199]] = torch.tensor([2.0, 1.0, 1.0])
+    rows.append(sparse)
+    rows.append(torch.softmax(torch.randn(V, generator=g, dtype=torch.float64) * 2.0, -1))
+    return rows
+
+
+def test_rows_raced_at_once_draw_what_each_row_draws_alone() -> None:
+    rows = _batch_rows()
+    tail_drawn = 0
+    for trial in range(40):
+        seeds = [trial * 7919 + b for b in range(len(rows))]
+        positions = [trial * 3 + 2 * b for b in range(len(rows))]
+        want = [race_draw_row(r, s, p) for r, s, p in zip(rows, seeds, positions)]
+        assert bonus_race.race_draw_rows(rows, seeds, positions) == want
+        tail_drawn += sum(t not in (3, 150) for t in want[5:25])
+    assert tail_drawn > 0  # the tailed rows' tail rang first in some draws: that path ran too
+
+
+def test_rows_raced_at_once_refuse_a_row_without_mass() -> None:
+    rows = _batch_rows()[:4] + [torch.zeros(200)]
+    with pytest.raises(Internal):
+        bonus_race.race_draw_rows(rows, list(range(5)), list(range(5)))
+
+
+def test_token_coins_of_many_states_are_each_states_token_coins() -> None:
+    seeds, positions = np.array([1, -5, 2**40, 3], dtype=np.int64), np.array([0, 7, 12, 2**33], dtype=np.int64)
+    ids = np.array([0, 31_999, 5, 128_000], dtype=np.int64)
+    states = sampler.coin_states(seeds, positions, Role.BONUS_RACE)
+    got = sampler.token_coins_at(states, ids)
+    for b in range(4):
+        assert got[b] == sampler.token_coins(int(seeds[b]), int(positions[b]), Role.BONUS_RACE, ids[b : b + 1])[0]
+    # and the token coins are the coins' own states mixed once more: a coin and its token coins differ
+    assert not np.allclose(got, sampler.host_coins(seeds, positions[:, None], Role.BONUS_RACE)[:, 0])

@@ -153,15 +153,11 @@ def select_branches(
     return [BranchChoice(j, t, p) for p, j, _, t in chosen]
 
 
-FIT_WIDTH = 64  # logits per row the calibration's fit normalises over
+_FIT_WIDTH = 64  # logits per row the calibration's fit normalises over
 
 
 def calibrated_greedy(
-    logits: Tensor,
-    pending: Sequence[int],
-    acceptance: Sequence[float],
-    width: int,
-    tops: tuple[Tensor, Tensor] | None = None,
+    logits: Tensor, pending: Sequence[int], acceptance: Sequence[float], width: int
 ) -> tuple[Ranking, tuple[float, ...]] | None:
     """A greedy request's ranking: the temperature-scaled draft distribution, and per-position acceptance.
 
@@ -172,17 +168,11 @@ def calibrated_greedy(
     fit normalises over each row's 64 largest logits, the result over the whole
     row); a_i = sqrt(acceptance_i x own_i). None: a row cannot be sampled (a NaN or +inf, or no finite
     logit: the top-k's first value is not finite, as torch.topk ranks NaN first).
-    tops: the rows' top values and ids [K+1, >= W'] if the caller has them (ranking_rows: the idle
-    draft's), W' = max(width, FIT_WIDTH); else taken here.
     """
     k = len(pending)
     assert logits.dim() == 2 and logits.shape[0] == k + 1 and k >= 1, f"logits must be [K+1, V], K={k}"
     x = logits.float()
-    wide = min(max(width, FIT_WIDTH), int(x.shape[1]))
-    if tops is not None and tops[0].shape[0] == k + 1 and tops[0].shape[1] >= wide:
-        top, ids = tops[0][:, :wide], tops[1][:, :wide]  # [K+1, W'] each
-    else:
-        top, ids = torch.topk(x, wide, dim=-1)  # [K+1, W'] each
+    top, ids = torch.topk(x, min(max(width, _FIT_WIDTH), int(x.shape[1])), dim=-1)  # [K+1, W'] each
     if not bool(top[:, 0].isfinite().all()):
         return None
     mine = x[torch.arange(k), torch.tensor(list(pending), dtype=torch.int64)]  # [K]

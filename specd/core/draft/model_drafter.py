@@ -20,14 +20,7 @@ import torch
 from torch import Tensor
 
 from specd.core import phases as ph
-from specd.core.draft.branching import (
-    FIT_WIDTH,
-    BranchChoice,
-    Ranking,
-    calibrated_greedy,
-    select_branches,
-    top_ranking,
-)
+from specd.core.draft.branching import BranchChoice, Ranking, calibrated_greedy, select_branches, top_ranking
 from specd.core.draft.growing_draft import DueConfidence, GrowingDraft, encode_pending
 from specd.core.draft.protocol import propose_one
 from specd.core.draft.ranking_rows import RankingRows
@@ -63,10 +56,6 @@ _IDLE_ROWS = 32  # sequences per idle pass: what a request arriving meanwhile ma
 # (emulated h100-tp2-70b, 16 streams of spec-cache K = 2: round wall p50 56.6 -> 80.5 ms).
 _IDLE_SESSIONS = 2
 _BRANCHING_PROPOSES = 2  # proposes after a branch call during which idle() keeps the bonus row ready
-# Greedy sequences whose kept rows' top logits one idle call takes (ranking_rows: tops), the likeliest
-# branches first; and how many of a sequence's last rows (a branch call's pending tokens and bonus row).
-_IDLE_TOPS = 4
-_TOPS_ROWS = 9
 
 
 def _common(a: Sequence[int], b: Sequence[int]) -> int:
@@ -143,8 +132,7 @@ class ModelDrafter(PooledModel[_ModelDraftSession]):
             raise InvalidArgument(f"wire_top_k must be >= 0 (0: q by mass), got {wire_top_k}")
         self.q = (q or QSettings()).validate()
         self.default_q = QSettings.top_k(wire_top_k, self.q.bits) if wire_top_k else self.q
-        # id(session) -> its branch call's ranking rows read from kept rows, and their tops if kept too
-        self._ranked: dict[int, tuple[Tensor, tuple[Tensor, Tensor] | None]] = {}
+        self._ranked: dict[int, Tensor] = {}  # id(session) -> its branch call's ranking rows, read from kept rows
 
     def open(
         self,
@@ -195,10 +183,9 @@ class ModelDrafter(PooledModel[_ModelDraftSession]):
         if len(branching) > _IDLE_SESSIONS:
             return False
         forks = {id(b) for s in branching for b in s.branches}  # their rows may be views (ranking_rows)
-        sequences = [q for s in branching for q in (s, *s.branches)]
-        due = [q for q in sequences if q.rows.rows and q.rows.end == len(q.kv.tokens)]
+        due = [q for s in branching for q in (s, *s.branches) if q.rows.rows and q.rows.end == len(q.kv.tokens)]
         if not due:
-            return self._idle_tops(sequences)
+            return False
         due = due[:_IDLE_ROWS]
         try:
             out = self.runner.logits_batch([q.kv for q in due], [1] * len(due))
@@ -209,30 +196,6 @@ class ModelDrafter(PooledModel[_ModelDraftSession]):
             return True
         for q, logits in zip(due, out):
             q.rows.keep(len(q.kv.tokens), logits[-1], view=id(q) in forks)
-        return True
-
-    def _idle_tops(self, sequences: Sequence[_ModelDraftSession]) -> bool:
-        """The top logits of greedy sequences' last kept rows (once their bonus row is there), so that
-        their next branch call ranks without a top-k (ranking_rows: tops); True if it took any.
-
-        One top-k over at most _IDLE_TOPS sequences' rows, in branch order (the likeliest verdicts'
-        first); a reduced head ranks other columns, so it takes none."""
-        if self.token_map is not None:
-            return False
-        due = [
-            q
-            for q in sequences
-            if q.params.is_greedy and q.rows.rows and q.rows.tops is None and q.rows.end == len(q.kv.tokens) + 1
-        ][:_IDLE_TOPS]
-        if not due:
-            return False
-        counts = [min(len(q.rows.rows), _TOPS_ROWS) for q in due]
-        stacked = torch.stack([row for q, n in zip(due, counts) for row in q.rows.rows[-n:]]).float()  # [R, V]
-        values, ids = torch.topk(stacked, min(FIT_WIDTH, int(stacked.shape[-1])), dim=-1)  # [R, W] each
-        at = 0
-        for q, n in zip(due, counts):
-            q.rows.tops = (q.rows.end - n, values[at : at + n], ids[at : at + n])
-            at += n
         return True
 
     @torch.inference_mode()
@@ -319,12 +282,10 @@ class ModelDrafter(PooledModel[_ModelDraftSession]):
         if n < 1:
             return s, 0
         # The pending positions' rows and the bonus row, if the sequence kept them: no reading step.
-        first = req.committed_length - req.pending
-        rows = s.rows.span(first, req.pending + 1)
+        rows = s.rows.span(req.committed_length - req.pending, req.pending + 1)
         if rows is None:
             return s, n + 1
-        # and their top logits, if the idle draft took them (a greedy ranking's top-k, done already)
-        self._ranked[id(s)] = (rows, s.rows.tops_span(first, req.pending + 1))
+        self._ranked[id(s)] = rows
         return s, n
 
     def _sync(self, s: _ModelDraftSession, committed_length: int, start: int, tail: Sequence[int]) -> None:
@@ -396,7 +357,7 @@ class ModelDrafter(PooledModel[_ModelDraftSession]):
                 continue
             ranked = branched[r.index] = _BranchPass(req, r.extra, ranked=True)  # ranked from kept rows now
             try:
-                self._choose_branches(r.index, r.session, kept[0], ranked, drafted, tops=kept[1])
+                self._choose_branches(r.index, r.session, kept, ranked, drafted)
             except Exception as exc:  # noqa: BLE001 - this request's rows could not be ranked: it alone fails
                 failed[r.index] = exc
         due = DueConfidence()  # greedy rows' confidences, worked out beside the next step's pass
@@ -541,18 +502,11 @@ class ModelDrafter(PooledModel[_ModelDraftSession]):
             due.add(logits, best, drafts)
 
     def _choose_branches(
-        self,
-        i: int,
-        s: _ModelDraftSession,
-        logits: Tensor,
-        bp: _BranchPass,
-        drafted: dict[_Key, GrowingDraft],
-        tops: tuple[Tensor, Tensor] | None = None,
+        self, i: int, s: _ModelDraftSession, logits: Tensor, bp: _BranchPass, drafted: dict[_Key, GrowingDraft]
     ) -> None:
         """Rank the verdicts of the pending tokens by the rule (specd.core.draft.branching) and fork the chosen ones.
 
-        logits: [K+1, V] rows predicting each pending token and the one after them; tops: their top
-        logits if the idle draft took them (ranking_rows), for a greedy ranking.
+        logits: [K+1, V] rows predicting each pending token and the one after them.
         """
         req, k = bp.request, bp.request.pending
         if self.token_map is not None:
@@ -566,7 +520,7 @@ class ModelDrafter(PooledModel[_ModelDraftSession]):
         # request's is a one-hot, so it ranks by the calibrated softmax (specd.core.draft.branching).
         guess: int | None = None  # sampled: the bonus guessed at the target's coin (greedy: the argmax is)
         if s.params.is_greedy:
-            calibrated = calibrated_greedy(logits, columns, acceptance, width, tops if self.token_map is None else None)
+            calibrated = calibrated_greedy(logits, columns, acceptance, width)
             if calibrated is None:
                 raise Internal(UNUSABLE_LOGITS)
             ranking, acceptance = calibrated

@@ -21,11 +21,6 @@ which drops all of them but the one it adopts and copies that one's rows
 (`owned()`). So views pin one call's outputs at most. At most `KEEP` rows per
 sequence: a branch call of up to 32 pending tokens (the draft's default
 --max-draft-tokens) and its bonus row; a longer one reads its rows again.
-
-Once a greedy sequence has its bonus row, the idle draft also takes each of its
-last rows' top logits (`tops`): the top-k a greedy ranking starts with
-(branching.calibrated_greedy), 0.2-0.3 ms of a branch call's 0.8-1.5 ms ranking
-at V = 32,000, is then done before the call arrives.
 """
 
 from __future__ import annotations
@@ -44,10 +39,6 @@ class RankingRows:
 
     start: int = 0
     rows: list[Tensor] = field(default_factory=list)
-    # The last rows' top logits, worked out while the draft was idle (ModelDrafter.idle), so that a
-    # greedy branch call's ranking takes no top-k: (position of the first, values [n, W], ids [n, W]).
-    # Any change to the rows drops them.
-    tops: tuple[int, Tensor, Tensor] | None = None
 
     @property
     def end(self) -> int:
@@ -57,7 +48,6 @@ class RankingRows:
     def keep(self, position: int, row: Tensor, *, view: bool = False) -> None:
         """The row predicting `position` (its predecessors' rows stay if they are consecutive with it);
         a copy, or with `view` the row itself (a branch's: module docstring)."""
-        self.tops = None
         if not self.rows or position != self.end:
             if self.start <= position < self.end:
                 del self.rows[position - self.start :]
@@ -83,23 +73,12 @@ class RankingRows:
         predict positions <= unchanged (each depends only on the tokens before its position)."""
         keep = unchanged - self.start + 1
         if keep <= 0:
-            self.rows, self.tops = [], None
+            self.rows = []
         elif keep < len(self.rows):
             del self.rows[keep:]
-            self.tops = None
 
     def span(self, first: int, count: int) -> Tensor | None:
         """Rows predicting positions first .. first + count - 1 as [count, V], or None if any is missing."""
         if count < 1 or first < self.start or first + count > self.end:
             return None
         return torch.stack(self.rows[first - self.start : first - self.start + count])
-
-    def tops_span(self, first: int, count: int) -> tuple[Tensor, Tensor] | None:
-        """The kept top values and ids [count, W] of the rows predicting first .. first + count - 1, or None
-        if they were not worked out for all of them."""
-        if self.tops is None or count < 1 or first + count > self.end:
-            return None
-        at, values, ids = self.tops
-        if first < at:
-            return None
-        return values[first - at : first - at + count], ids[first - at : first - at + count]

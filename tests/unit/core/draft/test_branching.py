@@ -19,7 +19,6 @@ import pytest
 import torch
 
 from specd.core.draft.branching import (
-    FIT_WIDTH,
     bonus_guess,
     calibrated_greedy,
     outcome_probabilities,
@@ -142,20 +141,6 @@ def test_greedy_ranking_is_temperature_scaled_to_the_measured_acceptance(measure
     narrow = calibrated_greedy(logits, pending, (measured, measured), width=2)
     assert narrow is not None
     assert narrow[0].ids.shape == (3, 2) and torch.equal(narrow[0].probs, ranking.probs[:, :2])
-
-
-def test_a_greedy_ranking_from_the_rows_own_top_logits_is_the_same_and_narrow_ones_are_not_used() -> None:
-    logits = torch.randn(3, 2000, generator=torch.Generator().manual_seed(4)) * 3
-    pending = logits[:2].argmax(-1).tolist()
-    want = calibrated_greedy(logits, pending, (0.7, 0.6), width=9)
-    tops = torch.topk(logits, FIT_WIDTH, dim=-1)
-    got = calibrated_greedy(logits, pending, (0.7, 0.6), width=9, tops=(tops.values, tops.indices))
-    assert want is not None and got is not None
-    assert torch.equal(got[0].ids, want[0].ids) and torch.equal(got[0].probs, want[0].probs)
-    assert got[0].own == want[0].own and got[1] == want[1]
-    narrow = torch.topk(logits, 8, dim=-1)  # narrower than the fit's width: taken again, not read wrong
-    again = calibrated_greedy(logits, pending, (0.7, 0.6), width=9, tops=(narrow.values, narrow.indices))
-    assert again is not None and torch.equal(again[0].probs, want[0].probs) and again[1] == want[1]
 
 
 @pytest.mark.parametrize("bad", ["nan", "inf", "-inf"])

@@ -7,7 +7,6 @@ from __future__ import annotations
 import pytest
 import torch
 
-from specd.core.draft import model_drafter
 from specd.core.draft.model_drafter import ModelDrafter
 from specd.core.draft.protocol import draft_work
 from specd.core.draft.ranking_rows import KEEP, RankingRows
@@ -43,11 +42,7 @@ def proposed_after_a_branch_call(params: SamplingParams, k: int) -> tuple[ModelD
         d.propose(ProposeRequest("s", len(PROMPT) + 1, len(PROMPT), [9], k))
     assert plain._pool.get("s").kv.tokens == kept._pool.get("s").kv.tokens
     forwards = kept.runner.stats.forwards
-    assert kept.idle()  # one pass: the bonus row
-    assert kept.runner.stats.forwards - forwards == 1
-    if params.is_greedy:  # then the kept rows' top logits, for the greedy ranking (no pass)
-        assert kept.idle() and kept._pool.get("s").rows.tops is not None
-    assert not kept.idle()  # then nothing is due
+    assert kept.idle() and not kept.idle()  # one pass: the bonus row; then nothing is due
     assert kept.runner.stats.forwards - forwards == 1
     return plain, kept
 
@@ -199,54 +194,3 @@ def test_a_branch_keeps_views_of_its_call_and_the_adopted_branch_owns_its_rows()
     assert d.runner.stats.forwards - forwards == 2  # no pass reading the pending positions: the kept rows served
     rows = d._pool.get("s").rows.rows
     assert len(rows) == len(hit.proposal) + 1 and not any(map(_viewed, rows))  # copies: the outputs may go
-
-
-def test_kept_tops_follow_their_rows_positions_and_go_with_any_change() -> None:
-    rows = RankingRows()
-    rows.keep_all(5, torch.arange(12.0).reshape(3, 4))  # rows predicting positions 5, 6, 7
-    values, ids = torch.topk(torch.stack(rows.rows[1:]), 2, dim=-1)
-    rows.tops = (6, values, ids)  # the last two rows'
-    got = rows.tops_span(7, 1)
-    assert got is not None and torch.equal(got[0], values[1:]) and torch.equal(got[1], ids[1:])
-    assert rows.tops_span(5, 2) is None  # the row for position 5 has none
-    assert rows.tops_span(6, 3) is None  # past the rows
-    rows.owned()
-    assert rows.tops is not None  # the same numbers, owned
-    rows.rewound(7)  # nothing after position 7 changed: the rows stay, and so do their tops
-    assert rows.tops is not None
-    rows.rewound(6)
-    assert rows.tops is None
-    rows.tops = (5, values, ids)
-    rows.keep(7, torch.zeros(4))
-    assert rows.tops is None
-
-
-def test_a_greedy_branch_call_ranks_from_the_idle_drafts_tops(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The idle draft's top logits stand in for the ranking's top-k: same branches, no top-k in the call."""
-    seen: list[bool] = []
-    ranking = model_drafter.calibrated_greedy
-
-    def spy(*args, **kwargs):
-        seen.append(args[4] is not None)
-        return ranking(*args, **kwargs)
-
-    monkeypatch.setattr(model_drafter, "calibrated_greedy", spy)
-    plain, kept = proposed_after_a_branch_call(GREEDY, 3)
-    prefix = kept._pool.get("s").kv.tokens[:]
-    seen.clear()
-    want, got = branch(plain, prefix, 3), branch(kept, prefix, 3)
-    assert seen == [False, True]  # plain read its rows and took the top-k; kept had both
-    same(want, got)
-    # the hit's adopted branch: its tops too, once the idle draft took them
-    hit = got.branches[0]
-    pending = prefix[len(PROMPT) + 1 :]
-    after = [*prefix[: len(PROMPT) + 1], *hit.extension(pending), *hit.proposal.token_ids]
-    while kept.idle():
-        pass
-    seen.clear()
-    want, got = (
-        branch(plain, after, len(hit.proposal), start=len(PROMPT) + 1),
-        branch(kept, after, len(hit.proposal), start=len(PROMPT) + 1),
-    )
-    assert seen[-1] is True
-    same(want, got)

@@ -106,9 +106,9 @@ def race_draw_row(p: Tensor, seed: int, position: int) -> int:
     return _race_draw_where_it_lives(p, seed, position)
 
 
-# Rows of at most this many tokens, _MANY_ROWS or more of them, race at once (a row alone costs ~40 us
-# of numpy calls, whatever its length). Wider rows go row by row: each row's passes then stay in the
-# cache (32 rows of V = 32,000 at once took 15 ms here, one by one 6 ms).
+# Rows of at most this many tokens, _MANY_ROWS or more of them, race at once (a narrow row alone costs
+# ~50 us, nearly all of it numpy's per-call overhead). Wider rows go row by row: each row's passes then
+# stay in the cache (32 rows of V = 32,000 at once took 15 ms here, one by one 6 ms).
 _MANY_ROWS = 4
 _NARROW = 256
 

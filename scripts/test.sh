@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
-# Set up (scripts/setup.sh), run the code checks (scripts/lint.sh), then the whole
-# test suite. Extra args go to pytest.
+# Set up (scripts/setup.sh), then the code checks (scripts/lint.sh) and the whole test
+# suite. Extra args go to pytest.
 #
-#   scripts/test.sh            what CI runs (.ci/run): set-up, lint, every tier (the tests
-#                              marked `alone` last, by themselves)
+#   scripts/test.sh            what CI runs (.ci/run): set-up, then every tier (the tests marked
+#                              `alone` last, by themselves) with lint running beside them
 #   scripts/test.sh --unit     the fast loop: tests/unit only (its `alone` tests last, by
 #                              themselves), no lint; set-up only when pyproject.toml or
 #                              scripts/setup.sh changed since the last one
@@ -36,6 +36,17 @@ compile_sources() { .venv/bin/python -m compileall -q -j 0 specd coordinator dra
 # 6.5 s rewriting, 2.5 s with the cache).
 unset PYTHONDONTWRITEBYTECODE
 
+# The code checks when they run beside the tests (lint_pid set): wait for them, print their report, note a failure.
+lint_pid="" lint_log="" lint_status=0
+finish_lint() {
+  [ -n "$lint_pid" ] || return 0
+  wait "$lint_pid" || lint_status=$?
+  lint_pid=""
+  echo "test.sh: the code checks (scripts/lint.sh), run beside the tests' shared pass:"
+  cat "$lint_log"
+  rm -f "$lint_log"
+}
+
 # Two passes over the tests that marker expression $1 selects ("" for all; the rest of the
 # arguments go to pytest): all but those marked `alone` on the workers, then those in one process
 # with nothing beside them (their assertions are about how their own load spreads; a neighbour's
@@ -45,6 +56,7 @@ run_passes() {
   shift
   .venv/bin/python -m pytest -n "$WORKERS" --dist loadfile --no-loadscope-reorder -q -ra --durations=15 \
     -m "${only}not alone" "$@" || shared=$?
+  finish_lint
   .venv/bin/python -m pytest -q -ra --durations=5 -m "${only}alone" "$@" || alone=$?
   if [ "$shared" -eq 5 ] && [ "$alone" -eq 5 ]; then
     echo "test.sh: pytest collected no tests; that is a failure" >&2
@@ -69,8 +81,16 @@ started=$SECONDS
 set_up
 compile_sources
 echo "test.sh: set-up done in $((SECONDS - started)) s"
-bash scripts/lint.sh
+# The code checks run beside the tests' shared pass, their report printed when both are done: the pass
+# leaves a core idle about a seventh of its time (services waiting on each other), mypy on a clean clone
+# is 40 CPU-s, and run first it held the whole run up by that long.
+# The `alone` pass starts after them.
+lint_log=$(mktemp -t specd-lint.XXXXXX)
+bash scripts/lint.sh >"$lint_log" 2>&1 &
+lint_pid=$!
 status=0
 run_passes "" "$@" || status=$?
+finish_lint
+[ "$status" -ne 0 ] || status=$lint_status
 echo "test.sh: done in $((SECONDS - started)) s"
 exit "$status"

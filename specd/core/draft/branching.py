@@ -58,6 +58,7 @@ import torch
 from torch import Tensor
 
 from specd.core.rounds.steps import Branch, Branches
+from specd.core.sampling.block_topk import block_topk
 from specd.core.sampling.greedy import scaled_logsumexp
 from specd.core.sampling.proposal import Proposal
 
@@ -82,7 +83,7 @@ def top_ranking(probs: Tensor, pending: Sequence[int], width: int) -> Ranking:
     """[K+1, V] distributions -> their `width` likeliest tokens per row, and the pending tokens' own mass."""
     k = len(pending)
     assert probs.dim() == 2 and probs.shape[0] == k + 1, f"probs must be [K+1, V] for K={k}, got {tuple(probs.shape)}"
-    top_p, top_i = torch.topk(probs.float(), min(width, int(probs.shape[1])), dim=-1)  # [K+1, W] each
+    top_p, top_i = block_topk(probs.float(), min(width, int(probs.shape[1])))  # [K+1, W] each
     own = probs[torch.arange(k), torch.tensor(list(pending), dtype=torch.int64)].tolist() if k else []
     return Ranking(top_i, top_p, tuple(float(x) for x in own))
 
@@ -167,12 +168,12 @@ def calibrated_greedy(
     pending tokens' own probabilities reaches the mean measured acceptance (the
     fit normalises over each row's 64 largest logits, the result over the whole
     row); a_i = sqrt(acceptance_i x own_i). None: a row cannot be sampled (a NaN or +inf, or no finite
-    logit: the top-k's first value is not finite, as torch.topk ranks NaN first).
+    logit: the top-k's first value is not finite, as the top-k ranks NaN first).
     """
     k = len(pending)
     assert logits.dim() == 2 and logits.shape[0] == k + 1 and k >= 1, f"logits must be [K+1, V], K={k}"
     x = logits.float()
-    top, ids = torch.topk(x, min(max(width, _FIT_WIDTH), int(x.shape[1])), dim=-1)  # [K+1, W'] each
+    top, ids = block_topk(x, min(max(width, _FIT_WIDTH), int(x.shape[1])))  # [K+1, W'] each
     if not bool(top[:, 0].isfinite().all()):
         return None
     mine = x[torch.arange(k), torch.tensor(list(pending), dtype=torch.int64)]  # [K]

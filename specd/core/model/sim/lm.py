@@ -73,7 +73,16 @@ def _mix_int(z: int) -> int:
 
 def splitmix_uniforms(h: np.ndarray, count: int) -> np.ndarray:
     """[R] uint64 states -> [R, count] float64 uniforms in (0, 1), slot j = mix(h ^ (j + 1) * 3G)."""
-    slots = np.array([(j + 1) * 3 * _G & _MASK for j in range(count)], dtype=np.uint64)
+    return _uniforms(h, _slots(count))
+
+
+def _slots(count: int) -> np.ndarray:
+    """[count] uint64: splitmix_uniforms' slot salts (j + 1) * 3G."""
+    return np.array([(j + 1) * 3 * _G & _MASK for j in range(count)], dtype=np.uint64)
+
+
+def _uniforms(h: np.ndarray, slots: np.ndarray) -> np.ndarray:
+    """splitmix_uniforms with the slot salts [count] given."""
     bits = mix64(h[:, None] ^ slots[None, :])
     return ((bits >> np.uint64(11)).astype(np.float64) + 0.5) * (1.0 / (1 << 53))
 
@@ -134,42 +143,62 @@ class SimLM:
         self.head_base = torch.from_numpy(
             (-shape.zipf * np.log1p(np.arange(M, dtype=np.float64))).astype(np.float32)
         )  # [M]
+        self._slots = _slots(M + 2)  # the uniforms' salts: offset, beta, then one per head token
 
     # ---- the function --------------------------------------------------------
 
     def context_hashes(self, contexts: Sequence[Sequence[int]], role: int) -> np.ndarray:
         """[R] uint64: hash of (seed, role, the last context_tokens ids) of each context."""
+        return self._hashes(self._last_ids(contexts), (role,))
+
+    def _last_ids(self, contexts: Sequence[Sequence[int]]) -> np.ndarray:
+        """[R, n] uint64: the last n = context_tokens ids of each context, right-aligned, _MISSING where it is shorter."""
         n = self.shape.context_tokens
         pad = [_MISSING] * n
-        # [R, n]: the last n ids of each context, right-aligned, _MISSING where it is shorter.
-        last = np.array([(pad + [int(t) for t in ctx[-n:]])[-n:] for ctx in contexts], dtype=np.uint64)
-        h = np.full(len(contexts), _mix_int(self.shape.seed + role * _G), dtype=np.uint64)
-        for j in range(n):
-            h = mix64(h ^ (last[:, j] + np.uint64((j + 1) * _G & _MASK)))
+        return np.array([(pad + [int(t) for t in ctx[-n:]])[-n:] for ctx in contexts], dtype=np.uint64)
+
+    def _hashes(self, last: np.ndarray, roles: Sequence[int]) -> np.ndarray:
+        """[G R] uint64: context_hashes of the rows of `last` [R, n] for each of G roles, role by role (one chain
+        of array passes for all: a round's few rows took ~8 us per pass and role)."""
+        starts = [_mix_int(self.shape.seed + role * _G) for role in roles]  # G chain starts
+        if len(roles) == 1:
+            h, rows = np.full(last.shape[0], starts[0], dtype=np.uint64), last  # [R], [R, n]
+        else:
+            h, rows = np.repeat(np.array(starts, dtype=np.uint64), last.shape[0]), np.tile(last, (len(roles), 1))
+        for j in range(last.shape[1]):
+            h = mix64(h ^ (rows[:, j] + np.uint64((j + 1) * _G & _MASK)))
         return h
 
     def components(self, contexts: Sequence[Sequence[int]], role: int) -> tuple[Tensor, Tensor, Tensor]:
         """(beta [R] float32, head ids [R, M] int64, head logits before beta [R, M] float32) of one role."""
-        V, M = self.shape.vocab_size, self.shape.head
-        u = splitmix_uniforms(self.context_hashes(contexts, role), M + 2)  # [R, M + 2] float64
-        offset = np.floor(u[:, 0] * V).astype(np.int64)  # [R]
-        z = math.sqrt(2.0) * torch.erfinv(torch.from_numpy(2.0 * u[:, 1] - 1.0))  # [R] standard normal
-        beta = (self.shape.sharpness * torch.exp(self.shape.sharpness_spread * z)).float()  # [R]
-        gumbel = torch.from_numpy(-np.log(-np.log(u[:, 2:])) - _EULER_GAMMA).float()  # [R, M]
-        head = self.head_base[None, :] + self.shape.noise * gumbel  # [R, M]
-        ids = (torch.from_numpy(offset)[:, None] + self.offsets[None, :]) % V  # [R, M]
-        return beta, ids, head
+        return self._components(self._last_ids(contexts), (role,))[0]
+
+    def _components(self, last: np.ndarray, roles: Sequence[int]) -> list[tuple[Tensor, Tensor, Tensor]]:
+        """components of each role for the contexts' last ids [R, n], worked out for all roles in one pass
+        (each number is elementwise in its row and role: the same as one role at a time)."""
+        V, R = self.shape.vocab_size, last.shape[0]
+        u = _uniforms(self._hashes(last, roles), self._slots)  # [G R, head + 2]
+        offset = np.floor(u[:, 0] * V).astype(np.int64)  # [G R]
+        z = math.sqrt(2.0) * torch.erfinv(torch.from_numpy(2.0 * u[:, 1] - 1.0))  # [G R] standard normal
+        beta = (self.shape.sharpness * torch.exp(self.shape.sharpness_spread * z)).float()  # [G R]
+        gumbel = torch.from_numpy(-np.log(-np.log(u[:, 2:])) - _EULER_GAMMA).float()  # [G R, M]
+        head = self.head_base[None, :] + self.shape.noise * gumbel  # [G R, M]
+        ids = (torch.from_numpy(offset)[:, None] + self.offsets[None, :]) % V  # [G R, M]
+        return [
+            (beta[g * R : (g + 1) * R], ids[g * R : (g + 1) * R], head[g * R : (g + 1) * R]) for g in range(len(roles))
+        ]
 
     def logits(self, contexts: Sequence[Sequence[int]]) -> Tensor:
         """[R, V] float32: row r is the next-token logits after contexts[r]."""
         if not contexts:
             return torch.empty(0, self.vocab_size)
-        beta_p, ids_p, head_p = self.components(contexts, TARGET_ROLE)
+        last = self._last_ids(contexts)  # [R, n]
         if self.agreement is None or self.agreement == 1.0:
+            ((beta_p, ids_p, head_p),) = self._components(last, (TARGET_ROLE,))
             out = beta_p[:, None] * self.background[None, :]  # [R, V]
             return out.scatter_(1, ids_p, beta_p[:, None] * head_p)
         a = self.agreement
-        beta_r, ids_r, head_r = self.components(contexts, DRAFT_NOISE_ROLE)
+        (beta_p, ids_p, head_p), (beta_r, ids_r, head_r) = self._components(last, (TARGET_ROLE, DRAFT_NOISE_ROLE))
         cp, cr = a * beta_p, (1.0 - a) * beta_r  # [R] weights of the two components
         out = (cp + cr)[:, None] * self.background[None, :]  # [R, V]: both share the background
         # Replace each component's background by its head (ids distinct within a component;

@@ -158,6 +158,20 @@ def test_draft_agreement_one_is_the_target():
     assert torch.equal(lm.logits(contexts), q.logits(contexts))
 
 
+def test_a_draft_pass_works_both_roles_out_at_once_bit_for_bit():
+    """The draft's logits take both roles' components in one pass: each row and role as it is alone."""
+    lm = SimLM(SMALL, 0.6)
+    rng = random.Random(3)
+    contexts = [[rng.randrange(1000) for _ in range(n)] for n in (0, 1, 2, 3, 7)]
+    together = lm._components(lm._last_ids(contexts), (TARGET_ROLE, DRAFT_NOISE_ROLE))
+    for role, parts in zip((TARGET_ROLE, DRAFT_NOISE_ROLE), together):
+        for r, ctx in enumerate(contexts):
+            alone = lm.components([ctx], role)
+            assert all(torch.equal(a[0], b[r]) for a, b in zip(alone, parts)), (role, ctx)
+    rows = lm.logits(contexts)
+    assert all(torch.equal(lm.logits([ctx])[0], rows[r]) for r, ctx in enumerate(contexts))
+
+
 # ---- the cost model and the timing it asks for ---------------------------------------------------------
 
 

@@ -35,6 +35,7 @@ import torch
 from torch import Tensor
 
 from specd.core.errors import Internal, InvalidArgument, SpecdError
+from specd.core.sampling.filter_mask import kept_mask
 
 __all__ = [
     "MAX_TEMPERATURE",
@@ -279,7 +280,9 @@ def processed_probs(logits: Tensor, params: Sequence[SamplingParams], *, checked
     Order: temperature -> softmax (float32) -> top-k -> top-p -> min-p ->
     renormalise. top-p keeps the smallest set of most likely tokens whose
     mass (after top-k) is >= top_p, always the top token; min-p keeps
-    p >= min_p * max p. Ties in rank go to the lower token id.
+    p >= min_p * max p. Ties in rank go to the lower token id. The kept set
+    comes from a row's first ranks where they decide it, else from a sort of
+    the whole row (specd.core.sampling.filter_mask).
     Temperature 0 (or below TEMPERATURE_FLOOR): one-hot at argmax of the
     float32 logits (lowest id on ties).
 
@@ -309,26 +312,19 @@ def processed_probs(logits: Tensor, params: Sequence[SamplingParams], *, checked
     # filter path. A row's numbers therefore never depend on its batch-mates.
     filtered = [0 < sp.top_k < V or sp.top_p < 1.0 or sp.min_p > 0.0 for sp in params]
     if any(filtered):
-        top_k = torch.tensor([sp.top_k if 0 < sp.top_k < V else V for sp in params], device=dev)  # [B]
-        top_p = torch.tensor([sp.top_p for sp in params], dtype=torch.float64, device=dev)  # [B]
-        min_p = torch.tensor([sp.min_p for sp in params], dtype=torch.float32, device=dev)  # [B]
-        # Rank tokens, most likely first; stable => ties keep the lower id first.
-        s, order = torch.sort(probs, dim=-1, descending=True, stable=True)  # [B, N, V] each
-        rank = torch.arange(V, device=dev)  # [V]
-        # top-k: keep ranks < k.
-        keep = (rank[None, None, :] < top_k[:, None, None]).expand(B, N, V).clone()  # [B, N, V]
-        s = s * keep
-        s = s / s.sum(-1, keepdim=True)  # renormalised after top-k (float32)
-        # top-p: keep rank r iff the mass strictly before r is < top_p (float64 cumsum).
-        s64 = s.to(torch.float64)
-        before = torch.cumsum(s64, dim=-1) - s64  # [B, N, V] exclusive cumsum
-        keep &= (before < top_p[:, None, None]) | (top_p[:, None, None] >= 1.0)
-        # min-p: keep p >= min_p * max p (s[..., 0] is the max).
-        keep &= s >= min_p[:, None, None] * s[..., :1]
-        mask = torch.zeros_like(keep).scatter_(-1, order, keep)  # back to token order
-        kept = probs * mask
-        kept = kept / kept.sum(-1, keepdim=True)
-        probs = torch.where(torch.tensor(filtered, device=dev)[:, None, None], kept, probs)
+        rows = [b for b, f in enumerate(filtered) if f]  # B' filtered rows, each [N, V]
+        top_k = torch.tensor([params[b].top_k if 0 < params[b].top_k < V else V for b in rows], device=dev)  # [B']
+        top_p = torch.tensor([params[b].top_p for b in rows], dtype=torch.float64, device=dev)  # [B']
+        min_p = torch.tensor([params[b].min_p for b in rows], dtype=torch.float32, device=dev)  # [B']
+        every = len(rows) == B  # the usual batch: one request's rows, or every request filtered alike
+        chosen = probs if every else probs[rows]  # [B', N, V]
+        mask = kept_mask(  # [B' N, V]: each position's row under its request's filters
+            chosen.reshape(-1, V), top_k.repeat_interleave(N), top_p.repeat_interleave(N), min_p.repeat_interleave(N)
+        ).reshape(len(rows), N, V)
+        kept = chosen.mul_(mask) if every else chosen * mask  # probs is this function's own tensor
+        kept.div_(kept.sum(-1, keepdim=True))
+        if not every:
+            probs[rows] = kept
 
     if bool(greedy.any()):
         one_hot = torch.zeros_like(probs).scatter_(-1, x.argmax(-1, keepdim=True), 1.0)  # [B, N, V]

@@ -115,6 +115,7 @@ async def run_streams(
     pipeline: str = "off",
     speculation: str = "fixed",
     request_tokens: int = 0,
+    top_p: float = 1.0,
 ) -> None:
     """Each stream generates `tokens` tokens: one request, or requests of `request_tokens` one after another."""
 
@@ -127,6 +128,7 @@ async def run_streams(
                     f"stream {i}, request {n}: the quick brown fox",
                     max_new_tokens=size,
                     temperature=t,
+                    top_p=top_p,
                     seed=None if speculation == "auto" else i,  # a seeded request pins auto's K (reproducible)
                     ignore_eos=True,
                     speculation=speculation if k else "off",
@@ -220,7 +222,7 @@ async def measure(args: argparse.Namespace) -> list[dict[str, object]]:
         async with grpc.aio.insecure_channel(f"127.0.0.1:{handle.port}") as channel:
             stub = coordinator_pb2_grpc.CoordinatorStub(channel)
             await run_streams(
-                stub, 1, 16, args.draft_length, args.temperature, args.pipeline, args.speculation
+                stub, 1, 16, args.draft_length, args.temperature, args.pipeline, args.speculation, top_p=args.top_p
             )  # warm-up
             for streams in args.streams:
                 tokens = max(8, args.rounds * max(1, args.draft_length) // streams)
@@ -240,6 +242,7 @@ async def measure(args: argparse.Namespace) -> list[dict[str, object]]:
                         args.pipeline,
                         args.speculation,
                         args.request_tokens,
+                        args.top_p,
                     )
                 cpu, wall = time.thread_time() - cpu0, time.perf_counter() - wall0
                 if profiler is not None:
@@ -260,7 +263,7 @@ async def measure(args: argparse.Namespace) -> list[dict[str, object]]:
                     }
                 )
                 print(
-                    f"\n{args.target} K={args.draft_length} pipeline {args.pipeline} T={args.temperature} streams={streams} "
+                    f"\n{args.target} K={args.draft_length} pipeline {args.pipeline} T={args.temperature}{f' top-p {args.top_p}' if args.top_p < 1 else ''} streams={streams} "
                     f"event loop {args.event_loop}, GIL switch {args.gil_switch_ms} ms: "
                     f"{len(records)} rounds ({out[-1]['pipeline_hits']} pipeline hits, {out[-1]['staged']} staged), "
                     f"coordinator event-loop CPU {out[-1]['loop_cpu_ms_per_round']:.3f} ms per round, "
@@ -301,6 +304,7 @@ def parse_arguments(argv: list[str] | None = None) -> argparse.Namespace:
         "--request-tokens", type=int, default=0, help="each stream's requests' length (0: one request per stream)"
     )
     parser.add_argument("--temperature", type=float, default=0.0)
+    parser.add_argument("--top-p", type=float, default=1.0, help="the requests' top-p (1: off)")
     parser.add_argument(
         "--pipeline", default="off", help="the requests' pipeline: off, bonus-match, post-verify, spec-cache, auto"
     )

@@ -63,10 +63,12 @@ def _kept_in_first(probs: Tensor, top_k: Tensor, top_p: Tensor, min_p: Tensor, w
     R, V = probs.shape
     vals, ids = torch.topk(probs, w + 1, dim=-1)  # [R, w + 1] largest first; ties in no set order
     cut = vals[:, w]  # [R] the first value left out
-    by_id = ids[:, :w].argsort(dim=-1)  # [R, w]: the candidates by id, then stably by value below
-    ids, vals = ids[:, :w].gather(1, by_id), vals[:, :w].gather(1, by_id)
-    order = torch.sort(vals, dim=-1, descending=True, stable=True).indices
-    s, ranked = vals.gather(1, order), ids.gather(1, order)  # [R, w] the stable ranking's first w ranks
+    s, ranked = vals[:, :w], ids[:, :w]  # [R, w]
+    if not bool((s[:, 1:] < s[:, :-1]).all()):  # equal values among them: order those by id
+        by_id = ranked.argsort(dim=-1)  # the candidates by id, then stably by value
+        ranked, s = ranked.gather(1, by_id), s.gather(1, by_id)
+        order = torch.sort(s, dim=-1, descending=True, stable=True).indices
+        s, ranked = s.gather(1, order), ranked.gather(1, order)  # the stable ranking's first w ranks
     certain = (s > cut[:, None]).sum(-1)  # [R] ranks before any value tied with the one left out
 
     rank = torch.arange(w, device=probs.device)

@@ -12,7 +12,7 @@ from specd.core.sampling.filter_mask import kept_mask
 
 
 def _rows(V: int) -> torch.Tensor:
-    """Rows that the first 256 ranks decide, that need 4,096, and that neither does (flat ones, ties)."""
+    """Rows that the first 32 or 256 ranks decide, that need 4,096, and that none does (flat ones, ties)."""
     g = torch.Generator().manual_seed(V)
     peaked = torch.randn(6, V, generator=g) * 8.0
     wide = torch.randn(6, V, generator=g) * 2.5  # top-p 0.8 reads hundreds of ranks
@@ -67,8 +67,8 @@ def test_rows_with_their_own_settings_and_each_way_of_deciding(monkeypatch: pyte
     monkeypatch.setattr(filter_mask, "_kept_in_first", counted)
     got = kept_mask(probs, k, p, m)
     assert torch.equal(got, filter_mask._kept_by_sort(probs, k, p, m))
-    assert [w for w, _ in widths] == [256, 4096]
-    assert all(n > 0 for _, n in widths) and sum(n for _, n in widths) < R  # each tier decided some, the sort the rest
+    assert [w for w, _ in widths] == [32, 256, 4096]
+    assert all(n > 0 for _, n in widths) and sum(n for _, n in widths) < R  # each width decided some, the sort the rest
 
 
 def test_a_nan_row_is_left_to_the_whole_sort() -> None:

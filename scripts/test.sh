@@ -52,7 +52,7 @@ finish_lint() {
 # with nothing beside them (their assertions are about how their own load spreads; a neighbour's
 # load on the same two cores skews that). One pass may select nothing, not both.
 run_passes() {
-  local only=${1:+($1) and } shared=0 alone=0
+  local only=${1:+($1) and } shared=0 alone=0 pass
   shift
   .venv/bin/python -m pytest -n "$WORKERS" --dist loadfile --no-loadscope-reorder -q -ra --durations=15 \
     -m "${only}not alone" "$@" || shared=$?
@@ -62,8 +62,8 @@ run_passes() {
     echo "test.sh: pytest collected no tests; that is a failure" >&2
     return 1
   fi
-  for status in "$shared" "$alone"; do
-    if [ "$status" -ne 0 ] && [ "$status" -ne 5 ]; then return "$status"; fi
+  for pass in "$shared" "$alone"; do
+    if [ "$pass" -ne 0 ] && [ "$pass" -ne 5 ]; then return "$pass"; fi
   done
 }
 
@@ -88,6 +88,7 @@ echo "test.sh: set-up done in $((SECONDS - started)) s"
 lint_log=$(mktemp -t specd-lint.XXXXXX)
 bash scripts/lint.sh >"$lint_log" 2>&1 &
 lint_pid=$!
+trap '[ -z "$lint_pid" ] || kill "$lint_pid" 2>/dev/null; rm -f "$lint_log"' EXIT  # an interrupted run leaves no lint behind
 status=0
 run_passes "" "$@" || status=$?
 finish_lint

@@ -71,40 +71,31 @@ def _kept_in_first(probs: Tensor, top_k: Tensor, top_p: Tensor, min_p: Tensor, w
         order = torch.sort(s, dim=-1, descending=True, stable=True).indices
         s, ranked = s.gather(1, order), ranked.gather(1, order)  # the stable ranking's first w ranks
     certain = (s > cut[:, None]).sum(-1)  # [R] ranks before any value tied with the one left out
-
-    rank = torch.arange(w, device=probs.device)
-    keep = rank[None, :] < top_k[:, None]  # [R, w]
-    topped = top_k < V  # [R] a top-k is on: its sum is of the first top_k ranks
-    s = s / _mass(probs, s, keep, topped)[:, None]  # renormalised after top-k (float32)
-    s64 = s.to(torch.float64)
-    before = torch.cumsum(s64, dim=-1) - s64  # [R, w] mass strictly before each rank
-    keep &= (before < top_p[:, None]) | (top_p[:, None] >= 1.0)
-    keep &= s >= min_p[:, None] * s[:, :1]
+    keep = _kept_ranks(probs, s, top_k, top_p, min_p)  # [R, w]
     kept = keep.sum(-1)  # [R] L: a prefix (every rule keeps one)
-    decided = (kept >= 1) & (kept < w) & (kept <= certain) & (~topped | (top_k <= w))
+    decided = (kept >= 1) & (kept < w) & (kept <= certain) & ((top_k >= V) | (top_k <= w))
     mask = torch.zeros(R, V, dtype=torch.bool, device=probs.device).scatter_(1, ranked, keep & decided[:, None])
     return decided, mask
 
 
 def _kept_by_sort(probs: Tensor, top_k: Tensor, top_p: Tensor, min_p: Tensor) -> Tensor:
     """kept_mask by a stable sort of the whole rows."""
-    V = probs.shape[-1]
     s, order = torch.sort(probs, dim=-1, descending=True, stable=True)  # [R, V] each
-    rank = torch.arange(V, device=probs.device)
-    keep = rank[None, :] < top_k[:, None]  # [R, V]
-    topped = top_k < V
-    s = s / _mass(probs, s, keep, topped)[:, None]
-    s64 = s.to(torch.float64)
-    before = torch.cumsum(s64, dim=-1) - s64
-    keep &= (before < top_p[:, None]) | (top_p[:, None] >= 1.0)
-    keep &= s >= min_p[:, None] * s[:, :1]
+    keep = _kept_ranks(probs, s, top_k, top_p, min_p)
     return torch.zeros_like(keep).scatter_(-1, order, keep)
 
 
-def _mass(probs: Tensor, ranked: Tensor, keep: Tensor, topped: Tensor) -> Tensor:
-    """[R] float32: what a row renormalises by after top-k: its kept ranks' sum where a top-k is on, else its
-    whole sum; summed in float64, so the two ways (a prefix of the ranks, or all V of them) agree."""
-    whole = probs.sum(-1, dtype=torch.float64)  # [R]
-    if not bool(topped.any()):
-        return whole.float()
-    return torch.where(topped, (ranked.to(torch.float64) * keep).sum(-1), whole).float()
+def _kept_ranks(probs: Tensor, s: Tensor, top_k: Tensor, top_p: Tensor, min_p: Tensor) -> Tensor:
+    """[R, w] bool: the rule (module docstring) over each row's first w ranks s [R, w] (largest first) of probs [R, V]."""
+    V = probs.shape[-1]
+    keep = torch.arange(s.shape[-1], device=s.device)[None, :] < top_k[:, None]  # [R, w] top-k
+    topped = top_k < V  # [R] a top-k is on: the renormalising sum is its ranks'
+    # The renormalising sum in float64, so a prefix of the ranks and all V of them give the same one.
+    mass = probs.sum(-1, dtype=torch.float64)  # [R] the whole row's
+    if bool(topped.any()):
+        mass = torch.where(topped, (s.to(torch.float64) * keep).sum(-1), mass)
+    s = s / mass.float()[:, None]  # renormalised after top-k (float32)
+    s64 = s.to(torch.float64)
+    before = torch.cumsum(s64, dim=-1) - s64  # [R, w] mass strictly before each rank
+    keep &= (before < top_p[:, None]) | (top_p[:, None] >= 1.0)
+    return keep & (s >= min_p[:, None] * s[:, :1])

@@ -199,13 +199,7 @@ def host_coins(seeds: np.ndarray, positions: np.ndarray, role: Role) -> np.ndarr
     if positions.size <= _SCALAR_COINS:
         u = coin_values(seeds.tolist(), positions.tolist(), role)
         return np.asarray(u, dtype=np.float64).reshape(positions.shape)
-    # numpy uint64 arithmetic wraps modulo 2**64 by definition; torch has no portable wrapping uint64.
-    s = seeds.astype(np.int64).view(np.uint64)[:, None]  # [B, 1]
-    p = positions.astype(np.int64).view(np.uint64)  # [B, N]
-    with np.errstate(over="ignore"):
-        h = _mix64(s + _GOLDEN)
-        h = _mix64(h ^ (p + _GOLDEN * np.uint64(2)))
-        h = _mix64(h ^ (np.uint64(int(role)) * _GOLDEN * np.uint64(3)))
+    h = coin_states(np.asarray(seeds)[:, None], positions, role)  # [B, N]
     return (h >> np.uint64(11)).astype(np.float64) * (1.0 / (1 << 53))  # top 53 bits -> [0, 1)
 
 
@@ -247,7 +241,9 @@ def token_coins(seed: int, position: int, role: Role, ids: np.ndarray) -> np.nda
 
 
 def coin_states(seeds: np.ndarray, positions: np.ndarray, role: Role) -> np.ndarray:
-    """The (seed, position, role) coins' 64-bit states for token_coins_at: seeds, positions [B] int64 -> [B] uint64."""
+    """The (seed, position, role) coins' 64-bit states (host_coins, token_coins_at): int64 seeds and positions
+    of shapes that broadcast ([B] and [B], or [B, 1] and [B, N]) -> uint64 of their broadcast shape."""
+    # numpy uint64 arithmetic wraps modulo 2**64 by definition; torch has no portable wrapping uint64.
     s = np.asarray(seeds, dtype=np.int64).view(np.uint64)
     p = np.asarray(positions, dtype=np.int64).view(np.uint64)
     with np.errstate(over="ignore"):

@@ -3,7 +3,10 @@
 The draft and target cores record where a step's time went; the servicers
 turn the record into child spans of the message's span (with the recorded
 start and end times, so the spans show the real sequence) without the core
-knowing about tracing. In a batched step the forward and sampling phases
+knowing about tracing. Phase times are on the monotonic clock (perf_counter_ns):
+a step's compute time is compared with the service's batch window on that
+clock, and a wall clock stepped or slewed mid-step would make one longer than
+the other; a log converts them to epoch times for spans (epoch_ns). In a batched step the forward and sampling phases
 are shared by every session of the batch: each session's record holds the
 same interval, and `batch_size` says how many shared it.
 """
@@ -25,12 +28,17 @@ ROLLBACK = "rollback"  # cut rejected drafts from the session, commit the verdic
 @dataclass(frozen=True)
 class Phase:
     name: str
-    start_ns: int  # time.time_ns() (wall clock: spans need epoch times)
+    start_ns: int  # time.perf_counter_ns() (monotonic; PhaseLog.epoch_ns gives the span time)
     end_ns: int
 
     @property
     def ms(self) -> float:
         return (self.end_ns - self.start_ns) / 1e6
+
+
+def _epoch_offset_ns() -> int:
+    """Wall clock minus the monotonic clock, now: adds to a perf_counter_ns() time to give epoch ns."""
+    return time.time_ns() - time.perf_counter_ns()
 
 
 @dataclass
@@ -40,17 +48,22 @@ class PhaseLog:
     phases: list[Phase] = field(default_factory=list)
     batch_size: int = 1  # sessions that shared the forward pass(es)
     batch_tokens: int = 0  # token positions the shared forward pass ran (all sessions; target only)
+    epoch_offset_ns: int = field(default_factory=_epoch_offset_ns)  # taken once per log: its spans keep their order
 
     @contextmanager
     def phase(self, name: str) -> Iterator[None]:
-        start = time.time_ns()
+        start = time.perf_counter_ns()
         try:
             yield
         finally:
-            self.add(name, start, time.time_ns())
+            self.add(name, start, time.perf_counter_ns())
 
     def add(self, name: str, start_ns: int, end_ns: int) -> None:
         self.phases.append(Phase(name, start_ns, end_ns))
+
+    def epoch_ns(self, perf_ns: int) -> int:
+        """A phase time as epoch nanoseconds (the spans' clock)."""
+        return perf_ns + self.epoch_offset_ns
 
     def total_ms(self, name: str) -> float:
         return sum(p.ms for p in self.phases if p.name == name)

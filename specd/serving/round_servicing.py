@@ -387,10 +387,10 @@ class BatchedRoundServicer(abc.ABC, Generic[Req, Resp, Work, Result]):
                 child = self.tracing.start_span(
                     self.span_prefix + p.name,
                     span,
-                    start_time=p.start_ns,
+                    start_time=phases.epoch_ns(p.start_ns),
                     attributes={trace_names.ATTR_PHASE_MS: round(phases.total_ms(p.name), 3)},
                 )
-                child.end(end_time=p.end_ns)
+                child.end(end_time=phases.epoch_ns(p.end_ns))
         trace_spans.end_message_span(span, attributes, error, answered_ns)
         if self.metrics is not None:
             self.metrics.observe_message(op, "ok" if error is None else error[0])

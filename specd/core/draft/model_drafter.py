@@ -395,7 +395,7 @@ class ModelDrafter(PooledModel[_ModelDraftSession]):
         Returns {request index: error} for the requests with a row that could not
         be sampled (non-finite numbers); the others are unaffected.
         """
-        t0 = time.time_ns()
+        t0 = time.perf_counter_ns()
         num_last = [1] * len(active) + [branched[i].request.pending + 1 for i, _ in parents]
 
         def beside() -> None:  # the step before's greedy confidences and q rows, while this step's pass runs
@@ -410,14 +410,14 @@ class ModelDrafter(PooledModel[_ModelDraftSession]):
                 s.rows.keep(len(s.kv.tokens), sampled[a], view=len(key) > 1)  # a branch's: a view (ranking_rows)
         for (i, s), logits in zip(parents, out[len(active) :]):  # [pending + 1, V]
             s.rows.keep_all(len(s.kv.tokens) - branched[i].request.pending, logits)
-        t1 = time.time_ns()
+        t1 = time.perf_counter_ns()
         failed = self._sample_step(active, sampled, drafted, due) if sampled is not None else {}
         for (i, s), logits in zip(parents, out[len(active) :]):  # logits [pending + 1, V]
             try:
                 self._choose_branches(i, s, logits, branched[i], drafted)
             except Exception as exc:  # noqa: BLE001 - this request's rows could not be ranked: it alone fails
                 failed[i] = exc
-        t2 = time.time_ns()
+        t2 = time.perf_counter_ns()
         for i in dict.fromkeys([key[0] for key, _ in active] + [i for i, _ in parents]):
             logs[i].add(ph.FORWARD, t0, t1)
             logs[i].add(ph.SAMPLING, t1, t2)

@@ -159,11 +159,11 @@ class Verifier(PooledModel[_TargetSession]):
             if caller_beside is not None:
                 caller_beside()
 
-        t0 = time.time_ns()
+        t0 = time.perf_counter_ns()
         logits = self.runner.logits_batch(  # B x [K_b+1, V]
             [s.kv for _, s in ready], [k + 1 for k in ks], beside=decode if undecoded or caller_beside else None
         )
-        t1 = time.time_ns()
+        t1 = time.perf_counter_ns()
         if all(s.params.is_greedy for _, s in ready):  # p one-hot: the verdict comes off the logits (greedy.py)
             for b, (lg, p) in enumerate(zip(logits, proposals)):
                 if b not in verdicts:
@@ -178,7 +178,7 @@ class Verifier(PooledModel[_TargetSession]):
             lengths = [requests[i].committed_length for i, _ in ready]
             rows = [b for b in range(len(ready)) if b not in verdicts]
             verdicts.update(self._sample(rows, logits, ready, proposals, lengths, ks))
-        t2 = time.time_ns()
+        t2 = time.perf_counter_ns()
         failed: dict[int, Exception] = {}
         for b, (i, s) in enumerate(ready):
             logs[i].add(ph.FORWARD, t0, t1)
@@ -285,9 +285,9 @@ class Verifier(PooledModel[_TargetSession]):
         """One tree forward over the group, the verdicts (greedy rows off the logits), then each commit."""
         ready = [(r.index, r.session) for r in part]
         trees = [requests[i].tree for i, _ in ready]
-        t0 = time.time_ns()
+        t0 = time.perf_counter_ns()
         results = self.runner.tree_logits_batch([s.kv for _, s in ready], trees)  # B x [N_b+1, V]
-        t1 = time.time_ns()
+        t1 = time.perf_counter_ns()
         verdicts: dict[int, TreeVerdict | Exception] = {}
         sampled = []
         for b, (res, (_, s)) in enumerate(zip(results, ready)):
@@ -297,7 +297,7 @@ class Verifier(PooledModel[_TargetSession]):
             else:
                 sampled.append(b)
         verdicts.update(self._tree_sample(sampled, results, ready, requests))
-        t2 = time.time_ns()
+        t2 = time.perf_counter_ns()
         failed: dict[int, Exception] = {}
         for b, (i, s) in enumerate(ready):
             logs[i].add(ph.FORWARD, t0, t1)

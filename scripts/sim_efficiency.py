@@ -17,13 +17,23 @@ temperature, and reports per cell:
   mode chosen again in every draw. At T > 0 the modes' texts differ (a pipeline uses the
   coins at other positions), so their acceptance differs by chance as well as by mode.
 
+The best of a dozen noisy modes is flattered by its own noise (the winner's
+curse): where its lead over auto is the luck of this run, the same mode run
+again falls back. --confirm-prompts N runs a second bench per profile and
+agreement, on other coins (--seed 1000) and N prompts: target-only, each
+temperature's best fixed mode from the grid, and auto, side by side; the
+cell's "confirmed" ratios (auto / that mode, auto / target-only, with their
+paired intervals) come from that run alone, whose mode was chosen before it
+ran.
+
 Every figure is emulated (the services, batching and sampler are real; the
 forward passes take the profile's modelled time).
 
     PYTHONPATH=$PWD .venv/bin/python scripts/sim_efficiency.py \\
         --profiles h100-tp2-70b,h100-8b --agreements 0,0.6,0.8,0.95 --temperatures 0,0.7 \\
         --draft-lengths 1,2,3,4,6 --pipelined-lengths 2,4 \\
-        --json docs/results/emulated/efficiency.json --markdown docs/results/emulated/efficiency.md
+        --json docs/results/emulated/efficiency.json --markdown docs/results/emulated/efficiency.md \\
+        [--confirm-prompts 16]
 """
 
 from __future__ import annotations
@@ -42,9 +52,21 @@ from measure_args import floats, ints, names
 from specd.tools.bench.stats import paired_ratio_interval
 
 
-def bench(profile: str, agreement: float, args: argparse.Namespace, out: Path) -> list[dict[str, Any]]:
-    pipelined = [f"{m}-{k}" for m in ("pipelined", "postverify", "speccache") for k in args.pipelined_lengths]
-    modes = ["target-only", *(f"fixed-{k}" for k in args.draft_lengths), *pipelined, *args.extra_modes, "auto"]
+def bench(
+    profile: str,
+    agreement: float,
+    args: argparse.Namespace,
+    out: Path,
+    *,
+    modes: list[str] | None = None,
+    prompts: int | None = None,
+    seed: int = 0,
+) -> list[dict[str, Any]]:
+    """One `specd bench --sim` run of the grid's modes (or `modes`) for a profile and agreement; its records."""
+    if modes is None:
+        pipelined = [f"{m}-{k}" for m in ("pipelined", "postverify", "speccache") for k in args.pipelined_lengths]
+        modes = ["target-only", *(f"fixed-{k}" for k in args.draft_lengths), *pipelined, *args.extra_modes, "auto"]
+    lengths = {*args.draft_lengths, *args.pipelined_lengths, *(_draft_length(m) for m in modes)} - {None}
     cmd = [
         sys.executable,
         "-m",
@@ -55,13 +77,15 @@ def bench(profile: str, agreement: float, args: argparse.Namespace, out: Path) -
         "--modes",
         ",".join(modes),
         "--draft-lengths",
-        ",".join(str(k) for k in sorted({*args.draft_lengths, *args.pipelined_lengths})),
+        ",".join(str(k) for k in sorted(lengths)),
         "--concurrency",
         str(args.concurrency),
         "--temperatures",
         args.temperatures,
         "--prompts",
-        str(args.prompts),
+        str(prompts or args.prompts),
+        "--seed",
+        str(seed),
         "--max-new-tokens",
         str(args.max_new_tokens),
         "--interleave",
@@ -73,6 +97,41 @@ def bench(profile: str, agreement: float, args: argparse.Namespace, out: Path) -
     print(f"sim_efficiency: {profile} agreement {agreement}: {' '.join(cmd[3:])}", flush=True)
     subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
     return json.loads(out.read_text())["records"]
+
+
+def _draft_length(mode: str) -> int | None:
+    """K of a chain mode's name (fixed-3, speccache-2): None for target-only, auto and trees."""
+    head, _, k = mode.rpartition("-")
+    return int(k) if head and not head.startswith("tree") and k.isdigit() else None
+
+
+def confirm(profile: str, agreement: float, rows: list[dict[str, Any]], args: argparse.Namespace, out: Path) -> None:
+    """Auto against each row's best fixed mode again, in a run of their own (other coins, more prompts).
+
+    Adds to each row: confirm_mode, confirm_auto_over_best (with _90), confirm_auto_over_target_only (_90).
+    """
+    best = sorted({r["best_fixed"] for r in rows})
+    records = bench(
+        profile, agreement, args, out, modes=["target-only", *best, "auto"], prompts=args.confirm_prompts, seed=1000
+    )
+    for row in rows:
+        by_mode = {r["mode"]: r for r in records if r["temperature"] == row["temperature"]}
+        requests = {m: _requests(r) for m, r in by_mode.items()}
+        mode, auto = row["best_fixed"], by_mode["auto"]["speedup"]
+        row.update(
+            confirm_mode=mode,
+            confirm_prompts=args.confirm_prompts,
+            confirm_best_speedup=by_mode[mode]["speedup"],
+            confirm_auto_speedup=auto,
+            confirm_auto_over_best=auto / by_mode[mode]["speedup"],
+            confirm_auto_over_best_90=paired_ratio_interval(requests, "auto", [mode]),
+            confirm_auto_over_target_only=auto,
+            confirm_auto_over_target_only_90=paired_ratio_interval(requests, "auto", ["target-only"]),
+        )
+        if row["temperature"] == 0:
+            row["greedy_differs"] = sorted(
+                {*row["greedy_differs"], *(m for m, r in by_mode.items() if r.get("greedy_identical") is False)}
+            )
 
 
 def summarise(profile: str, agreement: float, temperature: float, records: list[dict[str, Any]]) -> dict[str, Any]:
@@ -182,6 +241,25 @@ def markdown(rows: list[dict[str, Any]], args: argparse.Namespace, seconds: floa
                 else ""
             )
         )
+    confirmed = [r for r in rows if "confirm_mode" in r]
+    if confirmed:
+        out += [
+            "",
+            f"**Confirmed** in a run of their own per profile and agreement ({confirmed[0]['confirm_prompts']} prompts, "
+            "other coins: `--seed 1000`): target-only, each cell's best fixed mode from the table above (chosen "
+            "before this run, so its lead is not its own noise), and auto, side by side.",
+            "",
+            "| profile | agreement | T | best fixed (from the grid) | its speed-up | auto | auto / best fixed "
+            "| auto / target-only |",
+            "|---|---|---|---|---|---|---|---|",
+        ]
+        for r in confirmed:
+            out.append(
+                f"| {r['profile']} | {r['agreement']} | {r['temperature']:g} | `{r['confirm_mode']}` | "
+                f"{r['confirm_best_speedup']:.2f}x | {r['confirm_auto_speedup']:.2f}x | "
+                f"{r['confirm_auto_over_best']:.3f}{_interval(r['confirm_auto_over_best_90'])} | "
+                f"{r['confirm_auto_over_target_only']:.3f}{_interval(r['confirm_auto_over_target_only_90'])} |"
+            )
     greedy = [r for r in rows if r["temperature"] == 0]
     differs = [
         f"{r['profile']} {r['agreement']}: {', '.join(r['greedy_differs'])}" for r in greedy if r["greedy_differs"]
@@ -208,6 +286,12 @@ def main() -> None:
     ap.add_argument("--prompts", type=int, default=8)
     ap.add_argument("--max-new-tokens", type=int, default=64)
     ap.add_argument("--interleave", type=int, default=2)
+    ap.add_argument(
+        "--confirm-prompts",
+        type=int,
+        default=0,
+        help="run auto against each cell's best fixed mode again on N prompts and other coins (0: no)",
+    )
     ap.add_argument("--json", default="")
     ap.add_argument("--markdown", default="")
     args = ap.parse_args()
@@ -220,8 +304,11 @@ def main() -> None:
         for profile in names(args.profiles):
             for agreement in floats(args.agreements):
                 records = bench(profile, agreement, args, Path(tmp) / f"{profile}-{agreement}.json")
-                for temperature in floats(args.temperatures):
-                    rows.append(summarise(profile, agreement, temperature, records))
+                cell = [summarise(profile, agreement, t, records) for t in floats(args.temperatures)]
+                if args.confirm_prompts > 0:
+                    confirm(profile, agreement, cell, args, Path(tmp) / f"{profile}-{agreement}-confirm.json")
+                for row in cell:
+                    rows.append(row)
                     print(
                         json.dumps(
                             {
@@ -237,6 +324,9 @@ def main() -> None:
                                     "auto_over_best_fixed_90",
                                     "tree_over_best_chain",
                                     "tree_over_unpipelined_chain",
+                                    "confirm_auto_over_best",
+                                    "confirm_auto_over_best_90",
+                                    "confirm_auto_over_target_only",
                                 )
                                 if k in rows[-1]
                             }

@@ -72,7 +72,7 @@ def _head_tokens(
 
 
 def _run_distill(cfg: DistillConfig) -> dict[str, object]:
-    started = time.time()
+    started = time.monotonic()
     device = pick_device(cfg.device)
     out, work = Path(cfg.out), cfg.work
     work.mkdir(parents=True, exist_ok=True)
@@ -89,14 +89,14 @@ def _run_distill(cfg: DistillConfig) -> dict[str, object]:
     vocab_size = int(target.model.get_output_embeddings().weight.shape[0])
 
     # ---- 1. data ----
-    t_data = time.time()
+    t_data = time.monotonic()
     shards = build_data(cfg, target.model, tokenizer)
     records: list[dict] = []
     for s in shards:
         records += torch.load(s, weights_only=True)
     if not records:
         raise FailedPrecondition("no training data was produced")
-    data_seconds = time.time() - t_data
+    data_seconds = time.monotonic() - t_data
     rng = random.Random(cfg.seed)
     order = list(range(len(records)))
     rng.shuffle(order)
@@ -215,7 +215,7 @@ def _run_distill(cfg: DistillConfig) -> dict[str, object]:
         "history": history,
         "data_seconds": data_seconds,
         "train_seconds": trained_s,
-        "wall_seconds": time.time() - started,
+        "wall_seconds": time.monotonic() - started,
     }
     meta = {"specd_distill": 1, **target_fingerprint(tokenizer), "steps": step, "final": history[-1]}
     save_draft_folder(trainer, token_map, tokenizer, out, meta)

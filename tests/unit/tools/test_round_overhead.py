@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import importlib.util
 import time
 from pathlib import Path
@@ -48,3 +49,22 @@ def test_extra_request_cpu_spins_before_each_request_and_restores_it(
 def test_the_flag_reaches_the_arguments(overhead: ModuleType) -> None:
     assert overhead.parse_arguments([]).coordinator_extra_us == 0.0
     assert overhead.parse_arguments(["--coordinator-extra-us", "100"]).coordinator_extra_us == 100.0
+
+
+def test_every_request_of_a_fixed_mode_stream_has_its_own_seed(overhead: ModuleType) -> None:
+    """With one seed per stream, a stream's requests drew the same coins at the same positions and
+    (the emulated model reading only its last few tokens) converged to one text: a fixed mode at
+    T > 0 measured one short sample's acceptance over and over."""
+    sent: list[Any] = []
+
+    class Stub:
+        async def Generate(self, request: Any) -> None:
+            sent.append(request)
+
+    asyncio.run(overhead.run_streams(Stub(), 2, 48, 3, 0.7, request_tokens=16))  # type: ignore[arg-type]
+    assert len(sent) == 6
+    seeds = [r.sampling.seed for r in sent]
+    assert len(set(seeds)) == 6
+    sent.clear()
+    asyncio.run(overhead.run_streams(Stub(), 1, 32, 3, 0.7, speculation="auto", request_tokens=16))  # type: ignore[arg-type]
+    assert [r.sampling.HasField("seed") for r in sent] == [False, False]  # auto's: drawn by the coordinator

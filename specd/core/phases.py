@@ -3,12 +3,14 @@
 The draft and target cores record where a step's time went; the servicers
 turn the record into child spans of the message's span (with the recorded
 start and end times, so the spans show the real sequence) without the core
-knowing about tracing. Phase times are on the monotonic clock (perf_counter_ns):
-a step's compute time is compared with the service's batch window on that
-clock, and a wall clock stepped or slewed mid-step would make one longer than
-the other; a log converts them to epoch times for spans (epoch_ns). In a batched step the forward and sampling phases
+knowing about tracing. In a batched step the forward and sampling phases
 are shared by every session of the batch: each session's record holds the
 same interval, and `batch_size` says how many shared it.
+
+Phase times are on the monotonic clock (perf_counter_ns): a step's compute
+time is compared with the service's batch window on that clock (the hops of
+specd.core.transit), and a wall clock stepped mid-step made one longer than
+the other. A log converts its times to epoch times for the spans (epoch_ns).
 """
 
 from __future__ import annotations

@@ -3,27 +3,19 @@
 from __future__ import annotations
 
 import asyncio
-import importlib.util
 import time
-from pathlib import Path
 from types import ModuleType
 from typing import Any
 
 import pytest
 
 from coordinator.peers import PeerStream
-
-SCRIPTS = Path(__file__).resolve().parents[3] / "scripts"
+from tests.scripts import load_script
 
 
 @pytest.fixture
 def overhead(monkeypatch: pytest.MonkeyPatch) -> ModuleType:
-    monkeypatch.syspath_prepend(str(SCRIPTS))  # its sibling module measure_args
-    spec = importlib.util.spec_from_file_location("round_overhead", SCRIPTS / "round_overhead.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script("round_overhead", monkeypatch)
 
 
 def test_extra_request_cpu_spins_before_each_request_and_restores_it(

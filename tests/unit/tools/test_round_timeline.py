@@ -2,24 +2,18 @@
 
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
 from types import ModuleType
 
 import pytest
 
-SCRIPTS = Path(__file__).resolve().parents[3] / "scripts"
+from tests.scripts import load_script
+
 MS = 1_000_000  # ns
 
 
 @pytest.fixture
 def timeline(monkeypatch: pytest.MonkeyPatch) -> ModuleType:
-    monkeypatch.syspath_prepend(str(SCRIPTS))  # its sibling modules (round_overhead, measure_args)
-    spec = importlib.util.spec_from_file_location("round_timeline", SCRIPTS / "round_timeline.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script("round_timeline", monkeypatch)
 
 
 def cycle(start: int, key: int, prev: int, *, stage_at: int | None, verdict_at: int) -> list[tuple[int, str, int]]:

@@ -3,24 +3,18 @@
 from __future__ import annotations
 
 import argparse
-import importlib.util
 from pathlib import Path
 from types import ModuleType
 from typing import Any
 
 import pytest
 
-SCRIPTS = Path(__file__).resolve().parents[3] / "scripts"
+from tests.scripts import load_script
 
 
 @pytest.fixture
 def efficiency(monkeypatch: pytest.MonkeyPatch) -> ModuleType:
-    monkeypatch.syspath_prepend(str(SCRIPTS))  # its sibling module measure_args
-    spec = importlib.util.spec_from_file_location("sim_efficiency", SCRIPTS / "sim_efficiency.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script("sim_efficiency", monkeypatch)
 
 
 def record(mode: str, temperature: float, speedup: float, rates: list[float]) -> dict[str, Any]:

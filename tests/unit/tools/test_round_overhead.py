@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 
 from coordinator.peers import PeerStream
-from tests.scripts import load_script
+from tests.script_modules import load_script
 
 
 @pytest.fixture

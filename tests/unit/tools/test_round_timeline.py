@@ -6,7 +6,7 @@ from types import ModuleType
 
 import pytest
 
-from tests.scripts import load_script
+from tests.script_modules import load_script
 
 MS = 1_000_000  # ns
 

@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-from tests.scripts import load_script
+from tests.script_modules import load_script
 
 
 @pytest.fixture

@@ -44,23 +44,31 @@ def kept_mask(probs: Tensor, top_k: Tensor, top_p: Tensor, min_p: Tensor) -> Ten
     R, V = probs.shape
     if V < _MIN_VOCAB:
         return _kept_by_sort(probs, top_k, top_p, min_p)
+    mass = probs.sum(-1, dtype=torch.float64)  # [R] each whole row's, once for every width that reads it
     mask = torch.zeros(R, V, dtype=torch.bool, device=probs.device)
     rest = torch.arange(R, device=probs.device)  # rows not decided yet
     for w in _WIDTHS:  # ranks read; one more value tells whether a tie crosses the cut
         if (w + 1) * _MAX_SHARE > V or not len(rest):
             break
         whole = len(rest) == R  # the first width reads every row: no copy of them
-        rows = (probs, top_k, top_p, min_p) if whole else (probs[rest], top_k[rest], top_p[rest], min_p[rest])
+        rows = (
+            (probs, mass, top_k, top_p, min_p)
+            if whole
+            else (probs[rest], mass[rest], top_k[rest], top_p[rest], min_p[rest])
+        )
         decided, part = _kept_in_first(*rows, w)
         mask[rest[decided]] = part[decided]
         rest = rest[~decided]
     if len(rest):
-        mask[rest] = _kept_by_sort(probs[rest], top_k[rest], top_p[rest], min_p[rest])
+        mask[rest] = _kept_by_sort(probs[rest], top_k[rest], top_p[rest], min_p[rest], mass[rest])
     return mask
 
 
-def _kept_in_first(probs: Tensor, top_k: Tensor, top_p: Tensor, min_p: Tensor, w: int) -> tuple[Tensor, Tensor]:
-    """(decided [R] bool, mask [R, V] bool): kept_mask of the rows it decides from their first w < V ranks."""
+def _kept_in_first(
+    probs: Tensor, mass: Tensor, top_k: Tensor, top_p: Tensor, min_p: Tensor, w: int
+) -> tuple[Tensor, Tensor]:
+    """(decided [R] bool, mask [R, V] bool): kept_mask of the rows it decides from their first w < V ranks
+    (mass [R]: each whole row's float64 sum)."""
     R, V = probs.shape
     vals, ids = torch.topk(probs, w + 1, dim=-1)  # [R, w + 1] largest first; ties in no set order
     cut = vals[:, w]  # [R] the first value left out
@@ -71,27 +79,28 @@ def _kept_in_first(probs: Tensor, top_k: Tensor, top_p: Tensor, min_p: Tensor, w
         order = torch.sort(s, dim=-1, descending=True, stable=True).indices
         s, ranked = s.gather(1, order), ranked.gather(1, order)  # the stable ranking's first w ranks
     certain = (s > cut[:, None]).sum(-1)  # [R] ranks before any value tied with the one left out
-    keep = _kept_ranks(probs, s, top_k, top_p, min_p)  # [R, w]
+    keep = _kept_ranks(s, mass, V, top_k, top_p, min_p)  # [R, w]
     kept = keep.sum(-1)  # [R] L: a prefix (every rule keeps one)
     decided = (kept >= 1) & (kept < w) & (kept <= certain) & ((top_k >= V) | (top_k <= w))
     mask = torch.zeros(R, V, dtype=torch.bool, device=probs.device).scatter_(1, ranked, keep & decided[:, None])
     return decided, mask
 
 
-def _kept_by_sort(probs: Tensor, top_k: Tensor, top_p: Tensor, min_p: Tensor) -> Tensor:
-    """kept_mask by a stable sort of the whole rows."""
+def _kept_by_sort(probs: Tensor, top_k: Tensor, top_p: Tensor, min_p: Tensor, mass: Tensor | None = None) -> Tensor:
+    """kept_mask by a stable sort of the whole rows (mass [R]: each row's float64 sum, if worked out already)."""
+    if mass is None:
+        mass = probs.sum(-1, dtype=torch.float64)
     s, order = torch.sort(probs, dim=-1, descending=True, stable=True)  # [R, V] each
-    keep = _kept_ranks(probs, s, top_k, top_p, min_p)
+    keep = _kept_ranks(s, mass, probs.shape[-1], top_k, top_p, min_p)
     return torch.zeros_like(keep).scatter_(-1, order, keep)
 
 
-def _kept_ranks(probs: Tensor, s: Tensor, top_k: Tensor, top_p: Tensor, min_p: Tensor) -> Tensor:
-    """[R, w] bool: the rule (module docstring) over each row's first w ranks s [R, w] (largest first) of probs [R, V]."""
-    V = probs.shape[-1]
+def _kept_ranks(s: Tensor, mass: Tensor, V: int, top_k: Tensor, top_p: Tensor, min_p: Tensor) -> Tensor:
+    """[R, w] bool: the rule (module docstring) over each row's first w ranks s [R, w] (largest first) of a
+    row of V probabilities whose whole float64 sum is mass [R]."""
     keep = torch.arange(s.shape[-1], device=s.device)[None, :] < top_k[:, None]  # [R, w] top-k
     topped = top_k < V  # [R] a top-k is on: the renormalising sum is its ranks'
     # The renormalising sum in float64, so a prefix of the ranks and all V of them give the same one.
-    mass = probs.sum(-1, dtype=torch.float64)  # [R] the whole row's
     if bool(topped.any()):
         mass = torch.where(topped, (s.to(torch.float64) * keep).sum(-1), mass)
     s = s / mass.float()[:, None]  # renormalised after top-k (float32)

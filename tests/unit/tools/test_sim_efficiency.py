@@ -57,5 +57,5 @@ def test_the_confirmed_ratio_comes_from_the_second_run_of_the_grid_s_best_mode(
     assert row["confirm_auto_over_best"] == pytest.approx(1.38 / 1.40)
     low, high = row["confirm_auto_over_best_90"]
     assert low == pytest.approx(138 / 140) and high == pytest.approx(138 / 140)  # every prompt alike
-    assert row["confirm_auto_over_target_only"] == pytest.approx(1.38)
+    assert row["confirm_auto_speedup"] == pytest.approx(1.38)
     assert row["auto_over_best_fixed"] == pytest.approx(0.9)  # the grid's own figure stays beside it

@@ -71,18 +71,14 @@ def _mix_int(z: int) -> int:
     return z ^ (z >> 31)
 
 
-def splitmix_uniforms(h: np.ndarray, count: int) -> np.ndarray:
-    """[R] uint64 states -> [R, count] float64 uniforms in (0, 1), slot j = mix(h ^ (j + 1) * 3G)."""
-    return _uniforms(h, _slots(count))
-
-
 def _slots(count: int) -> np.ndarray:
     """[count] uint64: splitmix_uniforms' slot salts (j + 1) * 3G."""
     return np.array([(j + 1) * 3 * _G & _MASK for j in range(count)], dtype=np.uint64)
 
 
-def _uniforms(h: np.ndarray, slots: np.ndarray) -> np.ndarray:
-    """splitmix_uniforms with the slot salts [count] given."""
+def splitmix_uniforms(h: np.ndarray, slots: np.ndarray) -> np.ndarray:
+    """[R] uint64 states, [count] slot salts (_slots) -> [R, count] float64 uniforms in (0, 1),
+    slot j = mix(h ^ (j + 1) * 3G)."""
     bits = mix64(h[:, None] ^ slots[None, :])
     return ((bits >> np.uint64(11)).astype(np.float64) + 0.5) * (1.0 / (1 << 53))
 
@@ -147,10 +143,6 @@ class SimLM:
 
     # ---- the function --------------------------------------------------------
 
-    def context_hashes(self, contexts: Sequence[Sequence[int]], role: int) -> np.ndarray:
-        """[R] uint64: hash of (seed, role, the last context_tokens ids) of each context."""
-        return self._hashes(self._last_ids(contexts), (role,))
-
     def _last_ids(self, contexts: Sequence[Sequence[int]]) -> np.ndarray:
         """[R, n] uint64: the last n = context_tokens ids of each context, right-aligned, _MISSING where it is shorter."""
         n = self.shape.context_tokens
@@ -158,8 +150,8 @@ class SimLM:
         return np.array([(pad + [int(t) for t in ctx[-n:]])[-n:] for ctx in contexts], dtype=np.uint64)
 
     def _hashes(self, last: np.ndarray, roles: Sequence[int]) -> np.ndarray:
-        """[G R] uint64: context_hashes of the rows of `last` [R, n] for each of G roles, role by role (one chain
-        of array passes for all: a round's few rows took ~8 us per pass and role)."""
+        """[G R] uint64: the hash of (seed, role, the row's ids) of each row of `last` [R, n] for each of G
+        roles, role by role (one chain of array passes for all: a round's few rows took ~8 us per pass and role)."""
         starts = [_mix_int(self.shape.seed + role * _G) for role in roles]  # G chain starts
         if len(roles) == 1:
             h, rows = np.full(last.shape[0], starts[0], dtype=np.uint64), last  # [R], [R, n]
@@ -177,7 +169,7 @@ class SimLM:
         """components of each role for the contexts' last ids [R, n], worked out for all roles in one pass
         (each number is elementwise in its row and role: the same as one role at a time)."""
         V, R = self.shape.vocab_size, last.shape[0]
-        u = _uniforms(self._hashes(last, roles), self._slots)  # [G R, head + 2]
+        u = splitmix_uniforms(self._hashes(last, roles), self._slots)  # [G R, head + 2]
         offset = np.floor(u[:, 0] * V).astype(np.int64)  # [G R]
         z = math.sqrt(2.0) * torch.erfinv(torch.from_numpy(2.0 * u[:, 1] - 1.0))  # [G R] standard normal
         beta = (self.shape.sharpness * torch.exp(self.shape.sharpness_spread * z)).float()  # [G R]

@@ -15,13 +15,14 @@ import statistics
 import threading
 import time
 
+import numpy as np
 import pytest
 import torch
 
 from specd.core.draft.model_drafter import ModelDrafter
 from specd.core.errors import InvalidArgument
 from specd.core.model.sim import CostModel, SimLM, SimRunner, SimShape, list_profiles, load_profile, parse_sim_spec
-from specd.core.model.sim.lm import DRAFT_NOISE_ROLE, TARGET_ROLE
+from specd.core.model.sim.lm import DRAFT_NOISE_ROLE, TARGET_ROLE, mix64
 from specd.core.rounds.steps import ProposeRequest, VerifyRequest
 from specd.core.sampling.sampler import SamplingParams
 from specd.core.target.verifier import Verifier
@@ -158,13 +159,33 @@ def test_draft_agreement_one_is_the_target():
     assert torch.equal(lm.logits(contexts), q.logits(contexts))
 
 
+GOLDEN = 0x9E3779B97F4A7C15  # splitmix64's increment (the module docstring's chain)
+MISSING = 0xFFFF_FFFF_FFFF_FFF1  # a position before the context's first token
+
+
+def _mix1(z: int) -> int:
+    """mix64 of one integer."""
+    return int(mix64(np.array([z], dtype=np.uint64))[0])
+
+
 def test_a_draft_pass_works_both_roles_out_at_once_bit_for_bit():
     """The draft's logits take both roles' components in one pass: each row and role as it is alone."""
     lm = SimLM(SMALL, 0.6)
     rng = random.Random(3)
     contexts = [[rng.randrange(1000) for _ in range(n)] for n in (0, 1, 2, 3, 7)]
-    together = lm._components(lm._last_ids(contexts), (TARGET_ROLE, DRAFT_NOISE_ROLE))
-    for role, parts in zip((TARGET_ROLE, DRAFT_NOISE_ROLE), together):
+    roles = (TARGET_ROLE, DRAFT_NOISE_ROLE)
+    last = lm._last_ids(contexts)
+    # The hashes against the module docstring's chain, one context and role at a time, element by element.
+    hashes = lm._hashes(last, roles)
+    for g, role in enumerate(roles):
+        for r, ctx in enumerate(contexts):
+            ids = [MISSING] * max(0, SMALL.context_tokens - len(ctx)) + ctx[-SMALL.context_tokens :]
+            h = _mix1((SMALL.seed + role * GOLDEN) % 2**64)
+            for j, t in enumerate(ids):
+                h = _mix1(h ^ ((t + (j + 1) * GOLDEN) % 2**64))
+            assert int(hashes[g * len(contexts) + r]) == h, (role, ctx)
+    together = lm._components(last, roles)
+    for role, parts in zip(roles, together):
         for r, ctx in enumerate(contexts):
             alone = lm.components([ctx], role)
             assert all(torch.equal(a[0], b[r]) for a, b in zip(alone, parts)), (role, ctx)

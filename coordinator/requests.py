@@ -17,6 +17,7 @@ from transformers import PreTrainedTokenizerBase
 from specd.core.errors import InvalidArgument
 from specd.core.rounds.auto import PIPELINE_AUTO
 from specd.core.rounds.loop import GenerateSpec
+from specd.core.rounds.tree_rounds import TREE_PIPELINES
 from specd.core.sampling.sampler import SamplingParams
 from specd.serving.config import CoordinatorConfig
 from specd.serving.tenancy import tenant_key
@@ -202,7 +203,8 @@ def spec_from_prompt(
 
 
 def _tree_budget(s: common_pb2.SpeculationParams, mode: str, pipeline: str, config: CoordinatorConfig) -> int:
-    """speculation.tree_budget, checked: within --max-tree-budget, with fixed speculation and no pipelining."""
+    """speculation.tree_budget, checked: within --max-tree-budget, with fixed speculation, pipeline off or
+    bonus-match (docs/trees.md)."""
     if not s.tree_budget:
         return 0
     if s.tree_budget > config.max_tree_budget:
@@ -213,6 +215,9 @@ def _tree_budget(s: common_pb2.SpeculationParams, mode: str, pipeline: str, conf
         raise InvalidArgument(
             "speculation.tree_budget needs speculation mode MODE_FIXED (its draft_length is the depth)"
         )
-    if pipeline != "off":
-        raise InvalidArgument("speculation.tree_budget needs pipeline PIPELINE_OFF (or unset): trees are not pipelined")
+    if pipeline not in TREE_PIPELINES:
+        raise InvalidArgument(
+            "speculation.tree_budget needs pipeline PIPELINE_OFF (or unset) or PIPELINE_BONUS_MATCH: "
+            "trees are pipelined by bonus-match only"
+        )
     return s.tree_budget

@@ -99,10 +99,15 @@ def bench(
     return json.loads(out.read_text())["records"]
 
 
+def _is_tree(mode: str) -> bool:
+    """A tree mode's name: tree-N[xD], pipelined-tree-N[xD]."""
+    return mode.startswith(("tree-", "pipelined-tree-"))
+
+
 def _draft_length(mode: str) -> int | None:
     """K of a chain mode's name (fixed-3, speccache-2): None for target-only, auto and trees."""
     head, _, k = mode.rpartition("-")
-    return int(k) if head and not head.startswith("tree") and k.isdigit() else None
+    return int(k) if head and not _is_tree(mode) and k.isdigit() else None
 
 
 def confirm(profile: str, agreement: float, rows: list[dict[str, Any]], args: argparse.Namespace, out: Path) -> None:
@@ -137,8 +142,8 @@ def confirm(profile: str, agreement: float, rows: list[dict[str, Any]], args: ar
 def summarise(profile: str, agreement: float, temperature: float, records: list[dict[str, Any]]) -> dict[str, Any]:
     by_mode = {r["mode"]: r for r in records if r["temperature"] == temperature}
     # every fixed chain: any K, any pipeline (trees are not among auto's arms: compared on their own)
-    fixed = {m: r for m, r in by_mode.items() if m not in ("target-only", "auto") and not m.startswith("tree-")}
-    trees = {m: r for m, r in by_mode.items() if m.startswith("tree-")}
+    fixed = {m: r for m, r in by_mode.items() if m not in ("target-only", "auto") and not _is_tree(m)}
+    trees = {m: r for m, r in by_mode.items() if _is_tree(m)}
     best_mode = max(fixed, key=lambda m: fixed[m]["speedup"])
     best_tree = max(trees, key=lambda m: trees[m]["speedup"]) if trees else None
     plain = [m for m in fixed if m.startswith("fixed-")]
@@ -151,7 +156,7 @@ def summarise(profile: str, agreement: float, temperature: float, records: list[
             "best_tree": best_tree,
             "best_tree_speedup": trees[best_tree]["speedup"],
             "tree_over_best_chain": trees[best_tree]["speedup"] / fixed[best_mode]["speedup"],
-            # the like-for-like: trees run without a pipeline, so against the chains without one
+            # against the chains without a pipeline too (unpipelined trees' like-for-like)
             "best_unpipelined_chain": best_plain,
             "tree_over_unpipelined_chain": trees[best_tree]["speedup"] / fixed[best_plain]["speedup"],
         }

@@ -176,7 +176,8 @@ def _generate(args: argparse.Namespace) -> int:
         cache_salt=args.cache_salt,
         tree_budget=args.tree_budget,
     )
-    if args.tree_budget and not args.no_speculation:  # trees run fixed, unpipelined; depth = draft length
+    # trees run fixed, depth = draft length; --pipeline bonus-match pipelines them (docs/trees.md)
+    if args.tree_budget and not args.no_speculation:
         kwargs.update(speculation="fixed", draft_length=args.draft_length or 4, pipeline=args.pipeline or "off")
     prompt: Prompt = [{"role": "user", "content": args.prompt}] if args.chat else args.prompt
     token = None
@@ -341,7 +342,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--tree-budget",
         type=int,
         default=0,
-        help="tree speculation: trees of at most N nodes, --draft-length levels deep (default 4; docs/trees.md)",
+        help="tree speculation: trees of at most N nodes, --draft-length levels deep (default 4; docs/trees.md); "
+        "pipelined with --pipeline bonus-match",
     )
     gen.add_argument("--no-speculation", action="store_true", help="target-only decoding")
     gen.add_argument(

@@ -1,6 +1,7 @@
 """Exactness on the emulated accelerator: sampled outputs against the emulator's own p (one-sample).
 
-Every pipeline strategy (off, bonus-match, post-verify, spec-cache) runs the round loop
+Every pipeline strategy (off, bonus-match, post-verify, spec-cache), and tree rounds plain and
+pipelined (docs/trees.md), runs the round loop
 with an emulated target and draft (`sim:...`) two ways: in-process (the
 coordinator's own RoundLoop over local ports, specd.core.inprocess) for all
 REQUESTS of a cell, and through the three services as processes for the
@@ -59,6 +60,8 @@ BUCKETS = [(0, 1), (1, 2), (2, 3), (3, 5), (5, 10), (10, 30), (30, None)]  # ran
 PASS_P = 1e-3
 FAIL_P = 1e-6
 STRATEGIES = ["off", "bonus-match", "post-verify", "spec-cache"]
+TREE_STRATEGIES = ["off", "bonus-match"]  # what tree rounds pipeline with
+TREE_BUDGET = 8  # nodes of a tree, 4 levels deep
 SETTINGS = [
     {"temperature": 1.0},
     {"temperature": 0.8, "top_k": 20},
@@ -149,7 +152,12 @@ def prompts():
 
 
 def run(
-    cluster: Cluster, prompts: list[list[int]], strategy: str, speculation: str = "fixed", **sampling
+    cluster: Cluster,
+    prompts: list[list[int]],
+    strategy: str,
+    speculation: str = "fixed",
+    tree_budget: int = 0,
+    **sampling,
 ) -> tuple[list[list[int]], list]:
     def one(i: int):
         with cluster.client() as client:
@@ -160,6 +168,7 @@ def run(
                 speculation=speculation,
                 draft_length=4,
                 pipeline=strategy,
+                tree_budget=tree_budget,
                 **sampling,
             )
 
@@ -168,7 +177,9 @@ def run(
     return [list(r.token_ids) for r in responses], [r.stats for r in responses]
 
 
-def run_in_process(prompts: list[list[int]], strategy: str, **sampling) -> tuple[list[list[int]], list]:
+def run_in_process(
+    prompts: list[list[int]], strategy: str, tree_budget: int = 0, **sampling
+) -> tuple[list[list[int]], list]:
     """The same requests through the coordinator's round loop in this process (fresh emulated runners)."""
     profile = parse_sim_spec(SPEC)
     params = [SamplingParams(seed=1000 + i, **sampling) for i in range(len(prompts))]
@@ -180,13 +191,15 @@ def run_in_process(prompts: list[list[int]], strategy: str, **sampling) -> tuple
         draft_lengths=[4] * len(prompts),
         max_new_tokens=NEW_TOKENS,
         pipeline=strategy,
+        tree_budget=tree_budget,
     )
     return [r.token_ids for r in results], [r.stats for r in results]
 
 
-def check_speculation(outputs: list[list[int]], st: list, strategy: str) -> None:
+def check_speculation(outputs: list[list[int]], st: list, strategy: str, accepted: float = 0.3) -> None:
+    """accepted: the share of draft tokens (a tree's: its nodes) accepted that shows speculation really ran."""
     assert all(len(o) == NEW_TOKENS for o in outputs)
-    assert sum(s.accepted_tokens for s in st) > 0.3 * sum(s.draft_tokens for s in st)  # speculation really ran
+    assert sum(s.accepted_tokens for s in st) > accepted * sum(s.draft_tokens for s in st)
     if strategy != "off":
         assert sum(s.pipeline_hits for s in st) > 0, "the pipeline strategy never hit: it was not exercised"
     if strategy == "spec-cache":  # both kinds of branch were used, not only the all-accepted one
@@ -206,6 +219,20 @@ def test_emitted_tokens_follow_the_emulators_p(cluster, prompts, strategy, setti
     for i, (got, s) in enumerate(zip(served, served_st)):
         assert got == outputs[i], f"request {i}: the services emitted other tokens than the in-process loop ({s})"
     check_p(prompts, outputs, setting, strategy)  # power: the same test rejects these tokens at 1.3x T
+
+
+@pytest.mark.parametrize("strategy", TREE_STRATEGIES)
+@pytest.mark.parametrize("setting", SETTINGS, ids=lambda s: ",".join(f"{k}={v}" for k, v in s.items()))
+def test_tree_rounds_follow_the_emulators_p(cluster, prompts, strategy, setting):
+    """Sampled trees (docs/trees.md), plain and pipelined: a pipelined hit verifies the pre-draft's subtree
+    under the target's own token, chosen by that token; the tokens still follow p, in-process and through
+    the services alike."""
+    outputs, st = run_in_process(prompts, strategy, TREE_BUDGET, **setting)
+    check_speculation(outputs, st, strategy, accepted=0.15)  # a path of <= 4 of 8 nodes
+    served, served_st = run(cluster, prompts[:SERVICE_REQUESTS], strategy, tree_budget=TREE_BUDGET, **setting)
+    for i, (got, s) in enumerate(zip(served, served_st)):
+        assert got == outputs[i], f"request {i}: the services emitted other tokens than the in-process loop ({s})"
+    check_p(prompts, outputs, setting, f"tree {strategy}")
 
 
 def check_p(prompts: list[list[int]], outputs: list[list[int]], setting: dict, what: str) -> None:
@@ -239,6 +266,21 @@ def test_greedy_is_the_argmax_chain_of_p(cluster, prompts, strategy):
     if strategy == "spec-cache":
         outcomes = {o for s in st for o in s.pipeline_hits_by_outcome}
         assert "4:bonus" in outcomes and any(o.endswith(":recovered") for o in outcomes), outcomes
+    lm = SimLM(parse_sim_spec(SPEC).shape)
+    for prompt, out in zip(some, outputs):
+        chain: list[int] = []
+        for _ in range(NEW_TOKENS):
+            chain.append(int(lm.logits([prompt + chain])[0].argmax()))
+        assert out == chain
+
+
+@pytest.mark.parametrize("strategy", TREE_STRATEGIES)
+def test_greedy_trees_are_the_argmax_chain_of_p(cluster, prompts, strategy):
+    some = prompts[:16]
+    outputs, st = run(cluster, some, strategy, tree_budget=TREE_BUDGET, temperature=0.0)
+    assert sum(s.accepted_tokens for s in st) > 0
+    if strategy != "off":
+        assert sum(s.pipeline_hits for s in st) > 0, "the pipelined trees never hit: it was not exercised"
     lm = SimLM(parse_sim_spec(SPEC).shape)
     for prompt, out in zip(some, outputs):
         chain: list[int] = []

@@ -548,8 +548,9 @@ TREE = dict(speculation="fixed", draft_length=4, tree_budget=8)  # trees of 8 no
 
 
 def test_tp_services_give_tp1_tokens_chains_and_trees(tp_cluster: Cluster, tiny_pair: tuple[Path, Path]) -> None:
-    """Seven requests at once, so the tensor-parallel target batches them (forward_batch and tree_batch
-    on every rank): chains and trees, greedy (target-only's tokens) and seeded (the in-process loop's)."""
+    """Eight requests at once, so the tensor-parallel target batches them (forward_batch and tree_batch
+    on every rank): chains and trees (plain and pipelined), greedy (target-only's tokens) and seeded (the
+    in-process loop's)."""
     target, draft = _served_model(tp_cluster), tiny_pair[1]
     calls = []
     n = 16  # tokens per request (~n rounds: the draft rarely hits); a tp=3 round costs ~2x a tp=2 one on 2 cores
@@ -579,6 +580,7 @@ def test_tp_services_give_tp1_tokens_chains_and_trees(tp_cluster: Cluster, tiny_
     ids = _ids(target, PROMPTS[1])
     want = reference(target, None, ids, SamplingParams(temperature=0), max_new_tokens=12)
     calls.append((ids, dict(max_new_tokens=12, temperature=0, **TREE), want))
+    calls.append((ids, dict(max_new_tokens=12, temperature=0, pipeline="bonus-match", **TREE), want))  # pipelined
     ids, params = _ids(target, PROMPTS[3]), SamplingParams(temperature=0.9, top_k=40, seed=7)
     want = reference(target, draft, ids, params, max_new_tokens=n, draft_length=4, tree_budget=8)
     calls.append((ids, dict(max_new_tokens=n, temperature=0.9, top_k=40, seed=7, **TREE), want))

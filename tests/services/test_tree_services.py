@@ -47,7 +47,7 @@ def test_greedy_and_seeded_trees_through_the_services(tiny_cluster: Cluster, tin
     [
         (dict(tree_budget=10_000, speculation="fixed"), "tree_budget must be in 0..32"),
         (dict(tree_budget=8, speculation="auto"), "MODE_FIXED"),
-        (dict(tree_budget=8, speculation="fixed", pipeline="bonus-match"), "PIPELINE_OFF"),
+        (dict(tree_budget=8, speculation="fixed", pipeline="spec-cache"), "PIPELINE_BONUS_MATCH"),
     ],
 )
 def test_malformed_tree_requests_get_invalid_argument(tiny_cluster: Cluster, options, needle) -> None:
@@ -62,17 +62,19 @@ def test_specd_generate_tree_budget(tiny_cluster: Cluster, tiny_pair: tuple[Path
     """`specd generate --tree-budget N`: tree rounds (fixed, draft length 4), target-only's greedy text."""
     target, _ = tiny_pair
     args = ["generate", "--address", tiny_cluster.address, "--max-new-tokens", "12", "--temperature", "0"]
-    assert cli.main([*args, "--ignore-eos", "--json", "--tree-budget", "6", PROMPTS[0]]) == 0
-    out = json.loads(capsys.readouterr().out)
     ref = reference(target, None, prompt_ids(target, PROMPTS[0]), SamplingParams(temperature=0), max_new_tokens=12)
-    assert out["token_ids"] == ref.token_ids
-    assert out["stats"]["draft_tokens"] > out["stats"]["drafts"]  # trees: several nodes per drafting round
+    for more in ([], ["--pipeline", "bonus-match"]):  # plain and pipelined trees (docs/trees.md)
+        assert cli.main([*args, "--ignore-eos", "--json", "--tree-budget", "6", *more, PROMPTS[0]]) == 0
+        out = json.loads(capsys.readouterr().out)
+        assert out["token_ids"] == ref.token_ids
+        assert out["stats"]["draft_tokens"] > out["stats"]["drafts"]  # trees: several nodes per drafting round
 
 
 def test_trees_at_the_limits_are_served_past_them_refused_and_every_service_stays_serving(
     tiny_cluster: Cluster, tiny_pair: tuple[Path, Path]
 ) -> None:
-    """A tree at the node and depth limits (budget 32, depth 16: the defaults) gives target-only's tokens;
+    """A tree at the node and depth limits (budget 32, depth 16: the defaults), plain and pipelined, gives
+    target-only's tokens;
     one node or one level more is refused with INVALID_ARGUMENT (by the coordinator, before any draft
     or target allocates); afterwards all three services still answer SERVING."""
     target, _ = tiny_pair
@@ -80,8 +82,11 @@ def test_trees_at_the_limits_are_served_past_them_refused_and_every_service_stay
     ref = reference(target, None, ids, SamplingParams(temperature=0), max_new_tokens=12)
     limits = dict(speculation="fixed", ignore_eos=True)
     with tiny_cluster.client(timeout=60) as client:
-        got = client.generate(ids, max_new_tokens=12, temperature=0, tree_budget=32, draft_length=16, **limits)
-        assert list(got.token_ids) == ref.token_ids
+        for pipeline in ("off", "bonus-match"):  # pipelined: a pre-draft of 32 nodes, 17 levels
+            got = client.generate(
+                ids, max_new_tokens=12, temperature=0, tree_budget=32, draft_length=16, pipeline=pipeline, **limits
+            )
+            assert list(got.token_ids) == ref.token_ids
         for over, needle in (
             (dict(tree_budget=33, draft_length=4), "tree_budget must be in 0..32"),
             (dict(tree_budget=8, draft_length=17), "draft_length must be in 1..16"),

@@ -109,18 +109,26 @@ class DraftSession:
         return await self._call(committed, pending, send, timeout=timeout, carrier=carrier)
 
     async def propose_tree(
-        self, committed: Sequence[int], budget: int, depth: int, *, timeout: float, carrier: Carrier
+        self,
+        committed: Sequence[int],
+        budget: int,
+        depth: int,
+        *,
+        timeout: float,
+        carrier: Carrier,
+        extension: Sequence[int] = (),
     ) -> DraftTree:
-        """A tree of at most `budget` nodes, `depth` levels after `committed`; the draft then holds `committed`."""
+        """A tree of at most `budget` nodes, `depth` levels after committed + extension (a pipelined tree's
+        assumed path); the draft then holds committed + extension (a tree's nodes do not join it)."""
 
         async def send(start: int, prefix: list[int]) -> tuple[DraftTree, list[int]]:
             request = steps.TreeProposeRequest(self.session_id, len(prefix), start, prefix[start:], budget, depth)
             tree = await self.port.propose_tree(request, timeout=timeout, carrier=carrier)
             if len(tree) > budget or tree.depth > depth:
                 raise Unavailable(f"draft sent a tree of {len(tree)} nodes, {tree.depth} deep, for {budget}, {depth}")
-            return tree, []
+            return tree, list(extension)
 
-        return await self._call(committed, (), send, timeout=timeout, carrier=carrier)
+        return await self._call(committed, extension, send, timeout=timeout, carrier=carrier)
 
     async def _call(
         self,

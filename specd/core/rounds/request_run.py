@@ -151,7 +151,7 @@ class RequestRun:
             check_tree_request(spec.tree_budget, spec.speculation, spec.pipeline, spec.draft_length)
             self._tree = TreeRounds(
                 self.generation, spec.tree_budget, spec.draft_length, self._target, self._draft,
-                loop.draft_usable, self._draft_call, self._target_retry, stop, deadline,
+                loop.draft_usable, self._draft_call, self._target_retry, stop, deadline, spec.pipeline,
             )  # fmt: skip
 
     @property

@@ -213,6 +213,38 @@ class DraftTree:
             prev = node
         return True
 
+    def first_path(self) -> list[int]:
+        """Node indices from the prefix down each node's first child (drafters put their likeliest child
+        first: the model drafter's greedy chain, the suffix drafter's best match); [] when empty."""
+        out: list[int] = []
+        kids = self.children[0]
+        while kids:
+            out.append(kids[0])
+            kids = self.children[kids[0] + 1]
+        return out
+
+    def subtree(self, root: int, max_nodes: int, max_depth: int) -> DraftTree:
+        """The tree under node `root`, re-rooted at the prefix that ends with root's token: root's
+        children become the prefix's, each kept node keeps its q row (as arrays or as it came from the
+        wire). The first `max_nodes` of them in node order within `max_depth` levels (a prefix of a
+        topological order within a depth keeps every kept node's parent)."""
+        index = {root: -1}  # old node -> new index (root: the prefix)
+        base = self.depths[root]
+        kept: list[int] = []
+        for i in range(root + 1, len(self)):
+            p = self.parents[i]
+            if p in index and len(kept) < max_nodes and self.depths[i] - base <= max_depth:
+                index[i] = len(kept)
+                kept.append(i)
+        rows = torch.tensor(kept, dtype=torch.int64)
+        return DraftTree(
+            tuple(self.token_ids[i] for i in kept),
+            tuple(index[self.parents[i]] for i in kept),
+            None if self.q_ids is None else self.q_ids[rows],
+            None if self.q_probs is None else self.q_probs[rows],
+            None if self.wire_q is None else tuple(self.wire_q[i] for i in kept),
+        )
+
     def ancestor_mask(self, device: torch.device | str | None = None) -> Tensor:
         """[N, N] bool: [i, j] iff node j is node i or one of its ancestors (what node i attends to)."""
         mask = self._ancestors

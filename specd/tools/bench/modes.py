@@ -60,19 +60,24 @@ SERVICE_FAMILIES: dict[str, Callable[[int], dict[str, Any]]] = {
 }
 
 # Tree speculation (docs/trees.md): tree-N drafts trees of at most N nodes, min(N, the largest
-# --draft-lengths K) levels deep (like for like with fixed-K: the same depth, wider), fixed, no pipelining.
+# --draft-lengths K) levels deep (like for like with fixed-K: the same depth, wider), fixed, no pipelining;
+# pipelined-tree-N[xD] the same trees pipelined by bonus-match (docs/trees.md, "Pipelined trees").
 TREE = "tree"
+PIPELINED_TREE = "pipelined-tree"
 
 
-_TREE_NAME = re.compile(rf"{TREE}(?:-(\d+)(?:x(\d+))?)?")  # tree-N, or tree-NxD: N nodes, D levels
+# tree-N, or tree-NxD: N nodes, D levels; pipelined-tree-N[xD] likewise
+_TREE_NAME = re.compile(rf"({PIPELINED_TREE}|{TREE})(?:-(\d+)(?:x(\d+))?)?")
 
 
-def tree_mode(budget: int, draft_lengths: Sequence[int], depth: int | None = None) -> Mode:
+def tree_mode(budget: int, draft_lengths: Sequence[int], depth: int | None = None, pipelined: bool = False) -> Mode:
     """tree-N: min(N, the largest K) levels deep; tree-NxD: D levels (a shallow, wide tree where a
-    draft pass costs more than a level is likely to return)."""
+    draft pass costs more than a level is likely to return). pipelined: the next tree is grown during
+    the verify (bonus-match)."""
     levels = depth if depth is not None else max(1, min(budget, max(draft_lengths, default=4)))
-    request = {"speculation": "fixed", "draft_length": levels, "tree_budget": budget, "pipeline": False}
-    name = f"{TREE}-{budget}" if depth is None else f"{TREE}-{budget}x{depth}"
+    request = {"speculation": "fixed", "draft_length": levels, "tree_budget": budget, "pipeline": pipelined}
+    family = PIPELINED_TREE if pipelined else TREE
+    name = f"{family}-{budget}" if depth is None else f"{family}-{budget}x{depth}"
     return Mode(name, RUNNER_SERVICE, request)  # draft_length None: S(K) is a chain's theory
 
 
@@ -141,10 +146,10 @@ def _expand_mode(raw: str, draft_lengths: Sequence[int]) -> list[Mode]:
         return [Mode(raw, RUNNER_HF, {"assistant": False})]
     tree = _TREE_NAME.fullmatch(raw)
     if tree is not None:
-        budget, depth = int(tree.group(1) or 0), None if tree.group(2) is None else int(tree.group(2))
+        budget, depth = int(tree.group(2) or 0), None if tree.group(3) is None else int(tree.group(3))
         if budget < 1 or depth == 0:
             raise ValueError(f"mode {raw!r}: a tree needs a node budget and a depth >= 1, e.g. tree-16 or tree-16x2")
-        return [tree_mode(budget, draft_lengths, depth)]
+        return [tree_mode(budget, draft_lengths, depth, pipelined=tree.group(1) == PIPELINED_TREE)]
     family, _, k_text = raw.rpartition("-") if raw.rpartition("-")[2].isdigit() else (raw, "", "")
     ks = [int(k_text)] if k_text else list(draft_lengths)
     if family in SERVICE_FAMILIES:
@@ -158,6 +163,7 @@ def _expand_mode(raw: str, draft_lengths: Sequence[int]) -> list[Mode]:
             *SERVICE_MODES,
             *(f"{f}[-K]" for f in SERVICE_FAMILIES),
             f"{TREE}-N[xD]",
+            f"{PIPELINED_TREE}-N[xD]",
             "hf[-K]",
             f"{HF_LOOKUP}[-K]",
             HF_DEFAULT,

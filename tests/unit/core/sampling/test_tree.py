@@ -43,6 +43,21 @@ def test_structure_helpers():
     assert empty.depth == 0 and empty.paths() == [] and empty.children == ((),)
 
 
+def test_first_path_and_subtree_keep_q_and_a_closed_prefix():
+    q = [([t, t + 1], [3.0, 1.0]) for t in TOKENS]
+    t = DraftTree.from_wire(TOKENS, PARENTS, q, 20)
+    assert t.first_path() == [0, 2, 5] and DraftTree.from_wire([], [], [], 20).first_path() == []
+    under0 = t.subtree(0, max_nodes=8, max_depth=8)  # nodes 2, 3, 5 re-rooted at the prefix + token 10
+    assert under0.token_ids == (12, 13, 15) and under0.parents == (-1, -1, 0)
+    assert under0.q_ids is not None and under0.q_ids[:, 0].tolist() == [12, 13, 15]
+    assert under0.q_probs is not None and under0.q_probs[:, 0].tolist() == [3.0, 3.0, 3.0]
+    assert t.subtree(0, max_nodes=2, max_depth=8).token_ids == (12, 13)  # the first nodes in node order
+    assert t.subtree(0, max_nodes=8, max_depth=1).token_ids == (12, 13)  # one level under node 0
+    assert t.subtree(1, max_nodes=8, max_depth=8).parents == (-1,) and len(t.subtree(5, 8, 8)) == 0
+    relayed = DraftTree(t.token_ids, t.parents, wire_q=tuple(f"row{i}" for i in range(6)))
+    assert relayed.subtree(0, 8, 8).wire_q == ("row2", "row3", "row5")  # relayed rows follow their nodes
+
+
 def test_batch_ranks_and_children_table_with_holes():
     a = DraftTree.from_wire(TOKENS, PARENTS, [], 20)
     b = DraftTree.from_wire([7, 8], [-1, -1], [], 20)

@@ -74,7 +74,8 @@ def test_no_draft_tree_rounds_are_target_only() -> None:
 def test_the_loop_refuses_tree_requests_it_does_not_run() -> None:
     for kw, match in (
         ({"speculation": "auto"}, "speculation 'fixed'"),
-        ({"pipeline": "bonus-match"}, "pipeline 'off'"),
+        ({"pipeline": "spec-cache"}, "pipeline 'off' or 'bonus-match'"),
+        ({"pipeline": "post-verify"}, "pipeline 'off' or 'bonus-match'"),
         ({"draft_length": 0}, "depth"),
     ):
         with pytest.raises(InvalidArgument, match=match):
@@ -82,6 +83,46 @@ def test_the_loop_refuses_tree_requests_it_does_not_run() -> None:
     # speculation off: the budget is moot, target-only rounds
     r, _, _ = run(spec(8, speculation="off", tree_budget=4), FakeTarget(), FakeDraft())
     assert r.generation.generated == expected(8)
+
+
+def test_pipelined_tree_rounds_verify_the_subtree_of_a_hit_and_stay_exact() -> None:
+    """pipeline bonus-match: beside each verify the draft grows the next tree after the tree's first path
+    (the fake's chain) with one more level; a verdict that accepts that path with one of its guesses as
+    the bonus verifies the subtree under that guess, with no draft call. Every other round drafts afresh
+    for its own prefix: the draft rolled back from the path the verdict rejected."""
+    target, draft = FakeTarget(), FakeDraft()
+    budget = 6
+    r, records, _ = run(spec(80, draft_length=3, tree_budget=budget, pipeline="bonus-match"), target, draft)
+    assert r.generation.generated == expected(80)
+    check_records(r, records)
+    hits = [rec for rec in records if rec.pipeline_hit is not None]
+    assert 0 < len(hits) < len(records) and r.stats.pipeline_hits == len(hits)
+    assert all(rec.draft_ms == 0.0 for rec in hits)
+    assert records[0].pipeline_launched == 1
+    pre_drafts = {tuple(p): i for i, p in enumerate(draft.prefixes)}
+    for rec, (prefix, tree) in zip(records, target.trees):
+        assert len(prefix) == len(PROMPT) + sum(len(x.committed) for x in records[: rec.index])
+        if rec.pipeline_hit is None:  # drafted for exactly its prefix
+            assert tree.token_ids == fake_tree(prefix, budget, rec.draft_length, draft_next).token_ids
+            continue
+        # the pre-draft after the previous tree's first path: 3 budgets, one level more; the subtree
+        # under the guess that was the bonus
+        assert tuple(prefix[:-1]) in pre_drafts
+        grown = fake_tree(prefix[:-1], 3 * budget, rec.draft_length + 1, draft_next)
+        guess = next(i for i in grown.children[0] if grown.token_ids[i] == prefix[-1])
+        assert tree.token_ids == grown.subtree(guess, budget, rec.draft_length).token_ids
+        assert rec.pipeline_hit.kind.value == "bonus" and rec.pipeline_hit.accepted == records[rec.index - 1].accepted
+
+
+def test_a_failing_pre_draft_misses_and_stays_exact() -> None:
+    watch = Watch()
+    draft = FakeDraft(Script(fail=fail(2)))  # call 2 is the first round's pre-draft
+    spec_ = spec(40, draft_length=3, tree_budget=6, pipeline="bonus-match")
+    r, records, _ = run(spec_, FakeTarget(), draft, watch=watch)
+    assert r.generation.generated == expected(40)
+    assert any("draft failed" in m for m, _ in watch.events)
+    # no retry pause here (draft_retry_s 0): the next round drafts afresh, for its own prefix
+    assert records[1].pipeline_hit is None and records[1].draft_token_ids and records[1].target_only is None
 
 
 def test_fake_tree_is_the_chain_plus_siblings() -> None:

@@ -221,8 +221,16 @@ def test_emitted_tokens_follow_the_emulators_p(cluster, prompts, strategy, setti
     check_p(prompts, outputs, setting, strategy)  # power: the same test rejects these tokens at 1.3x T
 
 
-@pytest.mark.parametrize("strategy", TREE_STRATEGIES)
-@pytest.mark.parametrize("setting", SETTINGS, ids=lambda s: ",".join(f"{k}={v}" for k, v in s.items()))
+# Pipelined trees in every setting; plain sampled trees at T = 1 (tests/slow/test_tree_stats.py has their
+# joint cells, top-k and top-p among them).
+TREE_CELLS = [("bonus-match", setting) for setting in SETTINGS] + [("off", SETTINGS[0])]
+
+
+@pytest.mark.parametrize(
+    "strategy, setting",
+    TREE_CELLS,
+    ids=lambda x: x if isinstance(x, str) else ",".join(f"{k}={v}" for k, v in x.items()),
+)
 def test_tree_rounds_follow_the_emulators_p(cluster, prompts, strategy, setting):
     """Sampled trees (docs/trees.md), plain and pipelined: a pipelined hit verifies the pre-draft's subtree
     under the target's own token, chosen by that token; the tokens still follow p, in-process and through

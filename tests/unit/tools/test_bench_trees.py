@@ -19,6 +19,13 @@ def test_tree_modes_name_their_budget_and_take_the_fixed_modes_depth() -> None:
     shallow = parse_modes("tree-16x2", [4])[1]  # tree-NxD: N nodes, D levels whatever the Ks
     assert shallow.name == "tree-16x2" and shallow.request["draft_length"] == 2
     assert shallow.request["tree_budget"] == 16
+    piped = {m.name: m for m in parse_modes("pipelined-tree-16x2,pipelined-tree-8", [3])}
+    assert piped["pipelined-tree-16x2"].request == {
+        "speculation": "fixed", "draft_length": 2, "tree_budget": 16, "pipeline": True,
+    }  # fmt: skip
+    assert piped["pipelined-tree-8"].request["draft_length"] == 3 and piped["pipelined-tree-8"].draft_length is None
+    with pytest.raises(ValueError, match="node budget"):
+        parse_modes("pipelined-tree-0", [4])
 
 
 def test_a_tree_record_counts_nodes_as_draft_tokens_and_acceptance_per_depth() -> None:

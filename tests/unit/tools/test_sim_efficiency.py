@@ -25,7 +25,8 @@ def record(mode: str, temperature: float, speedup: float, rates: list[float]) ->
 
 def test_draft_lengths_come_from_chain_modes_only(efficiency: ModuleType) -> None:
     assert [efficiency._draft_length(m) for m in ("fixed-3", "speccache-2", "postverify-4")] == [3, 2, 4]
-    assert [efficiency._draft_length(m) for m in ("target-only", "auto", "tree-16", "tree-16x2")] == [None] * 4
+    trees = ("tree-16", "tree-16x2", "pipelined-tree-16", "pipelined-tree-8x2")
+    assert [efficiency._draft_length(m) for m in ("target-only", "auto", *trees)] == [None] * 6
 
 
 def test_the_confirmed_ratio_comes_from_the_second_run_of_the_grid_s_best_mode(

@@ -45,6 +45,7 @@ from typing import TypeVar
 
 from specd.core.errors import InvalidArgument
 from specd.core.rounds.generation import FinishReason, Generation
+from specd.core.rounds.pipeline import BonusMatch, Off
 from specd.core.rounds.port_sessions import DraftSession, TargetSession
 from specd.core.rounds.ports import Carrier
 from specd.core.rounds.record import PipelineHit, RoundRecord, TargetOnly, TokenKind
@@ -53,7 +54,7 @@ from specd.core.sampling.tree import DraftTree
 
 T = TypeVar("T")
 EMPTY_TREE = DraftTree((), ())
-TREE_PIPELINES = ("off", "bonus-match")  # what a tree request may pipeline with
+TREE_PIPELINES = (Off.name, BonusMatch.name)  # what a tree request may pipeline with
 # A pre-draft's node budget, in budgets: the bonus guesses and their subtrees share it, and the hit's
 # subtree keeps at most one budget of it; never more nodes than a draft service takes by default in one
 # tree call (its --max-draft-tokens, 32), nor fewer than the request's budget.
@@ -112,7 +113,7 @@ class TreeRounds:
         on_retry: Callable[[BaseException], None],
         stop: StopCheck | None = None,
         deadline: float = math.inf,
-        pipeline: str = "off",
+        pipeline: str = Off.name,
     ) -> None:
         self.generation = generation
         self.budget = budget  # nodes per tree at most
@@ -194,7 +195,7 @@ class TreeRounds:
     def _pre_draft(self, committed: Sequence[int], tree: DraftTree, carrier: Carrier) -> _PreDraft | None:
         """The next tree, grown beside the verify after `tree`'s first path and a guess of its bonus;
         None without a pipeline, a tree, or a next round that drafts."""
-        if self.pipeline == "off" or not len(tree) or self._draft is None:
+        if self.pipeline == Off.name or not len(tree) or self._draft is None:
             return None
         path = tree.first_path()
         levels = self.generation.draft_budget(self.depth, after=len(path) + 1)

@@ -236,12 +236,15 @@ class DraftTree:
             if p in index and len(kept) < max_nodes and self.depths[i] - base <= max_depth:
                 index[i] = len(kept)
                 kept.append(i)
-        rows = torch.tensor(kept, dtype=torch.int64)
+        q_ids = q_probs = None
+        if self.q_ids is not None and self.q_probs is not None:  # greedy trees have none: no index tensor
+            rows = torch.tensor(kept, dtype=torch.int64)
+            q_ids, q_probs = self.q_ids[rows], self.q_probs[rows]
         return DraftTree(
             tuple(self.token_ids[i] for i in kept),
             tuple(index[self.parents[i]] for i in kept),
-            None if self.q_ids is None else self.q_ids[rows],
-            None if self.q_probs is None else self.q_probs[rows],
+            q_ids,
+            q_probs,
             None if self.wire_q is None else tuple(self.wire_q[i] for i in kept),
         )
 
